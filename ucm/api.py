@@ -1,0 +1,110 @@
+"""The store's interface (UCM V1 shape), shared by the in-process store and the daemon client.
+
+The connector codes against `KVStore`; `ucm.store.Store` (embedded) and `ucm.client.StoreClient`
+(daemon) both implement it. Payloads are opaque bytes to the store: one buffer per (block, layer),
+holding that layer's K then V for the block's tokens, laid out by the caller.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ucm.keys import BlockKey
+
+
+class Tier(enum.Enum):
+    DRAM = "dram"
+    DISK = "disk"
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """What the caller knows about a block: a hit is served only if parent and token ids match too."""
+
+    key: BlockKey
+    parent: BlockKey
+    token_ids: tuple[int, ...]
+
+
+class TaskStatus(enum.Enum):
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class StoreTask(Protocol):
+    """An asynchronous dump or load."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until finished; True only if every block succeeded."""
+        ...
+
+    def check(self) -> TaskStatus:
+        """Non-blocking status."""
+        ...
+
+    @property
+    def failed_blocks(self) -> list[int]:
+        """Indices (into the task's block list) that failed: missing, corrupt, mismatched or I/O error."""
+        ...
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_used: int = 0
+    capacity_bytes: int = 0
+    blocks: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
+@dataclass
+class StoreStats:
+    tiers: dict[Tier, TierStats] = field(default_factory=dict)
+    lookups: int = 0
+    lookup_hit_blocks: int = 0
+    lookup_blocks: int = 0
+    corrupt_dropped: int = 0
+    pending_blocks: int = 0
+
+
+class KVStore(Protocol):
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """Length of the prefix of `keys` that is committed in some tier."""
+        ...
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+
+    def dump(
+        self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]
+    ) -> StoreTask:
+        """Write one layer's payload for each block; invisible to lookups until `commit`."""
+        ...
+
+    def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:
+        """Publish blocks whose every layer was dumped (ok=True), or discard them (ok=False)."""
+        ...
+
+    def load(
+        self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]
+    ) -> StoreTask:
+        """Copy the payload of `layers[j]` of `blocks[i]` into `dst[i][j]`; pins blocks until done."""
+        ...
+
+    def prefetch(self, keys: Sequence[BlockKey]) -> None:
+        """Hint: promote these blocks from disk to DRAM."""
+        ...
+
+    def remove(self, keys: Sequence[BlockKey]) -> None: ...
+
+    def stats(self) -> StoreStats: ...
+
+    def close(self) -> None: ...
