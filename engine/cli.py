@@ -1,0 +1,45 @@
+"""`ucm-serve` entry point: dispatches a subcommand to the package that owns it.
+
+Each subcommand module parses its own arguments (one argparse per entry point) and is imported only
+when chosen, so `ucm-serve router` never imports torch and `ucm-serve store` never loads a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, function taking argv, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "generate": ("engine.generate_cli", "main", "generate text offline on one engine, streaming to stdout"),
+    "store": ("ucm.daemon_cli", "main", "run the standalone KV-store daemon"),
+    "store-stats": ("ucm.daemon_cli", "stats_main", "print a running store daemon's live stats"),
+    "prefill": ("prefill_node.cli", "main", "run a prefill node (KV producer)"),
+    "decode": ("decode_node.cli", "main", "run a decode node (KV consumer)"),
+    "router": ("router.cli", "main", "run the OpenAI-compatible HTTP router"),
+    "up": ("router.launcher", "main", "start store, prefill and decode nodes and the router on this machine"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: ucm-serve <command> [options]", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, _, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"ucm-serve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name, _ = SUBCOMMANDS[name]
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
