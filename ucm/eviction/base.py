@@ -40,3 +40,20 @@ class EvictionPolicy(Protocol):
     def evict(self, can_evict: Callable[[Hashable], bool]) -> Hashable | None:
         """Choose a victim among evictable keys, stop tracking it and return it; None if none is evictable."""
         ...
+
+
+# --- Helpers shared by the policies (additive to the interface above) ---------------------------------
+
+
+def check_capacity(capacity_bytes: int) -> int:
+    """Validate a policy's byte capacity (what the tier will hold at most)."""
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+        raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+    return capacity_bytes
+
+
+def check_size(size: int) -> int:
+    """Validate one block's byte size."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"block size must be a non-negative int, got {size!r}")
+    return size
