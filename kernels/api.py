@@ -1,0 +1,183 @@
+"""The kernel entry points the engine and connector call; each picks Triton or torch per call from the device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.backend import AttentionBackend, select_backend
+from kernels.reference import (
+    copy_blocks_torch,
+    decode_attention_torch,
+    gather_blocks_torch,
+    prefill_attention_torch,
+    scatter_blocks_torch,
+    write_kv_torch,
+)
+
+if TYPE_CHECKING:
+    from engine.attention_metadata import AttentionMetadata
+
+
+def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} {v_cache.dtype} differ"
+        )
+
+
+def _check_query(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    hq, d = q.shape[1], q.shape[2]
+    hkv, dk = k_cache.shape[2], k_cache.shape[3]
+    if d != dk:
+        raise ValueError(f"q head_dim {d} != cache head_dim {dk}")
+    if hq % hkv != 0:
+        raise ValueError(f"num query heads {hq} must be a multiple of num kv heads {hkv}")
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store key/value [T, Hkv, D] into the paged caches at slot_mapping [T] (block * block_size + offset; -1 skips)."""
+    _check_cache_pair(k_cache, v_cache)
+    if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} must both be [T, {k_cache.shape[2]}, {k_cache.shape[3]}]"
+        )
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if select_backend(key.device) is AttentionBackend.TRITON:
+        from kernels.triton_write_kv import write_kv_triton
+
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence: q [B, Hq, D] over seq_lens[b] cached tokens -> [B, Hq, D].
+
+    max_seq_len (optional, additive to the team API) saves a device sync when the caller knows it.
+    """
+    _check_cache_pair(k_cache, v_cache)
+    _check_query(q, k_cache)
+    if seq_lens.shape != (q.shape[0],) or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"decode batch mismatch: q {tuple(q.shape)}, seq_lens {tuple(seq_lens.shape)}, "
+            f"block_tables {tuple(block_tables.shape)}"
+        )
+    if select_backend(q.device) is AttentionBackend.TRITON:
+        from kernels.triton_decode_attention import decode_attention_triton
+
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+    return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Packed varlen causal attention: q [T, Hq, D]; each sequence's new tokens are the last of its seq_lens."""
+    _check_cache_pair(k_cache, v_cache)
+    _check_query(q, k_cache)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"prefill batch mismatch: query_start_loc {tuple(query_start_loc.shape)}, "
+            f"seq_lens {tuple(seq_lens.shape)}, block_tables {tuple(block_tables.shape)}"
+        )
+    if select_backend(q.device) is AttentionBackend.TRITON:
+        from kernels.triton_prefill_attention import prefill_attention_triton
+
+        return prefill_attention_triton(
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len
+        )
+    return prefill_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a packed step (new K/V already written): decode kernel when every sequence has one new token."""
+    md = attn_metadata
+    if md.is_decode_only and q.shape[0] == md.num_seqs:
+        return decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, md.max_seq_len)
+    return prefill_attention(
+        q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, scale, md.max_query_len
+    )
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy blocks block_ids [n] of one layer's cache [N, bs, H, D] into a new contiguous [n, bs, H, D]."""
+    if cache.dim() != 4:
+        raise ValueError(f"cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(cache.shape)}")
+    if block_ids.dim() != 1:
+        raise ValueError(f"block_ids must be 1-D, got {tuple(block_ids.shape)}")
+    if select_backend(cache.device) is AttentionBackend.TRITON:
+        from kernels.triton_block_transfer import gather_blocks_triton
+
+        return gather_blocks_triton(cache, block_ids)
+    return gather_blocks_torch(cache, block_ids)
+
+
+def scatter_blocks(src: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Write staging src [n, bs, H, D] into cache blocks block_ids [n]."""
+    if cache.dim() != 4 or block_ids.dim() != 1 or src.shape != (block_ids.shape[0], *cache.shape[1:]):
+        raise ValueError(
+            f"scatter_blocks: src {tuple(src.shape)} must be [len(block_ids)={block_ids.shape[0] if block_ids.dim() == 1 else '?'}, "
+            f"{', '.join(str(s) for s in cache.shape[1:])}]"
+        )
+    if select_backend(cache.device) is AttentionBackend.TRITON:
+        from kernels.triton_block_transfer import scatter_blocks_triton
+
+        scatter_blocks_triton(src, cache, block_ids)
+    else:
+        scatter_blocks_torch(src, cache, block_ids)
+
+
+def copy_blocks(
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    src_block_ids: torch.Tensor,
+    dst_block_ids: torch.Tensor,
+) -> None:
+    """Copy-on-write for every layer: block dst[i] <- block src[i]."""
+    if src_block_ids.shape != dst_block_ids.shape or src_block_ids.dim() != 1:
+        raise ValueError(f"src {tuple(src_block_ids.shape)} and dst {tuple(dst_block_ids.shape)} must be equal 1-D")
+    if not kv_caches or src_block_ids.numel() == 0:
+        return
+    for k_cache, v_cache in kv_caches:
+        _check_cache_pair(k_cache, v_cache)
+    if select_backend(kv_caches[0][0].device) is AttentionBackend.TRITON:
+        from kernels.triton_block_copy import copy_blocks_triton
+
+        copy_blocks_triton(kv_caches, src_block_ids, dst_block_ids)
+    else:
+        copy_blocks_torch(kv_caches, src_block_ids, dst_block_ids)

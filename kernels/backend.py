@@ -1,0 +1,46 @@
+"""Which implementation a kernel call runs: the Triton kernels on CUDA, the pure-torch reference elsewhere."""
+
+from __future__ import annotations
+
+import enum
+import os
+
+import torch
+
+ENV_VAR = "UCM_ATTENTION_BACKEND"
+
+
+class AttentionBackend(enum.Enum):
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+def forced_backend() -> AttentionBackend | None:
+    """The backend forced by `UCM_ATTENTION_BACKEND`, or None when unset (read per call: tests flip it)."""
+    raw = os.environ.get(ENV_VAR, "").strip().lower()
+    if not raw:
+        return None
+    try:
+        return AttentionBackend(raw)
+    except ValueError:
+        choices = ", ".join(b.value for b in AttentionBackend)
+        raise ValueError(f"{ENV_VAR}={raw!r} is not one of: {choices}") from None
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    """Pick the backend for tensors on `device`; cheap enough to call on every kernel call."""
+    forced = forced_backend()
+    if forced is AttentionBackend.TORCH:
+        return AttentionBackend.TORCH
+    if forced is AttentionBackend.TRITON:
+        if device.type != "cuda" and not triton_interpreted():
+            raise ValueError(
+                f"{ENV_VAR}=triton needs CUDA tensors (got device {device}); "
+                "on CPU set TRITON_INTERPRET=1 before the first triton import to run the kernels interpreted"
+            )
+        return AttentionBackend.TRITON
+    return AttentionBackend.TRITON if device.type == "cuda" else AttentionBackend.TORCH

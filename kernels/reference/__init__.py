@@ -1,0 +1,17 @@
+"""Pure-torch references: the CPU serving path and the oracle every Triton kernel is tested against."""
+
+from kernels.reference.block_ops import copy_blocks_torch, gather_blocks_torch, scatter_blocks_torch
+from kernels.reference.decode_attention import decode_attention_torch
+from kernels.reference.paged_gather import gather_context
+from kernels.reference.prefill_attention import prefill_attention_torch
+from kernels.reference.write_kv import write_kv_torch
+
+__all__ = [
+    "copy_blocks_torch",
+    "decode_attention_torch",
+    "gather_blocks_torch",
+    "gather_context",
+    "prefill_attention_torch",
+    "scatter_blocks_torch",
+    "write_kv_torch",
+]
