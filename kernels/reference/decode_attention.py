@@ -17,7 +17,11 @@ def decode_attention_torch(
     scale: float,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D]; seq_lens [B] (>= 1) tokens of context each, the query being the last -> out [B, Hq, D]."""
+    """q [B, Hq, D]; seq_lens [B] (>= 1) tokens of context each, the query being the last -> out [B, Hq, D].
+
+    Computes in float32: CPU SDPA with a mask is ~5x slower in bf16 than casting the gathered K/V up, and the
+    upcast also makes this a tighter oracle.
+    """
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     if b == 0:
@@ -25,11 +29,11 @@ def decode_attention_torch(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     num_blocks = -(-max_seq_len // bs)
-    k = gather_context(k_cache, block_tables, num_blocks)  # [B, Hkv, L, D]
-    v = gather_context(v_cache, block_tables, num_blocks)
+    k = gather_context(k_cache, block_tables, num_blocks, torch.float32)  # [B, Hkv, L, D]
+    v = gather_context(v_cache, block_tables, num_blocks, torch.float32)
     positions = torch.arange(num_blocks * bs, device=q.device)
     mask = (positions[None, :] < seq_lens[:, None].to(q.device)).view(b, 1, 1, -1)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=hq != hkv
+        q.unsqueeze(2).float(), k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv
     )
-    return out.squeeze(2)
+    return out.squeeze(2).to(q.dtype)

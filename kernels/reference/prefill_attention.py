@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.reference.decode_attention import decode_attention_torch
 from kernels.reference.paged_gather import gather_context
 
 
@@ -27,10 +28,18 @@ def prefill_attention_torch(
     bs = k_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    # Single-token sequences (decodes mixed into a chunked-prefill step) go through one batched decode call.
+    single = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    if single:
+        rows = torch.tensor([starts[i] for i in single], device=q.device)
+        seqs = torch.tensor(single, device=q.device)
+        out[rows] = decode_attention_torch(
+            q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale, max(lens[i] for i in single)
+        )
     for i, ctx in enumerate(lens):
         lo, hi = starts[i], starts[i + 1]
         n = hi - lo
-        if n == 0:
+        if n == 0 or n == 1:
             continue
         if n > ctx:
             raise ValueError(f"sequence {i}: {n} query tokens but only {ctx} tokens of context")
