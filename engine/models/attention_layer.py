@@ -1,0 +1,53 @@
+"""Self-attention over the paged KV cache: one fused QKV matmul, RoPE on q and k together, GQA."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import paged_attention_forward
+from engine.attention_metadata import AttentionMetadata
+from engine.model_config import ModelConfig
+from engine.models.rope import RotaryEmbedding
+
+
+class PagedSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        # rows: [q | k | v]
+        self.qkv_weight = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, config.hidden_size))
+        self.qkv_bias = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size)) if config.qkv_bias else None
+        self.o_weight = nn.Parameter(torch.empty(config.hidden_size, self.q_size))
+        self.o_bias = nn.Parameter(torch.empty(config.hidden_size)) if config.o_bias else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        kv_connector: Any | None,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        qk = RotaryEmbedding.apply(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if kv_connector is not None:
+            kv_connector.wait_for_layer_load(self.layer_index)
+        k_cache, v_cache = kv_cache
+        out = paged_attention_forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)
+        if kv_connector is not None:
+            kv_connector.save_kv_layer(self.layer_index, k_cache, v_cache, attn_metadata)
+        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)

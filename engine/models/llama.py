@@ -1,0 +1,83 @@
+"""Llama-family causal LM (Llama, SmolLM2, Mistral, Qwen2) reading and writing a paged KV cache.
+
+All tokens of all sequences in a step are packed along one axis; per-layer work is a handful of big matmuls
+(fused QKV, fused gate/up) and one call into the paged-attention kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.model_config import ModelConfig
+from engine.models.attention_layer import PagedSelfAttention
+from engine.models.mlp import GatedMLP
+from engine.models.rmsnorm import RMSNorm
+from engine.models.rope import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = PagedSelfAttention(config, layer_index)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        kv_connector: Any | None,
+    ) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), cos, sin, kv_cache, attn_metadata, kv_connector)
+        return h + self.mlp(self.post_attn_norm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+        kv_connector: Any | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64 (packed) -> final-normed hidden states [T, hidden]."""
+        if len(kv_caches) != self.config.num_layers:
+            raise ValueError(f"expected {self.config.num_layers} (k, v) cache pairs, got {len(kv_caches)}")
+        if input_ids.shape != positions.shape or input_ids.dim() != 1:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
+        h = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, attn_metadata, kv_connector)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (only the rows being sampled) -> float32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head_weight).float()

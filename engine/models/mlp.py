@@ -1,0 +1,23 @@
+"""SwiGLU MLP with gate and up projections fused into one matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        # rows [0, I) = gate_proj, rows [I, 2I) = up_proj
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
+        self.gate_up_bias = nn.Parameter(torch.empty(2 * intermediate_size)) if bias else None
+        self.down_weight = nn.Parameter(torch.empty(hidden_size, intermediate_size))
+        self.down_bias = nn.Parameter(torch.empty(hidden_size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
