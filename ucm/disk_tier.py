@@ -1,0 +1,176 @@
+"""Disk tier: one LMDB environment (key -> encoded record), bounded in bytes, persistent across restarts.
+
+Only the store's write-behind thread writes records; any thread may read or remove. The in-memory index
+(key -> record bytes) answers lookups without touching LMDB and is rebuilt from the database on open.
+Lock order: the store's lock may be held while taking this tier's lock, never the other way round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import lmdb
+
+from ucm.api import TierStats
+from ucm.eviction import EvictionPolicy
+from ucm.keys import BlockKey
+from ucm.record import BlockRecord
+
+log = logging.getLogger("ucm.disk")
+T = TypeVar("T")
+
+
+class DiskTier:
+    def __init__(
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        map_size: int,
+        policy: EvictionPolicy,
+        can_evict: Callable[[BlockKey], bool],
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"disk capacity must be positive, got {capacity_bytes}")
+        if map_size < capacity_bytes:
+            raise ValueError(f"LMDB map size {map_size} must be at least the disk capacity {capacity_bytes}")
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.path = Path(path)
+        self.capacity_bytes = capacity_bytes
+        self._env = lmdb.open(str(path), map_size=map_size, max_readers=256, readahead=False, metasync=False)
+        self._policy = policy
+        self._can_evict = can_evict
+        self._lock = threading.Lock()
+        self._sizes: dict[BlockKey, int] = {}
+        self.stats = TierStats(capacity_bytes=capacity_bytes)
+        self._load_index()
+
+    def _load_index(self) -> None:
+        with self._env.begin(buffers=True) as txn:
+            for key, value in txn.cursor():
+                size = len(value)
+                key = bytes(key)
+                self._sizes[key] = size
+                self._policy.insert(key, size)
+                self.stats.bytes_used += size
+        self.stats.blocks = len(self._sizes)
+        log.info("disk: opened %s with %d blocks, %d bytes", self.path, len(self._sizes), self.stats.bytes_used)
+        if self.stats.bytes_used > self.capacity_bytes:  # reopened with a smaller capacity
+            victims = self._make_room(0, "reopened with a smaller capacity")
+            self._delete(victims)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        with self._lock:
+            return key in self._sizes
+
+    def _make_room(self, size: int, reason: str) -> list[BlockKey] | None:
+        """Pick victims so that `size` more bytes fit; None if not possible. Caller holds the lock."""
+        victims: list[BlockKey] = []
+        while self.stats.bytes_used + size > self.capacity_bytes:
+            victim = self._policy.evict(self._can_evict)
+            if victim is None:
+                log.debug("disk: no room for %d bytes: every resident block is pinned", size)
+                return None
+            freed = self._sizes.pop(victim)
+            self.stats.bytes_used -= freed
+            self.stats.evictions += 1
+            victims.append(victim)
+            log.debug(
+                "disk: evicting %s (%d bytes, policy %s) %s: %d/%d bytes used",
+                victim.hex(), freed, self._policy.name.value, reason, self.stats.bytes_used, self.capacity_bytes,
+            )
+        return victims
+
+    def write(self, records: Sequence[BlockRecord]) -> list[BlockKey]:
+        """Persist records in one transaction (evicting by deletion as needed); returns the keys written."""
+        victims: list[BlockKey] = []
+        accepted: list[BlockRecord] = []
+        with self._lock:
+            for record in records:
+                key, size = record.key, record.nbytes
+                if key in self._sizes or size > self.capacity_bytes or not self._policy.admit(key, size):
+                    continue
+                made = self._make_room(size, f"to admit {key.hex()} ({size} bytes)")
+                if made is None:
+                    continue
+                victims += made
+                # Reserved before the write lands; the store keeps serving the block from its in-flight map.
+                self._sizes[key] = size
+                self._policy.insert(key, size)
+                self.stats.bytes_used += size
+                accepted.append(record)
+            self.stats.blocks = len(self._sizes)
+        start = time.perf_counter()
+        nbytes = 0
+        try:
+            with self._env.begin(write=True) as txn:
+                for key in victims:
+                    txn.delete(key)
+                for record in accepted:
+                    value = record.encode()
+                    nbytes += len(value)
+                    txn.put(record.key, value)
+        except lmdb.Error as exc:
+            log.error("disk: write of %d blocks failed (%s); dropping them from the index", len(accepted), exc)
+            with self._lock:
+                for record in accepted:
+                    self._forget(record.key)
+            return []
+        with self._lock:
+            self.stats.bytes_written += nbytes
+            self.stats.write_seconds += time.perf_counter() - start
+        return [record.key for record in accepted]
+
+    def read(self, key: BlockKey, visit: Callable[[memoryview], T]) -> T | None:
+        """Call `visit` with the stored bytes (a view valid only during the call); None if absent."""
+        with self._lock:
+            if key not in self._sizes:
+                self.stats.misses += 1
+                return None
+        start = time.perf_counter()
+        with self._env.begin(buffers=True) as txn:
+            value = txn.get(key)
+            if value is None:
+                with self._lock:
+                    self.stats.misses += 1
+                return None
+            result = visit(value)
+        with self._lock:
+            if key in self._sizes:
+                self._policy.touch(key)
+            self.stats.hits += 1
+            self.stats.bytes_read += len(value)
+            self.stats.read_seconds += time.perf_counter() - start
+        return result
+
+    def _forget(self, key: BlockKey) -> bool:
+        size = self._sizes.pop(key, None)
+        if size is None:
+            return False
+        self._policy.remove(key)
+        self.stats.bytes_used -= size
+        self.stats.blocks = len(self._sizes)
+        return True
+
+    def remove(self, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            present = [key for key in keys if self._forget(key)]
+        self._delete(present)
+
+    def _delete(self, keys: Sequence[BlockKey]) -> None:
+        if keys:
+            with self._env.begin(write=True) as txn:
+                for key in keys:
+                    txn.delete(key)
+
+    def snapshot(self) -> TierStats:
+        with self._lock:
+            return TierStats(**vars(self.stats))
+
+    def close(self) -> None:
+        self._env.sync(True)
+        self._env.close()

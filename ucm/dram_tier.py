@@ -1,0 +1,87 @@
+"""Host-DRAM tier: committed blocks kept as Python buffers, bounded in bytes, ordered by a pluggable policy.
+
+Not locked itself: the `Store` calls it only under its own lock. Payload buffers are immutable once here, so a
+reader that took a reference keeps valid bytes even if the block is evicted meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ucm.api import TierStats
+from ucm.eviction import EvictionPolicy
+from ucm.keys import BlockKey
+from ucm.record import BlockRecord
+
+log = logging.getLogger("ucm.dram")
+
+
+class DramTier:
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, can_evict: Callable[[BlockKey], bool]) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"DRAM capacity must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._policy = policy
+        self._can_evict = can_evict
+        self._blocks: dict[BlockKey, BlockRecord] = {}
+        self.stats = TierStats(capacity_bytes=capacity_bytes)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, key: BlockKey) -> BlockRecord | None:
+        """The record (counted as a hit and a use) or None (a miss)."""
+        record = self._blocks.get(key)
+        if record is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self._policy.touch(key)
+        return record
+
+    def put(self, record: BlockRecord, reason: str) -> bool:
+        """Insert `record`, evicting others if needed; False if it was not admitted or no room could be made."""
+        key, size = record.key, record.nbytes
+        if key in self._blocks:
+            self._policy.touch(key)
+            return True
+        if size > self.capacity_bytes or not self._policy.admit(key, size):
+            log.debug("dram: not admitting %s (%d bytes, %s)", key.hex(), size, reason)
+            return False
+        while self.stats.bytes_used + size > self.capacity_bytes:
+            victim = self._policy.evict(self._can_evict)
+            if victim is None:
+                log.debug("dram: no room for %s (%d bytes): every resident block is pinned", key.hex(), size)
+                return False
+            dropped = self._blocks.pop(victim)
+            self.stats.bytes_used -= dropped.nbytes
+            self.stats.evictions += 1
+            log.debug(
+                "dram: evicted %s (%d bytes, policy %s) to admit %s (%d bytes, %s): %d/%d bytes used",
+                victim.hex(),
+                dropped.nbytes,
+                self._policy.name.value,
+                key.hex(),
+                size,
+                reason,
+                self.stats.bytes_used,
+                self.capacity_bytes,
+            )
+        self._blocks[key] = record
+        self._policy.insert(key, size)
+        self.stats.bytes_used += size
+        self.stats.blocks = len(self._blocks)
+        return True
+
+    def remove(self, key: BlockKey) -> bool:
+        record = self._blocks.pop(key, None)
+        if record is None:
+            return False
+        self._policy.remove(key)
+        self.stats.bytes_used -= record.nbytes
+        self.stats.blocks = len(self._blocks)
+        return True

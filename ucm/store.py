@@ -1,0 +1,287 @@
+"""`Store`: the in-process KV store (embedded mode, and the engine of the daemon) implementing `KVStore`.
+
+    dump(layer) ─► pending (per key, per layer) ─commit(ok)─► DRAM tier ─write-behind─► disk tier (LMDB)
+    load ◄─ DRAM (or a block still being written) ◄─ disk (verified, then promoted to DRAM)
+
+Eviction: each tier asks the policy built by `ucm.eviction.make_policy(config.policy, config.dram_bytes)` and
+`make_policy(config.disk_policy, config.disk_bytes)` (admit/insert/touch/remove/evict(can_evict)); `can_evict`
+is False for keys pinned by an in-flight load. DRAM eviction just drops (the block was written behind); disk
+eviction deletes. Lock order: `Store._lock` → disk tier lock → pin lock; nothing is taken the other way.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ucm.api import BlockRef, StoreStats, Tier
+from ucm.disk_tier import DiskTier
+from ucm.dram_tier import DramTier
+from ucm.eviction import EvictionPolicy, PolicyName, make_policy
+from ucm.keys import BlockKey
+from ucm.pins import PinTable
+from ucm.record import BlockRecord, as_bytes_view, checksum
+from ucm.store_config import StoreConfig
+from ucm.store_reader import BlockReader, Sink
+from ucm.task import Task
+from ucm.write_behind import WriteBehind
+
+__all__ = ["Store", "StoreConfig"]
+log = logging.getLogger("ucm.store")
+PolicyFactory = Callable[[PolicyName, int], EvictionPolicy]
+
+
+@dataclass
+class _Pending:
+    """A block being dumped layer by layer; invisible until committed with every layer present."""
+
+    ref: BlockRef
+    payloads: list[bytes | None]
+    checksums: list[int]
+    created: float
+
+
+def _normalized(ref: BlockRef) -> BlockRef:
+    return ref if type(ref.token_ids) is tuple else BlockRef(ref.key, ref.parent, tuple(ref.token_ids))
+
+
+class Store:
+    def __init__(self, config: StoreConfig, *, policy_factory: PolicyFactory = make_policy) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._pins = PinTable()
+        self._dram = DramTier(
+            config.dram_bytes, policy_factory(config.policy, config.dram_bytes), self._pins.is_unpinned
+        )
+        self._disk: DiskTier | None = None
+        self._writer: WriteBehind | None = None
+        if config.disk_path is not None:
+            disk_policy = policy_factory(config.disk_policy, config.disk_bytes)
+            self._disk = DiskTier(config.disk_path, config.disk_bytes, config.map_size, disk_policy, self._pins.is_unpinned)
+            self._writer = WriteBehind(self._disk, config.write_queue_blocks, self._on_written)
+        self._inflight: dict[BlockKey, BlockRecord] = {}  # committed, not yet on disk: still visible
+        self._pending: dict[BlockKey, _Pending] = {}
+        self._counters = StoreStats()
+        self._last_sweep = time.monotonic()
+        self._pool = ThreadPoolExecutor(config.load_threads, thread_name_prefix="ucm-load")
+        self._reader = BlockReader(self)
+        self._closed = False
+        # Test-only: called in the load thread with the task's blocks pinned, before any byte is copied.
+        self.load_hook: Callable[[Sequence[BlockRef]], None] | None = None
+
+    # --- visibility -------------------------------------------------------------------------------------
+
+    def _committed(self, key: BlockKey) -> bool:
+        return key in self._dram or key in self._inflight or (self._disk is not None and key in self._disk)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        with self._lock:
+            hit = 0
+            for key in keys:
+                if not self._committed(key):
+                    break
+                hit += 1
+            self._counters.lookups += 1
+            self._counters.lookup_blocks += len(keys)
+            self._counters.lookup_hit_blocks += hit
+            return hit
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        with self._lock:
+            return [self._committed(key) for key in keys]
+
+    # --- writes -----------------------------------------------------------------------------------------
+
+    def dump(
+        self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]
+    ) -> Task:
+        """Copy one layer of each block now (the caller may reuse `data` once this returns)."""
+        self._check_open()
+        if len(blocks) != len(data):
+            raise ValueError(f"dump: {len(blocks)} blocks but {len(data)} payloads")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"dump: layer {layer} outside 0..{num_layers - 1}")
+        start = time.perf_counter()
+        with self._lock:
+            done = [self._committed(ref.key) for ref in blocks]  # content-addressed: already stored = same bytes
+        copies = []
+        for i, (ref, buf) in enumerate(zip(blocks, data)):
+            if not done[i]:
+                payload = bytes(as_bytes_view(buf))
+                copies.append((i, _normalized(ref), payload, checksum(payload)))
+        failed = []
+        now = time.monotonic()
+        with self._lock:
+            for i, ref, payload, digest in copies:
+                pending = self._pending.get(ref.key)
+                if pending is None:
+                    pending = _Pending(ref, [None] * num_layers, [0] * num_layers, now)
+                    self._pending[ref.key] = pending
+                elif pending.ref != ref or len(pending.payloads) != num_layers:
+                    log.warning("dump: %s is being dumped with different content; refusing", ref.key.hex())
+                    failed.append(i)
+                    continue
+                pending.payloads[layer] = payload
+                pending.checksums[layer] = digest
+            self._sweep_pending(now)
+            self._dram.stats.bytes_written += sum(len(c[2]) for c in copies)
+            self._dram.stats.write_seconds += time.perf_counter() - start
+        return Task.completed(len(blocks), failed)
+
+    def _sweep_pending(self, now: float) -> None:
+        if now - self._last_sweep < 1.0:
+            return
+        self._last_sweep = now
+        stale = [k for k, p in self._pending.items() if now - p.created > self.config.pending_timeout_s]
+        for key in stale:
+            log.warning("dropping %s: dumped %.0f s ago and never committed", key.hex(), now - self._pending[key].created)
+            del self._pending[key]
+
+    def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:
+        to_write: list[BlockRecord] = []
+        with self._lock:
+            for key in keys:
+                pending = self._pending.pop(key, None)
+                if pending is None:
+                    continue  # already committed by a concurrent writer, or never dumped
+                missing = [i for i, p in enumerate(pending.payloads) if p is None]
+                if not ok or missing:
+                    log.debug("discarding %s (ok=%s, missing layers %s)", key.hex(), ok, missing[:8])
+                    continue
+                record = BlockRecord.build(pending.ref, pending.payloads, pending.checksums)  # type: ignore[arg-type]
+                in_dram = self._dram.put(record, "commit")
+                if self._writer is not None:
+                    self._inflight[key] = record
+                    to_write.append(record)
+                elif not in_dram:
+                    log.debug("dropping %s at commit: no room in DRAM and no disk tier", key.hex())
+        if to_write:
+            assert self._writer is not None
+            self._writer.submit(to_write)
+
+    def _on_written(self, records: Sequence[BlockRecord], written: Sequence[BlockKey]) -> None:
+        removed = []
+        with self._lock:
+            for record in records:
+                if self._inflight.get(record.key) is record:
+                    del self._inflight[record.key]
+                elif record.key in written:
+                    removed.append(record.key)  # `remove` ran while it was being written
+        if removed and self._disk is not None:
+            self._disk.remove(removed)
+
+    def remove(self, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._pending.pop(key, None)
+                self._inflight.pop(key, None)
+                self._dram.remove(key)
+        if self._disk is not None:
+            self._disk.remove(keys)
+
+    # --- reads ------------------------------------------------------------------------------------------
+
+    def load(
+        self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]
+    ) -> Task:
+        """Copy `layers` of each block into `dst[i][j]` on a load thread; blocks stay pinned until done."""
+        self._check_open()
+        if len(dst) != len(blocks) or any(len(row) != len(layers) for row in dst):
+            raise ValueError(f"load: dst must be {len(blocks)} rows of {len(layers)} buffers")
+        views = [[as_bytes_view(buf) for buf in row] for row in dst]
+        if any(view.readonly for row in views for view in row):
+            raise ValueError("load: dst buffers must be writable")
+        keys = [ref.key for ref in blocks]
+        task = Task(len(blocks))
+        self._pins.pin(keys)
+
+        def run() -> None:
+            failed: list[int] = list(range(len(blocks)))
+            try:
+                if self.load_hook is not None:
+                    self.load_hook(blocks)
+                failed = [i for i, ref in enumerate(blocks) if not self._reader.read(ref, layers, _copy_sink(views[i]))]
+            except Exception:
+                log.exception("load of %d blocks failed", len(blocks))
+            finally:
+                self._pins.unpin(keys)
+                task.finish(failed)
+
+        self._pool.submit(run)
+        return task
+
+    def read_payloads(self, blocks: Sequence[BlockRef], layers: Sequence[int]) -> list[list[bytes | memoryview] | None]:
+        """Verified payload buffers per block (None = miss), owned by the caller; the daemon sends these."""
+        self._check_open()
+        keys = [ref.key for ref in blocks]
+        self._pins.pin(keys)
+        try:
+            out: list[list[bytes | memoryview] | None] = []
+            for ref in blocks:
+                row: list[bytes | memoryview] = [b""] * len(layers)
+
+                def keep(j: int, buf: memoryview | bytes, owned: bool, row: list = row) -> None:
+                    row[j] = buf if owned else bytes(buf)
+
+                out.append(row if self._reader.read(ref, layers, keep) else None)
+            return out
+        finally:
+            self._pins.unpin(keys)
+
+    def prefetch(self, keys: Sequence[BlockKey]) -> None:
+        if self._disk is None or self._closed:
+            return
+        self._pool.submit(self._reader.promote, list(keys))
+
+    # --- bookkeeping --------------------------------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            stats = copy.deepcopy(self._counters)
+            stats.tiers = {Tier.DRAM: copy.copy(self._dram.stats)}
+            stats.pending_blocks = len(self._pending) + len(self._inflight)
+        if self._disk is not None:
+            stats.tiers[Tier.DISK] = self._disk.snapshot()
+        return stats
+
+    def flush(self) -> None:
+        """Wait until every committed block has reached the disk tier (no-op without one)."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Finish loads, flush the write-behind queue and close LMDB; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+        if self._disk is not None:
+            self._disk.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("store is closed")
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _copy_sink(views: list[memoryview]) -> Sink:
+    def sink(j: int, buf: memoryview | bytes, owned: bool) -> None:
+        dst = views[j]
+        if len(dst) != len(buf):
+            raise ValueError(f"dst buffer {j} holds {len(dst)} bytes, payload has {len(buf)}")
+        dst[:] = buf
+
+    return sink

@@ -1,0 +1,41 @@
+"""`StoreConfig`: everything that shapes one store, built by the CLI or by the embedding process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ucm.eviction import PolicyName
+
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    dram_bytes: int
+    disk_path: str | None = None  # None: no disk tier
+    disk_bytes: int = 0
+    lmdb_map_size: int | None = None  # None: twice the disk capacity plus slack (the map is sparse, not allocated)
+    policy: PolicyName = PolicyName.LRU  # DRAM tier
+    disk_policy: PolicyName = PolicyName.LRU
+    promote_on_disk_hit: bool = True
+    verify_dram_reads: bool = True  # checksum every DRAM read too, not only disk reads
+    write_queue_blocks: int = 4096  # write-behind back-pressure: commit waits only when this many are queued
+    load_threads: int = 2
+    pending_timeout_s: float = 600.0  # dumped-but-never-committed blocks are dropped after this long
+
+    def __post_init__(self) -> None:
+        if self.dram_bytes <= 0:
+            raise ValueError(f"dram_bytes must be positive, got {self.dram_bytes}")
+        if self.disk_path is not None and self.disk_bytes <= 0:
+            raise ValueError(f"disk_bytes must be positive when disk_path is set, got {self.disk_bytes}")
+        if self.lmdb_map_size is not None and self.lmdb_map_size < self.disk_bytes:
+            raise ValueError(f"lmdb_map_size {self.lmdb_map_size} is smaller than disk_bytes {self.disk_bytes}")
+        for name in ("policy", "disk_policy"):
+            if not isinstance(getattr(self, name), PolicyName):
+                raise ValueError(f"{name} must be a PolicyName, got {getattr(self, name)!r}")
+        if self.write_queue_blocks <= 0 or self.load_threads <= 0 or self.pending_timeout_s <= 0:
+            raise ValueError("write_queue_blocks, load_threads and pending_timeout_s must be positive")
+
+    @property
+    def map_size(self) -> int:
+        return self.lmdb_map_size if self.lmdb_map_size is not None else 2 * self.disk_bytes + 64 * _MiB

@@ -1,0 +1,54 @@
+"""The asynchronous task returned by dump/load, shared by the in-process store and the daemon client."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from ucm.api import TaskStatus
+
+
+class Task:
+    """A `StoreTask` finished exactly once by whoever does the work (`finish`)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._num_blocks = num_blocks
+        self._event = threading.Event()
+        self._failed: list[int] = []
+        self.error: str | None = None  # why the whole task failed (e.g. store unreachable), for logs
+
+    @classmethod
+    def completed(cls, num_blocks: int, failed: Iterable[int] = (), error: str | None = None) -> Task:
+        task = cls(num_blocks)
+        task.finish(failed, error)
+        return task
+
+    @classmethod
+    def all_failed(cls, num_blocks: int, error: str) -> Task:
+        return cls.completed(num_blocks, range(num_blocks), error)
+
+    def finish(self, failed: Iterable[int] = (), error: str | None = None) -> None:
+        assert not self._event.is_set(), "a task is finished exactly once"
+        self._failed = sorted(set(failed))
+        assert all(0 <= i < self._num_blocks for i in self._failed), f"failed index out of range: {self._failed}"
+        self.error = error
+        self._event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until finished; True only if every block succeeded (False on timeout too)."""
+        if not self._event.wait(timeout):
+            return False
+        return not self._failed
+
+    def check(self) -> TaskStatus:
+        if not self._event.is_set():
+            return TaskStatus.RUNNING
+        return TaskStatus.FAILED if self._failed else TaskStatus.DONE
+
+    @property
+    def failed_blocks(self) -> list[int]:
+        """Failed block indices; only meaningful once the task finished."""
+        return list(self._failed)
+
+    def __repr__(self) -> str:
+        return f"Task(blocks={self._num_blocks}, status={self.check().value}, failed={self._failed})"
