@@ -66,6 +66,9 @@ class KVConnectorScheduler(ABC):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A request ended. Returns (free blocks only later, kv_transfer_params for the next hop)."""
 
+    def close(self) -> None:  # noqa: B027 — additive, optional: not every connector holds resources
+        """The engine shuts down (called once, after the last step); release store connections."""
+
 
 class KVConnectorWorker(ABC):
     """Runs beside the model: moves KV between the paged cache and the store."""
@@ -111,3 +114,6 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device block ids whose load failed since the last call; the scheduler recomputes them."""
+
+    def close(self) -> None:  # noqa: B027 — additive, optional: not every connector holds resources
+        """The engine shuts down (called once, after the last step); release store connections."""

@@ -1,0 +1,92 @@
+"""Block <-> bytes for one layer: a block's payload is its K then its V, `[2, block_size, num_kv_heads, head_dim]`.
+
+The store sees opaque bytes; this module is the only place that knows the layout (bump
+`ucm.keys.KV_LAYOUT_VERSION` when it changes). Staging buffers live in host memory (pinned when the cache is
+on CUDA) and are reused from step to step: a save or load is always finished within the step that started it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import gather_blocks, scatter_blocks
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def from_caches(cls, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> KVLayout:
+        if not kv_caches:
+            raise ValueError("kv_caches is empty: expected one (k_cache, v_cache) pair per layer")
+        k0, v0 = kv_caches[0]
+        for i, (k, v) in enumerate(kv_caches):
+            if k.dim() != 4 or k.shape != k0.shape or v.shape != k0.shape or k.dtype != k0.dtype:
+                raise ValueError(f"layer {i}: caches {tuple(k.shape)}/{tuple(v.shape)} differ from layer 0 {tuple(k0.shape)}")
+            if not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError(f"layer {i}: paged caches must be contiguous")
+        _, bs, h, d = k0.shape
+        return cls(len(kv_caches), int(bs), int(h), int(d), k0.dtype, k0.device)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes of one block of one layer (K and V)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+class StagingBuffer:
+    """A growable host buffer of `n` payloads, seen both as bytes (for the store) and as typed blocks."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self._layout = layout
+        self._bytes = torch.empty(0, dtype=torch.uint8)
+
+    def reserve(self, n: int) -> None:
+        need = n * self._layout.payload_nbytes
+        if self._bytes.numel() < need:
+            pin = self._layout.device.type == "cuda"
+            self._bytes = torch.empty(need, dtype=torch.uint8, pin_memory=pin)
+
+    def blocks(self, n: int) -> torch.Tensor:
+        """`[n, 2, block_size, num_kv_heads, head_dim]` view of the first n payloads."""
+        lay = self._layout
+        return self._bytes[: n * lay.payload_nbytes].view(lay.dtype).view(n, *lay.block_shape)
+
+    def memoryviews(self, n: int) -> list[memoryview]:
+        """One writable memoryview per payload (what the store reads from or writes into)."""
+        size = self._layout.payload_nbytes
+        whole = memoryview(self._bytes[: n * size].numpy())
+        return [whole[i * size : (i + 1) * size] for i in range(n)]
+
+
+def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, out: StagingBuffer) -> None:
+    """Copy blocks `block_ids` of one layer into `out` (so the cache may be overwritten right after)."""
+    n = int(block_ids.numel())
+    out.reserve(n)
+    dst = out.blocks(n)
+    dst[:, 0].copy_(gather_blocks(k_cache, block_ids))
+    dst[:, 1].copy_(gather_blocks(v_cache, block_ids))
+
+
+def unpack_blocks(src: StagingBuffer, rows: torch.Tensor, n: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_ids: torch.Tensor) -> None:
+    """Write payload rows `rows` (of the first n) of `src` into cache blocks `block_ids` of one layer."""
+    staged = src.blocks(n)
+    if rows.numel() != n:
+        staged = staged.index_select(0, rows)
+    device = k_cache.device
+    block_ids = block_ids.to(device)
+    scatter_blocks(staged[:, 0].contiguous().to(device, non_blocking=True), k_cache, block_ids)
+    scatter_blocks(staged[:, 1].contiguous().to(device, non_blocking=True), v_cache, block_ids)

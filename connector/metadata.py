@@ -1,0 +1,64 @@
+"""Per-step instructions from UCMDirectConnector's scheduler side to its worker side, and its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from connector.base import ConnectorMetadata
+from ucm.api import BlockRef
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Blocks of one request to fetch from the store, in prefix order: blocks[i] goes to device block block_ids[i]."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    blocks: tuple[BlockRef, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.block_ids) == len(self.blocks), "one device block per loaded block"
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Blocks of one request that become full in this step and the store does not hold yet."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    blocks: tuple[BlockRef, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.block_ids) == len(self.blocks), "one device block per saved block"
+
+
+@dataclass
+class UCMConnectorMetadata(ConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+    @property
+    def num_load_blocks(self) -> int:
+        return sum(len(spec.blocks) for spec in self.loads)
+
+    @property
+    def num_save_blocks(self) -> int:
+        return sum(len(spec.blocks) for spec in self.saves)
+
+
+@dataclass
+class ConnectorStats:
+    """Counters shared by both sides of one connector; tests and benchmarks read them."""
+
+    lookups: int = 0
+    lookup_hit_blocks: int = 0
+    blocks_loaded: int = 0  # every layer arrived and was scattered; only these count as hits
+    blocks_load_failed: int = 0  # reported through get_block_ids_with_load_errors (prefix semantics)
+    blocks_saved: int = 0  # committed with every layer
+    blocks_save_failed: int = 0  # a dump failed, or the store was unreachable
+    blocks_save_skipped: int = 0  # already in the store (contains)
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    load_wait_seconds: float = 0.0  # time the forward pass spent blocked in wait_for_layer_load
+    save_seconds: float = 0.0  # time spent in save_kv_layer + wait_for_save
+    store_errors: int = 0  # calls that raised (store unreachable and the like)

@@ -1,0 +1,68 @@
+"""Which store a connector talks to, parsed from the engine's `kv_store` string.
+
+    embedded                                   in-process store, host DRAM only
+    embedded?disk_path=DIR&dram=2GiB&disk=8GiB in-process store with an LMDB tier at DIR
+    tcp://127.0.0.1:5555 | ipc:///tmp/ucm.sock a running `ucm-serve store` daemon
+
+Options after `?` for embedded: dram, disk (sizes), disk_path, policy, disk_policy.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from urllib.parse import parse_qsl
+
+from ucm.eviction import PolicyName
+from ucm.size import parse_size
+
+DEFAULT_DRAM = "2GiB"
+DEFAULT_DISK = "8GiB"
+_EMBEDDED_OPTIONS = {"dram", "disk", "disk_path", "policy", "disk_policy"}
+
+
+class StoreKind(enum.Enum):
+    EMBEDDED = "embedded"
+    DAEMON = "daemon"
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    kind: StoreKind
+    address: str | None = None  # daemon only
+    dram_bytes: int = 0  # embedded only
+    disk_path: str | None = None
+    disk_bytes: int = 0
+    policy: PolicyName = PolicyName.LRU
+    disk_policy: PolicyName = PolicyName.LRU
+
+    @classmethod
+    def parse(cls, text: str) -> StoreSpec:
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"kv_store must be 'embedded[?options]', 'tcp://HOST:PORT' or 'ipc://PATH', got {text!r}")
+        if text.startswith(("tcp://", "ipc://")):
+            return cls(StoreKind.DAEMON, address=text)
+        head, _, query = text.partition("?")
+        if head != "embedded":
+            raise ValueError(f"kv_store must be 'embedded[?options]', 'tcp://HOST:PORT' or 'ipc://PATH', got {text!r}")
+        opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+        unknown = set(opts) - _EMBEDDED_OPTIONS
+        if unknown:
+            raise ValueError(f"unknown kv_store option(s) {sorted(unknown)}; known: {sorted(_EMBEDDED_OPTIONS)}")
+        disk_path = opts.get("disk_path") or None
+        try:
+            return cls(
+                StoreKind.EMBEDDED,
+                dram_bytes=parse_size(opts.get("dram", DEFAULT_DRAM)),
+                disk_path=disk_path,
+                disk_bytes=parse_size(opts.get("disk", DEFAULT_DISK)) if disk_path else 0,
+                policy=PolicyName(opts.get("policy", PolicyName.LRU.value)),
+                disk_policy=PolicyName(opts.get("disk_policy", PolicyName.LRU.value)),
+            )
+        except ValueError as exc:
+            raise ValueError(f"bad kv_store {text!r}: {exc}") from exc
+
+    @property
+    def display(self) -> str:
+        """What a node tells the next hop about where its KV went."""
+        return self.address if self.kind is StoreKind.DAEMON else "embedded"

@@ -1,0 +1,189 @@
+"""UCMDirectConnector, scheduler side: how many prompt tokens the store can supply, and what to load/save per step.
+
+Loading is synchronous within the step (layer-wise, overlapped with the forward pass), so
+`get_num_new_matched_tokens` always answers `async=False` and the request runs in the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from connector.base import KVConnectorRole, KVConnectorScheduler
+from connector.metadata import ConnectorStats, LoadSpec, SaveSpec, UCMConnectorMetadata
+from connector.request_view import ScheduledView, iter_scheduled, token_ids_of
+from ucm.api import BlockRef, KVStore
+from ucm.keys import BlockKey
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingLoad:
+    """A request whose external hit was reported; becomes a LoadSpec once its blocks are allocated."""
+
+    start_block: int
+    num_blocks: int
+    block_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class _Progress:
+    """What the connector did for one request, for its kv_transfer_params."""
+
+    external_tokens: int = 0
+    saved_blocks: int = 0
+
+
+def block_refs(request: Any, start: int, stop: int) -> list[BlockRef]:
+    """BlockRefs of blocks [start, stop) of a request (key, parent key, the block's token ids)."""
+    return [BlockRef(request.block_keys[i], request.block_parent_key(i), request.block_token_ids(i))
+            for i in range(start, stop)]
+
+
+class UCMSchedulerConnector(KVConnectorScheduler):
+    def __init__(self, store: KVStore, role: KVConnectorRole, block_size: int, stats: ConnectorStats, *,
+                 save_decode_blocks: bool = True, store_address: str = "embedded") -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.store = store
+        self.role = role
+        self.block_size = block_size
+        self.stats = stats
+        self.save_decode_blocks = save_decode_blocks
+        self.store_address = store_address
+        self._pending: dict[str, _PendingLoad] = {}
+        self._progress: dict[str, _Progress] = {}
+        self._store_warned = False
+
+    # ---- 1. lookup -------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._pending.pop(request.request_id, None)
+        if not self.role.loads:
+            return 0, False
+        bs = self.block_size
+        if num_computed_tokens % bs:
+            raise ValueError(f"num_computed_tokens {num_computed_tokens} is not a multiple of block size {bs}")
+        start = num_computed_tokens // bs
+        # The last token is always computed: its logits give the first sampled token.
+        stop = min(len(request.block_keys), (len(token_ids_of(request)) - 1) // bs)
+        if stop <= start:
+            return 0, False
+        try:
+            hit = self.store.lookup(request.block_keys[start:stop])
+        except Exception as exc:  # the store being unreachable never stops the engine
+            self._store_failed("lookup", exc)
+            return 0, False
+        self.stats.lookups += 1
+        self.stats.lookup_hit_blocks += hit
+        assert 0 <= hit <= stop - start, f"store lookup returned {hit} for {stop - start} keys"
+        if hit:
+            self._pending[request.request_id] = _PendingLoad(start, hit)
+        return hit * bs, False
+
+    # ---- 2. allocation ---------------------------------------------------------------------------------
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """`block_ids` are all of the request's device blocks in sequence order (device hits first)."""
+        pending = self._pending.get(request.request_id)
+        if pending is None or num_external_tokens == 0:
+            self._pending.pop(request.request_id, None)
+            return
+        num = num_external_tokens // self.block_size
+        if num_external_tokens % self.block_size or num > pending.num_blocks:
+            raise ValueError(f"num_external_tokens {num_external_tokens} does not match the "
+                             f"{pending.num_blocks} blocks offered for {request.request_id}")
+        stop = pending.start_block + num
+        if len(block_ids) < stop:
+            raise ValueError(f"{request.request_id}: {len(block_ids)} device blocks, external blocks end at {stop}")
+        pending.num_blocks = num
+        pending.block_ids = tuple(block_ids[pending.start_block : stop])
+
+    # ---- 3. per-step metadata ----------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> UCMConnectorMetadata:
+        meta = UCMConnectorMetadata()
+        scheduled = list(iter_scheduled(scheduler_output))
+        by_id = {view.request.request_id: view for view in scheduled}
+        for req_id, pending in self._pending.items():
+            view = by_id.get(req_id)
+            if view is None or not pending.block_ids:
+                continue  # allocated but not scheduled after all: nothing to load
+            req = view.request
+            stop = pending.start_block + pending.num_blocks
+            refs = block_refs(req, pending.start_block, stop)
+            meta.loads.append(LoadSpec(req_id, pending.block_ids, tuple(refs)))
+            self._progress.setdefault(req_id, _Progress()).external_tokens += pending.num_blocks * self.block_size
+        self._pending.clear()
+        if self.role.saves:
+            meta.saves = self._saves(scheduled, {ref.key for spec in meta.loads for ref in spec.blocks})
+        return meta
+
+    def _saves(self, scheduled: list[ScheduledView], loading: set[BlockKey]) -> list[SaveSpec]:
+        bs = self.block_size
+        candidates: list[tuple[ScheduledView, int, int]] = []
+        keys: list[BlockKey] = []
+        for view in scheduled:
+            req = view.request
+            first = view.num_computed_tokens // bs
+            stop = min((view.num_computed_tokens + view.num_scheduled_tokens) // bs, len(req.block_keys),
+                       len(view.block_ids))
+            if not self.save_decode_blocks:
+                stop = min(stop, len(req.prompt_token_ids) // bs)
+            if stop > first:
+                candidates.append((view, first, stop))
+                keys.extend(req.block_keys[first:stop])
+        if not keys:
+            return []
+        try:
+            held = self.store.contains(keys)
+        except Exception as exc:
+            self._store_failed("contains", exc)
+            self.stats.blocks_save_failed += len(keys)
+            return []
+        specs: list[SaveSpec] = []
+        seen = set(loading)
+        pos = 0
+        for view, first, stop in candidates:
+            req = view.request
+            refs = block_refs(req, first, stop)
+            ids, chosen = [], []
+            for i, ref in zip(range(first, stop), refs):
+                if held[pos] or ref.key in seen:
+                    self.stats.blocks_save_skipped += 1
+                else:
+                    seen.add(ref.key)  # two requests completing the same block in one step: save it once
+                    ids.append(view.block_ids[i])
+                    chosen.append(ref)
+                pos += 1
+            if chosen:
+                specs.append(SaveSpec(req.request_id, tuple(ids), tuple(chosen)))
+                self._progress.setdefault(req.request_id, _Progress()).saved_blocks += len(chosen)
+        return specs
+
+    # ---- 10. request end ---------------------------------------------------------------------------------
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._pending.pop(request.request_id, None)
+        progress = self._progress.pop(request.request_id, _Progress())
+        if not self.role.saves:
+            return False, None
+        # Saves finish within their step (wait_for_save), so the blocks can be freed at once.
+        prompt_blocks = len(request.prompt_token_ids) // self.block_size
+        return False, {
+            "block_keys": [key.hex() for key in request.block_keys[:prompt_blocks]],
+            "num_cached_tokens": progress.external_tokens,
+            "num_saved_tokens": progress.saved_blocks * self.block_size,
+            "block_size": self.block_size,
+            "store": self.store_address,
+        }
+
+    def _store_failed(self, what: str, exc: Exception) -> None:
+        self.stats.store_errors += 1
+        if not self._store_warned:
+            log.warning("KV store %s failed (%s: %s); continuing without it", what, type(exc).__name__, exc)
+            self._store_warned = True
+        else:
+            log.debug("KV store %s failed: %s", what, exc)

@@ -1,0 +1,237 @@
+"""UCMDirectConnector, worker side: moves KV between the paged cache and the store, layer by layer.
+
+Loads: `start_load_kv` issues one store load per layer into host staging buffers and returns; the
+attention of layer L waits only for layer L's load (`wait_for_layer_load`), then scatters it into the cache.
+Saves: `save_kv_layer` copies layer L's newly full blocks into staging (so the cache may be overwritten) and
+dumps them asynchronously; `wait_for_save` waits for every dump and commits the blocks whose every layer landed.
+A failed load fails that block and every later block of its request (a prefix is all attention can use);
+those device blocks are reported through `get_block_ids_with_load_errors` and never counted as loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from connector.base import KVConnectorRole, KVConnectorWorker
+from connector.kv_layout import KVLayout, StagingBuffer, pack_blocks, unpack_blocks
+from connector.metadata import ConnectorStats, LoadSpec, UCMConnectorMetadata
+from ucm.api import KVStore, StoreTask, TaskStatus
+
+log = logging.getLogger(__name__)
+
+# A task still running after this long is treated as failed (a stuck daemon must not hang the engine).
+TASK_TIMEOUT_S = 60.0
+
+
+def _failed_indices(task: StoreTask | None, n: int, timeout: float) -> set[int]:
+    if task is None:  # the call itself raised
+        return set(range(n))
+    task.wait(timeout)
+    if task.check() is TaskStatus.RUNNING:
+        return set(range(n))
+    return set(task.failed_blocks)
+
+
+@dataclass
+class _StepLoads:
+    """This step's loads flattened into one list of rows (request after request, each in prefix order)."""
+
+    specs: list[LoadSpec]
+    row_of_spec: list[int]  # first row of each spec
+    device_ids: torch.Tensor  # [rows] destination block id of each row
+    tasks: dict[int, StoreTask | None] = field(default_factory=dict)  # layer -> task
+    failed_rows: set[int] = field(default_factory=set)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.device_ids.numel())
+
+
+class UCMWorkerConnector(KVConnectorWorker):
+    def __init__(self, store: KVStore, role: KVConnectorRole, stats: ConnectorStats, *, owns_store: bool = False,
+                 task_timeout_s: float = TASK_TIMEOUT_S) -> None:
+        """`owns_store`: close the store with the connector (a daemon client; embedded stores are shared)."""
+        super().__init__()
+        self.store = store
+        self.owns_store = owns_store
+        self.role = role
+        self.stats = stats
+        self.task_timeout_s = task_timeout_s
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._layout: KVLayout | None = None
+        self._load_bufs: list[StagingBuffer] = []
+        self._save_bufs: list[StagingBuffer] = []
+        self._loads: _StepLoads | None = None
+        self._saves: list[tuple[int, StoreTask | None]] = []  # (layer, task) of this step
+        self._load_errors: set[int] = set()
+        self._errored_requests: set[str] = set()  # this step's requests with a failed load
+        self._store_warned = False
+
+    @property
+    def layout(self) -> KVLayout:
+        assert self._layout is not None, "register_kv_caches was not called"
+        return self._layout
+
+    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._layout = KVLayout.from_caches(kv_caches)
+        self._caches = list(kv_caches)
+        self._load_bufs = [StagingBuffer(self._layout) for _ in kv_caches]
+        self._save_bufs = [StagingBuffer(self._layout) for _ in kv_caches]
+
+    def bind_connector_metadata(self, metadata: UCMConnectorMetadata) -> None:
+        super().bind_connector_metadata(metadata)
+        assert self._loads is None and not self._saves, "previous step's transfers were not finished"
+        self._errored_requests = set()
+
+    @property
+    def _meta(self) -> UCMConnectorMetadata:
+        meta = self.metadata
+        assert isinstance(meta, UCMConnectorMetadata), f"expected UCMConnectorMetadata, got {type(meta).__name__}"
+        return meta
+
+    # ---- 5. loads ------------------------------------------------------------------------------------------
+
+    def start_load_kv(self) -> None:
+        self._loads = None
+        specs = [spec for spec in self._meta.loads if spec.blocks]
+        if not specs:
+            return
+        rows, first_rows, ids = 0, [], []
+        for spec in specs:
+            first_rows.append(rows)
+            rows += len(spec.blocks)
+            ids.extend(spec.block_ids)
+        loads = _StepLoads(specs, first_rows, torch.tensor(ids, dtype=torch.long))
+        blocks = [ref for spec in specs for ref in spec.blocks]
+        for layer, buf in enumerate(self._load_bufs):
+            buf.reserve(rows)
+            dst = [[view] for view in buf.memoryviews(rows)]
+            try:
+                loads.tasks[layer] = self.store.load(blocks, [layer], dst)
+            except Exception as exc:
+                self._store_failed("load", exc)
+                loads.tasks[layer] = None
+        self._loads = loads
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        loads = self._loads
+        if loads is None or layer not in loads.tasks:
+            return
+        t0 = time.perf_counter()
+        task = loads.tasks.pop(layer)
+        failed = _failed_indices(task, loads.num_rows, self.task_timeout_s)
+        loads.failed_rows |= failed
+        good = [r for r in range(loads.num_rows) if r not in failed]
+        if good:
+            k_cache, v_cache = self._caches[layer]
+            rows = torch.tensor(good, dtype=torch.long)
+            unpack_blocks(self._load_bufs[layer], rows, loads.num_rows, k_cache, v_cache,
+                          loads.device_ids.index_select(0, rows))
+        self.stats.load_wait_seconds += time.perf_counter() - t0
+
+    def _finish_loads(self) -> None:
+        """Account this step's loads once every layer was waited for; prefix semantics per request."""
+        loads = self._loads
+        if loads is None:
+            return
+        for layer in list(loads.tasks):  # a layer the model never waited for (should not happen) still counts
+            self.wait_for_layer_load(layer)
+        nbytes = self.layout.payload_nbytes * self.layout.num_layers
+        for spec, first in zip(loads.specs, loads.row_of_spec):
+            bad = [i for i in range(len(spec.blocks)) if first + i in loads.failed_rows]
+            ok = bad[0] if bad else len(spec.blocks)
+            self.stats.blocks_loaded += ok
+            self.stats.bytes_loaded += ok * nbytes
+            self.stats.blocks_load_failed += len(spec.blocks) - ok
+            self._load_errors.update(spec.block_ids[ok:])
+            if bad:
+                self._errored_requests.add(spec.request_id)
+            if bad:
+                log.warning("request %s: load failed for %d of %d external blocks (from block %d); recomputing",
+                            spec.request_id, len(bad), len(spec.blocks), ok)
+        self._loads = None
+
+    # ---- 6. saves ------------------------------------------------------------------------------------------
+
+    def save_kv_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: object) -> None:
+        if not self.role.saves or self._metadata is None:
+            return
+        saves = self._meta.saves
+        if not saves:
+            return
+        t0 = time.perf_counter()
+        ids = torch.tensor([b for spec in saves for b in spec.block_ids], dtype=torch.long, device=k_cache.device)
+        blocks = [ref for spec in saves for ref in spec.blocks]
+        buf = self._save_bufs[layer]
+        pack_blocks(k_cache, v_cache, ids, buf)
+        if k_cache.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the dump reads host staging from another thread
+        try:
+            task = self.store.dump(blocks, layer, self.layout.num_layers, buf.memoryviews(len(blocks)))
+        except Exception as exc:
+            self._store_failed("dump", exc)
+            task = None
+        self._saves.append((layer, task))
+        self.stats.save_seconds += time.perf_counter() - t0
+
+    def wait_for_save(self) -> None:
+        self._finish_loads()  # after the last layer: every load is known before deciding what to commit
+        if self._metadata is None:
+            return
+        saves, tasks = self._meta.saves, self._saves
+        self._saves = []
+        if not saves:
+            return
+        t0 = time.perf_counter()
+        blocks = [ref for spec in saves for ref in spec.blocks]
+        failed: set[int] = set()
+        for _layer, task in tasks:
+            failed |= _failed_indices(task, len(blocks), self.task_timeout_s)
+        if len(tasks) != self.layout.num_layers:
+            failed = set(range(len(blocks)))  # a layer never dumped: the block would be incomplete
+        # A request whose load failed computed this step's KV over wrong context: never publish it.
+        errored = self._errored_requests
+        row = 0
+        for spec in saves:
+            if spec.request_id in errored:
+                failed.update(range(row, row + len(spec.blocks)))
+            row += len(spec.blocks)
+        good = [b.key for i, b in enumerate(blocks) if i not in failed]
+        bad = [b.key for i, b in enumerate(blocks) if i in failed]
+        try:
+            if good:
+                self.store.commit(good, True)
+            if bad:
+                self.store.commit(bad, False)
+        except Exception as exc:
+            self._store_failed("commit", exc)
+            bad, good = bad + good, []
+        self.stats.blocks_saved += len(good)
+        self.stats.bytes_saved += len(good) * self.layout.payload_nbytes * self.layout.num_layers
+        self.stats.blocks_save_failed += len(bad)
+        self.stats.save_seconds += time.perf_counter() - t0
+
+    # ---- 8. results ----------------------------------------------------------------------------------------
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # nothing is asynchronous beyond its step
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self.owns_store:
+            self.owns_store = False
+            self.store.close()
+
+    def _store_failed(self, what: str, exc: Exception) -> None:
+        self.stats.store_errors += 1
+        if not self._store_warned:
+            log.warning("KV store %s failed (%s: %s); continuing without it", what, type(exc).__name__, exc)
+            self._store_warned = True
