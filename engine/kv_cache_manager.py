@@ -1,0 +1,139 @@
+"""Which device blocks each sequence owns: prefix-cache matching, slot allocation, copy-on-write, freeing.
+
+The scheduler talks only to this class; `BlockPool` below it knows nothing about requests."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool, KVCacheBlock
+from engine.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Leading full blocks of a request found in the device prefix cache."""
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are registered in the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        # Copy-on-write block copies (src, dst) the runner must apply before the next forward.
+        self.pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    # -- prefix cache -----------------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> PrefixMatch:
+        """Longest cached prefix, leaving at least one token to compute (its logits give the next token)."""
+        if not self.enable_caching:
+            return PrefixMatch()
+        max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_keys))
+        hits: list[KVCacheBlock] = []
+        for i in range(max_blocks):
+            block = self.pool.lookup(request.block_keys[i], request.block_parent_key(i), request.block_token_ids(i))
+            if block is None:
+                break
+            hits.append(block)
+        return PrefixMatch(hits, len(hits) * self.block_size)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are now full and computed."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_blocks[request.request_id]
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = min(request.num_computed_tokens // self.block_size, len(request.block_keys), len(blocks))
+        for i in range(start, end):
+            self.pool.cache_block(
+                blocks[i], request.block_keys[i], request.block_parent_key(i), request.block_token_ids(i)
+            )
+        self._num_cached_blocks[request.request_id] = max(start, end)
+
+    def uncache_from(self, request: Request, first_block: int) -> None:
+        """Drop the prefix-cache keys of the request's blocks from `first_block` on (their KV is garbage)."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        for block in blocks[first_block:]:
+            self.pool.uncache(block)
+        rid = request.request_id
+        self._num_cached_blocks[rid] = min(self._num_cached_blocks.get(rid, 0), first_block)
+
+    # -- allocation -----------------------------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        prefix: PrefixMatch | None = None,
+        num_external_tokens: int = 0,
+    ) -> list[int] | None:
+        """Blocks for the request's computed tokens (its own, `prefix` hits and `num_external_tokens` the
+        connector will load) plus `num_new_tokens` to compute. None (and nothing changes) if too few are free."""
+        rid = request.request_id
+        owned = self.req_blocks.get(rid, [])
+        hits = prefix.blocks if prefix is not None else []
+        assert not (owned and hits), f"{rid}: prefix hits for a request that already owns blocks"
+        num_computed = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
+        total = num_computed + num_external_tokens + num_new_tokens
+        num_new_blocks = max(0, self.blocks_needed(total) - len(owned) - len(hits))
+        cow_index = self._cow_index(owned, num_computed) if num_new_tokens > 0 else None
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_new_blocks + (cow_index is not None) > self.pool.num_free_blocks - evictable_hits:
+            return None
+        self.pool.touch(hits)
+        owned = owned + hits + self.pool.get_new_blocks(num_new_blocks)
+        if cow_index is not None:
+            src = owned[cow_index]
+            (dst,) = self.pool.get_new_blocks(1)
+            owned[cow_index] = dst
+            self.pool.free_blocks([src])
+            self.pending_copies.append((src.block_id, dst.block_id))
+        self.req_blocks[rid] = owned
+        if hits:
+            self._num_cached_blocks[rid] = len(hits)
+        return [b.block_id for b in owned]
+
+    def _cow_index(self, owned: list[KVCacheBlock], num_computed: int) -> int | None:
+        """The next write lands in a partially filled block that another sequence shares → copy it first."""
+        index = num_computed // self.block_size
+        if num_computed % self.block_size and index < len(owned) and owned[index].ref_cnt > 1:
+            return index
+        return None
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (copy-on-write on its first write)."""
+        blocks = list(self.req_blocks[parent.request_id])
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = blocks
+        self._num_cached_blocks[child.request_id] = self._num_cached_blocks.get(parent.request_id, 0)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        # Tail first: the end of a sequence is the least likely to be shared, so it is evicted first.
+        self.pool.free_blocks(list(reversed(blocks)))
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # -- invariants ---------------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        refs = Counter(b.block_id for blocks in self.req_blocks.values() for b in blocks)
+        self.pool.check_integrity(dict(refs))

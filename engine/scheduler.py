@@ -1,0 +1,269 @@
+"""Continuous batching: each step picks which sequences run and how many tokens each computes.
+
+One token budget per step covers both decodes and (chunked) prefills. Running sequences go first, best
+(priority, arrival) first; when blocks run out the worst running sequence is preempted by recompute (its blocks
+are freed and it later recomputes prompt + output, sampling exactly as before). Then waiting sequences are
+admitted in (priority, arrival) order. Connector call sites follow connector/base.py's documented order."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Any
+
+from engine.kv_cache_manager import KVCacheManager, PrefixMatch
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        enable_chunked_prefill: bool = True,
+        connector: Any = None,
+        stats: EngineStats | None = None,
+    ) -> None:
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.connector = connector
+        self.stats = stats if stats is not None else EngineStats()
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every live sequence by its own id
+        self._finished_since_step: set[str] = set()
+        # Finished sequences whose blocks the connector still reads (request_finished said delay_free).
+        self._delayed_free: dict[str, Request] = {}
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.validate_prompt_len(request.num_prompt_tokens)
+        self.requests[request.request_id] = request
+        self.stats.num_requests += 1
+        self.stats.prompt_tokens += request.num_prompt_tokens
+        self._enqueue_waiting(request)
+
+    def validate_prompt_len(self, num_tokens: int) -> None:
+        if num_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if num_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_tokens} tokens, more than max_model_len={self.max_model_len} "
+                f"(the KV cache holds {self.kv.num_blocks * self.kv.block_size} tokens)"
+            )
+        if self.kv.blocks_needed(num_tokens) > self.kv.num_blocks:
+            raise ValueError(
+                f"the prompt has {num_tokens} tokens and cannot fit the KV cache "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
+            )
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def abort_requests(self, parent_ids: set[str]) -> list[Request]:
+        aborted = [r for r in self.requests.values() if r.parent_id in parent_ids and not r.is_finished]
+        for req in aborted:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return aborted
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        assert status.is_finished, f"{status} is not a finished state"
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        request.status = status
+        self.requests.pop(request.request_id, None)
+        self._finished_since_step.add(request.request_id)
+        delay_free = False
+        if self.connector is not None:
+            delay_free, params = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
+            request.kv_transfer_params = params
+        if delay_free:
+            self._delayed_free[request.request_id] = request
+        else:
+            self.kv.free(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling -------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_step)
+        self._finished_since_step = set()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=lambda r: r.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            block_ids = self.kv.allocate_slots(req, num_new)
+            while block_ids is None:
+                victim = self.running[-1]  # worst (priority, arrival) and not scheduled yet: it sits after i
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+                block_ids = self.kv.allocate_slots(req, num_new)
+            if block_ids is None:
+                break
+            out.scheduled_running_reqs.append(ScheduledRequest(req, block_ids, req.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+        if not out.preempted_req_ids:
+            budget = self._schedule_waiting(out, budget)
+        out.cow_copies = self.kv.take_pending_copies()
+        for s in out.scheduled:
+            # Prefill/recompute = every position except the newest output token (that one is a decode).
+            req = s.request
+            end = max(req.num_prompt_tokens, req.num_tokens - 1)
+            self.stats.computed_tokens += max(0, min(s.num_computed_tokens + s.num_scheduled_tokens, end) - s.num_computed_tokens)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            seats = 1 if req.forked else req.sampling_params.n
+            if self.running and len(self.running) + seats > self.max_num_seqs:
+                break
+            prefix = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else PrefixMatch()
+            num_computed = req.num_computed_tokens + prefix.num_tokens
+            num_external = 0
+            if self.connector is not None:
+                num_external, _load_async = self.connector.get_num_new_matched_tokens(req, num_computed)
+                # Loads run inside this step's forward (layer by layer), so async loads are treated as sync.
+                # At least one token must be computed: its logits give the next token.
+                num_external = max(0, min(num_external or 0, req.num_tokens - 1 - num_computed))
+            num_new = req.num_tokens - num_computed - num_external
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            block_ids = self.kv.allocate_slots(req, num_new, prefix, num_external)
+            if block_ids is None:
+                break
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, block_ids, num_external)
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_computed + num_external
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            self.stats.prefix_cache_hit_tokens += prefix.num_tokens
+            self.stats.external_hit_tokens += num_external
+            self.running.append(req)
+            sched = ScheduledRequest(req, block_ids, req.num_computed_tokens, num_new, num_external)
+            out.scheduled_new_reqs.append(sched)
+            budget -= num_new
+        return budget
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        out.preempted_req_ids.add(req.request_id)
+        self._enqueue_waiting(req)
+        logger.debug("preempted %s", req)
+
+    # -- results ----------------------------------------------------------------------------------------------
+    def update_from_output(
+        self, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[tuple[Request, list[int], list[Any]]]:
+        """Advance every scheduled sequence; returns (sequence, new token ids, their logprobs) per sequence
+        that got tokens (forked children included)."""
+        for rid in result.finished_sending:
+            req = self._delayed_free.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
+        updates = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue
+            if result.failed_block_ids and self._recover_load_error(s, result.failed_block_ids):
+                continue
+            req.num_computed_tokens = s.num_computed_tokens + s.num_scheduled_tokens
+            self.kv.cache_full_blocks(req)
+            tokens = result.sampled.get(req.request_id)
+            if not tokens:
+                continue  # a prefill chunk: nothing sampled yet
+            logprobs = result.logprobs.get(req.request_id, [])
+            seqs = self._fork(req, len(tokens)) if len(tokens) > 1 else [req]
+            for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+                seq.append_output_token(token)
+                self.stats.generated_tokens += 1
+                self._check_stop(seq, token)
+                updates.append((seq, [token], logprobs[i : i + 1]))
+        return updates
+
+    def _recover_load_error(self, s: ScheduledRequest, failed: set[int]) -> bool:
+        """A block this sequence relies on failed to load: recompute from its start, drop the sample."""
+        bad = [i for i, bid in enumerate(s.block_ids) if bid in failed]
+        if not bad:
+            return False
+        req = s.request
+        first = bad[0]
+        restart = min(first * self.kv.block_size, s.num_computed_tokens)
+        lost = s.num_computed_tokens - restart
+        lost_external = min(lost, s.num_external_tokens)
+        self.stats.external_hit_tokens -= lost_external
+        self.stats.load_error_tokens += lost
+        if req.num_cached_tokens > restart:
+            req.num_cached_tokens = restart
+        req.num_computed_tokens = restart
+        self.kv.uncache_from(req, first)
+        logger.warning("%s: %d blocks failed to load; recomputing from token %d", req.request_id, len(bad), restart)
+        return True
+
+    def _fork(self, parent: Request, n: int) -> list[Request]:
+        parent.forked = True
+        seqs = [parent]
+        for i in range(1, n):
+            child = parent.fork(i)
+            self.kv.fork(parent, child)
+            self.requests[child.request_id] = child
+            self.running.append(child)
+            seqs.append(child)
+        return seqs
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                return
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                return
+        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= self.max_model_len:
+            self.finish_request(req, RequestStatus.FINISHED_LENGTH)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        live = set(self.requests) | set(self._delayed_free)
+        assert set(self.kv.req_blocks) <= live, f"blocks held by dead sequences: {set(self.kv.req_blocks) - live}"
+        for req in self.waiting:
+            assert req.request_id not in self.kv.req_blocks, f"waiting {req} holds blocks"
