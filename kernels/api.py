@@ -135,8 +135,11 @@ def paged_attention(
     )
 
 
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy blocks block_ids [n] of one layer's cache [N, bs, H, D] into a new contiguous [n, bs, H, D]."""
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy blocks block_ids [n] of one layer's cache [N, bs, H, D] into a contiguous [n, bs, H, D].
+
+    out (optional, additive to the team API): a preallocated contiguous staging buffer to fill and return.
+    """
     if cache.dim() != 4:
         raise ValueError(f"cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(cache.shape)}")
     if block_ids.dim() != 1:
@@ -144,8 +147,13 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     if select_backend(cache.device) is AttentionBackend.TRITON:
         from kernels.triton_block_transfer import gather_blocks_triton
 
-        return gather_blocks_triton(cache, block_ids)
-    return gather_blocks_torch(cache, block_ids)
+        return gather_blocks_triton(cache, block_ids, out)
+    staged = gather_blocks_torch(cache, block_ids)
+    if out is None:
+        return staged
+    if out.shape != staged.shape or not out.is_contiguous():
+        raise ValueError(f"gather_blocks: out must be contiguous {tuple(staged.shape)}, got {tuple(out.shape)}")
+    return out.copy_(staged)
 
 
 def scatter_blocks(src: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor) -> None:
