@@ -23,7 +23,7 @@ from ucm.api import BlockRef, StoreStats, Tier
 from ucm.disk_tier import DiskTier
 from ucm.dram_tier import DramTier
 from ucm.eviction import EvictionPolicy, PolicyName, make_policy
-from ucm.keys import BlockKey
+from ucm.keys import KEY_NBYTES, BlockKey
 from ucm.pins import PinTable
 from ucm.record import BlockRecord, as_bytes_view, checksum
 from ucm.store_config import StoreConfig
@@ -106,6 +106,9 @@ class Store:
             raise ValueError(f"dump: {len(blocks)} blocks but {len(data)} payloads")
         if not 0 <= layer < num_layers:
             raise ValueError(f"dump: layer {layer} outside 0..{num_layers - 1}")
+        for ref in blocks:
+            if len(ref.key) != KEY_NBYTES or len(ref.parent) != KEY_NBYTES:
+                raise ValueError(f"dump: keys and parents must be {KEY_NBYTES} bytes")
         start = time.perf_counter()
         with self._lock:
             done = [self._committed(ref.key) for ref in blocks]  # content-addressed: already stored = same bytes

@@ -1,0 +1,216 @@
+"""`StoreClient`: the `KVStore` interface over ZeroMQ to a store daemon.
+
+Never hangs on a dead store: every call polls with a timeout. An unreachable store reads as a miss —
+`lookup` returns 0, `contains` all False, dump/load tasks fail every block, `commit`/`remove`/`prefetch`
+are dropped (logged) — and `ping`/`stats` raise `StoreUnavailable`. After a timeout the client fails fast
+for `retry_after_s` instead of waiting out every call. Thread-safe: one DEALER socket per thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import zmq
+
+from ucm import protocol as p
+from ucm.api import BlockRef, StoreStats
+from ucm.keys import BlockKey
+from ucm.record import as_bytes_view
+from ucm.task import Task
+
+log = logging.getLogger("ucm.client")
+
+
+class StoreUnavailable(ConnectionError):
+    """The store daemon did not answer in time (down, unreachable or overloaded)."""
+
+
+class StoreRequestError(RuntimeError):
+    """The daemon answered with an error reply."""
+
+    def __init__(self, code: p.ErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+
+
+class StoreClient:
+    def __init__(self, address: str, timeout_s: float = 5.0, retry_after_s: float = 1.0, io_threads: int = 2) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self._ctx = zmq.Context()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._req_ids = itertools.count(1)
+        self._down_until = 0.0
+        self._closed = False
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ucm-client")
+
+    # --- transport ------------------------------------------------------------------------------------
+
+    def _socket(self) -> zmq.Socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            with self._lock:
+                if self._closed:
+                    raise StoreUnavailable("client is closed")
+                sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.address)
+            self._local.sock = sock
+        return sock
+
+    def _drop_socket(self) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is not None:
+            sock.close(linger=0)  # stale replies die with it
+            self._local.sock = None
+
+    def _call(self, make: type, *fields: object, frames: Sequence[object] = (), timeout_s: float | None = None):
+        """Send one request and return (reply, data frames); raises StoreUnavailable / StoreRequestError."""
+        with self._lock:
+            req_id = next(self._req_ids)
+            if time.monotonic() < self._down_until:
+                raise StoreUnavailable(f"store at {self.address} did not answer recently; retrying later")
+        sock = self._socket()
+        try:
+            sock.send_multipart([p.encode(make(req_id, *fields)), *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again as exc:
+            self._mark_down()
+            raise StoreUnavailable(f"cannot queue a request to {self.address}") from exc
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
+                self._mark_down()
+                raise StoreUnavailable(f"store at {self.address} did not answer within {self.timeout_s} s")
+            parts = sock.recv_multipart(copy=False)
+            reply = p.reply_decoder.decode(parts[0].buffer)
+            if reply.req_id != req_id:
+                continue  # a late answer to a request this thread already gave up on
+            if isinstance(reply, p.ErrorReply):
+                raise StoreRequestError(reply.code, reply.message)
+            return reply, parts[1:]
+
+    def _mark_down(self) -> None:
+        self._drop_socket()
+        with self._lock:
+            self._down_until = time.monotonic() + self.retry_after_s
+
+    # --- KVStore ----------------------------------------------------------------------------------------
+
+    def ping(self, timeout_s: float | None = None) -> None:
+        self._call(p.Ping, timeout_s=timeout_s)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        try:
+            return self._call(p.Lookup, list(keys))[0].hit
+        except StoreUnavailable as exc:
+            log.warning("lookup treated as a miss: %s", exc)
+            return 0
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        try:
+            return self._call(p.Contains, list(keys))[0].present
+        except StoreUnavailable as exc:
+            log.warning("contains treated as a miss: %s", exc)
+            return [False] * len(keys)
+
+    def dump(
+        self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]
+    ) -> Task:
+        """Sent on an I/O thread: `data` must stay unchanged until the task finishes."""
+        if len(blocks) != len(data):
+            raise ValueError(f"dump: {len(blocks)} blocks but {len(data)} payloads")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"dump: layer {layer} outside 0..{num_layers - 1}")
+        wire = [p.WireBlock.of(ref) for ref in blocks]
+        views = [as_bytes_view(buf) for buf in data]
+        return self._run_task(len(blocks), self._dump, wire, layer, num_layers, views)
+
+    def _dump(self, wire: list[p.WireBlock], layer: int, num_layers: int, views: list[memoryview]) -> list[int]:
+        return self._call(p.Dump, wire, layer, num_layers, frames=views)[0].failed
+
+    def load(
+        self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]
+    ) -> Task:
+        if len(dst) != len(blocks) or any(len(row) != len(layers) for row in dst):
+            raise ValueError(f"load: dst must be {len(blocks)} rows of {len(layers)} buffers")
+        views = [[as_bytes_view(buf) for buf in row] for row in dst]
+        wire = [p.WireBlock.of(ref) for ref in blocks]
+        return self._run_task(len(blocks), self._load, wire, list(layers), views)
+
+    def _load(self, wire: list[p.WireBlock], layers: list[int], views: list[list[memoryview]]) -> list[int]:
+        reply, frames = self._call(p.Load, wire, layers)
+        failed = set(reply.failed)
+        hits = [i for i in range(len(wire)) if i not in failed]
+        if len(frames) != len(hits) * len(layers):
+            raise StoreRequestError(p.ErrorCode.INTERNAL, f"load reply has {len(frames)} frames, expected {len(hits) * len(layers)}")
+        frame_iter = iter(frames)
+        for i in hits:
+            for j in range(len(layers)):
+                buf = next(frame_iter).buffer
+                if len(buf) != len(views[i][j]):
+                    log.warning("load: block %d layer %d has %d bytes, dst holds %d", i, layers[j], len(buf), len(views[i][j]))
+                    failed.add(i)
+                else:
+                    views[i][j][:] = buf
+        return sorted(failed)
+
+    def _run_task(self, num_blocks: int, fn, *args: object) -> Task:
+        task = Task(num_blocks)
+
+        def run() -> None:
+            try:
+                task.finish(fn(*args))
+            except (StoreUnavailable, StoreRequestError) as exc:
+                log.warning("store task failed: %s", exc)
+                task.finish(range(num_blocks), str(exc))
+            except Exception as exc:
+                log.exception("store task failed")
+                task.finish(range(num_blocks), f"{type(exc).__name__}: {exc}")
+
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # the client was closed
+            return Task.all_failed(num_blocks, "client is closed")
+        return task
+
+    def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:
+        self._fire(p.Commit, list(keys), ok)
+
+    def prefetch(self, keys: Sequence[BlockKey]) -> None:
+        self._fire(p.Prefetch, list(keys))
+
+    def remove(self, keys: Sequence[BlockKey]) -> None:
+        self._fire(p.Remove, list(keys))
+
+    def _fire(self, make: type, *fields: object) -> None:
+        try:
+            self._call(make, *fields)
+        except StoreUnavailable as exc:
+            log.warning("%s dropped: %s", make.__name__.lower(), exc)
+
+    def stats(self) -> StoreStats:
+        return self._call(p.GetStats)[0].stats
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        self._ctx.destroy(linger=0)
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

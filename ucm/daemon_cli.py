@@ -1,0 +1,117 @@
+"""`ucm-serve store ...` (run the daemon) and `ucm-serve store-stats --connect ADDR` (print its live stats).
+
+On start the daemon prints exactly one line `ucm-store ready <address>` (flushed) once it serves; the
+launcher and the tests wait for it. SIGTERM/SIGINT stop it cleanly: in-flight requests finish, the
+write-behind queue is flushed and LMDB is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from dataclasses import asdict
+
+from ucm.client import StoreClient, StoreUnavailable
+from ucm.daemon import DaemonConfig, StoreDaemon
+from ucm.eviction import PolicyName
+from ucm.size import format_size, parse_size
+from ucm.store import Store, StoreConfig
+
+READY_PREFIX = "ucm-store ready "
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ucm-serve store", description="Run the standalone UCM KV-store daemon.")
+    ap.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ address; port 0 picks a free port")
+    ap.add_argument("--dram", type=_size, default=parse_size("4GiB"), help="DRAM tier capacity (e.g. 4GiB)")
+    ap.add_argument("--disk-path", default=None, help="LMDB directory; omit for a DRAM-only store")
+    ap.add_argument("--disk", type=_size, default=parse_size("20GiB"), help="disk tier capacity (e.g. 20GiB)")
+    ap.add_argument("--map-size", type=_size, default=None, help="LMDB map size (default: 2x --disk + 64MiB)")
+    choices = [p.value for p in PolicyName]
+    ap.add_argument("--policy", choices=choices, default=PolicyName.LRU.value, help="DRAM eviction policy")
+    ap.add_argument("--disk-policy", choices=choices, default=None, help="disk eviction policy (default: --policy)")
+    ap.add_argument("--workers", type=int, default=4, help="request worker threads")
+    ap.add_argument("--max-request-bytes", type=_size, default=parse_size("1GiB"))
+    ap.add_argument("--max-frames", type=int, default=1 + 65536)
+    ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = StoreConfig(
+            dram_bytes=args.dram,
+            disk_path=args.disk_path,
+            disk_bytes=args.disk if args.disk_path else 0,
+            lmdb_map_size=args.map_size,
+            policy=PolicyName(args.policy),
+            disk_policy=PolicyName(args.disk_policy or args.policy),
+        )
+        daemon_config = DaemonConfig(
+            bind=args.bind, workers=args.workers, max_frames=args.max_frames, max_request_bytes=args.max_request_bytes
+        )
+    except ValueError as exc:
+        print(f"ucm-serve store: {exc}", file=sys.stderr)
+        return 2
+    store = Store(config)
+    daemon = StoreDaemon(store, daemon_config)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: daemon.stop())
+    disk = f"disk {format_size(config.disk_bytes)} at {config.disk_path}" if config.disk_path else "no disk tier"
+    logging.getLogger("ucm.daemon").info("DRAM %s, %s, policy %s", format_size(config.dram_bytes), disk, args.policy)
+    print(f"{READY_PREFIX}{daemon.address}", flush=True)
+    daemon.serve_forever()
+    print("ucm-store stopped", flush=True)
+    return 0
+
+
+def stats_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="ucm-serve store-stats", description="Print a running store daemon's stats.")
+    ap.add_argument("--connect", required=True, help="the daemon's address, as printed on its ready line")
+    ap.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds (0: print once)")
+    args = ap.parse_args(argv)
+    with StoreClient(args.connect, timeout_s=args.timeout, retry_after_s=0.0) as client:
+        while True:
+            try:
+                stats = client.stats()
+            except StoreUnavailable as exc:
+                print(f"ucm-serve store-stats: {exc}", file=sys.stderr)
+                return 1
+            if args.json:
+                print(json.dumps(asdict(stats), default=lambda o: getattr(o, "value", str(o))), flush=True)
+            else:
+                print(_table(stats), flush=True)
+            if args.watch <= 0:
+                return 0
+            time.sleep(args.watch)
+
+
+def _table(stats) -> str:
+    lines = [f"{'tier':<6}{'hits':>10}{'misses':>10}{'blocks':>9}{'used':>12}{'capacity':>12}{'evicted':>9}{'read GB/s':>11}{'write GB/s':>11}"]
+    for tier, t in stats.tiers.items():
+        rd = t.bytes_read / t.read_seconds / 1e9 if t.read_seconds else 0.0
+        wr = t.bytes_written / t.write_seconds / 1e9 if t.write_seconds else 0.0
+        lines.append(
+            f"{tier.value:<6}{t.hits:>10}{t.misses:>10}{t.blocks:>9}{format_size(t.bytes_used):>12}"
+            f"{format_size(t.capacity_bytes):>12}{t.evictions:>9}{rd:>11.2f}{wr:>11.2f}"
+        )
+    lines.append(
+        f"lookups {stats.lookups}: {stats.lookup_hit_blocks}/{stats.lookup_blocks} blocks hit; "
+        f"corrupt dropped {stats.corrupt_dropped}; pending {stats.pending_blocks}"
+    )
+    return "\n".join(lines)
