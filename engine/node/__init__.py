@@ -1,0 +1,8 @@
+"""The serving-node runtime shared by prefill_node and decode_node: one engine behind a ZeroMQ DEALER.
+
+config.py    NodeConfig + the node CLI flags (one parser for both node kinds)
+key_cache.py recent block keys on this node (the heartbeat's prefix-cache summary)
+runner.py    protocol jobs → EngineCore requests, engine outputs → protocol messages
+heartbeat.py a thread that keeps heartbeats flowing even while a long step runs
+server.py    the loop: poll the socket without blocking, step the engine, stream outputs back
+"""

@@ -1,0 +1,87 @@
+"""One typed config for a serving node (prefill, decode or colocated), built in one place from argv.
+
+prefill_node.cli and decode_node.cli only choose the role; the flags and their parsing live here so the
+two node kinds can never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+
+from router.protocol import NodeRole
+
+# Store addresses that mean "no store": the node then runs without a connector (always recomputes).
+NO_STORE = ("", "none", "off")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: NodeRole
+    router_addr: str  # the router's --bind-nodes address, e.g. tcp://127.0.0.1:5557
+    store_addr: str | None  # tcp://… of a store daemon, "embedded", or None (no connector)
+    model: str = "smollm2-135m"
+    served_model_name: str | None = None  # the name clients use; defaults to `model`
+    dtype: str = "float32"
+    device: str = "cpu"
+    node_id: str = ""
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    num_gpu_blocks: int | None = None  # paged-cache size; None = the engine's default
+    heartbeat_interval_s: float = 0.5
+    cached_keys_cap: int = 4096  # how many recent block keys a heartbeat carries
+
+    def __post_init__(self) -> None:
+        if not self.router_addr:
+            raise ValueError("a node needs --router ADDR (the router's --bind-nodes address)")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat interval must be positive, got {self.heartbeat_interval_s}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def resolved_node_id(self) -> str:
+        return self.node_id or f"{self.role.value}-{socket.gethostname()}-{os.getpid()}"
+
+
+def add_node_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--router", required=True, help="router's node address (its --bind-nodes), e.g. tcp://127.0.0.1:5557")
+    parser.add_argument("--store", default="none", help="store daemon address (tcp://…), 'embedded', or 'none'")
+    parser.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
+    parser.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--node-id", default="", help="stable id (default: role-host-pid)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="paged KV cache size in blocks")
+    parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
+
+
+def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
+    store = None if args.store.strip().lower() in NO_STORE else args.store.strip()
+    device = args.device
+    if device is None:
+        import torch  # nodes may import torch; only the router must not
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return NodeConfig(
+        role=role,
+        router_addr=args.router,
+        store_addr=store,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=device,
+        node_id=args.node_id,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        num_gpu_blocks=args.num_gpu_blocks,
+        heartbeat_interval_s=args.heartbeat_interval,
+    )

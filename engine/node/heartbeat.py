@@ -1,0 +1,92 @@
+"""Registration and heartbeats on their own thread and socket, so a node stays visibly alive while one long
+engine step (a big prefill chunk on CPU) holds the serving loop.
+
+The thread's DEALER has identity `<node_id>/hb`; jobs go to the loop's DEALER (identity `<node_id>`), which the
+router addresses by the node id it learnt from Register. A router that restarted (or dropped us after missed
+heartbeats) answers a heartbeat with Welcome(accepted=False) and we register again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from engine.node.key_cache import RecentKeys
+from router import protocol as P
+
+log = logging.getLogger(__name__)
+
+
+class HeartbeatThread(threading.Thread):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        router_addr: str,
+        register: P.Register,
+        interval_s: float,
+        recent_keys: RecentKeys,
+    ) -> None:
+        super().__init__(name="ucm-heartbeat", daemon=True)
+        self._ctx = ctx
+        self._router_addr = router_addr
+        self._register = register
+        self._interval_s = interval_s
+        self._recent_keys = recent_keys
+        self._load = P.Heartbeat(node_id=register.node_id, running=0, waiting=0, free_blocks=register.num_blocks)
+        self._stop = threading.Event()
+        self.registered = threading.Event()
+
+    def update_load(self, running: int, waiting: int, free_blocks: int, stats: dict[str, float]) -> None:
+        # One reference assignment: the thread always sees a complete snapshot.
+        self._load = P.Heartbeat(
+            node_id=self._register.node_id, running=running, waiting=waiting, free_blocks=free_blocks, stats=stats
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self._register.node_id}/hb".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._router_addr)
+        try:
+            self._loop(sock)
+        finally:
+            sock.close(0)
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        sock.send(P.encode(self._register))
+        last_register = time.monotonic()
+        sent_keys_len = -1
+        sent_keys_last: bytes | None = None
+        while not self._stop.is_set():
+            while sock.poll(0):
+                msg = P.decode(sock.recv())
+                if isinstance(msg, P.Welcome):
+                    if msg.accepted:
+                        if not self.registered.is_set():
+                            log.info("registered with router %s as %s", self._router_addr, msg.node_id)
+                        self.registered.set()
+                    elif msg.reason.startswith("unknown"):
+                        self.registered.clear()
+                        sent_keys_len = -1  # the router forgot our cache summary too
+                    else:
+                        log.error("router refused registration: %s", msg.reason)
+            if not self.registered.is_set() and time.monotonic() - last_register > 1.0:
+                sock.send(P.encode(self._register))
+                last_register = time.monotonic()
+            keys = self._recent_keys.snapshot()
+            changed = len(keys) != sent_keys_len or (keys[-1] if keys else None) != sent_keys_last
+            hb = self._load
+            if changed:
+                hb = P.Heartbeat(
+                    node_id=hb.node_id, running=hb.running, waiting=hb.waiting, free_blocks=hb.free_blocks,
+                    stats=hb.stats, cached_keys=keys,
+                )
+                sent_keys_len, sent_keys_last = len(keys), (keys[-1] if keys else None)
+            sock.send(P.encode(hb))
+            self._stop.wait(self._interval_s)

@@ -1,0 +1,68 @@
+"""`ucm-serve router`: the OpenAI-compatible HTTP front end. Torch-free (a test checks sys.modules)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from router.config import RouterConfig
+
+log = logging.getLogger("router")
+
+
+def tokenizer_dir(model: str) -> Path:
+    """The model's HF folder without importing torch here: a GGUF not yet converted is converted by a child
+    process (conversion needs torch; the router must never load it)."""
+    from engine import model_source
+
+    spec = Path(model).expanduser()
+    gguf = None
+    if model in model_source.ALIASES:
+        gguf = model_source.alias_path(model)
+    elif spec.is_file() and spec.suffix.lower() == ".gguf":
+        gguf = spec.resolve()
+    if gguf is not None and not model_source.is_hf_dir(model_source.converted_dir_for(gguf)):
+        log.info("converting %s once (in a child process)", gguf)
+        code = "import sys; from engine.model_source import resolve_model_dir; print(resolve_model_dir(sys.argv[1]))"
+        subprocess.run([sys.executable, "-c", code, model], check=True, stdout=subprocess.DEVNULL)
+    return model_source.resolve_model_dir(model)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ucm-serve router", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--bind-nodes", default="tcp://127.0.0.1:5557", help="ZeroMQ address nodes connect to")
+    p.add_argument("--model", default="smollm2-135m", help="model spec (for the tokenizer) and default served name")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--node-timeout", type=float, default=3.0, help="drop a node after this many silent seconds")
+    p.add_argument("--prefill-timeout", type=float, default=60.0)
+    p.add_argument("--decode-timeout", type=float, default=120.0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = RouterConfig(
+        bind_nodes=args.bind_nodes, host=args.host, port=args.port, model=args.model,
+        served_model_name=args.served_model_name, api_key=args.api_key, node_timeout_s=args.node_timeout,
+        prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout, max_model_len=args.max_model_len,
+    )
+    import uvicorn
+
+    from engine.tokenizer import Tokenizer
+    from router.app import create_app
+
+    app = create_app(config, Tokenizer(tokenizer_dir(config.model)))
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
+                                           loop="asyncio", access_log=False))
+    # The ready line (tests and `ucm-serve up` wait for it) is printed by the app's startup: see create_app.
+    server.run()
+    return 0

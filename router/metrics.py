@@ -1,0 +1,74 @@
+"""Prometheus metrics of the router (one CollectorRegistry per app, so tests can run several apps).
+
+Names follow vLLM's where one exists (`…time_to_first_token_seconds`, `…time_per_output_token_seconds`,
+`…e2e_request_latency_seconds`, `…prompt_tokens_total`, `…generation_tokens_total`), prefixed `ucm_`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from router import protocol as P
+from router.registry import Registry
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self, registry: Registry) -> None:
+        self._nodes = registry
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ucm_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("ucm_time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("ucm_time_per_output_token_seconds", "mean time per output token after the first",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("ucm_e2e_request_latency_seconds", "end-to-end latency", buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("ucm_prompt_tokens", "prompt tokens", registry=r)
+        self.generation_tokens = Counter("ucm_generation_tokens", "generated tokens", registry=r)
+        self.cache_hit_tokens = Counter(
+            "ucm_prefix_cache_hit_tokens", "prompt tokens served from a cache, by node role and tier (device, store, dram, disk)",
+            ["role", "tier"], registry=r,
+        )
+        self.prefill_retries = Counter("ucm_prefill_retries", "prefill jobs retried on another node", registry=r)
+        self.local_prefills = Counter("ucm_local_prefills", "sequences prefilled on the decode node (no prefill node)",
+                                      registry=r)
+        self.node_events = Counter("ucm_node_events", "node registrations / drops", ["node", "event"], registry=r)
+        self.node_up = Gauge("ucm_node_up", "1 while a node is registered and heartbeating", ["node", "role"], registry=r)
+        self.node_running = Gauge("ucm_node_running_requests", "running requests per node", ["node"], registry=r)
+        self.node_waiting = Gauge("ucm_node_waiting_requests", "waiting requests per node", ["node"], registry=r)
+        self.node_free_blocks = Gauge("ucm_node_free_kv_blocks", "free KV blocks per node", ["node"], registry=r)
+        self.node_stat = Gauge("ucm_node_stat", "engine / connector / store counters reported in heartbeats",
+                               ["node", "name"], registry=r)
+        self._known: dict[str, P.NodeRole] = {}
+
+    def node_event(self, node_id: str, event: str) -> None:
+        self.node_events.labels(node_id, event).inc()
+
+    def record_cache(self, role: P.NodeRole, info: P.CacheInfo) -> None:
+        if info.device_hit_tokens:
+            self.cache_hit_tokens.labels(role.value, "device").inc(info.device_hit_tokens)
+        if info.store_hit_tokens:
+            self.cache_hit_tokens.labels(role.value, "store").inc(info.store_hit_tokens)
+        for tier, n in info.tier_hit_tokens.items():
+            if n:
+                self.cache_hit_tokens.labels(role.value, tier).inc(n)
+
+    def render(self) -> bytes:
+        self._refresh_nodes()
+        return generate_latest(self.registry)
+
+    def _refresh_nodes(self) -> None:
+        alive = self._nodes.nodes
+        for node_id, role in list(self._known.items()):
+            if node_id not in alive:
+                self.node_up.labels(node_id, role.value).set(0)
+        for node in alive.values():
+            self._known[node.node_id] = node.role
+            self.node_up.labels(node.node_id, node.role.value).set(1)
+            self.node_running.labels(node.node_id).set(node.running)
+            self.node_waiting.labels(node.node_id).set(node.waiting)
+            self.node_free_blocks.labels(node.node_id).set(node.free_blocks)
+            for name, value in node.stats.items():
+                self.node_stat.labels(node.node_id, name).set(value)

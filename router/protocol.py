@@ -1,0 +1,175 @@
+"""Wire messages between the router and the nodes: the ONE module both sides import (no torch, no pickle).
+
+Every message is a msgspec Struct in a tagged union, sent as a single msgpack frame over ZeroMQ
+(router: ROUTER socket bound at `--bind-nodes`; each node: a DEALER connected to it).
+
+    node → router   Register, Heartbeat, PrefillDone, TokenBatch, JobFailed
+    router → node   Welcome, PrefillJob, DecodeJob, Abort
+
+A request's life on the wire (DESIGN.md §2):
+    PrefillJob → P ... PrefillDone(first token, kv_transfer_params) → router
+    DecodeJob(prompt ids, first token, kv_transfer_params) → D ... TokenBatch* (last one finished=True) → router
+    Abort(request ids) → P and/or D whenever the client goes away or a stop string matched.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+# A 128k-token prompt is ~0.7 MB of msgpack; anything far bigger is a bug or an attack.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class NodeRole(enum.Enum):
+    PREFILL = "prefill"  # producer: computes the prompt's KV, saves it to the store, returns the first token
+    DECODE = "decode"  # consumer: loads the prompt's KV from the store (or prefills locally), decodes
+    BOTH = "both"  # colocated: one engine does everything (decode jobs with no first token)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop token / string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # aborted by the router
+    ERROR = "error"
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_defaults=True):
+    pass
+
+
+class SamplingSpec(msgspec.Struct, omit_defaults=True):
+    """The subset of engine.SamplingParams that crosses the wire (stop strings stay in the router)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return per token (0 = sampled token only)
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class CacheInfo(msgspec.Struct, omit_defaults=True):
+    """Where a request's prompt tokens came from on one node."""
+
+    prompt_tokens: int = 0
+    device_hit_tokens: int = 0  # the node's own prefix cache
+    store_hit_tokens: int = 0  # loaded through the connector
+    tier_hit_tokens: dict[str, int] = {}  # store hits split by tier name ("dram", "disk"), when the store says
+
+
+# ---------------------------------------------------------------- node → router
+
+
+class Register(_Msg, tag="register"):
+    node_id: str
+    role: NodeRole
+    model: str  # the name clients use ("smollm2-135m")
+    model_fingerprint: str  # with dtype + block_size: the KeyNamespace, so the router can compute block keys
+    dtype: str
+    block_size: int
+    max_model_len: int
+    capacity: int  # max concurrent requests (max_num_seqs)
+    num_blocks: int
+    has_store: bool
+    instance: str = ""  # random per process: a restarted node with the same id is a new incarnation
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    node_id: str
+    running: int
+    waiting: int
+    free_blocks: int
+    # Keys (16 bytes each) of the blocks most recently computed or hit on this node, newest last, capped:
+    # a summary of its device prefix cache for prefix-aware pairing. None = unchanged since the last one.
+    cached_keys: list[bytes] | None = None
+    stats: dict[str, float] = {}  # engine / connector counters, exported by the router as gauges
+
+
+class PrefillDone(_Msg, tag="prefill_done"):
+    request_id: str
+    first_token_id: int
+    finished: bool  # the first token already ended the request (EOS, stop token)
+    finish_reason: FinishReason | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    logprob: TokenLogprob | None = None
+    cache: CacheInfo = msgspec.field(default_factory=CacheInfo)
+
+
+class TokenBatch(_Msg, tag="tokens"):
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    cache: CacheInfo | None = None  # sent with the first batch of a decode job
+
+
+class JobFailed(_Msg, tag="job_failed"):
+    request_id: str
+    message: str
+
+
+# ---------------------------------------------------------------- router → node
+
+
+class Welcome(_Msg, tag="welcome"):
+    """Answer to Register; also sent to a node whose heartbeat the router does not know (it re-registers)."""
+
+    node_id: str
+    accepted: bool
+    reason: str = ""
+
+
+class PrefillJob(_Msg, tag="prefill_job"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingSpec
+    cache_salt: str | None = None
+
+
+class DecodeJob(_Msg, tag="decode_job"):
+    """With `first_token_id` the prompt's KV comes from the store; without it the node prefills locally."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingSpec
+    first_token_id: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+
+
+class Abort(_Msg, tag="abort"):
+    request_ids: list[str]
+
+
+Message = Register | Heartbeat | PrefillDone | TokenBatch | JobFailed | Welcome | PrefillJob | DecodeJob | Abort
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(buf: bytes | memoryview) -> Message:
+    """Decode one frame; ValueError for anything oversized, malformed or not one of our messages."""
+    if len(buf) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {len(buf)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        return _decoder.decode(buf)
+    except msgspec.DecodeError as e:  # a ValueError subclass; re-raised with context
+        raise ValueError(f"bad wire message: {e}") from e

@@ -1,0 +1,185 @@
+"""OpenAI completions and chat completions on top of the Dispatcher: tokenization, length checks, n choices,
+stop strings, logprobs, SSE chunks or one JSON body, usage and latency metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from router import protocol as P
+from router.detokenizer import IncrementalDetokenizer
+from router.dispatcher import Dispatcher, SeqRequest, SeqTrace
+from router.metrics import RouterMetrics
+from router.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, bad_request
+
+_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class Choice:
+    index: int
+    seq: SeqRequest
+    detok: IncrementalDetokenizer
+    num_logprobs: int | None
+    finish_reason: str | None = None
+    num_tokens: int = 0
+    logprobs: list[P.TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One increment of one choice, as the SSE layer needs it."""
+
+    index: int
+    text: str
+    logprobs: list[P.TokenLogprob]
+    finish_reason: str | None
+
+
+class OpenAIServing:
+    def __init__(self, dispatcher: Dispatcher, tokenizer: Any, metrics: RouterMetrics, model_name: str,
+                 max_model_len: int | None) -> None:
+        self.dispatcher = dispatcher
+        self.tok = tokenizer
+        self.metrics = metrics
+        self.model_name = model_name
+        self.max_model_len_cap = max_model_len
+
+    # ------------------------------------------------------------------ request → choices
+
+    def _max_model_len(self) -> int:
+        node_len = self.dispatcher.registry.max_model_len()
+        lens = [x for x in (node_len, self.max_model_len_cap) if x]
+        return min(lens) if lens else 2048
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
+                           "model_not_found")
+
+    def build_choices(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[Choice], int]:
+        self._check_model(body.model)
+        if isinstance(body, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                prompts = [self.tok.apply_chat_template(messages)]
+            except Exception as e:  # a template error is the client's messages' fault
+                raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
+            limit, num_logprobs = body.limit_tokens, body.num_logprobs
+        else:
+            prompts = []
+            for p in body.prompts:
+                ids = self.tok.encode(p) if isinstance(p, str) else p
+                if any(t < 0 or t >= self.tok.vocab_size for t in ids):
+                    raise bad_request("prompt token ids must be in [0, vocab_size)", "prompt")
+                prompts.append(ids)
+            limit, num_logprobs = body.max_tokens or _DEFAULT_COMPLETION_TOKENS, body.logprobs
+        max_len = self._max_model_len()
+        self.dispatcher.check_available()
+        base = uuid.uuid4().hex[:16]
+        choices: list[Choice] = []
+        for pi, ids in enumerate(prompts):
+            if not ids:
+                raise bad_request("prompt is empty after tokenization", "prompt")
+            if len(ids) >= max_len:
+                raise bad_request(
+                    f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+                    f"{len(ids)} tokens.", "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                    "context_length_exceeded")
+            max_tokens = limit if limit is not None else max_len - len(ids)
+            if len(ids) + max_tokens > max_len:
+                raise bad_request(
+                    f"This model's maximum context length is {max_len} tokens. However, you requested "
+                    f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion).",
+                    "max_tokens", "context_length_exceeded")
+            for i in range(body.n):
+                params = P.SamplingSpec(
+                    max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                    top_k=max(0, body.top_k),
+                    seed=None if body.seed is None else body.seed + i,
+                    stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=num_logprobs,
+                )
+                seq = SeqRequest(f"{base}-{pi}-{i}", list(ids), params, body.cache_salt)
+                choices.append(Choice(len(choices), seq, IncrementalDetokenizer(self.tok, body.stop_list),
+                                      num_logprobs))
+        return choices, sum(len(p) for p in prompts) * body.n
+
+    # ------------------------------------------------------------------ running choices
+
+    async def _run_choice(self, choice: Choice, t0: float, out: asyncio.Queue[Chunk | BaseException]) -> None:
+        trace = SeqTrace()
+        first_at: float | None = None
+        try:
+            gen = self.dispatcher.generate(choice.seq, trace)
+            async with contextlib.aclosing(gen):
+                async for event in gen:
+                    if event.token_ids and first_at is None:
+                        first_at = time.monotonic()
+                        self.metrics.ttft.observe(first_at - t0)
+                    choice.num_tokens += len(event.token_ids)
+                    lps = list(event.logprobs or []) if choice.num_logprobs is not None else []
+                    delta = choice.detok.add(event.token_ids, final=event.finished)
+                    if delta.stopped:
+                        choice.finish_reason = "stop"
+                    elif event.finished:
+                        reason = event.finish_reason or P.FinishReason.STOP
+                        choice.finish_reason = "length" if reason is P.FinishReason.LENGTH else reason.value
+                    choice.logprobs.extend(lps)
+                    if delta.text or lps or choice.finish_reason:
+                        out.put_nowait(Chunk(choice.index, delta.text, lps, choice.finish_reason))
+                    if choice.finish_reason:
+                        break
+            if choice.finish_reason is None:
+                raise ApiError(502, "a node ended the stream without finishing", "server_error")
+        except BaseException as e:
+            out.put_nowait(e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        finally:
+            end = time.monotonic()
+            self.metrics.generation_tokens.inc(choice.num_tokens)
+            for role, info in trace.caches:
+                self.metrics.record_cache(role, info)
+            self.metrics.prefill_retries.inc(max(0, trace.prefill_attempts - 1))
+            if trace.local_prefill:
+                self.metrics.local_prefills.inc()
+            if first_at is not None:
+                self.metrics.e2e.observe(end - t0)
+                if choice.num_tokens > 1:
+                    self.metrics.tpot.observe((end - first_at) / (choice.num_tokens - 1))
+
+    async def run(self, choices: list[Choice], prompt_tokens: int) -> AsyncIterator[Chunk]:
+        """Chunks of all choices as they come; cancels every choice (→ aborts on the nodes) if stopped early."""
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        t0 = time.monotonic()
+        out: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._run_choice(c, t0, out)) for c in choices]
+        pending = len(choices)
+        try:
+            while pending:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    pending -= 1
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
+    completion = sum(c.num_tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
