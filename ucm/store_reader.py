@@ -35,8 +35,8 @@ class BlockReader:
         """Deliver `layers` of `ref` to `sink`; False on a miss (including a dropped bad entry)."""
         store = self._store
         with store._lock:
-            record = store._inflight.get(ref.key)
-            if record is not None:
+            record = store._inflight.get(ref.key) if ref.key not in store._dram else None
+            if record is not None:  # committed, evicted from DRAM before reaching disk: still served
                 store._dram.stats.hits += 1
             else:
                 record = store._dram.get(ref.key)

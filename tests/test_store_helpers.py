@@ -1,0 +1,111 @@
+"""Helpers shared by the store tests (no tests here): fake blocks with recognisable payloads, a daemon process."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from ucm.api import BlockRef
+from ucm.keys import KeyNamespace, block_keys, root_key
+
+BLOCK_SIZE = 4
+NUM_LAYERS = 3
+PAYLOAD = 256  # bytes per (block, layer)
+
+
+def make_refs(token_ids: list[int], salt: str | None = None) -> list[BlockRef]:
+    root = root_key(KeyNamespace("test-model", "float16", BLOCK_SIZE), salt)
+    keys = block_keys(root, token_ids, BLOCK_SIZE)
+    parents = [root, *keys[:-1]]
+    return [
+        BlockRef(k, p, tuple(token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]))
+        for i, (k, p) in enumerate(zip(keys, parents))
+    ]
+
+
+def payload(ref: BlockRef, layer: int, size: int = PAYLOAD) -> bytes:
+    """Deterministic bytes that differ per block and per layer."""
+    seed = int.from_bytes(ref.key[:4], "little") ^ (layer * 7919)
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def dump_all(store, refs: list[BlockRef], num_layers: int = NUM_LAYERS, commit: bool = True, size: int = PAYLOAD) -> None:
+    for layer in range(num_layers):
+        task = store.dump(refs, layer, num_layers, [payload(r, layer, size) for r in refs])
+        assert task.wait(10), f"dump failed: {task.failed_blocks}"
+    if commit:
+        store.commit([r.key for r in refs], True)
+
+
+def load_all(store, refs: list[BlockRef], layers: list[int] | None = None, size: int = PAYLOAD):
+    """(task succeeded?, failed indices, the dst buffers)."""
+    layers = list(range(NUM_LAYERS)) if layers is None else layers
+    dst = [[bytearray(size) for _ in layers] for _ in refs]
+    task = store.load(refs, layers, [[memoryview(b) for b in row] for row in dst])
+    ok = task.wait(10)
+    return ok, task.failed_blocks, dst
+
+
+def assert_loaded(refs: list[BlockRef], dst, layers: list[int] | None = None, skip: tuple[int, ...] = ()) -> None:
+    layers = list(range(NUM_LAYERS)) if layers is None else layers
+    for i, ref in enumerate(refs):
+        if i in skip:
+            continue
+        for j, layer in enumerate(layers):
+            assert bytes(dst[i][j]) == payload(ref, layer, len(dst[i][j])), f"block {i} layer {layer} differs"
+
+
+class DaemonProcess:
+    def __init__(self, proc: subprocess.Popen, address: str) -> None:
+        self.proc = proc
+        self.address = address
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+@contextmanager
+def run_daemon(disk_path: Path | None = None, *extra: str, dram: str = "64MiB") -> Iterator[DaemonProcess]:
+    # Straight to the store's entry point so these tests do not depend on the rest of the engine package.
+    cmd = [sys.executable, "-c", "import sys; from ucm.daemon_cli import main; sys.exit(main(sys.argv[1:]))", "--bind", "tcp://127.0.0.1:0", "--dram", dram, "--log-level", "WARNING"]
+    if disk_path is not None:
+        cmd += ["--disk-path", str(disk_path), "--disk", "64MiB"]
+    proc = subprocess.Popen(cmd + list(extra), stdout=subprocess.PIPE, stderr=None, text=True, env=dict(os.environ))
+    try:
+        address = _wait_ready(proc, timeout=30.0)
+        yield DaemonProcess(proc, address)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _wait_ready(proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith("ucm-store ready "):
+                return line.split()[-1]
+            if not line and proc.poll() is not None:
+                break
+    raise AssertionError(f"daemon did not print its ready line (exit code {proc.poll()})")

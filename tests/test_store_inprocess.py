@@ -1,0 +1,250 @@
+"""The in-process Store: tiers, visibility, eviction, integrity (real LMDB in tmp_path)."""
+
+from __future__ import annotations
+
+import threading
+
+import lmdb
+import pytest
+from test_store_helpers import NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, load_all, make_refs, payload
+
+from ucm import keys as ucm_keys
+from ucm.api import Tier
+from ucm.eviction import PolicyName
+from ucm.store import Store, StoreConfig
+
+MiB = 1 << 20
+
+
+def _store(tmp_path, dram: int = 4 * MiB, disk: int | None = 16 * MiB, **kw) -> Store:
+    return Store(
+        StoreConfig(dram_bytes=dram, disk_path=str(tmp_path / "db") if disk else None, disk_bytes=disk or 0, **kw)
+    )
+
+
+def _record_bytes(store: Store, ref) -> int:
+    dump_all(store, [ref], commit=True)
+    size = store.stats().tiers[Tier.DRAM].bytes_used
+    store.remove([ref.key])
+    return size
+
+
+def test_dram_round_trip_and_prefix_lookup(tmp_path) -> None:
+    with _store(tmp_path, disk=None) as store:
+        refs = make_refs(list(range(40)))  # 10 blocks
+        dump_all(store, refs[:6])
+        keys = [r.key for r in refs]
+        assert store.lookup(keys) == 6
+        assert store.lookup(keys[1:]) == 5
+        assert store.lookup([keys[7], *keys[:6]]) == 0  # a prefix, not a count
+        assert store.contains(keys[4:8]) == [True, True, False, False]
+        ok, failed, dst = load_all(store, refs[:6])
+        assert ok and failed == []
+        assert_loaded(refs[:6], dst)
+        ok, failed, dst = load_all(store, refs[4:8], layers=[2, 0])
+        assert not ok and failed == [2, 3]
+        assert_loaded(refs[4:6], dst[:2], layers=[2, 0])
+        stats = store.stats()
+        assert stats.tiers[Tier.DRAM].hits == 8 and stats.tiers[Tier.DRAM].misses == 2
+        assert Tier.DISK not in stats.tiers
+
+
+def test_disk_round_trip_promotion_and_restart(tmp_path) -> None:
+    refs = make_refs(list(range(24)))
+    with _store(tmp_path) as store:
+        dump_all(store, refs)
+        store.flush()
+        assert store.stats().tiers[Tier.DISK].blocks == 6
+    with _store(tmp_path) as store:  # reopen: only the disk tier has them
+        keys = [r.key for r in refs]
+        assert store.lookup(keys) == 6
+        ok, _, dst = load_all(store, refs)
+        assert ok
+        assert_loaded(refs, dst)
+        stats = store.stats()
+        assert stats.tiers[Tier.DISK].hits == 6 and stats.tiers[Tier.DRAM].misses == 6
+        assert stats.tiers[Tier.DRAM].blocks == 6  # promoted
+        ok, _, dst = load_all(store, refs)
+        assert ok and store.stats().tiers[Tier.DRAM].hits == 6
+        assert_loaded(refs, dst)
+
+
+def test_prefetch_promotes(tmp_path) -> None:
+    refs = make_refs(list(range(16)))
+    with _store(tmp_path) as store:
+        dump_all(store, refs)
+        store.flush()
+    with _store(tmp_path) as store:
+        store.prefetch([r.key for r in refs])
+        store._pool.submit(lambda: None).result()  # prefetch runs on the load pool; wait for it
+        for _ in range(100):
+            if store.stats().tiers[Tier.DRAM].blocks == 4:
+                break
+            threading.Event().wait(0.02)
+        assert store.stats().tiers[Tier.DRAM].blocks == 4
+        ok, _, dst = load_all(store, refs)
+        assert ok and store.stats().tiers[Tier.DISK].hits == 4
+        assert_loaded(refs, dst)
+
+
+def test_partial_dump_never_visible(tmp_path) -> None:
+    with _store(tmp_path) as store:
+        refs = make_refs(list(range(8)))
+        for layer in range(NUM_LAYERS - 1):  # the last layer never arrives
+            store.dump(refs, layer, NUM_LAYERS, [payload(r, layer) for r in refs]).wait()
+        assert store.lookup([r.key for r in refs]) == 0
+        store.commit([r.key for r in refs], True)
+        assert store.lookup([r.key for r in refs]) == 0
+        ok, failed, _ = load_all(store, refs)
+        assert not ok and failed == [0, 1]
+        # All layers but committed with ok=False: discarded too.
+        dump_all(store, refs, commit=False)
+        assert store.contains([r.key for r in refs]) == [False, False]
+        store.commit([r.key for r in refs], False)
+        store.flush()
+        assert store.lookup([r.key for r in refs]) == 0
+        assert store.stats().tiers[Tier.DISK].blocks == 0
+
+
+def test_lru_eviction_dram_then_disk(tmp_path) -> None:
+    refs = make_refs(list(range(4 * 12)))
+    with _store(tmp_path, disk=None) as probe:
+        size = _record_bytes(probe, refs[0])
+    with _store(tmp_path, dram=4 * size, disk=6 * size, policy=PolicyName.LRU) as store:
+        dump_all(store, refs[:4])
+        assert load_all(store, [refs[0]])[0]  # refs[0] is now the most recently used
+        dump_all(store, refs[4:6])  # DRAM evicts refs[1], refs[2] (still on disk)
+        store.flush()
+        stats = store.stats()
+        assert stats.tiers[Tier.DRAM].evictions == 2 and stats.tiers[Tier.DRAM].blocks == 4
+        assert all(store.contains([r.key for r in refs[:6]]))
+        assert [k in store._dram for k in (r.key for r in refs[:6])] == [True, False, False, True, True, True]
+        # DRAM (LRU 3, 0, 4, 5) drops refs[3] and refs[0]; disk (6 blocks, LRU by write order) deletes 0 and 1.
+        dump_all(store, refs[6:8])
+        store.flush()
+        stats = store.stats()
+        assert stats.tiers[Tier.DISK].evictions == 2 and stats.tiers[Tier.DISK].blocks == 6
+        assert [k in store._dram for k in (r.key for r in refs[:8])] == [False, False, False, False, True, True, True, True]
+        assert store.contains([r.key for r in refs[:8]]) == [False, False, True, True, True, True, True, True]
+        ok, failed, dst = load_all(store, refs[:8])
+        assert failed == [0, 1]
+        assert_loaded(refs[:8], dst, skip=(0, 1))
+
+
+def test_pinned_block_not_evicted_during_load(tmp_path) -> None:
+    refs = make_refs(list(range(4 * 6)))
+    with _store(tmp_path, disk=None) as probe:
+        size = _record_bytes(probe, refs[0])
+    with _store(tmp_path, dram=2 * size, disk=None) as store:
+        dump_all(store, refs[:2])
+        in_load, release = threading.Event(), threading.Event()
+
+        def hold(_blocks) -> None:
+            in_load.set()
+            assert release.wait(10)
+
+        store.load_hook = hold
+        dst = [[bytearray(PAYLOAD) for _ in range(NUM_LAYERS)]]
+        task = store.load([refs[0]], list(range(NUM_LAYERS)), [[memoryview(b) for b in dst[0]]])
+        assert in_load.wait(10)
+        dump_all(store, refs[2:5])  # each needs a victim: only refs[1] and then the newcomers may go
+        assert store.contains([refs[0].key]) == [True], "a pinned block was evicted"
+        release.set()
+        assert task.wait(10)
+        store.load_hook = None
+        assert_loaded([refs[0]], dst)
+        dump_all(store, refs[5:6])  # unpinned now: LRU may take it
+        assert store.stats().tiers[Tier.DRAM].blocks == 2
+
+
+def _flip_byte_in_lmdb(path, key: bytes, offset_from_end: int) -> None:
+    env = lmdb.open(str(path), map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(key))
+        value[-offset_from_end] ^= 0xFF
+        txn.put(key, bytes(value))
+    env.close()
+
+
+@pytest.mark.parametrize("where", [10, 10_000])  # inside a payload / inside the header
+def test_corruption_on_disk_is_a_miss_and_dropped(tmp_path, where: int) -> None:
+    refs = make_refs(list(range(12)))
+    with _store(tmp_path) as store:
+        dump_all(store, refs)
+        store.flush()
+    record_len = len(lmdb.open(str(tmp_path / "db"), readonly=True, lock=False).begin().get(refs[1].key))
+    _flip_byte_in_lmdb(tmp_path / "db", refs[1].key, min(where, record_len - 20))
+    with _store(tmp_path) as store:
+        assert store.lookup([r.key for r in refs]) == 3  # lookup trusts the index; the read verifies
+        ok, failed, dst = load_all(store, refs)
+        assert not ok and failed == [1]
+        assert bytes(dst[1][0]) == bytes(PAYLOAD) and bytes(dst[1][2]) == bytes(PAYLOAD)  # nothing copied
+        assert_loaded(refs, dst, skip=(1,))
+        stats = store.stats()
+        assert stats.corrupt_dropped == 1 and stats.tiers[Tier.DISK].blocks == 2
+        assert store.lookup([r.key for r in refs]) == 1
+    with lmdb.open(str(tmp_path / "db"), readonly=True, lock=False) as env:
+        assert env.begin().get(refs[1].key) is None  # dropped from LMDB too
+
+
+def test_forced_collision_never_returns_wrong_data(tmp_path, monkeypatch) -> None:
+    real_chain_key = ucm_keys.chain_key
+    monkeypatch.setattr(ucm_keys, "chain_key", lambda parent, token_ids, extra=b"": real_chain_key(parent, [0]))
+    a, b = make_refs([1, 2, 3, 4]), make_refs([5, 6, 7, 8])
+    assert a[0].key == b[0].key and a[0].token_ids != b[0].token_ids
+    with _store(tmp_path) as store:
+        store.dump(a, 0, NUM_LAYERS, [payload(a[0], 0)]).wait()
+        assert store.dump(b, 0, NUM_LAYERS, [payload(b[0], 0)]).failed_blocks == [0]  # same key, other content
+        dump_all(store, a)
+        store.flush()
+        assert store.lookup([b[0].key]) == 1  # the key is there...
+        ok, failed, dst = load_all(store, b)  # ...but it is not b's block
+        assert not ok and failed == [0] and bytes(dst[0][0]) == bytes(PAYLOAD)
+        assert store.stats().corrupt_dropped == 1 and store.lookup([a[0].key]) == 0
+        dump_all(store, b)
+        ok, _, dst = load_all(store, b)
+        assert ok
+        assert_loaded(b, dst)
+        assert not load_all(store, a)[0]
+
+
+def test_concurrent_threads_dump_and_load_same_keys(tmp_path) -> None:
+    refs = make_refs(list(range(4 * 8)))
+    errors: list[str] = []
+    with _store(tmp_path) as store:
+
+        def worker(n: int) -> None:
+            for _ in range(20):
+                dump_all(store, refs)
+                ok, failed, dst = load_all(store, refs)
+                if not ok:
+                    errors.append(f"thread {n}: failed {failed}")
+                    return
+                assert_loaded(refs, dst)
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        store.flush()
+        assert store.stats().tiers[Tier.DISK].blocks == 8
+
+
+def test_bad_arguments_raise(tmp_path) -> None:
+    with _store(tmp_path, disk=None) as store:
+        refs = make_refs(list(range(8)))
+        with pytest.raises(ValueError):
+            store.dump(refs, 0, NUM_LAYERS, [b"x"])
+        with pytest.raises(ValueError):
+            store.dump(refs, NUM_LAYERS, NUM_LAYERS, [b"x", b"y"])
+        with pytest.raises(ValueError):
+            store.load(refs, [0], [[memoryview(bytearray(4))]])
+        dump_all(store, refs)
+        ok, failed, _ = load_all(store, refs, size=PAYLOAD - 1)  # dst of the wrong size: a failure, no crash
+        assert failed == [0, 1]
+    with pytest.raises(ValueError):
+        StoreConfig(dram_bytes=0)
+    with pytest.raises(ValueError):
+        StoreConfig(dram_bytes=1, disk_path="/tmp/x", disk_bytes=0)
