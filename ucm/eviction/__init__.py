@@ -1,17 +1,38 @@
-"""Pluggable eviction policies for the store's tiers; `make_policy` is the one way to build one."""
+"""Pluggable eviction policies for the store's tiers; `make_policy` is the one way to build one.
+
+LRU is the baseline; S3-FIFO and ARC are eviction orders; TinyLFU is an admission filter (meant for
+the disk tier) over a segmented LRU. Belady's offline optimum lives in `ucm.eviction.belady` and is
+for benchmarks only.
+"""
 
 from __future__ import annotations
 
+from ucm.eviction.arc import ARCPolicy
 from ucm.eviction.base import EvictionPolicy, PolicyName
 from ucm.eviction.lru import LRUPolicy
+from ucm.eviction.s3fifo import S3FIFOPolicy
+from ucm.eviction.tinylfu import TinyLFUPolicy
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "PolicyName", "make_policy"]
+__all__ = [
+    "ARCPolicy",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "PolicyName",
+    "S3FIFOPolicy",
+    "TinyLFUPolicy",
+    "make_policy",
+]
+
+_POLICIES = {
+    PolicyName.LRU: LRUPolicy,
+    PolicyName.S3FIFO: S3FIFOPolicy,
+    PolicyName.ARC: ARCPolicy,
+    PolicyName.TINYLFU: TinyLFUPolicy,
+}
 
 
 def make_policy(name: PolicyName, capacity_bytes: int) -> EvictionPolicy:
     """A fresh policy for a tier holding at most `capacity_bytes`."""
     if not isinstance(name, PolicyName):
         raise ValueError(f"policy name must be a PolicyName, got {name!r} (try PolicyName({name!r}))")
-    if name is PolicyName.LRU:
-        return LRUPolicy(capacity_bytes)
-    raise ValueError(f"policy {name.value!r} is not implemented yet")
+    return _POLICIES[name](capacity_bytes)

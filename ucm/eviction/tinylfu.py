@@ -1,0 +1,164 @@
+"""W-TinyLFU: TinyLFU admission over a segmented LRU, meant for the disk tier (Einziger et al., TOS'17).
+
+Every sighting (admit, touch) is recorded in a frequency sketch. New blocks enter a small LRU window
+(`window_fraction` of the bytes) so that a burst of fresh reuse still hits; when the window overflows,
+its LRU block duels the main area's next victim and only the one seen more often stays — cold one-off
+blocks therefore never displace a hot working set. With `window_fraction=0` the duel happens at the
+door instead: `admit` rejects a newcomer that is colder than the block(s) it would push out.
+The main area is a segmented LRU: probation (~20% of main) and protected (read again, ~80%).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+
+from ucm.eviction.base import PolicyName, check_capacity, check_size
+from ucm.eviction.sketch import FrequencySketch
+
+PROTECTED_FRACTION = 0.8  # of the main area
+MAX_DUEL_VICTIMS = 8  # a big newcomer is compared against at most this many would-be victims
+DEFAULT_WINDOW_FRACTION = 0.01  # Caffeine's default
+
+
+class TinyLFUPolicy:
+    name = PolicyName.TINYLFU
+
+    def __init__(self, capacity_bytes: int, window_fraction: float = DEFAULT_WINDOW_FRACTION) -> None:
+        self.capacity_bytes = check_capacity(capacity_bytes)
+        if not 0.0 <= window_fraction < 1.0:
+            raise ValueError(f"window_fraction must be in [0, 1), got {window_fraction}")
+        self.window_target = int(capacity_bytes * window_fraction)
+        self.protected_target = int((capacity_bytes - self.window_target) * PROTECTED_FRACTION)
+        # key -> size, LRU first
+        self._window: OrderedDict[Hashable, int] = OrderedDict()
+        self._probation: OrderedDict[Hashable, int] = OrderedDict()
+        self._protected: OrderedDict[Hashable, int] = OrderedDict()
+        self.window_bytes = 0
+        self.probation_bytes = 0
+        self.protected_bytes = 0
+        self._sketch: FrequencySketch | None = None  # sized from the first block seen
+        self._last_admitted: Hashable | None = None
+        # Blocks that overflowed the window into probation and have not yet dueled a main victim.
+        self._candidates: OrderedDict[Hashable, None] = OrderedDict()
+
+    @property
+    def used_bytes(self) -> int:
+        return self.window_bytes + self.probation_bytes + self.protected_bytes
+
+    def __len__(self) -> int:
+        return len(self._window) + len(self._probation) + len(self._protected)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._window or key in self._probation or key in self._protected
+
+    def frequency(self, key: Hashable) -> int:
+        return self._sketch.estimate(key) if self._sketch is not None else 0
+
+    def admit(self, key: Hashable, size: int) -> bool:
+        check_size(size)
+        self._record(key, size)
+        self._last_admitted = key
+        need = self.used_bytes + size - self.capacity_bytes
+        if self.window_target > 0 or need <= 0 or key in self:
+            return True  # with a window, the duel happens when the window overflows (in evict)
+        return self.frequency(key) > self._victims_frequency(need)
+
+    def insert(self, key: Hashable, size: int) -> None:
+        check_size(size)
+        if key != self._last_admitted:
+            self._record(key, size)  # the tier skipped admit(): still count the sighting
+        self._last_admitted = None
+        if key in self:
+            self.remove(key)
+            self._protect(key, size)
+        elif self.window_target > 0:
+            self._window[key] = size
+            self.window_bytes += size
+        else:
+            self._probation[key] = size
+            self.probation_bytes += size
+
+    def touch(self, key: Hashable) -> None:
+        if self._sketch is not None:
+            self._sketch.increment(key)
+        if key in self._window:
+            self._window.move_to_end(key)
+        elif key in self._probation:
+            self._candidates.pop(key, None)  # read again: it earned its place
+            size = self._probation.pop(key)
+            self.probation_bytes -= size
+            self._protect(key, size)
+        elif key in self._protected:
+            self._protected.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        self._candidates.pop(key, None)
+        if key in self._window:
+            self.window_bytes -= self._window.pop(key)
+        elif key in self._probation:
+            self.probation_bytes -= self._probation.pop(key)
+        elif key in self._protected:
+            self.protected_bytes -= self._protected.pop(key)
+
+    def evict(self, can_evict: Callable[[Hashable], bool]) -> Hashable | None:
+        # Window overflow moves to probation as candidates; each eviction is then a duel between the
+        # oldest candidate and main's next victim, and the one seen less often goes.
+        while self.window_bytes > self.window_target and self._window:
+            key, size = self._window.popitem(last=False)
+            self.window_bytes -= size
+            self._probation[key] = size
+            self.probation_bytes += size
+            self._candidates[key] = None
+        candidate = next((k for k in self._candidates if can_evict(k)), None)
+        if candidate is not None:
+            del self._candidates[candidate]
+            victim = next((k for k, _ in self._main_order() if k not in self._candidates and k != candidate
+                           and can_evict(k)), None)
+            loser = candidate if victim is None or self.frequency(candidate) <= self.frequency(victim) else victim
+            self.remove(loser)
+            return loser
+        for key in self._all_order():
+            if can_evict(key):
+                self.remove(key)
+                return key
+        return None
+
+    def segments(self) -> tuple[list[Hashable], list[Hashable], list[Hashable]]:
+        """(window, probation, protected) keys, LRU first — for tests and debugging."""
+        return list(self._window), list(self._probation), list(self._protected)
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _record(self, key: Hashable, size: int) -> None:
+        if self._sketch is None:
+            self._sketch = FrequencySketch(max(1, self.capacity_bytes // max(size, 1)))
+        self._sketch.increment(key)
+
+    def _victims_frequency(self, need: int) -> int:
+        freq = 0
+        for i, (victim, victim_size) in enumerate(self._main_order()):
+            freq = max(freq, self.frequency(victim))
+            need -= victim_size
+            if need <= 0 or i + 1 >= MAX_DUEL_VICTIMS:
+                break
+        return freq
+
+    def _main_order(self) -> Iterator[tuple[Hashable, int]]:
+        yield from self._probation.items()
+        yield from self._protected.items()
+
+    def _all_order(self) -> Iterator[Hashable]:
+        yield from self._probation
+        yield from self._protected
+        yield from self._window
+
+    def _protect(self, key: Hashable, size: int) -> None:
+        self._protected[key] = size
+        self.protected_bytes += size
+        # Overflow from protected is demoted, not dropped: it gets one more chance in probation.
+        while self.protected_bytes > self.protected_target and len(self._protected) > 1:
+            old, old_size = self._protected.popitem(last=False)
+            self.protected_bytes -= old_size
+            self._probation[old] = old_size
+            self.probation_bytes += old_size
