@@ -29,7 +29,7 @@ class NodeConfig:
     node_id: str = ""
     max_num_seqs: int = 64
     max_model_len: int | None = None
-    num_gpu_blocks: int | None = None  # paged-cache size; None = the engine's default
+    kv_cache_memory: str = "512MiB"  # paged-cache size (the device tier of the KV cache)
     heartbeat_interval_s: float = 0.5
     cached_keys_cap: int = 4096  # how many recent block keys a heartbeat carries
 
@@ -60,7 +60,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-id", default="", help="stable id (default: role-host-pid)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="paged KV cache size in blocks")
+    parser.add_argument("--kv-cache-memory", default="512MiB", help="paged KV cache size, e.g. 512MiB, 4GiB")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
 
 
@@ -82,6 +82,6 @@ def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
         node_id=args.node_id,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
-        num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_memory=args.kv_cache_memory,
         heartbeat_interval_s=args.heartbeat_interval,
     )

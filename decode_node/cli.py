@@ -1,0 +1,22 @@
+"""`ucm-serve decode`: a KV consumer node (loads prompts' KV from the store, decodes, streams tokens).
+
+With `--colocated` it is one engine doing prefill and decode itself (saving and loading through the store when
+one is given): the router then sends it every request. The runtime is shared with prefill nodes: engine/node/."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from engine.node.config import add_node_args, config_from_args
+from engine.node.server import run_node
+from router.protocol import NodeRole
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ucm-serve decode", description=__doc__)
+    add_node_args(parser)
+    parser.add_argument("--colocated", action="store_true", help="prefill and decode in this one engine")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_node(config_from_args(args, NodeRole.BOTH if args.colocated else NodeRole.DECODE))

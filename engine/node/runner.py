@@ -1,0 +1,140 @@
+"""Protocol jobs → EngineCore requests, engine outputs → protocol messages. The only node module that knows
+the engine's API; the socket loop (server.py) only moves messages.
+
+Prefill job: the prompt with max_tokens=1 on a producer engine (its connector saves every full block during
+the forward pass); the one sampled token and the connector's kv_transfer_params go back as PrefillDone.
+Decode job: prompt + first token on a consumer engine, so the connector finds the prompt's blocks in the store,
+only the tail (partial block + first token) is computed, and sampling continues at the right position.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from engine.node.key_cache import RecentKeys
+from router import protocol as P
+from ucm.keys import KeyNamespace, block_keys, root_key
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": P.FinishReason.STOP, "length": P.FinishReason.LENGTH, "abort": P.FinishReason.ABORT}
+
+
+@dataclass
+class _Job:
+    kind: type[P.PrefillJob] | type[P.DecodeJob]
+    prompt_tokens: int  # the prompt as the client sent it (without the first token)
+    want_logprobs: int | None
+    reported_cache: bool = False
+
+
+def _to_logprobs(positions: list[dict[int, Any]] | None, want: int | None) -> list[P.TokenLogprob] | None:
+    if want is None or not positions:
+        return None
+    out = []
+    for pos in positions:
+        items = list(pos.items())
+        sampled_id, sampled = items[0]  # the engine puts the sampled token first
+        top = sorted(((t, lp) for t, lp in items if 1 <= getattr(lp, "rank", 1) <= want),
+                     key=lambda x: x[1].rank)
+        out.append(P.TokenLogprob(sampled_id, float(sampled.logprob), [(t, float(lp.logprob)) for t, lp in top[:want]]))
+    return out
+
+
+class JobRunner:
+    def __init__(self, engine: Any, namespace: KeyNamespace, recent_keys: RecentKeys) -> None:
+        self.engine = engine
+        self.namespace = namespace
+        self.recent_keys = recent_keys
+        self.jobs: dict[str, _Job] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.jobs) or self.engine.has_unfinished_requests()
+
+    def _sampling(self, spec: P.SamplingSpec, max_tokens: int) -> Any:
+        from engine import SamplingParams
+
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
+            stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, logprobs=spec.logprobs,
+            detokenize=False,
+        )
+
+    def submit(self, job: P.PrefillJob | P.DecodeJob) -> list[P.Message]:
+        """Queue a job in the engine; a JobFailed comes back at once if the engine refuses it."""
+        rid = job.request_id
+        if rid in self.jobs:
+            return [P.JobFailed(rid, "duplicate request id")]
+        prompt = list(job.prompt_token_ids)
+        transfer: dict[str, Any] | None = None
+        if isinstance(job, P.PrefillJob):
+            params = self._sampling(job.params, 1)
+        else:
+            if job.first_token_id is not None:
+                prompt.append(job.first_token_id)
+                transfer = job.kv_transfer_params
+            if job.params.max_tokens < 1:
+                return [P.JobFailed(rid, "decode job with max_tokens < 1")]
+            params = self._sampling(job.params, job.params.max_tokens)
+        try:
+            self.engine.add_request(rid, prompt, params, cache_salt=job.cache_salt, kv_transfer_params=transfer)
+        except ValueError as e:
+            return [P.JobFailed(rid, str(e))]
+        self.jobs[rid] = _Job(type(job), len(job.prompt_token_ids), job.params.logprobs)
+        self.recent_keys.touch(block_keys(root_key(self.namespace, job.cache_salt), prompt, self.namespace.block_size))
+        return []
+
+    def abort(self, request_ids: list[str]) -> None:
+        live = [r for r in request_ids if r in self.jobs]
+        for rid in live:
+            del self.jobs[rid]
+        if live:
+            self.engine.abort_request(live)
+
+    def step(self) -> list[P.Message]:
+        if not self.engine.has_unfinished_requests():
+            return []
+        messages: list[P.Message] = []
+        for out in self.engine.step():
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                continue  # aborted meanwhile
+            messages.extend(self._convert(out, job))
+            if out.finished:
+                self.jobs.pop(out.request_id, None)
+        return messages
+
+    def _cache_info(self, out: Any, job: _Job) -> P.CacheInfo:
+        cached = max(0, int(getattr(out, "num_cached_tokens", 0) or 0))
+        params = out.kv_transfer_params or {}
+        external = int(params.get("num_cached_tokens", 0) or 0) if isinstance(params, dict) else 0
+        return P.CacheInfo(prompt_tokens=job.prompt_tokens, device_hit_tokens=max(0, cached - external),
+                           store_hit_tokens=external)
+
+    def _convert(self, out: Any, job: _Job) -> list[P.Message]:
+        comp = out.outputs[0]
+        reason = _FINISH.get(comp.finish_reason) if comp.finish_reason else None
+        logprobs = _to_logprobs(comp.logprobs, job.want_logprobs)
+        if job.kind is P.PrefillJob:
+            if not out.finished:
+                return []  # prefill chunks in progress
+            if not comp.token_ids:
+                return [P.JobFailed(out.request_id, f"prefill ended without a token ({comp.finish_reason})")]
+            return [P.PrefillDone(
+                request_id=out.request_id, first_token_id=comp.token_ids[0],
+                # max_tokens=1 always ends with "length"; only a stop (EOS / stop token) ends the whole request
+                finished=reason is P.FinishReason.STOP, finish_reason=reason if reason is P.FinishReason.STOP else None,
+                kv_transfer_params=out.kv_transfer_params, logprob=logprobs[0] if logprobs else None,
+                cache=self._cache_info(out, job),
+            )]
+        if not comp.token_ids and not out.finished:
+            return []
+        batch = P.TokenBatch(out.request_id, list(comp.token_ids), out.finished, reason, logprobs)
+        if not job.reported_cache and (comp.token_ids or out.finished):
+            batch.cache = P.CacheInfo(prompt_tokens=job.prompt_tokens,
+                                      device_hit_tokens=max(0, int(getattr(out, "num_cached_tokens", 0) or 0)))
+            job.reported_cache = True
+        return [batch]

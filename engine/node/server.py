@@ -1,0 +1,126 @@
+"""A serving node: one engine behind a ZeroMQ DEALER connected to the router.
+
+The loop never blocks on the socket while the engine has work: it drains every queued message (jobs, aborts)
+with a zero-timeout poll, runs one engine step (continuous batching: new jobs join the running batch), sends
+the step's outputs, and only when idle waits on the socket. Heartbeats run on their own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from engine.node.config import NodeConfig
+from engine.node.heartbeat import HeartbeatThread
+from engine.node.key_cache import RecentKeys
+from engine.node.runner import JobRunner
+from router import protocol as P
+from ucm.keys import KeyNamespace
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 50
+_MAX_DRAIN = 256  # messages taken per loop turn, so a flood of jobs cannot starve running requests
+
+
+def build_engine(config: NodeConfig) -> Any:
+    """The node's EngineCore, with the connector role its node role implies."""
+    from connector.base import KVConnectorRole
+    from engine import EngineCore
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    role = {P.NodeRole.PREFILL: KVConnectorRole.PRODUCER, P.NodeRole.DECODE: KVConnectorRole.CONSUMER,
+            P.NodeRole.BOTH: KVConnectorRole.BOTH}[config.role]
+    cache = CacheConfig(kv_cache_memory=config.kv_cache_memory)
+    engine_config = EngineConfig(
+        model=config.model, dtype=config.dtype, device=config.device, cache=cache,
+        scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len),
+        kv_store=config.store_addr, kv_role=role.value if config.store_addr else None,
+    )
+    return EngineCore(engine_config)
+
+
+class NodeServer:
+    def __init__(self, config: NodeConfig, engine: Any) -> None:
+        self.config = config
+        self.engine = engine
+        self.node_id = config.resolved_node_id
+        info = engine.info()
+        self.namespace = KeyNamespace(info.fingerprint, info.dtype, info.block_size)
+        self.recent_keys = RecentKeys(config.cached_keys_cap)
+        self.runner = JobRunner(engine, self.namespace, self.recent_keys)
+        self.register_msg = P.Register(
+            node_id=self.node_id, role=config.role, model=config.model_name, model_fingerprint=info.fingerprint,
+            dtype=info.dtype, block_size=info.block_size, max_model_len=info.max_model_len,
+            capacity=config.max_num_seqs, num_blocks=info.num_blocks, has_store=config.store_addr is not None,
+            instance=uuid.uuid4().hex,
+        )
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.node_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.config.router_addr)
+        heartbeat = HeartbeatThread(ctx, self.config.router_addr, self.register_msg,
+                                    self.config.heartbeat_interval_s, self.recent_keys)
+        heartbeat.start()
+        print(f"ucm-serve {self.config.role.value} node {self.node_id} ready: router {self.config.router_addr}, "
+              f"store {self.config.store_addr or 'none'}", flush=True)
+        try:
+            while not self._stop.is_set():
+                self._drain(sock, 0 if self.runner.busy else _IDLE_POLL_MS)
+                for msg in self.runner.step():
+                    sock.send(P.encode(msg))
+                heartbeat.update_load(*self._load())
+        finally:
+            heartbeat.stop()
+            heartbeat.join(timeout=2)
+            sock.close(0)
+            ctx.term()
+
+    def _drain(self, sock: zmq.Socket, timeout_ms: int) -> None:
+        for _ in range(_MAX_DRAIN):
+            if not sock.poll(timeout_ms):
+                return
+            timeout_ms = 0
+            try:
+                msg = P.decode(sock.recv())
+            except ValueError as e:
+                log.warning("dropping a bad message from the router: %s", e)
+                continue
+            if isinstance(msg, (P.PrefillJob, P.DecodeJob)):
+                if msg.__class__ is P.PrefillJob and self.config.role is not P.NodeRole.PREFILL:
+                    log.warning("prefill job %s sent to a %s node", msg.request_id, self.config.role.value)
+                for reply in self.runner.submit(msg):
+                    sock.send(P.encode(reply))
+            elif isinstance(msg, P.Abort):
+                self.runner.abort(msg.request_ids)
+            else:
+                log.warning("unexpected %s from the router", type(msg).__name__)
+
+    def _load(self) -> tuple[int, int, int, dict[str, float]]:
+        load = self.engine.load()
+        stats = {k: float(v) for k, v in vars(self.engine.stats()).items() if isinstance(v, (int, float))}
+        return load.running, load.waiting, load.free_blocks, stats
+
+
+def run_node(config: NodeConfig) -> int:
+    t0 = time.monotonic()
+    engine = build_engine(config)
+    log.info("engine ready in %.1fs", time.monotonic() - t0)
+    server = NodeServer(config, engine)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.stop())
+    server.serve()
+    return 0

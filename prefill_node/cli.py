@@ -1,0 +1,20 @@
+"""`ucm-serve prefill`: a KV producer node (computes prompts' KV, saves it to the store, returns the first token).
+
+The runtime is shared with decode nodes: engine/node/."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from engine.node.config import add_node_args, config_from_args
+from engine.node.server import run_node
+from router.protocol import NodeRole
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ucm-serve prefill", description=__doc__)
+    add_node_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_node(config_from_args(args, NodeRole.PREFILL))

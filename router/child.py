@@ -1,0 +1,96 @@
+"""One child process of `ucm-serve up` (and of the tests and benchmark clusters): output prefixed with its
+name, a way to wait for a line it prints, and a clean stop. Linux children also get SIGTERM if we die."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import TextIO
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # A launcher killed with SIGKILL cannot clean up; the kernel then signals its children for it.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], sink: TextIO | None = None, env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = argv
+        self._sink = sink if sink is not None else sys.stdout
+        self._lines: deque[str] = deque(maxlen=2000)
+        self._cond = threading.Condition()
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
+            env=child_env, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        self._pump = threading.Thread(target=self._read, name=f"log-{name}", daemon=True)
+        self._pump.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None, "stdout is piped"
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            with self._cond:
+                self._lines.append(line)
+                self._cond.notify_all()
+            with contextlib.suppress(Exception):
+                print(f"[{self.name}] {line}", file=self._sink, flush=True)
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        """The first output line matching `pattern`; RuntimeError if the child exits or time runs out."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                lines = list(self._lines)
+                for line in lines[seen:]:
+                    if m := regex.search(line):
+                        return m
+                seen = len(lines)
+                if not self.alive and not self._pump.is_alive():
+                    tail = "\n".join(lines[-20:])
+                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before printing {pattern!r}:\n{tail}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"{self.name}: no line matching {pattern!r} within {timeout:.0f}s")
+                self._cond.wait(min(left, 0.5))
+
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self._lines)
+
+    def kill(self) -> None:
+        """SIGKILL (fault tests)."""
+        if self.alive:
+            self.proc.kill()
+        self.proc.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._pump.join(timeout=2)
