@@ -51,8 +51,9 @@ class StoreDaemon:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 1000)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client's reply is dropped, not an error
-        # Hard cap per frame: beyond it ZeroMQ drops the peer (the soft per-request limit replies TOO_LARGE).
-        self._router.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes + 1)
+        # Hard cap per frame, far above the soft per-request limit (which gets a TOO_LARGE reply): a frame over
+        # it makes ZeroMQ drop the peer's connection without reading it into memory; the daemon serves on.
+        self._router.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_request_bytes)
         bind = config.bind[:-2] + ":*" if config.bind.startswith("tcp://") and config.bind.endswith(":0") else config.bind
         self._router.bind(bind)
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
