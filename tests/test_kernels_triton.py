@@ -8,14 +8,17 @@ output to bf16, ~2 ulps apart at |x| ~ 2). Note: the triton interpreter computes
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import torch
 
 if not torch.cuda.is_available():
-    # Must precede the first import of a kernels.triton_* module: @triton.jit reads it when decorating.
+    # Must precede triton's first import: @triton.jit reads it when decorating, triton's own tl.* helpers too.
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import kernels  # noqa: E402
 from engine.attention_metadata import AttentionMetadata  # noqa: E402
@@ -38,6 +41,28 @@ GQA = [(4, 4), (9, 3), (8, 1)]  # ratios 1, 3, 8
 DECODE_CTX = [15, 16, 17, 1, 140]  # block boundaries at block 16, a single token, > 8 blocks
 PREFILL_CTX = [15, 32, 17, 1, 150, 9]  # (context, new): whole prompt, prefix hit, mid-block chunk, 1/1, long, decode
 PREFILL_NEW = [15, 16, 5, 1, 40, 1]
+
+
+# Another test module imported triton (compiled mode) before this one could set TRITON_INTERPRET: triton's own
+# tl.* helpers are then compiled-only, so run this whole module again in a fresh interpreter process instead.
+RUN_ELSEWHERE = DEVICE == "cpu" and type(tl.cdiv).__name__ != "InterpretedFunction"
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_or_elsewhere(request):
+    if RUN_ELSEWHERE and request.node.name != "test_module_in_fresh_process":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1; test_module_in_fresh_process covers this")
+
+
+def test_module_in_fresh_process():
+    if not RUN_ELSEWHERE:
+        pytest.skip("the kernels run interpreted in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 def test_kernels_are_interpreted_on_cpu():
