@@ -125,27 +125,30 @@ class DiskTier:
             self.stats.write_seconds += time.perf_counter() - start
         return [record.key for record in accepted]
 
-    def read(self, key: BlockKey, visit: Callable[[memoryview], T]) -> T | None:
-        """Call `visit` with the stored bytes (a view valid only during the call); None if absent."""
+    def read_many(self, keys: Sequence[BlockKey], tags: Sequence[T], visit: Callable[[T, memoryview], bool]) -> list[bool]:
+        """In one read transaction, call `visit(tag, stored bytes)` for each present key (the view is valid
+        only during the call); returns, per key, False if absent or what `visit` said."""
         with self._lock:
-            if key not in self._sizes:
-                self.stats.misses += 1
-                return None
-        start = time.perf_counter()
-        with self._env.begin(buffers=True) as txn:
-            value = txn.get(key)
-            if value is None:
-                with self._lock:
-                    self.stats.misses += 1
-                return None
-            result = visit(value)
+            present = [key in self._sizes for key in keys]
+        out = [False] * len(keys)
+        start, nbytes = time.perf_counter(), 0
+        if any(present):
+            with self._env.begin(buffers=True) as txn:
+                for i, key in enumerate(keys):
+                    value = txn.get(key) if present[i] else None
+                    if value is not None:
+                        out[i] = visit(tags[i], value)
+                        nbytes += len(value) if out[i] else 0
         with self._lock:
-            if key in self._sizes:
-                self._policy.touch(key)
-            self.stats.hits += 1
-            self.stats.bytes_read += len(value)
+            for key, hit in zip(keys, out):
+                if hit and key in self._sizes:
+                    self._policy.touch(key)
+            hits = sum(out)
+            self.stats.hits += hits
+            self.stats.misses += len(keys) - hits
+            self.stats.bytes_read += nbytes
             self.stats.read_seconds += time.perf_counter() - start
-        return result
+        return out
 
     def _forget(self, key: BlockKey) -> bool:
         size = self._sizes.pop(key, None)

@@ -37,6 +37,10 @@ class RecordError(ValueError):
     """The bytes are not a well-formed block record (truncated, wrong magic, bad header checksum...)."""
 
 
+class RecordMismatch(RecordError):
+    """A well-formed record of another block (same key, different parent or token ids: a collision)."""
+
+
 def checksum(payload: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
@@ -165,3 +169,42 @@ def decode_record(buf: Buffer) -> BlockRecord:
         payloads.append(view[offset : offset + size])
         offset += size
     return BlockRecord(header, payloads, bytes(view[: offset - sum(header.payload_sizes)]))
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def read_layers(buf: Buffer, ref: BlockRef, layers: Sequence[int]) -> list[memoryview]:
+    """Verified views of `layers` of the encoded record in `buf`, if it is `ref`'s block.
+
+    The hot path of a disk read: parses only what it needs, compares token ids as bytes and checksums
+    only the requested payloads. Raises RecordMismatch for another block, RecordError for bad bytes.
+    """
+    view = as_bytes_view(buf)
+    if len(view) < _FIXED.size:
+        raise RecordError(f"record truncated: {len(view)} bytes")
+    magic, version, num_layers, num_tokens, _, key, parent = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC or version != FORMAT_VERSION or not 0 < num_layers <= MAX_LAYERS or num_tokens > MAX_TOKENS:
+        raise RecordError(f"bad record header ({magic!r} v{version}, {num_layers} layers, {num_tokens} tokens)")
+    end = header_nbytes(num_tokens, num_layers)
+    if len(view) < end or checksum(view[: end - _U64.size]) != _U64.unpack_from(view, end - _U64.size)[0]:
+        raise RecordError("header truncated or header checksum mismatch")
+    tokens_at = _FIXED.size
+    sizes_at = tokens_at + 4 * num_tokens
+    if key != ref.key or parent != ref.parent or view[tokens_at:sizes_at] != token_bytes(ref.token_ids):
+        raise RecordMismatch("key, parent or token ids differ from the caller's (hash collision or stale entry)")
+    sizes = struct.unpack_from(f"<{num_layers}Q", view, sizes_at)
+    sums = struct.unpack_from(f"<{num_layers}Q", view, sizes_at + 8 * num_layers)
+    if len(view) != end + sum(sizes):
+        raise RecordError(f"record length {len(view)} != {end + sum(sizes)} announced by its header")
+    out = []
+    for layer in layers:
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer {layer} outside the block's {num_layers}")
+        start = end + sum(sizes[:layer])
+        payload = view[start : start + sizes[layer]]
+        if checksum(payload) != sums[layer]:
+            raise RecordError(f"checksum mismatch in layer {layer}")
+        out.append(payload)
+    return out

@@ -208,7 +208,8 @@ class Store:
             try:
                 if self.load_hook is not None:
                     self.load_hook(blocks)
-                failed = [i for i, ref in enumerate(blocks) if not self._reader.read(ref, layers, _copy_sink(views[i]))]
+                hits = self._reader.read_many(blocks, layers, [_copy_sink(row) for row in views])
+                failed = [i for i, hit in enumerate(hits) if not hit]
             except Exception:
                 log.exception("load of %d blocks failed", len(blocks))
             finally:
@@ -224,15 +225,16 @@ class Store:
         keys = [ref.key for ref in blocks]
         self._pins.pin(keys)
         try:
-            out: list[list[bytes | memoryview] | None] = []
-            for ref in blocks:
-                row: list[bytes | memoryview] = [b""] * len(layers)
+            rows: list[list[bytes | memoryview]] = [[b""] * len(layers) for _ in blocks]
 
-                def keep(j: int, buf: memoryview | bytes, owned: bool, row: list = row) -> None:
+            def keeper(row: list[bytes | memoryview]) -> Sink:
+                def keep(j: int, buf: memoryview | bytes, owned: bool) -> None:
                     row[j] = buf if owned else bytes(buf)
 
-                out.append(row if self._reader.read(ref, layers, keep) else None)
-            return out
+                return keep
+
+            hits = self._reader.read_many(blocks, layers, [keeper(row) for row in rows])
+            return [row if hit else None for row, hit in zip(rows, hits)]
         finally:
             self._pins.unpin(keys)
 

@@ -1,7 +1,8 @@
-"""The store's read path: find a block in DRAM, in the write-behind map or on disk; verify; hand out bytes.
+"""The store's read path: find blocks in DRAM, in the write-behind map or on disk; verify; hand out bytes.
 
 A block is served only if its header names the caller's key, parent and token ids (no collision can return
 wrong KV) and every requested payload's checksum verifies; otherwise it is a miss and the entry is dropped.
+One call handles a whole load request: one lock round for the DRAM lookups, one LMDB read transaction.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ucm.api import BlockRef
 from ucm.keys import BlockKey
-from ucm.record import BlockRecord, RecordError, decode_record
+from ucm.record import BlockRecord, RecordError, RecordMismatch, decode_record, read_layers
 
 if TYPE_CHECKING:
     from ucm.store import Store
@@ -23,79 +24,91 @@ log = logging.getLogger("ucm.store")
 Sink = Callable[[int, "memoryview | bytes", bool], None]
 
 
-class _Bad(Exception):
-    """This stored entry must not be served and is dropped."""
-
-
 class BlockReader:
     def __init__(self, store: Store) -> None:
         self._store = store
 
-    def read(self, ref: BlockRef, layers: Sequence[int], sink: Sink) -> bool:
-        """Deliver `layers` of `ref` to `sink`; False on a miss (including a dropped bad entry)."""
+    def read_many(self, refs: Sequence[BlockRef], layers: Sequence[int], sinks: Sequence[Sink]) -> list[bool]:
+        """Deliver `layers` of each block to its sink; False where it missed (a dropped bad entry included)."""
         store = self._store
         with store._lock:
-            record = store._inflight.get(ref.key) if ref.key not in store._dram else None
-            if record is not None:  # committed, evicted from DRAM before reaching disk: still served
-                store._dram.stats.hits += 1
-            else:
-                record = store._dram.get(ref.key)
-        if record is not None:
-            return self._serve_dram(ref, record, layers, sink)
-        disk = store._disk
-        if disk is None:
-            return False
-        promote = store.config.promote_on_disk_hit
+            records = []
+            for ref in refs:
+                record = store._inflight.get(ref.key) if ref.key not in store._dram else None
+                if record is not None:  # committed, evicted from DRAM before reaching disk: still served
+                    store._dram.stats.hits += 1
+                else:
+                    record = store._dram.get(ref.key)
+                records.append(record)
+        ok = [False] * len(refs)
+        bad: list[tuple[BlockKey, str]] = []
+        start, nbytes = time.perf_counter(), 0
+        for i, (ref, record) in enumerate(zip(refs, records)):
+            if record is not None:
+                ok[i] = self._serve_dram(ref, record, layers, sinks[i], bad)
+                nbytes += sum(record.header.payload_sizes[layer] for layer in layers) if ok[i] else 0
+        with store._lock:
+            store._dram.stats.bytes_read += nbytes
+            store._dram.stats.read_seconds += time.perf_counter() - start
+        on_disk = [i for i, record in enumerate(records) if record is None]
+        promoted: list[BlockRecord] = []
+        if on_disk and store._disk is not None:
+            promote = store.config.promote_on_disk_hit
 
-        def visit(buf: memoryview) -> BlockRecord | bool:
-            found = decode_record(bytes(buf) if promote else buf)  # promotion: one copy out of the map
-            self._check(ref, found, range(found.header.num_layers) if promote else layers)
-            for j, layer in enumerate(layers):
-                sink(j, found.payloads[layer], promote)
-            return found if promote else True
+            def visit(i: int, buf: memoryview) -> bool:
+                ref, sink = refs[i], sinks[i]
+                try:
+                    if not promote:  # serve straight out of the memory map
+                        for j, payload in enumerate(read_layers(buf, ref, layers)):
+                            sink(j, payload, False)
+                        return True
+                    found = decode_record(bytes(buf))  # one copy out of the map, then owned by DRAM
+                    self._check(ref, found, range(found.header.num_layers))
+                    for j, layer in enumerate(layers):
+                        sink(j, found.payloads[layer], True)
+                    promoted.append(found)
+                    return True
+                except RecordError as exc:
+                    bad.append((ref.key, f"disk entry rejected: {exc}"))
+                except ValueError as exc:  # the caller's layers or buffers do not fit this block
+                    log.warning("load of %s failed: %s", ref.key.hex(), exc)
+                return False
 
-        try:
-            result = disk.read(ref.key, visit)
-        except (_Bad, RecordError) as exc:
-            self._drop(ref.key, f"disk entry rejected: {exc}")
-            return False
-        except ValueError as exc:  # the caller's buffers do not fit
-            log.warning("load of %s failed: %s", ref.key.hex(), exc)
-            return False
-        if isinstance(result, BlockRecord):
+            for i, hit in zip(on_disk, store._disk.read_many([refs[i].key for i in on_disk], on_disk, visit)):
+                ok[i] = hit
+        for key, why in bad:
+            self._drop(key, why)
+        if promoted:
             with store._lock:
-                store._dram.put(result, "promoted after a disk hit")
-        return result is not None
+                for record in promoted:
+                    store._dram.put(record, "promoted after a disk hit")
+        return ok
 
-    def _serve_dram(self, ref: BlockRef, record: BlockRecord, layers: Sequence[int], sink: Sink) -> bool:
-        store = self._store
-        start = time.perf_counter()
+    def _serve_dram(
+        self, ref: BlockRef, record: BlockRecord, layers: Sequence[int], sink: Sink, bad: list[tuple[BlockKey, str]]
+    ) -> bool:
         try:
-            self._check(ref, record, layers if store.config.verify_dram_reads else ())
+            self._check(ref, record, layers if self._store.config.verify_dram_reads else ())
             if any(not 0 <= layer < record.header.num_layers for layer in layers):
                 raise ValueError(f"layers {list(layers)} outside the block's {record.header.num_layers}")
             for j, layer in enumerate(layers):
                 sink(j, record.payloads[layer], True)
-        except _Bad as exc:
-            self._drop(ref.key, f"DRAM entry rejected: {exc}")
-            return False
+            return True
+        except RecordError as exc:
+            bad.append((ref.key, f"DRAM entry rejected: {exc}"))
         except ValueError as exc:
             log.warning("load of %s failed: %s", ref.key.hex(), exc)
-            return False
-        with store._lock:
-            store._dram.stats.bytes_read += sum(record.header.payload_sizes[layer] for layer in layers)
-            store._dram.stats.read_seconds += time.perf_counter() - start
-        return True
+        return False
 
     @staticmethod
     def _check(ref: BlockRef, record: BlockRecord, verify: Sequence[int] | range) -> None:
         if not record.header.matches(ref):
-            raise _Bad("key, parent or token ids differ from the caller's (hash collision or stale entry)")
+            raise RecordMismatch("key, parent or token ids differ from the caller's (hash collision or stale entry)")
         for layer in verify:
             if not 0 <= layer < record.header.num_layers:
                 raise ValueError(f"layer {layer} outside the block's {record.header.num_layers}")
             if not record.verify_layer(layer):
-                raise _Bad(f"checksum mismatch in layer {layer}")
+                raise RecordError(f"checksum mismatch in layer {layer}")
 
     def _drop(self, key: BlockKey, why: str) -> None:
         store = self._store
@@ -111,25 +124,28 @@ class BlockReader:
         """Prefetch: copy disk blocks into DRAM (verified against their own header, all layers)."""
         store = self._store
         assert store._disk is not None, "promote needs a disk tier"
-        for key in keys:
-            with store._lock:
-                if key in store._dram or key in store._inflight:
-                    continue
+        with store._lock:
+            keys = [key for key in keys if key not in store._dram and key not in store._inflight]
+        found: list[BlockRecord] = []
+        bad: list[tuple[BlockKey, str]] = []
 
-            def visit(buf: memoryview) -> BlockRecord:
-                found = decode_record(bytes(buf))
-                if found.key != key:
-                    raise _Bad("header names another key")
-                for layer in range(found.header.num_layers):
-                    if not found.verify_layer(layer):
-                        raise _Bad(f"checksum mismatch in layer {layer}")
-                return found
-
+        def visit(key: BlockKey, buf: memoryview) -> bool:
             try:
-                found = store._disk.read(key, visit)
-            except (_Bad, RecordError) as exc:
-                self._drop(key, f"disk entry rejected during prefetch: {exc}")
-                continue
-            if found is not None:
-                with store._lock:
-                    store._dram.put(found, "prefetch")
+                record = decode_record(bytes(buf))
+                if record.key != key:
+                    raise RecordMismatch("header names another key")
+                for layer in range(record.header.num_layers):
+                    if not record.verify_layer(layer):
+                        raise RecordError(f"checksum mismatch in layer {layer}")
+            except RecordError as exc:
+                bad.append((key, f"disk entry rejected during prefetch: {exc}"))
+                return False
+            found.append(record)
+            return True
+
+        store._disk.read_many(keys, keys, visit)
+        for key, why in bad:
+            self._drop(key, why)
+        with store._lock:
+            for record in found:
+                store._dram.put(record, "prefetch")

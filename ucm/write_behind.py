@@ -16,7 +16,9 @@ from ucm.keys import BlockKey
 from ucm.record import BlockRecord
 
 log = logging.getLogger("ucm.write_behind")
-_BATCH = 256
+_BATCH = 1024
+_BATCH_BYTES = 64 << 20
+_LINGER_S = 0.002
 _STOP = None
 
 
@@ -56,15 +58,17 @@ class WriteBehind:
             stop = first is _STOP
             if not stop:
                 batch.append(first)
-            while not stop and len(batch) < _BATCH:
-                try:
-                    item = self._queue.get_nowait()
+            nbytes = sum(r.nbytes for r in batch)
+            while not stop and len(batch) < _BATCH and nbytes < _BATCH_BYTES:
+                try:  # linger a moment: a commit usually brings many blocks, and each transaction costs an fsync
+                    item = self._queue.get(timeout=_LINGER_S)
                 except queue.Empty:
                     break
                 if item is _STOP:
                     stop = True
                 else:
                     batch.append(item)
+                    nbytes += item.nbytes
             try:
                 if batch:
                     written = self._disk.write(batch)
