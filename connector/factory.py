@@ -47,6 +47,8 @@ def open_store(spec: StoreSpec) -> KVStore:
         from ucm.client import StoreClient
 
         assert spec.address is not None, "a daemon spec has an address"
+        if spec.timeout_s is not None:
+            return StoreClient(spec.address, timeout_s=spec.timeout_s, retry_after_s=max(1.0, 4 * spec.timeout_s))
         return StoreClient(spec.address)
     from ucm.store import Store
     from ucm.store_config import StoreConfig

@@ -3,6 +3,7 @@
     embedded                                   in-process store, host DRAM only
     embedded?disk_path=DIR&dram=2GiB&disk=8GiB in-process store with an LMDB tier at DIR
     tcp://127.0.0.1:5555 | ipc:///tmp/ucm.sock a running `ucm-serve store` daemon
+    tcp://127.0.0.1:5555?timeout_s=0.5         ... with the client's per-call timeout
 
 Options after `?` for embedded: dram, disk (sizes), disk_path, policy, disk_policy.
 """
@@ -30,6 +31,7 @@ class StoreKind(enum.Enum):
 class StoreSpec:
     kind: StoreKind
     address: str | None = None  # daemon only
+    timeout_s: float | None = None  # daemon only: per-call timeout (None: the client's default)
     dram_bytes: int = 0  # embedded only
     disk_path: str | None = None
     disk_bytes: int = 0
@@ -41,7 +43,14 @@ class StoreSpec:
         if not isinstance(text, str) or not text:
             raise ValueError(f"kv_store must be 'embedded[?options]', 'tcp://HOST:PORT' or 'ipc://PATH', got {text!r}")
         if text.startswith(("tcp://", "ipc://")):
-            return cls(StoreKind.DAEMON, address=text)
+            address, _, query = text.partition("?")
+            opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+            if set(opts) - {"timeout_s"}:
+                raise ValueError(f"unknown daemon option(s) {sorted(set(opts) - {'timeout_s'})} in {text!r}; known: timeout_s")
+            timeout = float(opts["timeout_s"]) if "timeout_s" in opts else None
+            if timeout is not None and not timeout > 0:
+                raise ValueError(f"timeout_s must be positive in {text!r}")
+            return cls(StoreKind.DAEMON, address=address, timeout_s=timeout)
         head, _, query = text.partition("?")
         if head != "embedded":
             raise ValueError(f"kv_store must be 'embedded[?options]', 'tcp://HOST:PORT' or 'ipc://PATH', got {text!r}")
