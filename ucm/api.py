@@ -15,6 +15,10 @@ from typing import Protocol
 from ucm.keys import BlockKey
 
 
+class StoreUnavailable(ConnectionError):
+    """The store (daemon) did not answer in time: down, unreachable or overloaded. Callers recompute."""
+
+
 class Tier(enum.Enum):
     DRAM = "dram"
     DISK = "disk"
@@ -86,7 +90,12 @@ class KVStore(Protocol):
     def dump(
         self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]
     ) -> StoreTask:
-        """Write one layer's payload for each block; invisible to lookups until `commit`."""
+        """Write one layer's payload for each block; invisible to lookups until `commit`.
+
+        `data` must stay unchanged until the task finishes (the in-process store copies before returning;
+        the daemon client sends from an I/O thread). A block already committed is skipped (same key = same
+        bytes); one being dumped with a different parent/token ids (a key collision) fails.
+        """
         ...
 
     def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:

@@ -18,16 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 
 from ucm import protocol as p
-from ucm.api import BlockRef, StoreStats
+from ucm.api import BlockRef, StoreStats, StoreUnavailable
 from ucm.keys import BlockKey
 from ucm.record import as_bytes_view
 from ucm.task import Task
 
 log = logging.getLogger("ucm.client")
-
-
-class StoreUnavailable(ConnectionError):
-    """The store daemon did not answer in time (down, unreachable or overloaded)."""
+__all__ = ["StoreClient", "StoreRequestError", "StoreUnavailable"]
 
 
 class StoreRequestError(RuntimeError):
