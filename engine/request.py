@@ -74,6 +74,8 @@ class Request:
         self.seed = seed
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
+        # What the connector's request_finished returned: handed to the next hop (e.g. prefill → decode).
+        self.finished_kv_transfer_params: dict[str, Any] | None = None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Prompt tokens served from a cache (device or connector) when first scheduled; -1 until then.

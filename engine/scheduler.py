@@ -94,7 +94,7 @@ class Scheduler:
         delay_free = False
         if self.connector is not None:
             delay_free, params = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
-            request.kv_transfer_params = params
+            request.finished_kv_transfer_params = params
         if delay_free:
             self._delayed_free[request.request_id] = request
         else:

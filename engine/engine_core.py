@@ -1,0 +1,227 @@
+"""EngineCore: one model, one paged KV cache, one scheduler; `add_request` + `step()` → incremental outputs.
+
+Used directly by the prefill/decode nodes and wrapped by the offline `LLM`. Single-threaded by design: the
+caller owns the loop (and any lock around it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import TokenLogprobs
+from engine.stats import EngineStats
+from ucm.keys import KeyNamespace, root_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Parent:
+    """A user request: its n samples may finish at different steps."""
+
+    prompt_token_ids: list[int]
+    n: int
+    prompt: str | None = None
+    done: set[int] = dataclasses.field(default_factory=set)
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        loaded_model: Any = None,
+        kv_connector: tuple[Any, Any] | None = None,
+    ) -> None:
+        self.config = config
+        if loaded_model is None:
+            from engine.loader import load_model
+
+            loaded_model = load_model(config.model, getattr(torch, config.dtype_name), config.device)
+        self.loaded = loaded_model
+        self.model_config = loaded_model.config
+        self.tokenizer = loaded_model.tokenizer
+        self.dtype: torch.dtype = loaded_model.dtype
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        bs = config.cache.block_size
+        num_blocks = num_blocks_for_budget(config.cache.kv_cache_bytes, self.model_config, bs, self.dtype)
+        self.max_model_len = self._resolve_max_model_len(num_blocks * bs)
+        self.kv_caches = allocate_kv_caches(num_blocks, self.model_config, bs, self.dtype, config.device)
+        self.namespace = KeyNamespace(loaded_model.fingerprint, self.dtype_name, bs)
+        if kv_connector is None and config.kv_store is not None:
+            from connector.base import KVConnectorRole
+            from connector.factory import make_connector
+
+            role = KVConnectorRole(config.kv_role or KVConnectorRole.BOTH.value)
+            kv_connector = make_connector(config.kv_store, role, config, self.model_config, loaded_model.fingerprint)
+        self.kv_connector = kv_connector
+        conn_sched, conn_worker = kv_connector if kv_connector is not None else (None, None)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        self.stats_counters = EngineStats()
+        self.kv_manager = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+            connector=conn_sched,
+            stats=self.stats_counters,
+        )
+        self.runner = ModelRunner(loaded_model.model, self.kv_caches, bs, config.device, self.eos_token_ids, conn_worker)
+        self._rng = random.Random(config.seed)
+        self._arrival = itertools.count()
+        self._parents: dict[str, _Parent] = {}
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
+        logger.info(
+            "engine: %d KV blocks x %d tokens (%.1f MiB, %s), max_model_len %d",
+            num_blocks, bs, num_blocks * self.model_config.kv_bytes_per_block(bs, self.dtype) / 2**20,
+            self.dtype_name, self.max_model_len,
+        )
+
+    def _resolve_max_model_len(self, kv_tokens: int) -> int:
+        wanted = self.config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        if wanted > kv_tokens:
+            # One sequence must always fit the whole cache, or preemption could never make room for it.
+            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); using %d", wanted, kv_tokens, kv_tokens)
+        return min(wanted, kv_tokens)
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        prompt: str | None = None,
+    ) -> None:
+        params = params if params is not None else SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = list(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"request {request_id!r}: prompt token ids must be ints in [0, {vocab})")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(
+            request_id, ids, params,
+            root_key=root_key(self.namespace, cache_salt), block_size=self.namespace.block_size,
+            arrival=next(self._arrival), seed=seed, priority=priority,
+            cache_salt=cache_salt, kv_transfer_params=kv_transfer_params,
+        )
+        self.scheduler.add_request(req)  # validates the length
+        self._parents[request_id] = _Parent(ids, params.n, prompt)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        for seq in self.scheduler.abort_requests(ids):
+            parent = self._parents.get(seq.parent_id)
+            if parent is None:
+                continue
+            # A request aborted before its fork has only one sequence: all n samples end here.
+            indexes = [seq.sample_index] if seq.forked else list(range(parent.n))
+            outs = [CompletionOutput(i, "", [], None, "abort") for i in indexes]
+            parent.done.update(indexes)
+            self._pending.append(self._request_output(seq, parent, outs))
+            self._detoks.pop(seq.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self.stats_counters)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if not sched.scheduled and sched.kv_connector_metadata is None:
+            return outputs
+        self.stats_counters.steps += 1
+        result = self.runner.execute(sched)
+        updates = self.scheduler.update_from_output(sched, result)
+        by_parent: dict[str, tuple[Request, list[CompletionOutput]]] = {}
+        for seq, tokens, logprobs in updates:
+            comp = self._completion_delta(seq, tokens, logprobs)
+            by_parent.setdefault(seq.parent_id, (seq, []))[1].append(comp)
+        for seq, comps in by_parent.values():
+            parent = self._parents[seq.parent_id]
+            outputs.append(self._request_output(seq, parent, comps))
+        return outputs
+
+    def _completion_delta(self, seq: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> CompletionOutput:
+        sp = seq.sampling_params
+        text = ""
+        if sp.detokenize:
+            detok = self._detoks.get(seq.request_id)
+            if detok is None:
+                detok = self._detoks[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, sp)
+            # Like vLLM, a stop/EOS token is returned in token_ids but not rendered into the text.
+            stopped_by_token = seq.status is RequestStatus.FINISHED_STOPPED and not isinstance(seq.stop_reason, str)
+            text_tokens = tokens[:-1] if stopped_by_token else tokens
+            check_stop = seq.num_output_tokens >= sp.min_tokens
+            text, hit = detok.update(text_tokens, finished=seq.is_finished, check_stop=check_stop)
+            if hit:
+                seq.stop_reason = detok.stop_string
+                if seq.is_finished:
+                    seq.status = RequestStatus.FINISHED_STOPPED  # the stop string wins over a length finish
+                else:
+                    self.scheduler.finish_request(seq, RequestStatus.FINISHED_STOPPED)
+        reason = seq.finish_reason
+        if reason is not None:
+            self._detoks.pop(seq.request_id, None)
+            self._parents[seq.parent_id].done.add(seq.sample_index)
+        return CompletionOutput(
+            index=seq.sample_index,
+            text=text,
+            token_ids=list(tokens),
+            logprobs=[self._to_logprobs(lp) for lp in logprobs] if sp.logprobs is not None else None,
+            finish_reason=reason.value if reason is not None else None,
+            stop_reason=seq.stop_reason,
+        )
+
+    def _to_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        return {
+            tid: Logprob(val, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
+            for tid, val, rank in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True)
+        }
+
+    def _request_output(self, seq: Request, parent: _Parent, comps: list[CompletionOutput]) -> RequestOutput:
+        if seq.is_finished and seq.sample_index == 0 and seq.finished_kv_transfer_params is not None:
+            parent.kv_transfer_params = seq.finished_kv_transfer_params
+        finished = len(parent.done) >= parent.n
+        if finished:
+            self._parents.pop(seq.parent_id, None)
+        return RequestOutput(
+            request_id=seq.parent_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=comps,
+            finished=finished,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            kv_transfer_params=parent.kv_transfer_params if finished else None,
+        )

@@ -1,0 +1,129 @@
+"""Runs one scheduled step on the model: packs the batch (vectorised numpy, no per-token Python), applies
+copy-on-write copies, drives the worker-side connector around the forward, samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.kv_cache import KVCaches
+from engine.sampler import Sampler, SamplingRow
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        kv_caches: KVCaches,
+        block_size: int,
+        device: torch.device | str,
+        eos_token_ids: frozenset[int],
+        connector: Any = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.eos_token_ids = eos_token_ids
+        self.connector = connector
+        self.sampler = Sampler()
+        if connector is not None:
+            connector.register_kv_caches(kv_caches)
+
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        sched = out.scheduled
+        bs = self.block_size
+        num_seqs = len(sched)
+        num_new = np.fromiter((s.num_scheduled_tokens for s in sched), dtype=np.int64, count=num_seqs)
+        computed = np.fromiter((s.num_computed_tokens for s in sched), dtype=np.int64, count=num_seqs)
+        token_ids: list[int] = []
+        for s in sched:
+            token_ids += s.request.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_scheduled_tokens]
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=qsl[1:])
+        total = int(qsl[-1])
+        seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - computed, num_new)
+        seq_lens = computed + num_new
+        max_blocks = max(len(s.block_ids) for s in sched)
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+        for i, s in enumerate(sched):
+            block_tables[i, : len(s.block_ids)] = s.block_ids
+        slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        return input_ids, torch.from_numpy(positions).to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        if out.cow_copies:
+            from kernels import copy_blocks
+
+            src, dst = zip(*out.cow_copies, strict=True)
+            copy_blocks(self.kv_caches, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+        conn = self.connector
+        if conn is not None and out.kv_connector_metadata is not None:
+            conn.bind_connector_metadata(out.kv_connector_metadata)
+            conn.start_load_kv()
+        hidden = None
+        if out.scheduled:
+            input_ids, positions, meta = self.prepare_inputs(out)
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, kv_connector=conn)
+        if conn is not None and out.kv_connector_metadata is not None:
+            conn.wait_for_save()
+            sending, recving = conn.get_finished(out.finished_req_ids)
+            result.finished_sending = set(sending or ())
+            result.finished_recving = set(recving or ())
+            result.failed_block_ids = set(conn.get_block_ids_with_load_errors())
+            conn.clear_connector_metadata()
+        if hidden is not None:
+            self._sample(out, hidden, result)
+        return result
+
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+        logit_rows: list[int] = []
+        rows: list[SamplingRow] = []
+        owners: list[str] = []
+        end = 0
+        for s in out.scheduled:
+            end += s.num_scheduled_tokens
+            req = s.request
+            for i in range(s.num_samples):
+                logit_rows.append(end - 1)
+                owners.append(req.request_id)
+                rows.append(
+                    SamplingRow(
+                        req.sampling_params,
+                        req.seed,
+                        req.sample_index + i,
+                        req.num_output_tokens,
+                        req.prompt_token_ids,
+                        req.output_token_ids,
+                        self.eos_token_ids,
+                    )
+                )
+        if not rows:
+            return
+        unique = sorted(set(logit_rows))
+        logits = self.model.compute_logits(hidden[torch.tensor(unique, device=hidden.device)])
+        if len(unique) != len(logit_rows):
+            where = {r: j for j, r in enumerate(unique)}
+            logits = logits[torch.tensor([where[r] for r in logit_rows], device=logits.device)]
+        tokens, logprobs = self.sampler(logits.cpu() if logits.is_cuda else logits, rows)
+        for rid, tok, lp in zip(owners, tokens, logprobs, strict=True):
+            result.sampled.setdefault(rid, []).append(tok)
+            if lp is not None:
+                result.logprobs.setdefault(rid, []).append(lp)

@@ -1,0 +1,166 @@
+"""Turns logits into tokens: penalties, min_tokens, temperature, min-p, top-k, top-p, then greedy or seeded
+sampling, vectorised across the batch; optional logprobs of the raw distribution (like vLLM's default).
+
+Randomness: the sample for output position t of sample i of a request comes from exponential noise drawn
+from a generator seeded with mix(seed, i, t), so it is the same alone or in any batch, and after
+recompute-preemption. Sampling is `argmax(probs / Exp(1))`, an exact draw from `probs`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import TokenLogprobs
+
+_MASK64 = (1 << 63) - 1
+
+
+def mix_seed(seed: int, sample_index: int, position: int) -> int:
+    """A 63-bit generator seed for one draw (splitmix64-style mixing, so nearby inputs give unrelated seeds)."""
+    x = (seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) & (
+        (1 << 64) - 1
+    )
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    x ^= x >> 31
+    return x & _MASK64
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits to sample from (a row may be sampled several times when a request forks)."""
+
+    params: SamplingParams
+    seed: int
+    sample_index: int
+    position: int  # index of the output token being sampled
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+
+
+class Sampler:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), f"{tuple(logits.shape)} logits for {len(rows)} rows"
+        logits = logits.float()
+        num_logprobs = [r.params.logprobs for r in rows]
+        raw_logprobs = None
+        if any(k is not None for k in num_logprobs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, rows)
+        logits = self._apply_min_tokens(logits, rows)
+        tokens = self._sample(logits, rows)
+        out_logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            out_logprobs = self._gather_logprobs(raw_logprobs, tokens, num_logprobs)
+        return tokens.tolist(), out_logprobs
+
+    # -- logit processors -----------------------------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+        if not idx:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in idx:
+            p = rows[i].params
+            out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long)
+            counts = torch.bincount(out_ids[out_ids < vocab], minlength=vocab).to(logits.dtype)
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                # Like vLLM/HF: every token seen in prompt or output is pushed away from being chosen.
+                seen = counts > 0
+                prompt_ids = torch.tensor(rows[i].prompt_token_ids, dtype=torch.long)
+                seen[prompt_ids[prompt_ids < vocab]] = True
+                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row = torch.where(seen, penalised, row)
+            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+            logits[i] = row
+        return logits
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        blocked = [
+            (i, sorted(r.params.stop_token_ids + tuple(() if r.params.ignore_eos else r.eos_token_ids)))
+            for i, r in enumerate(rows)
+            if len(r.output_token_ids) < r.params.min_tokens
+        ]
+        if not blocked:
+            return logits
+        logits = logits.clone()
+        for i, ids in blocked:
+            if ids:
+                logits[i, ids] = float("-inf")
+        return logits
+
+    # -- sampling -----------------------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if not rand:
+            return tokens
+        sub = logits[rand]
+        temps = torch.tensor([rows[i].params.temperature for i in rand], dtype=sub.dtype).unsqueeze(1)
+        probs = torch.softmax(sub / temps, dim=-1)
+        min_p = torch.tensor([rows[i].params.min_p for i in rand], dtype=sub.dtype).unsqueeze(1)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        top_k = [rows[i].params.top_k for i in rand]
+        top_p = [rows[i].params.top_p for i in rand]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            probs = self._top_k_top_p(probs, top_k, top_p)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(rand):
+            r = rows[i]
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(mix_seed(r.seed, r.sample_index, r.position))
+            noise[j].exponential_(generator=gen)
+        tokens[rand] = (probs / noise).argmax(dim=-1)
+        return tokens
+
+    @staticmethod
+    def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        vocab = probs.shape[1]
+        ks = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+        ranks = torch.arange(vocab).unsqueeze(0)
+        keep = ranks < ks
+        sorted_probs = sorted_probs * keep
+        ps = torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays, like vLLM).
+        cum = sorted_probs.cumsum(dim=-1) / sorted_probs.sum(dim=-1, keepdim=True)
+        keep_p = (cum - sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)) < ps
+        keep_p[:, 0] = True
+        sorted_probs = sorted_probs * keep_p
+        return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+    @staticmethod
+    def _gather_logprobs(
+        logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
+    ) -> list[TokenLogprobs | None]:
+        k_max = max(k for k in num_logprobs if k is not None)
+        top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None)
+        sampled_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        # Rank = 1 + number of tokens strictly more likely than the sampled one.
+        ranks = (logprobs > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
+        out: list[TokenLogprobs | None] = []
+        for i, k in enumerate(num_logprobs):
+            if k is None:
+                out.append(None)
+                continue
+            ids = top_ids[i, :k].tolist() if k > 0 else []
+            vals = top_vals[i, :k].tolist() if k > 0 else []
+            tok = int(tokens[i])
+            entry = TokenLogprobs([tok], [float(sampled_lp[i])], [int(ranks[i])])
+            for rank, (tid, val) in enumerate(zip(ids, vals), start=1):
+                if tid != tok:
+                    entry.token_ids.append(tid)
+                    entry.logprobs.append(val)
+                    entry.ranks.append(rank)
+            out.append(entry)
+        return out
