@@ -18,10 +18,13 @@ class Tokenizer:
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer folder {path} does not exist")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
+        # Not AutoTokenizer: importing it pulls in torch, and the router must stay torch-free.
+        from transformers import PreTrainedTokenizerFast
 
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"tokenizer folder {path} has no tokenizer.json (only fast tokenizers are supported)")
         self.path = path
-        self.hf: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.hf: Any = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids(path))
         self.vocab_size: int = len(self.hf)
         self.bos_token_id: int | None = self.hf.bos_token_id
