@@ -32,7 +32,7 @@ def _raw_request(address: str, frames: list[bytes], timeout_ms: int = 5000) -> l
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    with run_daemon(tmp_path_factory.mktemp("daemon") / "db", "--max-request-bytes", "1MiB") as d:
+    with run_daemon(tmp_path_factory.mktemp("daemon") / "db", "--max-request-bytes", "1MiB", "--max-frames", "16") as d:
         yield d
 
 
@@ -76,15 +76,17 @@ def test_garbage_oversized_and_unknown_get_error_replies(daemon, client) -> None
         ([p.encode(p.Lookup(9, [])), b"unexpected data frame"], p.ErrorCode.BAD_REQUEST),
         ([p.encode(p.Dump(10, [], 0, 1)), b"x" * (2 << 20)], p.ErrorCode.TOO_LARGE),  # limit is 1MiB
         ([p.encode(p.Dump(11, [p.WireBlock(b"k" * 16, b"p" * 16, [1])], 0, 1))], p.ErrorCode.BAD_REQUEST),
-        ([p.encode(p.Dump(12, [p.WireBlock(b"short", b"p" * 16, [1])], 0, 1)), b"x"], p.ErrorCode.BAD_REQUEST),
+        ([p.encode(p.Dump(12, [p.WireBlock(b"k" * 16, b"p" * 16, [-1])], 0, 1)), b"x"], p.ErrorCode.BAD_REQUEST),
+        ([p.encode(p.Lookup(13, []))] + [b""] * 20, p.ErrorCode.TOO_LARGE),  # over --max-frames 16
+        ([p.encode(p.Dump(14, [p.WireBlock(b"short", b"p" * 16, [1])], 0, 1)), b"x"], p.ErrorCode.BAD_REQUEST),
     ]
     for frames, code in cases:
         reply = p.reply_decoder.decode(_raw_request(daemon.address, frames)[0])
         assert isinstance(reply, p.ErrorReply) and reply.code == code, (frames[0][:20], reply)
-    assert reply.req_id == 12
+    assert reply.req_id == 14
     # Over the hard per-frame cap (4x the limit): ZeroMQ drops that connection unread; nobody else notices.
     with pytest.raises(AssertionError, match="no reply"):
-        _raw_request(daemon.address, [p.encode(p.Ping(13)), b"x" * (5 << 20)], timeout_ms=500)
+        _raw_request(daemon.address, [p.encode(p.Ping(15)), b"x" * (5 << 20)], timeout_ms=500)
     assert daemon.proc.poll() is None
     client.ping()  # still serving
     refs = make_refs(list(range(300, 304)))

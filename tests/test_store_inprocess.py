@@ -248,3 +248,26 @@ def test_bad_arguments_raise(tmp_path) -> None:
         StoreConfig(dram_bytes=0)
     with pytest.raises(ValueError):
         StoreConfig(dram_bytes=1, disk_path="/tmp/x", disk_bytes=0)
+
+
+@pytest.mark.parametrize("policy", list(PolicyName))
+def test_every_policy_respects_capacity_and_pins(tmp_path, policy: PolicyName, caplog) -> None:
+    refs = make_refs(list(range(4 * 40)))
+    with _store(tmp_path, disk=None) as probe:
+        size = _record_bytes(probe, refs[0])
+    caplog.set_level("DEBUG", logger="ucm")
+    with _store(tmp_path, dram=5 * size, disk=8 * size, policy=policy, disk_policy=policy) as store:
+        for start in range(0, 40, 4):
+            dump_all(store, refs[start : start + 4])
+            load_all(store, refs[: start + 4 : 3])  # some reuse for the frequency-aware policies
+            store.flush()
+            stats = store.stats()
+            for tier in (Tier.DRAM, Tier.DISK):
+                assert stats.tiers[tier].bytes_used <= stats.tiers[tier].capacity_bytes
+        assert stats.tiers[Tier.DRAM].evictions > 0 and stats.tiers[Tier.DISK].evictions > 0
+        present = [r for r in refs if store.contains([r.key])[0]]
+        ok, failed, dst = load_all(store, present)
+        assert ok, failed
+        assert_loaded(present, dst)
+    assert any("evicted" in m and policy.value in m for m in caplog.messages), "no debug line says what was evicted"
+    assert any("disk: evicting" in m for m in caplog.messages)

@@ -172,7 +172,10 @@ def decode_record(buf: Buffer) -> BlockRecord:
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    try:
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
 
 
 def read_layers(buf: Buffer, ref: BlockRef, layers: Sequence[int]) -> list[memoryview]:

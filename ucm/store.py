@@ -109,6 +109,8 @@ class Store:
         for ref in blocks:
             if len(ref.key) != KEY_NBYTES or len(ref.parent) != KEY_NBYTES:
                 raise ValueError(f"dump: keys and parents must be {KEY_NBYTES} bytes")
+            if ref.token_ids and not 0 <= min(ref.token_ids) <= max(ref.token_ids) < 1 << 32:
+                raise ValueError("dump: token ids must be in [0, 2**32)")
         start = time.perf_counter()
         with self._lock:
             done = [self._committed(ref.key) for ref in blocks]  # content-addressed: already stored = same bytes
