@@ -148,12 +148,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tenso
         from kernels.triton_block_transfer import gather_blocks_triton
 
         return gather_blocks_triton(cache, block_ids, out)
-    staged = gather_blocks_torch(cache, block_ids)
-    if out is None:
-        return staged
-    if out.shape != staged.shape or not out.is_contiguous():
-        raise ValueError(f"gather_blocks: out must be contiguous {tuple(staged.shape)}, got {tuple(out.shape)}")
-    return out.copy_(staged)
+    return gather_blocks_torch(cache, block_ids, out)
 
 
 def scatter_blocks(src: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor) -> None:

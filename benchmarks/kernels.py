@@ -1,0 +1,230 @@
+"""Kernel benchmark: paged decode attention and block gather/scatter.
+
+CUDA: achieved memory bandwidth (bytes the kernel must move / time) as a fraction of the device's peak HBM
+bandwidth (from a table by device name, else a measured large copy), with torch SDPA on already-gathered dense
+K/V (and torch index_select / index_copy_ for blocks) as the baseline.
+CPU: tokens/s of the torch reference path against SDPA on pre-gathered K/V.
+
+    python benchmarks/kernels.py [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels  # noqa: E402
+from kernels.reference.paged_gather import gather_context  # noqa: E402
+
+# Peak HBM/DRAM bandwidth in GB/s (vendor datasheets), matched by substring of torch.cuda.get_device_name().
+PEAK_GBPS = {
+    "H200": 4800.0,
+    "H100 NVL": 3900.0,
+    "H100 PCIe": 2000.0,
+    "H100": 3350.0,
+    "A100-SXM4-80GB": 2039.0,
+    "A100 80GB PCIe": 1935.0,
+    "A100": 1555.0,
+    "L40S": 864.0,
+    "L4": 300.0,
+    "A10G": 600.0,
+    "A10": 600.0,
+    "RTX 4090": 1008.0,
+    "RTX 3090": 936.0,
+    "T4": 320.0,
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    ctx: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class Row:
+    bench: str
+    shape: str
+    impl: str
+    ms: float
+    gbps: float | None
+    frac_peak: float | None
+    tokens_per_s: float | None
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, min_time_s: float) -> float:
+    fn()  # warm-up (compiles Triton kernels)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        reps, elapsed = 1, 0.0
+        while elapsed < min_time_s * 1000:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            elapsed = start.elapsed_time(end)
+            if elapsed < min_time_s * 1000:
+                reps *= 2
+        return elapsed / reps
+    # CPU: median of single calls, robust to the other processes sharing the cores.
+    samples, t_end = [], time.perf_counter() + min_time_s
+    while time.perf_counter() < t_end or len(samples) < 5:
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1000
+
+
+def peak_gbps(device: torch.device) -> tuple[float, str]:
+    name = torch.cuda.get_device_name(device)
+    for key, gbps in PEAK_GBPS.items():
+        if key in name:
+            return gbps, f"table ({name})"
+    buf = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    ms = time_ms(lambda: buf.clone(), device, 0.5)
+    return 2 * buf.numel() / ms / 1e6, f"measured 1 GiB copy ({name})"
+
+
+def paged_setup(s: Shape, dtype: torch.dtype, device: torch.device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    blocks_per_seq = -(-s.ctx // s.block_size)
+    num_blocks = s.batch * blocks_per_seq + 1
+    shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    ids = torch.randperm(num_blocks - 1, generator=gen)[: s.batch * blocks_per_seq] + 1
+    tables = ids.view(s.batch, blocks_per_seq).to(torch.int32).to(device)
+    seq_lens = torch.full((s.batch,), s.ctx, dtype=torch.int32, device=device)
+    q = torch.randn(s.batch, s.num_q_heads, s.head_dim, dtype=dtype, device=device)
+    return q, k_cache, v_cache, tables, seq_lens
+
+
+def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float | None, min_s: float) -> list[Row]:
+    q, k_cache, v_cache, tables, seq_lens = paged_setup(s, dtype, device)
+    scale = s.head_dim**-0.5
+    nb = tables.shape[1]
+    k_dense = gather_context(k_cache, tables, nb)[:, :, : s.ctx].contiguous()
+    v_dense = gather_context(v_cache, tables, nb)[:, :, : s.ctx].contiguous()
+    gqa = s.num_q_heads != s.num_kv_heads
+    kv_bytes = 2 * k_dense.numel() * k_dense.element_size() + 2 * q.numel() * q.element_size()
+    runs = {
+        "paged (dispatch)": lambda: kernels.decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, s.ctx),
+        "SDPA pre-gathered": lambda: F.scaled_dot_product_attention(
+            q.unsqueeze(2), k_dense, v_dense, scale=scale, enable_gqa=gqa
+        ),
+    }
+    if device.type == "cpu" and dtype != torch.float32:
+        k32, v32 = k_dense.float(), v_dense.float()
+        runs["SDPA pre-gathered fp32"] = lambda: F.scaled_dot_product_attention(
+            q.unsqueeze(2).float(), k32, v32, scale=scale, enable_gqa=gqa
+        )
+    rows = []
+    for impl, fn in runs.items():
+        ms = time_ms(fn, device, min_s)
+        gbps = kv_bytes / ms / 1e6
+        rows.append(
+            Row("decode", f"{s.name} {dtype_name(dtype)}", impl, ms, gbps, gbps / peak if peak else None, s.batch / ms * 1e3)
+        )
+    return rows
+
+
+def bench_prefill_cpu(s: Shape, dtype: torch.dtype, min_s: float) -> list[Row]:
+    """One sequence of s.ctx tokens whose last half is new (a prefix hit on the first half)."""
+    device = torch.device("cpu")
+    one = Shape(s.name, 1, s.ctx, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size)
+    _, k_cache, v_cache, tables, seq_lens = paged_setup(one, dtype, device)
+    new = s.ctx // 2
+    q = torch.randn(new, s.num_q_heads, s.head_dim, dtype=dtype)
+    qsl = torch.tensor([0, new], dtype=torch.int32)
+    scale = s.head_dim**-0.5
+    ms = time_ms(
+        lambda: kernels.prefill_attention(q, k_cache, v_cache, qsl, seq_lens, tables, scale, new), device, min_s
+    )
+    return [Row("prefill", f"{s.name} {dtype_name(dtype)} {new} new/{s.ctx}", "paged (dispatch)", ms, None, None, new / ms * 1e3)]
+
+
+def bench_blocks(s: Shape, num_blocks: int, dtype: torch.dtype, device: torch.device, peak: float | None, min_s: float):
+    cache = torch.randn(2 * num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
+    ids = torch.randperm(2 * num_blocks, device=device)[:num_blocks]
+    staged = torch.empty((num_blocks, *cache.shape[1:]), dtype=dtype, device=device)
+    moved = 2 * staged.numel() * staged.element_size()  # read + write
+    runs = {
+        ("gather", "kernels.gather_blocks"): lambda: kernels.gather_blocks(cache, ids, out=staged),
+        ("gather", "torch index_select"): lambda: torch.index_select(cache, 0, ids, out=staged),
+        ("scatter", "kernels.scatter_blocks"): lambda: kernels.scatter_blocks(staged, cache, ids),
+        ("scatter", "torch index_copy_"): lambda: cache.index_copy_(0, ids, staged),
+    }
+    rows = []
+    for (bench, impl), fn in runs.items():
+        ms = time_ms(fn, device, min_s)
+        gbps = moved / ms / 1e6
+        rows.append(Row(bench, f"{num_blocks} blk {s.name} {dtype_name(dtype)}", impl, ms, gbps, gbps / peak if peak else None, None))
+    return rows
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"{'bench':8} {'shape':34} {'impl':24} {'ms':>9} {'GB/s':>8} {'%peak':>6} {'tok/s':>11}")
+    for r in rows:
+        gb = f"{r.gbps:8.1f}" if r.gbps is not None else f"{'-':>8}"
+        fr = f"{100 * r.frac_peak:5.1f}%" if r.frac_peak is not None else f"{'-':>6}"
+        tk = f"{r.tokens_per_s:11.0f}" if r.tokens_per_s is not None else f"{'-':>11}"
+        print(f"{r.bench:8} {r.shape:34} {r.impl:24} {r.ms:9.3f} {gb} {fr} {tk}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="shorter timing loops and smaller CPU shapes")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    min_s = 0.2 if args.quick else 1.0
+    peak, peak_src = peak_gbps(device) if cuda else (None, "n/a (CPU)")
+    if cuda:
+        shapes = [Shape("llama8b b64x2k", 64, 2048, 32, 8, 128), Shape("smollm2 b64x2k", 64, 2048, 9, 3, 64),
+                  Shape("llama8b b4x32k", 4, 32768, 32, 8, 128)]
+        dtypes = [torch.bfloat16]
+    else:
+        ctx = 512 if args.quick else 2048
+        shapes = [Shape(f"smollm2 b8x{ctx}", 8, ctx, 9, 3, 64)]
+        dtypes = [torch.float32, torch.bfloat16]
+    print(f"device: {device} ({torch.cuda.get_device_name(device) if cuda else 'cpu, %d threads' % torch.get_num_threads()}); "
+          f"backend: {kernels.select_backend(device).value}; peak: {peak_src}{f' = {peak:.0f} GB/s' if peak else ''}", flush=True)
+    rows: list[Row] = []
+    for dtype in dtypes:
+        for s in shapes:
+            rows += bench_decode(s, dtype, device, peak, min_s)
+            if not cuda:
+                rows += bench_prefill_cpu(s, dtype, min_s)
+        rows += bench_blocks(shapes[0], 4096 if cuda else 256, dtype, device, peak, min_s)
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"device": str(device), "peak_source": peak_src, "peak_gbps": peak,
+                                         "rows": [asdict(r) for r in rows]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
