@@ -28,7 +28,7 @@ class RouterMetrics:
         self.prompt_tokens = Counter("ucm_prompt_tokens", "prompt tokens", registry=r)
         self.generation_tokens = Counter("ucm_generation_tokens", "generated tokens", registry=r)
         self.cache_hit_tokens = Counter(
-            "ucm_prefix_cache_hit_tokens", "prompt tokens served from a cache, by node role and tier (device, store, dram, disk)",
+            "ucm_prefix_cache_hit_tokens", "prompt tokens not computed, by node role and source (device, store, cached)",
             ["role", "tier"], registry=r,
         )
         self.prefill_retries = Counter("ucm_prefill_retries", "prefill jobs retried on another node", registry=r)
@@ -47,13 +47,17 @@ class RouterMetrics:
         self.node_events.labels(node_id, event).inc()
 
     def record_cache(self, role: P.NodeRole, info: P.CacheInfo) -> None:
-        if info.device_hit_tokens:
-            self.cache_hit_tokens.labels(role.value, "device").inc(info.device_hit_tokens)
+        """Prompt tokens not computed, by source: device (node prefix cache), store (loaded through the
+        connector), or cached (the node did not say which)."""
+        if info.store_hit_tokens is None:
+            if info.cached_tokens:
+                self.cache_hit_tokens.labels(role.value, "cached").inc(info.cached_tokens)
+            return
+        device = max(0, info.cached_tokens - info.store_hit_tokens)
+        if device:
+            self.cache_hit_tokens.labels(role.value, "device").inc(device)
         if info.store_hit_tokens:
             self.cache_hit_tokens.labels(role.value, "store").inc(info.store_hit_tokens)
-        for tier, n in info.tier_hit_tokens.items():
-            if n:
-                self.cache_hit_tokens.labels(role.value, tier).inc(n)
 
     def render(self) -> bytes:
         self._refresh_nodes()

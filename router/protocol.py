@@ -64,9 +64,8 @@ class CacheInfo(msgspec.Struct, omit_defaults=True):
     """Where a request's prompt tokens came from on one node."""
 
     prompt_tokens: int = 0
-    device_hit_tokens: int = 0  # the node's own prefix cache
-    store_hit_tokens: int = 0  # loaded through the connector
-    tier_hit_tokens: dict[str, int] = {}  # store hits split by tier name ("dram", "disk"), when the store says
+    cached_tokens: int = 0  # not computed: the node's device prefix cache plus the store
+    store_hit_tokens: int | None = None  # the part loaded through the connector, when the node knows it
 
 
 # ---------------------------------------------------------------- node → router

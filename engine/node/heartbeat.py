@@ -36,7 +36,7 @@ class HeartbeatThread(threading.Thread):
         self._interval_s = interval_s
         self._recent_keys = recent_keys
         self._load = P.Heartbeat(node_id=register.node_id, running=0, waiting=0, free_blocks=register.num_blocks)
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.registered = threading.Event()
 
     def update_load(self, running: int, waiting: int, free_blocks: int, stats: dict[str, float]) -> None:
@@ -46,7 +46,7 @@ class HeartbeatThread(threading.Thread):
         )
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -63,7 +63,7 @@ class HeartbeatThread(threading.Thread):
         last_register = time.monotonic()
         sent_keys_len = -1
         sent_keys_last: bytes | None = None
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             while sock.poll(0):
                 msg = P.decode(sock.recv())
                 if isinstance(msg, P.Welcome):
@@ -89,4 +89,4 @@ class HeartbeatThread(threading.Thread):
                 )
                 sent_keys_len, sent_keys_last = len(keys), (keys[-1] if keys else None)
             sock.send(P.encode(hb))
-            self._stop.wait(self._interval_s)
+            self._halt.wait(self._interval_s)

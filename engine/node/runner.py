@@ -109,10 +109,11 @@ class JobRunner:
 
     def _cache_info(self, out: Any, job: _Job) -> P.CacheInfo:
         cached = max(0, int(getattr(out, "num_cached_tokens", 0) or 0))
-        params = out.kv_transfer_params or {}
-        external = int(params.get("num_cached_tokens", 0) or 0) if isinstance(params, dict) else 0
-        return P.CacheInfo(prompt_tokens=job.prompt_tokens, device_hit_tokens=max(0, cached - external),
-                           store_hit_tokens=external)
+        store: int | None = getattr(out, "num_external_tokens", None)
+        params = out.kv_transfer_params
+        if store is None and isinstance(params, dict) and "num_cached_tokens" in params:
+            store = int(params["num_cached_tokens"])  # the producer connector's count of tokens it loaded
+        return P.CacheInfo(prompt_tokens=job.prompt_tokens, cached_tokens=cached, store_hit_tokens=store)
 
     def _convert(self, out: Any, job: _Job) -> list[P.Message]:
         comp = out.outputs[0]
@@ -134,7 +135,6 @@ class JobRunner:
             return []
         batch = P.TokenBatch(out.request_id, list(comp.token_ids), out.finished, reason, logprobs)
         if not job.reported_cache and (comp.token_ids or out.finished):
-            batch.cache = P.CacheInfo(prompt_tokens=job.prompt_tokens,
-                                      device_hit_tokens=max(0, int(getattr(out, "num_cached_tokens", 0) or 0)))
+            batch.cache = self._cache_info(out, job)
             job.reported_cache = True
         return [batch]

@@ -51,14 +51,15 @@ class NodeServer:
         self.config = config
         self.engine = engine
         self.node_id = config.resolved_node_id
-        info = engine.info()
-        self.namespace = KeyNamespace(info.fingerprint, info.dtype, info.block_size)
+        self.namespace: KeyNamespace = engine.namespace
         self.recent_keys = RecentKeys(config.cached_keys_cap)
         self.runner = JobRunner(engine, self.namespace, self.recent_keys)
         self.register_msg = P.Register(
-            node_id=self.node_id, role=config.role, model=config.model_name, model_fingerprint=info.fingerprint,
-            dtype=info.dtype, block_size=info.block_size, max_model_len=info.max_model_len,
-            capacity=config.max_num_seqs, num_blocks=info.num_blocks, has_store=config.store_addr is not None,
+            node_id=self.node_id, role=config.role, model=config.model_name,
+            model_fingerprint=self.namespace.model_fingerprint, dtype=self.namespace.dtype,
+            block_size=self.namespace.block_size, max_model_len=engine.max_model_len,
+            capacity=config.max_num_seqs, num_blocks=engine.kv_manager.num_blocks,
+            has_store=config.store_addr is not None,
             instance=uuid.uuid4().hex,
         )
         self._stop = threading.Event()
@@ -110,9 +111,14 @@ class NodeServer:
                 log.warning("unexpected %s from the router", type(msg).__name__)
 
     def _load(self) -> tuple[int, int, int, dict[str, float]]:
-        load = self.engine.load()
+        sched = self.engine.scheduler
         stats = {k: float(v) for k, v in vars(self.engine.stats()).items() if isinstance(v, (int, float))}
-        return load.running, load.waiting, load.free_blocks, stats
+        worker = self.engine.kv_connector[1] if self.engine.kv_connector else None
+        conn_stats = getattr(worker, "stats", None)
+        if conn_stats is not None:
+            stats.update({f"connector_{k}": float(v) for k, v in vars(conn_stats).items()
+                          if isinstance(v, (int, float))})
+        return len(sched.running), len(sched.waiting), self.engine.kv_manager.pool.num_free_blocks, stats
 
 
 def run_node(config: NodeConfig) -> int:
