@@ -101,7 +101,8 @@ class EngineCore:
         wanted = self.config.scheduler.max_model_len or self.model_config.max_position_embeddings
         if wanted > kv_tokens:
             # One sequence must always fit the whole cache, or preemption could never make room for it.
-            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); using %d", wanted, kv_tokens, kv_tokens)
+            log = logger.warning if self.config.scheduler.max_model_len else logger.info
+            log("max_model_len %d exceeds the KV cache (%d tokens); using %d", wanted, kv_tokens, kv_tokens)
         return min(wanted, kv_tokens)
 
     # -- requests -------------------------------------------------------------------------------------------

@@ -1,0 +1,162 @@
+"""Scheduler without a model: token budget, chunked prefill mixed with decodes, priority, preemption, abort."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ucm.keys import KeyNamespace, root_key
+
+BS = 4
+ROOT = root_key(KeyNamespace("test-model", "float32", BS))
+EOS = 0
+_arrival = itertools.count()
+
+
+def make_request(rid: str, num_tokens: int, max_tokens: int = 4, priority: int = 0, start: int = 1) -> Request:
+    return Request(
+        rid, list(range(start, start + num_tokens)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        root_key=ROOT, block_size=BS, arrival=next(_arrival), seed=0, priority=priority,
+    )
+
+
+def make_scheduler(num_blocks=32, budget=16, max_seqs=8, max_model_len=64, chunked=True) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(num_blocks, BS), max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+        max_model_len=max_model_len, eos_token_ids=frozenset([EOS]), enable_chunked_prefill=chunked,
+    )
+
+
+def fake_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    """A model that always samples `token` for every sequence that completes its known tokens."""
+    res = ModelRunnerOutput()
+    for s in out.scheduled:
+        if s.num_samples:
+            res.sampled[s.request_id] = [token] * s.num_samples
+    return res
+
+
+def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out, token))
+    sched.check_integrity()
+    return out
+
+
+def test_budget_and_chunked_prefill_mixed_with_decodes():
+    sched = make_scheduler(budget=16)
+    a = make_request("a", 10)
+    sched.add_request(a)
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 10} and a.num_output_tokens == 1
+    b = make_request("b", 30, start=100)
+    sched.add_request(b)
+    out = step(sched)
+    # a decodes (1 token), b gets the rest of the budget (15) as its first chunk.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 15}
+    assert b.num_computed_tokens == 15 and b.num_output_tokens == 0
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 15}
+    assert b.num_computed_tokens == 30 and b.num_output_tokens == 1
+    assert sched.stats.computed_tokens == 10 + 30
+
+
+def test_no_chunking_waits_for_budget():
+    sched = make_scheduler(budget=16, chunked=False, max_model_len=16)
+    sched.add_request(make_request("a", 10))
+    sched.add_request(make_request("b", 12, start=50))
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 10}  # b does not fit whole in the remaining 6
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 12}
+
+
+def test_max_num_seqs():
+    sched = make_scheduler(budget=64, max_seqs=2)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 4, start=10 * i + 1))
+    out = step(sched)
+    assert set(out.num_scheduled_tokens) == {"r0", "r1"}
+    assert [r.request_id for r in sched.waiting] == ["r2"]
+
+
+def test_priority_order():
+    sched = make_scheduler(budget=8)
+    sched.add_request(make_request("low", 8, priority=5))
+    sched.add_request(make_request("high", 8, priority=-1, start=40))
+    sched.add_request(make_request("mid", 8, priority=0, start=80))
+    assert [r.request_id for r in sched.waiting] == ["high", "mid", "low"]
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"high": 8}
+
+
+def test_preemption_by_recompute_and_resume():
+    # 6 blocks of 4 tokens; two sequences of 8 prompt tokens each growing to 16 tokens cannot both fit.
+    sched = make_scheduler(num_blocks=6, budget=64, max_model_len=24)
+    a = make_request("a", 8, max_tokens=8)
+    b = make_request("b", 8, max_tokens=8, start=50)
+    sched.add_request(a)
+    sched.add_request(b)
+    preempted = set()
+    for _ in range(40):
+        if not sched.has_unfinished_requests():
+            break
+        out = step(sched)
+        preempted |= out.preempted_req_ids
+    assert not sched.has_unfinished_requests()
+    assert preempted == {"b"}  # the later arrival is the victim
+    assert sched.stats.preemptions >= 1 and b.num_preemptions >= 1
+    assert a.output_token_ids == [7] * 8 and b.output_token_ids == [7] * 8
+    assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
+    assert sched.kv.pool.num_free_blocks == 6
+
+
+def test_stop_token_min_tokens_and_max_model_len():
+    sched = make_scheduler(max_model_len=12)
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=20, min_tokens=2), root_key=ROOT, block_size=BS,
+                arrival=next(_arrival), seed=0)
+    sched.add_request(r)
+    step(sched, token=EOS)
+    assert not r.is_finished  # EOS before min_tokens does not stop
+    step(sched, token=EOS)
+    assert r.status is RequestStatus.FINISHED_STOPPED
+    long = make_request("long", 10, max_tokens=20, start=30)
+    sched.add_request(long)
+    for _ in range(5):
+        step(sched)
+    assert long.status is RequestStatus.FINISHED_LENGTH and long.num_tokens == 12
+
+
+def test_abort_frees_blocks_and_validation():
+    sched = make_scheduler(num_blocks=8)
+    a = make_request("a", 10)
+    sched.add_request(a)
+    step(sched)
+    assert sched.kv.block_ids("a")
+    sched.abort_requests({"a"})
+    assert a.status is RequestStatus.FINISHED_ABORTED and sched.kv.pool.num_free_blocks == 8
+    sched.check_integrity()
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(make_request("x", 65))
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request(make_request("y", 0))
+
+
+def test_fork_shares_blocks_then_copies_on_write():
+    sched = make_scheduler(budget=64)
+    r = Request("p", list(range(1, 7)), SamplingParams(n=3, max_tokens=4, ignore_eos=True), root_key=ROOT,
+                block_size=BS, arrival=next(_arrival), seed=0)
+    sched.add_request(r)
+    step(sched)
+    ids = {rid: sched.kv.block_ids(rid) for rid in ("p", "p#1", "p#2")}
+    assert ids["p"] == ids["p#1"] == ids["p#2"] == [0, 1]
+    out = step(sched)
+    assert len(out.cow_copies) == 2  # two of three sequences copy the shared partial block; the last keeps it
+    after = [sched.kv.block_ids(rid) for rid in ("p", "p#1", "p#2")]
+    assert all(b[0] == 0 for b in after) and len({b[1] for b in after}) == 3
