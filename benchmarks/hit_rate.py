@@ -1,0 +1,256 @@
+"""Cache hit rate of the UCM store per eviction policy, next to Belady's MIN and an infinite cache.
+
+Every request goes through the real `ucm.store.Store` code: `lookup` (hit prefix) → `load` the hit blocks
+(counting, from the store's own tier stats, how many came from DRAM and how many from disk) → `dump` +
+`commit` the missing blocks. Payloads are fake but byte-sized (one small layer per block), and capacities
+are whole blocks (the record size, header included, times a block count), so "capacity" reads as a
+fraction of the workload's working set (its distinct blocks).
+
+Two sweeps, both per policy (the same policy on each tier; TinyLFU is W-TinyLFU with its 1% window):
+
+- `dram`: a DRAM-only store (no disk tier) of capacity f × working set. This is where the policies are
+  compared: printed next to MIN for a single cache of the same size.
+- `tiered`: a DRAM tier of `--dram-frac` × working set in front of an LMDB disk tier of f × working set.
+  The LMDB environment lives in a fresh temporary directory per point (in /dev/shm when it exists: the
+  benchmark measures hit rates, not fsync latency). The store writes behind every committed block to disk
+  (an inclusive hierarchy); the replay calls `Store.flush()` after each request so the run is deterministic.
+  The MIN printed is for ONE cache of DRAM + disk blocks (an upper bound; the inclusive store can use at most
+  max(DRAM, disk) distinct blocks, so the gap to MIN is partly structural, not the policy's fault).
+
+Hit rate = hit blocks / requested full blocks, with prefix semantics (a block after a miss is a miss, as in
+the store). The Mooncake trace is replayed whole by default (`--stride k` keeps every k-th request,
+`--max-requests N` the first N; the subsample is printed); synthetic workloads are seeded.
+
+    .venv/bin/python benchmarks/hit_rate.py [--quick] [--json out.json] [--png hit_rate.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.traces import Request, Workload, make_workload, working_set  # noqa: E402
+from ucm.api import BlockRef, Tier  # noqa: E402
+from ucm.eviction import PolicyName  # noqa: E402
+from ucm.eviction.belady import belady  # noqa: E402
+from ucm.keys import KeyNamespace, chain_key, root_key  # noqa: E402
+from ucm.record import BlockRecord, checksum  # noqa: E402
+from ucm.store import Store, StoreConfig  # noqa: E402
+
+PAYLOAD_BYTES = 64
+ROOT = root_key(KeyNamespace("hit-rate-bench", "fake", 512))
+
+
+@dataclass(frozen=True)
+class Point:
+    workload: str
+    sweep: str  # "dram" or "tiered"
+    policy: str
+    capacity_frac: float  # of the working set: the DRAM tier (dram sweep) or the disk tier (tiered sweep)
+    dram_blocks: int
+    disk_blocks: int
+    accesses: int
+    dram_hits: int
+    disk_hits: int
+    belady_hits: int  # MIN with one cache of dram_blocks + disk_blocks
+    infinite_hits: int
+    seconds: float
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.dram_hits + self.disk_hits) / self.accesses
+
+
+class Replayer:
+    """Turns block ids into real chained keys and drives one store through a workload."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, BlockRef] = {}
+        self._payload = bytes(PAYLOAD_BYTES)
+        self._dst = [memoryview(bytearray(PAYLOAD_BYTES))]
+
+    def record_bytes(self) -> int:
+        ref = BlockRef(chain_key(ROOT, (0,)), ROOT, (0,))
+        return BlockRecord.build(ref, [self._payload], [checksum(self._payload)]).nbytes
+
+    def _ref(self, block: int, parent: BlockRef | None) -> BlockRef:
+        ref = self._refs.get(block)
+        if ref is None:
+            parent_key = parent.key if parent is not None else ROOT
+            ref = BlockRef(chain_key(parent_key, (block,)), parent_key, (block,))
+            self._refs[block] = ref
+        return ref
+
+    def replay(self, store: Store, requests: list[Request]) -> tuple[int, int]:
+        """(DRAM hit blocks, disk hit blocks) over the whole workload."""
+        dram_hits = disk_hits = 0
+        has_disk = store.config.disk_path is not None
+        for request in requests:
+            refs: list[BlockRef] = []
+            for block in request:
+                refs.append(self._ref(block, refs[-1] if refs else None))
+            hit = store.lookup([ref.key for ref in refs])
+            if hit:
+                before = store.stats().tiers
+                task = store.load(refs[:hit], [0], [self._dst] * hit)
+                task.wait()
+                assert not task.failed_blocks, f"load of committed blocks failed: {task.failed_blocks}"
+                after = store.stats().tiers
+                dram = after[Tier.DRAM].hits - before[Tier.DRAM].hits
+                disk = after[Tier.DISK].hits - before[Tier.DISK].hits if has_disk else 0
+                assert dram + disk == hit, f"tier hits {dram}+{disk} != {hit} loaded blocks"
+                dram_hits, disk_hits = dram_hits + dram, disk_hits + disk
+            missing = refs[hit:]
+            if missing:
+                store.dump(missing, 0, 1, [self._payload] * len(missing)).wait()
+                store.commit([ref.key for ref in missing], True)
+                if has_disk:
+                    store.flush()
+        return dram_hits, disk_hits
+
+
+def run_point(
+    workload: str, sweep: str, policy: PolicyName, frac: float, requests: list[Request], ws: int, dram_frac: float
+) -> Point:
+    replayer = Replayer()
+    rec = replayer.record_bytes()
+    cap = max(1, round(frac * ws))
+    dram_blocks, disk_blocks = (cap, 0) if sweep == "dram" else (max(1, round(dram_frac * ws)), cap)
+    start = time.perf_counter()
+    shm = Path("/dev/shm")
+    with tempfile.TemporaryDirectory(prefix="ucm-hitrate-", dir=shm if shm.is_dir() else None) as tmp:
+        config = StoreConfig(
+            dram_bytes=dram_blocks * rec,
+            disk_path=tmp if disk_blocks else None,
+            disk_bytes=disk_blocks * rec,
+            policy=policy,
+            disk_policy=policy,
+        )
+        with Store(config) as store:
+            dram_hits, disk_hits = replayer.replay(store, requests)
+    accesses = sum(map(len, requests))
+    return Point(
+        workload, sweep, policy.value, frac, dram_blocks, disk_blocks, accesses, dram_hits, disk_hits,
+        belady(requests, dram_blocks + disk_blocks).prefix_hits, accesses - ws, time.perf_counter() - start,
+    )
+
+
+def print_table(points: list[Point]) -> None:
+    policies = sorted({p.policy for p in points}, key=[n.value for n in PolicyName].index)
+    groups: dict[tuple[str, str, float], dict[str, Point]] = {}
+    for p in points:
+        groups.setdefault((p.workload, p.sweep, p.capacity_frac), {})[p.policy] = p
+    head = f"{'workload':<10}{'sweep':<7}{'cap':>6}{'blocks':>14} " + "".join(f"{n:>20}" for n in policies)
+    print("\nhit rate % (tiered: DRAM+disk=total) | MIN = Belady, one cache of DRAM+disk blocks | inf = no eviction")
+    print(head + f"{'best-LRU':>9}{'MIN':>7}{'inf':>7}{'MIN-best':>9}")
+    for (workload, sweep, frac), row in groups.items():
+        any_p = next(iter(row.values()))
+        blocks = f"{any_p.dram_blocks}" + (f"+{any_p.disk_blocks}" if any_p.disk_blocks else "")
+        cells = ""
+        for name in policies:
+            p = row.get(name)
+            if p is None:
+                cells += f"{'-':>20}"
+            elif sweep == "dram":
+                cells += f"{100 * p.hit_rate:>20.2f}"
+            else:
+                cells += f"{100 * p.dram_hits / p.accesses:>7.2f}+{100 * p.disk_hits / p.accesses:5.2f}={100 * p.hit_rate:5.2f}"
+        best = max(p.hit_rate for p in row.values())
+        lru = row[PolicyName.LRU.value].hit_rate if PolicyName.LRU.value in row else float("nan")
+        mn, inf = any_p.belady_hits / any_p.accesses, any_p.infinite_hits / any_p.accesses
+        print(f"{workload:<10}{sweep:<7}{frac:>6.3f}{blocks:>14} {cells}"
+              f"{100 * (best - lru):>+9.2f}{100 * mn:>7.2f}{100 * inf:>7.2f}{100 * (mn - best):>9.2f}")
+
+
+def plot(points: list[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(p.workload, p.sweep) for p in points}, key=lambda k: (k[1], k[0]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (workload, sweep) in zip(axes[0], panels):
+        mine = [p for p in points if p.workload == workload and p.sweep == sweep]
+        fracs = sorted({p.capacity_frac for p in mine})
+        for name in [n.value for n in PolicyName]:
+            series = sorted((p.capacity_frac, p.hit_rate) for p in mine if p.policy == name)
+            if series:
+                ax.plot(*zip(*series), marker="o", ms=3, label=name)
+        ref = {p.capacity_frac: p for p in mine}
+        ax.plot(fracs, [ref[f].belady_hits / ref[f].accesses for f in fracs], "k--", label="Belady MIN")
+        ax.plot(fracs, [ref[f].infinite_hits / ref[f].accesses for f in fracs], "k:", label="infinite")
+        ax.set_xscale("log")
+        ax.set_title(f"{workload} ({sweep})", fontsize=10)
+        ax.set_xlabel("DRAM capacity / working set" if sweep == "dram" else "disk capacity / working set")
+        ax.set_ylabel("block hit rate")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL (default <repo>/../shared/data/traces/)")
+    ap.add_argument("--quick", action="store_true", help="a small run: fewer requests, capacities and workloads")
+    ap.add_argument("--workloads", default=None, help="comma list of " + ",".join(w.value for w in Workload))
+    ap.add_argument("--policies", default=",".join(n.value for n in PolicyName))
+    ap.add_argument("--fracs", default=None, help="capacity fractions of the working set, comma list")
+    ap.add_argument("--tiered-fracs", default=None, help="disk fractions for the tiered sweep ('' = skip it)")
+    ap.add_argument("--dram-frac", type=float, default=0.01, help="DRAM tier in the tiered sweep")
+    ap.add_argument("--max-requests", type=int, default=None)
+    ap.add_argument("--stride", type=int, default=1, help="keep every k-th Mooncake request")
+    ap.add_argument("--synthetic-requests", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--png", type=Path, default=Path("hit_rate.png"))
+    args = ap.parse_args(argv)
+
+    q = args.quick
+    workloads = [Workload(w) for w in (args.workloads or ("mooncake,chat" if q else ",".join(w.value for w in Workload))).split(",")]
+    policies = [PolicyName(p) for p in args.policies.split(",")]
+    fracs = [float(f) for f in (args.fracs or ("0.02,0.1" if q else "0.01,0.02,0.05,0.1,0.2,0.4")).split(",")]
+    tiered_spec = args.tiered_fracs if args.tiered_fracs is not None else ("0.05" if q else "0.02,0.05,0.1,0.2")
+    tiered = [float(f) for f in tiered_spec.split(",") if f]
+    max_req = args.max_requests if args.max_requests is not None else (1500 if q else None)
+    n_syn = args.synthetic_requests or (1000 if q else 6000)
+
+    plan: list[tuple[Workload, str, float]] = [(w, "dram", f) for w in workloads for f in fracs]
+    plan += [(Workload.MOONCAKE, "tiered", f) for f in tiered if Workload.MOONCAKE in workloads]
+    data = {}
+    for w in workloads:
+        reqs = make_workload(w, trace=args.trace, num_requests=max_req if w is Workload.MOONCAKE else n_syn, stride=args.stride)
+        data[w] = (reqs, working_set(reqs))
+        n = sum(map(len, reqs))
+        print(f"{w.value}: {len(reqs)} requests, {n} block accesses, working set {data[w][1]} blocks"
+              + (f" (first {max_req} requests, stride {args.stride})" if w is Workload.MOONCAKE and (max_req or args.stride > 1) else ""), flush=True)
+    points: list[Point] = []
+    total = len(plan) * len(policies)
+    t0 = time.perf_counter()
+    for w, sweep, frac in plan:
+        reqs, ws = data[w]
+        for policy in policies:
+            p = run_point(w.value, sweep, policy, frac, reqs, ws, args.dram_frac)
+            points.append(p)
+            print(f"[{len(points)}/{total}] {w.value} {sweep} cap={frac:g} {policy.value}: hit {100 * p.hit_rate:.2f}% "
+                  f"(dram {100 * p.dram_hits / p.accesses:.2f}%, disk {100 * p.disk_hits / p.accesses:.2f}%) "
+                  f"MIN {100 * p.belady_hits / p.accesses:.2f}% in {p.seconds:.1f}s", file=sys.stderr, flush=True)
+    print_table(points)
+    print(f"\n{len(points)} points in {time.perf_counter() - t0:.0f}s")
+    plot(points, args.png)
+    print(f"wrote {args.png}")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(p) | {"hit_rate": p.hit_rate} for p in points], indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

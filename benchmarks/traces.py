@@ -1,0 +1,143 @@
+"""Workloads for the hit-rate benchmark: each is a list of requests, a request being its prompt's block ids.
+
+Block ids are prefix-chained like real block keys: the same id always has the same parent id (the block
+before it), so two requests share block i only if they share blocks 0..i. The replay turns each id into a
+real `ucm.keys.chain_key` key. Sources:
+
+- `mooncake`: the Mooncake FAST'25 conversation trace (see ../shared/data/traces/PROVENANCE.md), whose
+  `hash_ids` are remapped prefix-chained hashes of 512-token blocks. The last id of a request covers the
+  trailing *partial* block (len(hash_ids) == ceil(input_length / 512)); the store keys full blocks only,
+  so we keep floor(input_length / 512) ids per request.
+- `chat`: multi-turn conversations behind a shared system prompt; sessions interleave, each turn re-sends
+  the whole history plus the previous answer and a new user message.
+- `sysprompt`: single-turn requests that start with one of a few shared system prompts (Zipf popularity).
+- `rag`: a system prompt, then one or two retrieved documents from a Zipf-popular pool, then a question.
+
+The generators are seeded and deterministic (numpy `default_rng`).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Hashable
+from pathlib import Path
+
+import numpy as np
+
+Request = list[int]
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+class Workload(enum.Enum):
+    MOONCAKE = "mooncake"
+    CHAT = "chat"
+    SYSPROMPT = "sysprompt"
+    RAG = "rag"
+
+
+def default_trace_path() -> Path:
+    """`<repo>/../shared/data/traces/conversation_trace.jsonl`, the repo being this file's grandparent."""
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
+
+
+def load_mooncake(path: Path, max_requests: int | None = None, stride: int = 1) -> list[Request]:
+    """Full-block hash ids per request; `max_requests` keeps the first N, `stride` every k-th of those."""
+    if not path.is_file():
+        raise ValueError(f"trace not found: {path} (pass --trace)")
+    requests: list[Request] = []
+    with path.open() as f:
+        for i, line in enumerate(f):
+            if max_requests is not None and i >= max_requests:
+                break
+            if i % stride:
+                continue
+            row = json.loads(line)
+            full = int(row["input_length"]) // MOONCAKE_BLOCK_TOKENS
+            requests.append([int(h) for h in row["hash_ids"][:full]])
+    return requests
+
+
+class _Chainer:
+    """Interns (parent id, content) pairs into fresh int ids, so equal prefixes get equal ids."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, Hashable], int] = {}
+
+    def chain(self, contents: list[Hashable]) -> Request:
+        out: Request = []
+        parent = -1
+        for content in contents:
+            parent = self._ids.setdefault((parent, content), len(self._ids))
+            out.append(parent)
+        return out
+
+
+def _zipf_choice(rng: np.random.Generator, n: int, alpha: float) -> int:
+    weights = 1.0 / np.arange(1, n + 1) ** alpha
+    return int(rng.choice(n, p=weights / weights.sum()))
+
+
+def chat(num_requests: int, seed: int = 0, system_blocks: int = 4, active_sessions: int = 64) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    chainer = _Chainer()
+    system = [("sys", j) for j in range(system_blocks)]
+    sessions: dict[int, list[Hashable]] = {}  # session id -> its content after the system prompt
+    next_session = 0
+    out: list[Request] = []
+    while len(out) < num_requests:
+        # Keep a pool of live sessions; recent sessions are picked more often (users are mid-conversation).
+        while len(sessions) < active_sessions:
+            sessions[next_session] = []
+            next_session += 1
+        live = sorted(sessions)
+        sid = live[len(live) - 1 - _zipf_choice(rng, len(live), 0.6)]
+        history = sessions[sid]
+        turn = len(history)
+        history += [("user", sid, turn, j) for j in range(int(rng.integers(1, 4)))]
+        out.append(chainer.chain(system + history))
+        history += [("answer", sid, turn, j) for j in range(int(rng.integers(1, 3)))]
+        if rng.random() < 0.15 or len(history) > 60:  # the user leaves
+            del sessions[sid]
+    return out
+
+
+def sysprompt(num_requests: int, seed: int = 0, num_prompts: int = 24, alpha: float = 1.0) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    chainer = _Chainer()
+    lengths = rng.integers(2, 12, size=num_prompts)
+    out: list[Request] = []
+    for i in range(num_requests):
+        p = _zipf_choice(rng, num_prompts, alpha)
+        prompt: list[Hashable] = [("sys", p, j) for j in range(int(lengths[p]))]
+        user: list[Hashable] = [("q", i, j) for j in range(int(rng.integers(1, 6)))]
+        out.append(chainer.chain(prompt + user))
+    return out
+
+
+def rag(num_requests: int, seed: int = 0, num_docs: int = 2000, doc_blocks: int = 6, alpha: float = 0.9) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    chainer = _Chainer()
+    system: list[Hashable] = [("sys", j) for j in range(3)]
+    out: list[Request] = []
+    for i in range(num_requests):
+        docs = [_zipf_choice(rng, num_docs, alpha) for _ in range(int(rng.integers(1, 3)))]
+        body: list[Hashable] = [("doc", d, j) for d in docs for j in range(doc_blocks)]
+        question: list[Hashable] = [("q", i, j) for j in range(int(rng.integers(1, 3)))]
+        out.append(chainer.chain(system + body + question))
+    return out
+
+
+def make_workload(
+    workload: Workload, *, trace: Path | None = None, num_requests: int | None = None, seed: int = 0, stride: int = 1
+) -> list[Request]:
+    if workload is Workload.MOONCAKE:
+        return load_mooncake(trace or default_trace_path(), num_requests, stride)
+    n = num_requests if num_requests is not None else 8000
+    generator = {Workload.CHAT: chat, Workload.SYSPROMPT: sysprompt, Workload.RAG: rag}[workload]
+    return generator(n, seed=seed)
+
+
+def working_set(requests: list[Request]) -> int:
+    """Distinct blocks: what an infinite cache ends up holding."""
+    return len({block for request in requests for block in request})
