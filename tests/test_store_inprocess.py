@@ -271,3 +271,16 @@ def test_every_policy_respects_capacity_and_pins(tmp_path, policy: PolicyName, c
         assert_loaded(present, dst)
     assert any("evicted" in m and policy.value in m for m in caplog.messages), "no debug line says what was evicted"
     assert any("disk: evicting" in m for m in caplog.messages)
+
+
+def test_dram_checksum_verified_when_enabled(tmp_path) -> None:
+    refs = make_refs(list(range(8)))
+    with _store(tmp_path, disk=None, verify_dram_reads=True) as store:
+        dump_all(store, refs)
+        record = store._dram._blocks[refs[1].key]
+        record.payloads[2] = bytes(PAYLOAD)  # simulate memory corruption of one payload
+        ok, failed, _ = load_all(store, refs, layers=[0, 1])
+        assert ok  # layer 2 was not asked for
+        ok, failed, _ = load_all(store, refs)
+        assert failed == [1] and store.stats().corrupt_dropped == 1
+        assert store.lookup([r.key for r in refs]) == 1

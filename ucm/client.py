@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import zmq
 
 from ucm import protocol as p
@@ -89,7 +90,11 @@ class StoreClient:
                 self._mark_down()
                 raise StoreUnavailable(f"store at {self.address} did not answer within {self.timeout_s} s")
             parts = sock.recv_multipart(copy=False)
-            reply = p.reply_decoder.decode(parts[0].buffer)
+            try:
+                reply = p.reply_decoder.decode(parts[0].buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._drop_socket()
+                raise StoreRequestError(p.ErrorCode.MALFORMED, f"undecodable reply from {self.address}: {exc}") from exc
             if reply.req_id != req_id:
                 continue  # a late answer to a request this thread already gave up on
             if isinstance(reply, p.ErrorReply):

@@ -43,6 +43,23 @@ class DramTier:
         self._policy.touch(key)
         return record
 
+    def get_many(self, keys: list[BlockKey], fallback: dict[BlockKey, BlockRecord]) -> list[BlockRecord | None]:
+        """`get` for many keys at once (the load hot path); a key absent here is looked up in `fallback`
+        (blocks committed but evicted before reaching disk), which counts as a DRAM hit without a use."""
+        blocks, touch, stats = self._blocks, self._policy.touch, self.stats
+        out: list[BlockRecord | None] = []
+        for key in keys:
+            record = blocks.get(key)
+            if record is not None:
+                touch(key)
+            else:
+                record = fallback.get(key)
+            out.append(record)
+        hits = len(out) - out.count(None)
+        stats.hits += hits
+        stats.misses += len(out) - hits
+        return out
+
     def put(self, record: BlockRecord, reason: str) -> bool:
         """Insert `record`, evicting others if needed; False if it was not admitted or no room could be made."""
         key, size = record.key, record.nbytes

@@ -27,7 +27,7 @@ from ucm.keys import KEY_NBYTES, BlockKey
 from ucm.pins import PinTable
 from ucm.record import BlockRecord, as_bytes_view, checksum
 from ucm.store_config import StoreConfig
-from ucm.store_reader import BlockReader, Sink
+from ucm.store_reader import BlockReader
 from ucm.task import Task
 from ucm.write_behind import WriteBehind
 
@@ -198,6 +198,8 @@ class Store:
         self._check_open()
         if len(dst) != len(blocks) or any(len(row) != len(layers) for row in dst):
             raise ValueError(f"load: dst must be {len(blocks)} rows of {len(layers)} buffers")
+        if any(layer < 0 for layer in layers):
+            raise ValueError(f"load: negative layer in {list(layers)}")
         views = [[as_bytes_view(buf) for buf in row] for row in dst]
         if any(view.readonly for row in views for view in row):
             raise ValueError("load: dst buffers must be writable")
@@ -210,7 +212,7 @@ class Store:
             try:
                 if self.load_hook is not None:
                     self.load_hook(blocks)
-                hits = self._reader.read_many(blocks, layers, [_copy_sink(row) for row in views])
+                hits, _ = self._reader.read_many(blocks, layers, views)
                 failed = [i for i, hit in enumerate(hits) if not hit]
             except Exception:
                 log.exception("load of %d blocks failed", len(blocks))
@@ -227,15 +229,7 @@ class Store:
         keys = [ref.key for ref in blocks]
         self._pins.pin(keys)
         try:
-            rows: list[list[bytes | memoryview]] = [[b""] * len(layers) for _ in blocks]
-
-            def keeper(row: list[bytes | memoryview]) -> Sink:
-                def keep(j: int, buf: memoryview | bytes, owned: bool) -> None:
-                    row[j] = buf if owned else bytes(buf)
-
-                return keep
-
-            hits = self._reader.read_many(blocks, layers, [keeper(row) for row in rows])
+            hits, rows = self._reader.read_many(blocks, layers, None)
             return [row if hit else None for row, hit in zip(rows, hits)]
         finally:
             self._pins.unpin(keys)
@@ -283,12 +277,3 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _copy_sink(views: list[memoryview]) -> Sink:
-    def sink(j: int, buf: memoryview | bytes, owned: bool) -> None:
-        dst = views[j]
-        if len(dst) != len(buf):
-            raise ValueError(f"dst buffer {j} holds {len(dst)} bytes, payload has {len(buf)}")
-        dst[:] = buf
-
-    return sink

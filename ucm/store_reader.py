@@ -3,14 +3,18 @@
 A block is served only if its header names the caller's key, parent and token ids (no collision can return
 wrong KV) and every requested payload's checksum verifies; otherwise it is a miss and the entry is dropped.
 One call handles a whole load request: one lock round for the DRAM lookups, one LMDB read transaction.
+The per-payload loop is kept flat on purpose: with 16-64 KiB payloads, Python call overhead would
+otherwise cost as much as the copy itself.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from xxhash import xxh3_64_intdigest as xxh3_64
 
 from ucm.api import BlockRef
 from ucm.keys import BlockKey
@@ -20,33 +24,61 @@ if TYPE_CHECKING:
     from ucm.store import Store
 
 log = logging.getLogger("ucm.store")
-# sink(j, payload of layers[j], owned): `owned` = the buffer stays valid after the call (else copy it now).
-Sink = Callable[[int, "memoryview | bytes", bool], None]
+# Where payloads go: dst[i][j] a writable byte view to copy layers[j] of block i into, or None to have the
+# reader return the buffers themselves (owned by the caller: DRAM buffers are immutable, disk ones copied).
+Dest = list[list[memoryview]] | None
+Rows = list[list["bytes | memoryview"]]
 
 
 class BlockReader:
     def __init__(self, store: Store) -> None:
         self._store = store
 
-    def read_many(self, refs: Sequence[BlockRef], layers: Sequence[int], sinks: Sequence[Sink]) -> list[bool]:
-        """Deliver `layers` of each block to its sink; False where it missed (a dropped bad entry included)."""
+    def read_many(self, refs: Sequence[BlockRef], layers: Sequence[int], dst: Dest) -> tuple[list[bool], Rows]:
+        """Serve `layers` of each block into `dst` (or as returned rows); per block, whether it hit."""
         store = self._store
+        n = len(refs)
+        if any(layer < 0 for layer in layers):
+            raise ValueError(f"negative layer in {list(layers)}")
+        top = max(layers, default=-1)
+        rows: Rows = [[b""] * len(layers) for _ in range(n)] if dst is None else []
         with store._lock:
-            records = []
-            for ref in refs:
-                record = store._inflight.get(ref.key) if ref.key not in store._dram else None
-                if record is not None:  # committed, evicted from DRAM before reaching disk: still served
-                    store._dram.stats.hits += 1
-                else:
-                    record = store._dram.get(ref.key)
-                records.append(record)
-        ok = [False] * len(refs)
+            records = store._dram.get_many([ref.key for ref in refs], store._inflight)
+        ok = [False] * n
         bad: list[tuple[BlockKey, str]] = []
+        verify = store.config.verify_dram_reads
         start, nbytes = time.perf_counter(), 0
-        for i, (ref, record) in enumerate(zip(refs, records)):
-            if record is not None:
-                ok[i] = self._serve_dram(ref, record, layers, sinks[i], bad)
-                nbytes += sum(record.header.payload_sizes[layer] for layer in layers) if ok[i] else 0
+        for i, record in enumerate(records):
+            if record is None:
+                continue
+            ref, header = refs[i], record.header
+            if header.key != ref.key or header.parent != ref.parent or header.token_ids != tuple(ref.token_ids):
+                bad.append((ref.key, "DRAM entry is another block (hash collision or stale entry)"))
+                continue
+            if top >= header.num_layers:
+                log.warning("load of %s: layer %d outside the block's %d", ref.key.hex(), top, header.num_layers)
+                continue
+            payloads, sums, sizes = record.payloads, header.checksums, header.payload_sizes
+            row = rows[i] if dst is None else dst[i]
+            block_bytes, why = 0, None
+            for j, layer in enumerate(layers):  # a failed block's dst bytes are unspecified
+                buf = payloads[layer]
+                if verify and xxh3_64(buf) != sums[layer]:
+                    why = f"DRAM entry failed its checksum in layer {layer}"
+                    bad.append((ref.key, why))
+                    break
+                if dst is None:
+                    row[j] = buf
+                elif len(row[j]) != sizes[layer]:
+                    why = f"dst holds {len(row[j])} bytes, layer {layer} has {sizes[layer]}"
+                    log.warning("load of %s failed: %s", ref.key.hex(), why)
+                    break
+                else:
+                    row[j][:] = buf
+                block_bytes += sizes[layer]
+            if why is None:
+                ok[i] = True
+                nbytes += block_bytes
         with store._lock:
             store._dram.stats.bytes_read += nbytes
             store._dram.stats.read_seconds += time.perf_counter() - start
@@ -56,23 +88,27 @@ class BlockReader:
             promote = store.config.promote_on_disk_hit
 
             def visit(i: int, buf: memoryview) -> bool:
-                ref, sink = refs[i], sinks[i]
+                ref = refs[i]
                 try:
-                    if not promote:  # serve straight out of the memory map
-                        for j, payload in enumerate(read_layers(buf, ref, layers)):
-                            sink(j, payload, False)
-                        return True
-                    found = decode_record(bytes(buf))  # one copy out of the map, then owned by DRAM
-                    self._check(ref, found, range(found.header.num_layers))
-                    for j, layer in enumerate(layers):
-                        sink(j, found.payloads[layer], True)
-                    promoted.append(found)
-                    return True
+                    if promote:  # one copy out of the map, then owned by DRAM
+                        found = decode_record(bytes(buf))
+                        self._check(ref, found)
+                        payloads = [found.payloads[layer] for layer in layers]
+                    else:  # serve straight out of the memory map
+                        found, payloads = None, read_layers(buf, ref, layers)
                 except RecordError as exc:
                     bad.append((ref.key, f"disk entry rejected: {exc}"))
-                except ValueError as exc:  # the caller's layers or buffers do not fit this block
+                    return False
+                except ValueError as exc:  # the caller's layers do not fit this block
                     log.warning("load of %s failed: %s", ref.key.hex(), exc)
-                return False
+                    return False
+                if dst is None:
+                    rows[i] = payloads if promote else [bytes(p) for p in payloads]
+                elif not self._copy(ref, payloads, dst[i]):
+                    return False
+                if found is not None:
+                    promoted.append(found)
+                return True
 
             for i, hit in zip(on_disk, store._disk.read_many([refs[i].key for i in on_disk], on_disk, visit)):
                 ok[i] = hit
@@ -82,31 +118,24 @@ class BlockReader:
             with store._lock:
                 for record in promoted:
                     store._dram.put(record, "promoted after a disk hit")
-        return ok
-
-    def _serve_dram(
-        self, ref: BlockRef, record: BlockRecord, layers: Sequence[int], sink: Sink, bad: list[tuple[BlockKey, str]]
-    ) -> bool:
-        try:
-            self._check(ref, record, layers if self._store.config.verify_dram_reads else ())
-            if any(not 0 <= layer < record.header.num_layers for layer in layers):
-                raise ValueError(f"layers {list(layers)} outside the block's {record.header.num_layers}")
-            for j, layer in enumerate(layers):
-                sink(j, record.payloads[layer], True)
-            return True
-        except RecordError as exc:
-            bad.append((ref.key, f"DRAM entry rejected: {exc}"))
-        except ValueError as exc:
-            log.warning("load of %s failed: %s", ref.key.hex(), exc)
-        return False
+        return ok, rows
 
     @staticmethod
-    def _check(ref: BlockRef, record: BlockRecord, verify: Sequence[int] | range) -> None:
+    def _copy(ref: BlockRef, payloads: list, dst_row: list[memoryview]) -> bool:
+        for payload, dst in zip(payloads, dst_row):
+            if len(dst) != len(payload):
+                log.warning("load of %s: dst holds %d bytes, payload has %d", ref.key.hex(), len(dst), len(payload))
+                return False
+        for payload, dst in zip(payloads, dst_row):
+            dst[:] = payload
+        return True
+
+    @staticmethod
+    def _check(ref: BlockRef, record: BlockRecord) -> None:
+        """Every layer verified: `record` is about to be promoted into DRAM, where it is trusted."""
         if not record.header.matches(ref):
             raise RecordMismatch("key, parent or token ids differ from the caller's (hash collision or stale entry)")
-        for layer in verify:
-            if not 0 <= layer < record.header.num_layers:
-                raise ValueError(f"layer {layer} outside the block's {record.header.num_layers}")
+        for layer in range(record.header.num_layers):
             if not record.verify_layer(layer):
                 raise RecordError(f"checksum mismatch in layer {layer}")
 
