@@ -1,0 +1,19 @@
+"""`ucm-serve generate` streams text to stdout; bad input is a clear error, not a traceback."""
+
+from __future__ import annotations
+
+from engine.cli import main
+from tests.engine_helpers import single_thread
+
+
+def test_generate_cli_streams(capsys):
+    with single_thread():
+        rc = main(["generate", "The capital of France is", "--max-tokens", "4", "--dtype", "float32",
+                   "--kv-cache-memory", "16MiB"])
+    assert rc == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_generate_cli_bad_args(capsys):
+    assert main(["generate", "hi", "--top-p", "3", "--dtype", "float32"]) == 2
+    assert "top_p" in capsys.readouterr().err
