@@ -284,3 +284,25 @@ def test_dram_checksum_verified_when_enabled(tmp_path) -> None:
         ok, failed, _ = load_all(store, refs)
         assert failed == [1] and store.stats().corrupt_dropped == 1
         assert store.lookup([r.key for r in refs]) == 1
+
+
+def test_pinned_block_not_deleted_from_disk_during_load(tmp_path) -> None:
+    refs = make_refs(list(range(4 * 6)))
+    with _store(tmp_path, disk=None) as probe:
+        size = _record_bytes(probe, refs[0])
+    with _store(tmp_path, dram=1, disk=2 * size) as store:  # DRAM admits nothing: blocks live on disk only
+        dump_all(store, refs[:2])
+        store.flush()
+        in_load, release = threading.Event(), threading.Event()
+        store.load_hook = lambda _blocks: (in_load.set(), release.wait(10))
+        dst = [[bytearray(PAYLOAD) for _ in range(NUM_LAYERS)]]
+        task = store.load([refs[0]], list(range(NUM_LAYERS)), [[memoryview(b) for b in dst[0]]])
+        assert in_load.wait(10)
+        for i in range(2, 5):
+            dump_all(store, refs[i : i + 1])
+            store.flush()
+        assert store.contains([refs[0].key]) == [True], "a pinned block was deleted from disk"
+        assert store.stats().tiers[Tier.DISK].evictions == 3
+        release.set()
+        assert task.wait(10)
+        assert_loaded([refs[0]], dst)
