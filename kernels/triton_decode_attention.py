@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference.decode_attention import decode_attention_torch
-from kernels.triton_support import dot_in_fp32
+from kernels.triton_support import DOT_PRECISION, dot_in_fp32
 
 __all__ = ["decode_attention_torch", "decode_attention_triton", "choose_num_splits"]
 
@@ -46,6 +46,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -81,14 +82,15 @@ def _decode_kernel(
         kv_off = page * cache_stride_block + (pos % block_size) * cache_stride_slot + head_off
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale_log2e
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2e
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)).to(tl.float32)
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -188,6 +190,7 @@ def decode_attention_triton(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n,
         DOT_F32=dot_in_fp32(q.dtype),
+        DOT_PRECISION=DOT_PRECISION,
     )
     if num_splits == 1:
         partial = lse = out  # unused by the kernel on this path

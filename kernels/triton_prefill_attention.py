@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference.prefill_attention import prefill_attention_torch
-from kernels.triton_support import dot_in_fp32
+from kernels.triton_support import DOT_PRECISION, dot_in_fp32
 
 __all__ = ["prefill_attention_torch", "prefill_attention_triton"]
 
@@ -43,6 +43,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -80,14 +81,15 @@ def _prefill_kernel(
         kv_off = page * cache_stride_block + (pos % block_size) * cache_stride_slot + head_off
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale_log2e
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2e
         s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)).to(tl.float32)
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -148,5 +150,6 @@ def prefill_attention_triton(
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_F32=dot_in_fp32(q.dtype),
+        DOT_PRECISION=DOT_PRECISION,
     )
     return out

@@ -6,6 +6,10 @@ import os
 
 import torch
 
+# fp32 operands: "ieee" keeps fp32 caches exact on GPU (the default tf32 would round to 10 mantissa bits);
+# bf16/fp16 operands ignore it and take the tensor-core path.
+DOT_PRECISION = "ieee"
+
 
 def interpreted() -> bool:
     """True when triton runs kernels in its numpy interpreter (TRITON_INTERPRET=1 at triton's import)."""
