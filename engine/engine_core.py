@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -120,9 +121,12 @@ class EngineCore:
         params = params if params is not None else SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = list(prompt_token_ids)
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+        try:
+            ids = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise ValueError(f"request {request_id!r}: prompt token ids must be ints") from None
+        if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"request {request_id!r}: prompt token ids must be ints in [0, {vocab})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(
