@@ -26,10 +26,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+# Run as a script, this folder comes first on sys.path, where benchmarks/kernels.py would shadow the
+# `kernels` package: put the repository root first instead.
+_ROOT = str(Path(__file__).resolve().parents[1])
+sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from engine import LLM, SamplingParams
-from engine.loader import load_model
+import torch  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.loader import load_model  # noqa: E402
 
 log = logging.getLogger("ttft")
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

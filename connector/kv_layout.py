@@ -87,6 +87,11 @@ def unpack_blocks(src: StagingBuffer, rows: torch.Tensor, n: int, k_cache: torch
     if rows.numel() != n:
         staged = staged.index_select(0, rows)
     device = k_cache.device
-    block_ids = block_ids.to(device)
-    scatter_blocks(staged[:, 0].contiguous().to(device, non_blocking=True), k_cache, block_ids)
-    scatter_blocks(staged[:, 1].contiguous().to(device, non_blocking=True), v_cache, block_ids)
+    if device.type != "cpu":  # one host-to-device copy of K and V together
+        staged = staged.to(device, non_blocking=True)
+        block_ids = block_ids.to(device, non_blocking=True)
+    k, v = staged[:, 0], staged[:, 1]
+    if device.type != "cpu":  # the Triton kernel wants dense rows; the torch path takes strided views as they are
+        k, v = k.contiguous(), v.contiguous()
+    scatter_blocks(k, k_cache, block_ids)
+    scatter_blocks(v, v_cache, block_ids)

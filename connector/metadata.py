@@ -62,3 +62,4 @@ class ConnectorStats:
     load_wait_seconds: float = 0.0  # time the forward pass spent blocked in wait_for_layer_load
     save_seconds: float = 0.0  # time spent in save_kv_layer + wait_for_save
     store_errors: int = 0  # calls that raised (store unreachable and the like)
+    key_mismatches: int = 0  # requests whose producer computed other block keys than this engine

@@ -55,6 +55,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         self.store_address = store_address
         self._pending: dict[str, _PendingLoad] = {}
         self._progress: dict[str, _Progress] = {}
+        self._key_checked: set[str] = set()
         self._store_warned = False
 
     # ---- 1. lookup -------------------------------------------------------------------------------------
@@ -67,6 +68,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         if num_computed_tokens % bs:
             raise ValueError(f"num_computed_tokens {num_computed_tokens} is not a multiple of block size {bs}")
         start = num_computed_tokens // bs
+        self._check_producer_keys(request)
         # The last token is always computed: its logits give the first sampled token.
         stop = min(len(request.block_keys), (len(token_ids_of(request)) - 1) // bs)
         if stop <= start:
@@ -167,6 +169,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._pending.pop(request.request_id, None)
+        self._key_checked.discard(request.request_id)
         progress = self._progress.pop(request.request_id, _Progress())
         if not self.role.saves:
             return False, None
@@ -174,11 +177,26 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         prompt_blocks = len(request.prompt_token_ids) // self.block_size
         return False, {
             "block_keys": [key.hex() for key in request.block_keys[:prompt_blocks]],
-            "num_cached_tokens": progress.external_tokens,
+            # The engine's count: device and store hits, with failed loads already taken back.
+            "num_cached_tokens": max(0, int(getattr(request, "num_cached_tokens", progress.external_tokens))),
             "num_saved_tokens": progress.saved_blocks * self.block_size,
             "block_size": self.block_size,
             "store": self.store_address,
         }
+
+    def _check_producer_keys(self, request: Any) -> None:
+        """Keys from a producer that differ from ours mean a different model, dtype, block size or salt: every
+        lookup would silently miss, so say so (once per request)."""
+        params = request.kv_transfer_params or {}
+        theirs = params.get("block_keys") if isinstance(params, dict) else None
+        if not theirs or request.request_id in self._key_checked:
+            return
+        self._key_checked.add(request.request_id)
+        ours = [key.hex() for key in request.block_keys[: len(theirs)]]
+        if ours != list(theirs[: len(ours)]):
+            self.stats.key_mismatches += 1
+            log.warning("request %s: the producer's block keys differ from this engine's (model, dtype, block "
+                        "size or cache_salt differ?); its KV cannot be reused", request.request_id)
 
     def _store_failed(self, what: str, exc: Exception) -> None:
         self.stats.store_errors += 1

@@ -195,3 +195,29 @@ def test_blockref_of_request_matches_store_expectations():
     refs = block_refs(req, 0, 2)
     assert refs[0] == BlockRef(req.block_keys[0], ROOT, tuple(range(4)))
     assert refs[1].parent == req.block_keys[0]
+
+
+def test_producer_keys_from_another_namespace_are_flagged(store, caplog):
+    sched, _, _, stats = make_pair(store, KVConnectorRole.CONSUMER)
+    req = make_request("r", list(range(8)))
+    req.kv_transfer_params = {"block_keys": ["00" * 16, "01" * 16]}
+    sched.get_num_new_matched_tokens(req, 0)
+    assert stats.key_mismatches == 1 and "block keys differ" in caplog.text
+    ok = make_request("s", list(range(8)))
+    ok.kv_transfer_params = {"block_keys": [k.hex() for k in ok.block_keys]}
+    sched.get_num_new_matched_tokens(ok, 0)
+    assert stats.key_mismatches == 1
+
+
+def test_store_spec_parsing():
+    from connector.store_spec import StoreKind, StoreSpec
+
+    spec = StoreSpec.parse("embedded?disk_path=/tmp/x&dram=1GiB&disk=2GiB&policy=s3fifo")
+    assert spec.kind is StoreKind.EMBEDDED and spec.disk_path == "/tmp/x" and spec.dram_bytes == 1 << 30
+    assert spec.disk_bytes == 2 << 30 and spec.policy.value == "s3fifo"
+    assert StoreSpec.parse("embedded").disk_path is None
+    daemon = StoreSpec.parse("tcp://127.0.0.1:7000?timeout_s=0.5")
+    assert daemon.kind is StoreKind.DAEMON and daemon.address == "tcp://127.0.0.1:7000" and daemon.timeout_s == 0.5
+    for bad in ("", "embedded?nope=1", "embedded?dram=lots", "file:///x", "tcp://h:1?timeout_s=-1"):
+        with pytest.raises(ValueError):
+            StoreSpec.parse(bad)
