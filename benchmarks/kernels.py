@@ -197,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--quick", action="store_true", help="shorter timing loops and smaller CPU shapes")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     min_s = 0.2 if args.quick else 1.0

@@ -7,6 +7,8 @@ log-sum-exp, and a second kernel merges them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -143,6 +145,11 @@ def _merge_splits_kernel(
     tl.store(out_ptr + b * out_stride_b + h * out_stride_h + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Split long contexts until the grid fills the GPU about twice, keeping >= 256 tokens per split."""
     programs = batch * num_kv_heads
@@ -180,7 +187,7 @@ def decode_attention_triton(
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, sms)
     meta = dict(
         GROUP=group,

@@ -106,6 +106,18 @@ def test_decode_attention_strided_query_and_many_splits():
     torch.testing.assert_close(decode_attention_triton(*args, num_splits=8), decode_attention_torch(*args), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_attention_padding_rows_are_zero(num_splits):
+    """seq_len 0 marks a padding row (fixed-size CUDA-graph batches): output 0, never NaN, on both paths."""
+    case = make_paged_case([20, 5, 33], [1, 1, 1], 4, 2, 64, seed=9, device=DEVICE)
+    seq_lens = torch.tensor([20, 0, 33], dtype=torch.int32, device=DEVICE)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, seq_lens, 0.125)
+    out = decode_attention_triton(*args, num_splits=num_splits)
+    ref = decode_attention_torch(*args)
+    assert not out[1].any() and not ref[1].any()
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv", GQA)
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -17,7 +17,7 @@ def decode_attention_torch(
     scale: float,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D]; seq_lens [B] (>= 1) tokens of context each, the query being the last -> out [B, Hq, D].
+    """q [B, Hq, D]; seq_lens [B] tokens of context each, the query being the last -> out [B, Hq, D] (0 where 0).
 
     Computes in float32: CPU SDPA with a mask is ~5x slower in bf16 than casting the gathered K/V up, and the
     upcast also makes this a tighter oracle.
@@ -36,4 +36,6 @@ def decode_attention_torch(
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2).float(), k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv
     )
+    # seq_len 0 = padding row: every key masked; some SDPA backends give NaN there, the kernels give 0.
+    out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
     return out.squeeze(2).to(q.dtype)
