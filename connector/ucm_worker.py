@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,13 +28,14 @@ log = logging.getLogger(__name__)
 TASK_TIMEOUT_S = 60.0
 
 
-def _failed_indices(task: StoreTask | None, n: int, timeout: float) -> set[int]:
+def _failed_indices(task: StoreTask | None, n: int, timeout: float) -> tuple[set[int], bool]:
+    """(failed block indices, whether the task is still running: it may still touch its buffers)."""
     if task is None:  # the call itself raised
-        return set(range(n))
+        return set(range(n)), False
     task.wait(timeout)
     if task.check() is TaskStatus.RUNNING:
-        return set(range(n))
-    return set(task.failed_blocks)
+        return set(range(n)), True
+    return set(task.failed_blocks), False
 
 
 @dataclass
@@ -69,6 +71,7 @@ class UCMWorkerConnector(KVConnectorWorker):
         self._saves: list[tuple[int, StoreTask | None]] = []  # (layer, task) of this step
         self._load_errors: set[int] = set()
         self._errored_requests: set[str] = set()  # this step's requests with a failed load
+        self._h2d_done: Any = None  # CUDA event after the last staging -> cache copy
         self._store_warned = False
 
     @property
@@ -100,6 +103,9 @@ class UCMWorkerConnector(KVConnectorWorker):
         specs = [spec for spec in self._meta.loads if spec.blocks]
         if not specs:
             return
+        if self._h2d_done is not None:  # last step's host-to-device copies may still read the staging buffers
+            self._h2d_done.synchronize()
+            self._h2d_done = None
         rows, first_rows, ids = 0, [], []
         for spec in specs:
             first_rows.append(rows)
@@ -123,7 +129,9 @@ class UCMWorkerConnector(KVConnectorWorker):
             return
         t0 = time.perf_counter()
         task = loads.tasks.pop(layer)
-        failed = _failed_indices(task, loads.num_rows, self.task_timeout_s)
+        failed, stuck = _failed_indices(task, loads.num_rows, self.task_timeout_s)
+        if stuck:  # leave the buffer to the straggler; later steps get a new one
+            self._load_bufs[layer] = StagingBuffer(self.layout)
         loads.failed_rows |= failed
         good = [r for r in range(loads.num_rows) if r not in failed]
         if good:
@@ -131,6 +139,9 @@ class UCMWorkerConnector(KVConnectorWorker):
             rows = torch.tensor(good, dtype=torch.long)
             unpack_blocks(self._load_bufs[layer], rows, loads.num_rows, k_cache, v_cache,
                           loads.device_ids.index_select(0, rows))
+            if k_cache.device.type == "cuda":
+                self._h2d_done = torch.cuda.Event()
+                self._h2d_done.record()
         self.stats.load_wait_seconds += time.perf_counter() - t0
 
     def _finish_loads(self) -> None:
@@ -189,8 +200,11 @@ class UCMWorkerConnector(KVConnectorWorker):
         t0 = time.perf_counter()
         blocks = [ref for spec in saves for ref in spec.blocks]
         failed: set[int] = set()
-        for _layer, task in tasks:
-            failed |= _failed_indices(task, len(blocks), self.task_timeout_s)
+        for layer, task in tasks:
+            bad_rows, stuck = _failed_indices(task, len(blocks), self.task_timeout_s)
+            failed |= bad_rows
+            if stuck:
+                self._save_bufs[layer] = StagingBuffer(self.layout)
         if len(tasks) != self.layout.num_layers:
             failed = set(range(len(blocks)))  # a layer never dumped: the block would be incomplete
         # A request whose load failed computed this step's KV over wrong context: never publish it.

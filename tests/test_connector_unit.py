@@ -221,3 +221,20 @@ def test_store_spec_parsing():
     for bad in ("", "embedded?nope=1", "embedded?dram=lots", "file:///x", "tcp://h:1?timeout_s=-1"):
         with pytest.raises(ValueError):
             StoreSpec.parse(bad)
+
+
+def test_stuck_load_times_out_as_failed(store, monkeypatch):
+    tokens = list(range(7000, 7009))
+    produce(store, tokens)
+    monkeypatch.setattr(store, "load", lambda blocks, layers, dst: Task(len(blocks)))  # never finishes
+    stats = ConnectorStats()
+    sched = UCMSchedulerConnector(store, KVConnectorRole.CONSUMER, BS, stats)
+    worker = UCMWorkerConnector(store, KVConnectorRole.CONSUMER, stats, task_timeout_s=0.01)
+    caches = make_caches()
+    worker.register_kv_caches(caches)
+    old_buf = worker._load_bufs[0]
+    req = make_request("c", tokens)
+    n, _ = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [5, 6, 7], n)
+    assert run_step(sched, worker, caches, [ScheduledRequest(req, [5, 6, 7], n, 1, n)]) == {5, 6}
+    assert worker._load_bufs[0] is not old_buf  # the straggler keeps its buffer
