@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/store_bandwidth.py [--blocks 128 --layers 32 --payload 64KiB] [--json out.json]
 
 One pass moves blocks x layers payloads of `--payload` bytes each (default: 16-token blocks of an 8-KV-head,
-128-dim fp16 model = 64 KiB per block and layer). Loads go one layer at a time into caller buffers, the way
-the connector calls them. memcpy = numpy copy of the same bytes in this run, as one contiguous array and as
+128-dim fp16 model = 64 KiB per block and layer). "load" goes one layer at a time into caller buffers, the
+way the connector overlaps loads with compute; "load/block" asks for every layer of 16 blocks per call. memcpy = numpy copy of the same bytes in this run, as one contiguous array and as
 the same per-payload chunks. Targets (issue 4): DRAM load >= 0.5x memcpy, warm LMDB read >= 0.3x.
 """
 
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_store_helpers import make_refs, run_daemon  # noqa: E402
 
 from ucm.client import StoreClient  # noqa: E402
+from ucm.malloc_tuning import retain_freed_memory  # noqa: E402
 from ucm.size import parse_size  # noqa: E402
 from ucm.store import Store, StoreConfig  # noqa: E402
 
@@ -65,9 +66,20 @@ class Workload:
         store.commit([r.key for r in self.refs], True)
 
     def load(self, store) -> None:
+        """Layer by layer, as the connector overlaps loading with compute."""
         tasks = [
             store.load(self.refs, [layer], [[memoryview(row)] for row in self.dst[layer]]) for layer in range(self.layers)
         ]
+        for task in tasks:
+            assert task.wait(60), f"load failed: {task.failed_blocks[:5]}"
+
+    def load_blocks(self, store) -> None:
+        """Every layer of a block in one go (one record read per block), in chunks of 16 blocks."""
+        layers = list(range(self.layers))
+        tasks = []
+        for start in range(0, len(self.refs), 16):
+            dst = [[memoryview(self.dst[layer, i]) for layer in layers] for i in range(start, min(start + 16, len(self.refs)))]
+            tasks.append(store.load(self.refs[start : start + 16], layers, dst))
         for task in tasks:
             assert task.wait(60), f"load failed: {task.failed_blocks[:5]}"
 
@@ -83,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--payload", type=parse_size, default=parse_size("64KiB"))
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--keep-malloc", action="store_true", help="do not retain freed memory (the daemon does)")
     args = ap.parse_args(argv)
+    if not args.keep_malloc:
+        retain_freed_memory()  # same allocator setting as the daemon process, for in-process rows too
     w = Workload(args.blocks, args.layers, args.payload)
     print(f"{args.blocks} blocks x {args.layers} layers x {args.payload} B = {w.nbytes / 2**30:.3f} GiB per pass", flush=True)
     scratch = np.ones_like(w.src)
@@ -122,12 +137,16 @@ def main(argv: list[str] | None = None) -> int:
                 record("dram", mode, "dump", lambda s=store: (s.remove(keys), w.dump(s)))
                 record("dram", mode, "load", lambda s=store: w.load(s))
                 w.check()
+                record("dram", mode, "load/block", lambda s=store: w.load_blocks(s))
+                w.check()
         disk = tmp / "db"
         cfg = dict(dram_bytes=big, disk_path=str(disk), disk_bytes=big)
         with Store(StoreConfig(**cfg)) as store:  # dump + commit + wait until written behind (fsync'd)
             record("disk", "in-process write-behind", "dump", lambda: (store.remove(keys), w.dump(store), store.flush()), 2)
         with Store(StoreConfig(**cfg, promote_on_disk_hit=False)) as store:  # DRAM stays empty: every read is LMDB
             record("disk", "in-process warm LMDB", "load", lambda: w.load(store))
+            w.check()
+            record("disk", "in-process warm LMDB", "load/block", lambda: w.load_blocks(store))
             w.check()
         with Store(StoreConfig(**cfg)) as store:  # first read of each block: LMDB read + promotion copy
             record("disk", "in-process +promote", "load", lambda: w.load(store), 0)
@@ -136,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         with run_daemon(None, *daemon_args, dram=str(big)) as d, StoreClient(d.address, timeout_s=60) as client:
             record("dram", "daemon tcp", "dump", lambda: (client.remove(keys), w.dump(client)))
             record("dram", "daemon tcp", "load", lambda: w.load(client))
+            w.check()
+            record("dram", "daemon tcp", "load/block", lambda: w.load_blocks(client))
             w.check()
         with run_daemon(disk, "--disk", str(big), "--map-size", str(2 * big), *daemon_args, dram=str(big)) as d:
             with StoreClient(d.address, timeout_s=60) as client:

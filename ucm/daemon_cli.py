@@ -18,6 +18,7 @@ from dataclasses import asdict
 from ucm.client import StoreClient, StoreUnavailable
 from ucm.daemon import DaemonConfig, StoreDaemon
 from ucm.eviction import PolicyName
+from ucm.malloc_tuning import retain_freed_memory
 from ucm.size import format_size, parse_size
 from ucm.store import Store, StoreConfig
 
@@ -66,6 +67,7 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"ucm-serve store: {exc}", file=sys.stderr)
         return 2
+    retain_freed_memory()  # this process is the store: keep evicted buffers' pages for reuse
     store = Store(config)
     daemon = StoreDaemon(store, daemon_config)
     for sig in (signal.SIGTERM, signal.SIGINT):
