@@ -104,7 +104,11 @@ class EngineCore:
             # One sequence must always fit the whole cache, or preemption could never make room for it.
             log = logger.warning if self.config.scheduler.max_model_len else logger.info
             log("max_model_len %d exceeds the KV cache (%d tokens); using %d", wanted, kv_tokens, kv_tokens)
-        return min(wanted, kv_tokens)
+        limit = min(wanted, kv_tokens)
+        if not self.config.scheduler.enable_chunked_prefill:
+            # Without chunking a prompt is computed in one step, so it must fit one step's token budget.
+            limit = min(limit, self.config.scheduler.max_num_batched_tokens)
+        return limit
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(
