@@ -136,6 +136,11 @@ class BlockPool:
             assert block.block_id == bid and block.ref_cnt == 0, f"free queue holds {block}"
         cached_free = sum(1 for b in self._free.values() if b.key is not None)
         cached_used = sum(1 for b in used if b.key is not None)
+        empty = len(self._free) - cached_free
+        # The three disjoint states of a block: free and empty, free but still cached (evictable), in use.
+        assert empty + cached_free + len(used) == self.num_blocks, (
+            f"free {empty} + cached {cached_free} + used {len(used)} != total {self.num_blocks}"
+        )
         assert cached_free + cached_used == len(self._cached), (
             f"cached free {cached_free} + cached used {cached_used} != cache map {len(self._cached)}"
         )
