@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
+import numpy as np
 import zmq
 
 from ucm import protocol as p
@@ -162,8 +163,8 @@ class StoreClient:
                 if len(buf) != len(views[i][j]):
                     log.warning("load: block %d layer %d has %d bytes, dst holds %d", i, layers[j], len(buf), len(views[i][j]))
                     failed.add(i)
-                else:
-                    views[i][j][:] = buf
+                else:  # numpy releases the GIL while copying
+                    np.copyto(np.frombuffer(views[i][j], np.uint8), np.frombuffer(buf, np.uint8))
         return sorted(failed)
 
     def _run_task(self, num_blocks: int, fn, *args: object) -> Task:

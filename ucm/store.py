@@ -220,7 +220,11 @@ class Store:
                 self._pins.unpin(keys)
                 task.finish(failed)
 
-        self._pool.submit(run)
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # closed meanwhile
+            self._pins.unpin(keys)
+            return Task.all_failed(len(blocks), "store is closed")
         return task
 
     def read_payloads(self, blocks: Sequence[BlockRef], layers: Sequence[int]) -> list[list[bytes | memoryview] | None]:
@@ -237,7 +241,10 @@ class Store:
     def prefetch(self, keys: Sequence[BlockKey]) -> None:
         if self._disk is None or self._closed:
             return
-        self._pool.submit(self._reader.promote, list(keys))
+        try:
+            self._pool.submit(self._reader.promote, list(keys))
+        except RuntimeError:  # closed meanwhile: a hint can be dropped
+            pass
 
     # --- bookkeeping --------------------------------------------------------------------------------------
 
