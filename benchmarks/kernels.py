@@ -140,9 +140,8 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
     for impl, fn in runs.items():
         ms = time_ms(fn, device, min_s)
         gbps = kv_bytes / ms / 1e6
-        rows.append(
-            Row("decode", f"{s.name} {dtype_name(dtype)}", impl, ms, gbps, gbps / peak if peak else None, s.batch / ms * 1e3)
-        )
+        frac = gbps / peak if peak else None
+        rows.append(Row("decode", f"{s.name} {dtype_name(dtype)}", impl, ms, gbps, frac, s.batch / ms * 1e3))
     return rows
 
 
@@ -158,7 +157,8 @@ def bench_prefill_cpu(s: Shape, dtype: torch.dtype, min_s: float) -> list[Row]:
     ms = time_ms(
         lambda: kernels.prefill_attention(q, k_cache, v_cache, qsl, seq_lens, tables, scale, new), device, min_s
     )
-    return [Row("prefill", f"{s.name} {dtype_name(dtype)} {new} new/{s.ctx}", "paged (dispatch)", ms, None, None, new / ms * 1e3)]
+    shape = f"{s.name} {dtype_name(dtype)} {new} new/{s.ctx}"
+    return [Row("prefill", shape, "paged (dispatch)", ms, None, None, new / ms * 1e3)]
 
 
 def bench_blocks(s: Shape, num_blocks: int, dtype: torch.dtype, device: torch.device, peak: float | None, min_s: float):
@@ -176,7 +176,8 @@ def bench_blocks(s: Shape, num_blocks: int, dtype: torch.dtype, device: torch.de
     for (bench, impl), fn in runs.items():
         ms = time_ms(fn, device, min_s)
         gbps = moved / ms / 1e6
-        rows.append(Row(bench, f"{num_blocks} blk {s.name} {dtype_name(dtype)}", impl, ms, gbps, gbps / peak if peak else None, None))
+        frac = gbps / peak if peak else None
+        rows.append(Row(bench, f"{num_blocks} blk {s.name} {dtype_name(dtype)}", impl, ms, gbps, frac, None))
     return rows
 
 
@@ -213,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx = 512 if args.quick else 2048
         shapes = [Shape(f"smollm2 b8x{ctx}", 8, ctx, 9, 3, 64)]
         dtypes = [torch.float32, torch.bfloat16]
-    print(f"device: {device} ({torch.cuda.get_device_name(device) if cuda else 'cpu, %d threads' % torch.get_num_threads()}); "
-          f"backend: {kernels.select_backend(device).value}; peak: {peak_src}{f' = {peak:.0f} GB/s' if peak else ''}", flush=True)
+    what = torch.cuda.get_device_name(device) if cuda else f"cpu, {torch.get_num_threads()} threads"
+    peak_txt = f"{peak_src} = {peak:.0f} GB/s" if peak else peak_src
+    print(f"device: {device} ({what}); backend: {kernels.select_backend(device).value}; peak: {peak_txt}", flush=True)
     rows: list[Row] = []
     for dtype in dtypes:
         for s in shapes:

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4:
-        raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}"
+        )
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
             f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} {v_cache.dtype} differ"
@@ -52,7 +54,8 @@ def write_kv(
     _check_cache_pair(k_cache, v_cache)
     if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
         raise ValueError(
-            f"key {tuple(key.shape)} / value {tuple(value.shape)} must both be [T, {k_cache.shape[2]}, {k_cache.shape[3]}]"
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} must both be "
+            f"[T, {k_cache.shape[2]}, {k_cache.shape[3]}]"
         )
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
@@ -155,8 +158,8 @@ def scatter_blocks(src: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tens
     """Write staging src [n, bs, H, D] into cache blocks block_ids [n]."""
     if cache.dim() != 4 or block_ids.dim() != 1 or src.shape != (block_ids.shape[0], *cache.shape[1:]):
         raise ValueError(
-            f"scatter_blocks: src {tuple(src.shape)} must be [len(block_ids)={block_ids.shape[0] if block_ids.dim() == 1 else '?'}, "
-            f"{', '.join(str(s) for s in cache.shape[1:])}]"
+            f"scatter_blocks: src {tuple(src.shape)} must be [len(block_ids), *cache.shape[1:]] with 1-D block_ids "
+            f"{tuple(block_ids.shape)} and cache {tuple(cache.shape)}"
         )
     if select_backend(cache.device) is AttentionBackend.TRITON:
         from kernels.triton_block_transfer import scatter_blocks_triton

@@ -51,7 +51,8 @@ def variants() -> list[Variant]:
         ))
         for to_staging in (True, False):
             out.append(Variant(
-                f"block_transfer {dt[1:]} to_staging={to_staging}", "kernels.triton_block_transfer:_block_transfer_kernel",
+                f"block_transfer {dt[1:]} to_staging={to_staging}",
+                "kernels.triton_block_transfer:_block_transfer_kernel",
                 (dt, dt, "*i64", i32), dict(BLOCK_ELEMS=16 * 8 * 128, CHUNK=1024, TO_STAGING=to_staging),
             ))
         out.append(Variant(

@@ -187,7 +187,8 @@ def decode_attention_triton(
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        sms = _num_sms(index) if q.is_cuda else 1
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, sms)
     meta = dict(
         GROUP=group,
