@@ -84,7 +84,6 @@ class BlockReader:
             store._dram.stats.bytes_read += nbytes
             store._dram.stats.read_seconds += time.perf_counter() - start
         on_disk = [i for i, record in enumerate(records) if record is None]
-        promoted: list[BlockRecord] = []
         if on_disk and store._disk is not None:
             promote = store.config.promote_on_disk_hit
 
@@ -107,18 +106,15 @@ class BlockReader:
                     rows[i] = payloads if promote else [bytes(p) for p in payloads]
                 elif not self._copy(ref, payloads, dst[i]):
                     return False
-                if found is not None:
-                    promoted.append(found)
+                if found is not None:  # at once, so concurrent loads of the same blocks (other layers) hit DRAM
+                    with store._lock:
+                        store._dram.put(found, "promoted after a disk hit")
                 return True
 
             for i, hit in zip(on_disk, store._disk.read_many([refs[i].key for i in on_disk], on_disk, visit)):
                 ok[i] = hit
         for key, why in bad:
             self._drop(key, why)
-        if promoted:
-            with store._lock:
-                for record in promoted:
-                    store._dram.put(record, "promoted after a disk hit")
         return ok, rows
 
     @staticmethod
