@@ -187,8 +187,9 @@ def decode_attention_triton(
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        sms = _num_sms(index) if q.is_cuda else 1
+        sms = 1  # interpreted on CPU
+        if q.is_cuda:
+            sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, sms)
     meta = dict(
         GROUP=group,
