@@ -57,6 +57,9 @@ def test_round_trip_and_prefix_lookup(client) -> None:
     assert_loaded(refs[1:3], dst, layers=[2])
     stats = client.stats()
     assert stats.tiers[Tier.DRAM].hits >= 6 and Tier.DISK in stats.tiers
+    client.prefetch(keys)  # a hint: harmless for blocks already in DRAM or absent
+    client.remove(keys[2:3])
+    assert client.lookup(keys) == 2 and client.contains(keys[:4]) == [True, True, False, True]
 
 
 def test_partial_dump_invisible(client) -> None:

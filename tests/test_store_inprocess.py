@@ -306,3 +306,34 @@ def test_pinned_block_not_deleted_from_disk_during_load(tmp_path) -> None:
         release.set()
         assert task.wait(10)
         assert_loaded([refs[0]], dst)
+
+
+def test_reopen_with_smaller_disk_evicts_down_to_capacity(tmp_path) -> None:
+    refs = make_refs(list(range(4 * 6)))
+    with _store(tmp_path, disk=None) as probe:
+        size = _record_bytes(probe, refs[0])
+    with _store(tmp_path, disk=6 * size) as store:
+        dump_all(store, refs)
+        store.flush()
+    with _store(tmp_path, disk=3 * size) as store:
+        stats = store.stats().tiers[Tier.DISK]
+        assert stats.blocks == 3 and stats.bytes_used <= 3 * size
+        present = [r for r in refs if store.contains([r.key])[0]]
+        ok, _, dst = load_all(store, present)
+        assert ok and len(present) == 3
+        assert_loaded(present, dst)
+    with lmdb.open(str(tmp_path / "db"), readonly=True, lock=False) as env:
+        assert env.stat()["entries"] == 3  # deleted, not just forgotten
+
+
+def test_abandoned_dumps_expire(tmp_path) -> None:
+    refs = make_refs(list(range(8)))
+    with _store(tmp_path, disk=None, pending_timeout_s=0.05) as store:
+        store.dump(refs[:1], 0, NUM_LAYERS, [payload(refs[0], 0)]).wait()  # never committed
+        assert store.stats().pending_blocks == 1
+        threading.Event().wait(0.1)
+        store.dump(refs[1:], 0, NUM_LAYERS, [payload(refs[1], 0)]).wait()  # any dump sweeps stale ones
+        assert store.stats().pending_blocks == 1  # only the fresh one
+        dump_all(store, refs[:1], commit=False)
+        store.commit([refs[0].key], True)
+        assert store.lookup([refs[0].key]) == 1

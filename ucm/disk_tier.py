@@ -83,6 +83,7 @@ class DiskTier:
                 "disk: evicting %s (%d bytes, policy %s) %s: %d/%d bytes used",
                 victim.hex(), freed, self._policy.name.value, reason, self.stats.bytes_used, self.capacity_bytes,
             )
+        self.stats.blocks = len(self._sizes)
         return victims
 
     def write(self, records: Sequence[BlockRecord]) -> list[BlockKey]:

@@ -139,7 +139,7 @@ class Store:
         return Task.completed(len(blocks), failed)
 
     def _sweep_pending(self, now: float) -> None:
-        if now - self._last_sweep < 1.0:
+        if now - self._last_sweep < min(1.0, self.config.pending_timeout_s / 2):
             return
         self._last_sweep = now
         stale = [k for k, p in self._pending.items() if now - p.created > self.config.pending_timeout_s]
