@@ -308,19 +308,23 @@ def test_pinned_block_not_deleted_from_disk_during_load(tmp_path) -> None:
         assert_loaded([refs[0]], dst)
 
 
-def test_reopen_with_smaller_disk_evicts_down_to_capacity(tmp_path) -> None:
+def test_reopen_keeps_recency_and_evicts_down_to_capacity(tmp_path, monkeypatch) -> None:
     refs = make_refs(list(range(4 * 6)))
     with _store(tmp_path, disk=None) as probe:
         size = _record_bytes(probe, refs[0])
+    clock = iter(range(1_000_000, 1_000_100))
+    monkeypatch.setattr("ucm.record.time.time", lambda: next(clock))  # one second per commit
     with _store(tmp_path, disk=6 * size) as store:
-        dump_all(store, refs)
+        for i in (3, 0, 5, 1, 4, 2):  # commit order differs from key order and from position
+            dump_all(store, refs[i : i + 1])
         store.flush()
-    with _store(tmp_path, disk=3 * size) as store:
+    with _store(tmp_path, disk=3 * size, disk_policy=PolicyName.LRU) as store:
         stats = store.stats().tiers[Tier.DISK]
         assert stats.blocks == 3 and stats.bytes_used <= 3 * size
-        present = [r for r in refs if store.contains([r.key])[0]]
+        assert store.contains([r.key for r in refs]) == [False, True, True, False, True, False]  # newest 3 kept
+        present = [refs[i] for i in (1, 2, 4)]
         ok, _, dst = load_all(store, present)
-        assert ok and len(present) == 3
+        assert ok
         assert_loaded(present, dst)
     with lmdb.open(str(tmp_path / "db"), readonly=True, lock=False) as env:
         assert env.stat()["entries"] == 3  # deleted, not just forgotten

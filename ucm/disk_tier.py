@@ -19,7 +19,7 @@ import lmdb
 from ucm.api import TierStats
 from ucm.eviction import EvictionPolicy
 from ucm.keys import BlockKey
-from ucm.record import BlockRecord
+from ucm.record import BlockRecord, committed_seconds
 
 log = logging.getLogger("ucm.disk")
 T = TypeVar("T")
@@ -50,13 +50,15 @@ class DiskTier:
         self._load_index()
 
     def _load_index(self) -> None:
+        found = []
         with self._env.begin(buffers=True) as txn:
             for key, value in txn.cursor():
-                size = len(value)
-                key = bytes(key)
-                self._sizes[key] = size
-                self._policy.insert(key, size)
-                self.stats.bytes_used += size
+                found.append((committed_seconds(value), bytes(key), len(value)))
+        found.sort()  # oldest commit first: the policy sees the blocks in the order they arrived
+        for _, key, size in found:
+            self._sizes[key] = size
+            self._policy.insert(key, size)
+            self.stats.bytes_used += size
         self.stats.blocks = len(self._sizes)
         log.info("disk: opened %s with %d blocks, %d bytes", self.path, len(self._sizes), self.stats.bytes_used)
         if self.stats.bytes_used > self.capacity_bytes:  # reopened with a smaller capacity

@@ -1,12 +1,13 @@
 """The byte format of one stored block, identical in DRAM (header + per-layer buffers) and on disk (joined).
 
-    fixed   "<4sHHII16s16s": magic b"UCMB", format version, num_layers, num_tokens, reserved, key, parent
+    fixed   "<4sHHII16s16s": magic b"UCMB", format version, num_layers, num_tokens, committed_s, key, parent
     tokens  num_tokens x u32 little-endian
     sizes   num_layers x u64   payload bytes of each layer (that layer's K then V, laid out by the caller)
     sums    num_layers x u64   xxh3-64 of each layer's payload
     hsum    u64                xxh3-64 of every header byte before it
     payload layer 0 ‖ layer 1 ‖ ...
 
+`committed_s` (Unix seconds) lets a reopened disk tier rebuild its recency order.
 The header repeats the key, parent and token ids so that a read can refuse a block whose key collided
 with the caller's (DESIGN.md §3), and every payload carries its own checksum so a flipped bit is a miss.
 """
@@ -14,6 +15,7 @@ with the caller's (DESIGN.md §3), and every payload carries its own checksum so
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,6 +62,7 @@ class RecordHeader:
     token_ids: tuple[int, ...]
     payload_sizes: tuple[int, ...]
     checksums: tuple[int, ...]
+    committed_s: int = 0
 
     def __post_init__(self) -> None:
         if len(self.key) != KEY_NBYTES or len(self.parent) != KEY_NBYTES:
@@ -81,7 +84,7 @@ class RecordHeader:
         n = self.num_layers
         body = b"".join(
             (
-                _FIXED.pack(MAGIC, FORMAT_VERSION, n, len(self.token_ids), 0, self.key, self.parent),
+                _FIXED.pack(MAGIC, FORMAT_VERSION, n, len(self.token_ids), self.committed_s, self.key, self.parent),
                 np.asarray(self.token_ids, dtype="<u4").tobytes(),
                 np.asarray(self.payload_sizes, dtype="<u8").tobytes(),
                 np.asarray(self.checksums, dtype="<u8").tobytes(),
@@ -99,7 +102,7 @@ def decode_header(buf: Buffer) -> tuple[RecordHeader, int]:
     view = as_bytes_view(buf)
     if len(view) < _FIXED.size:
         raise RecordError(f"record truncated: {len(view)} bytes")
-    magic, version, num_layers, num_tokens, _, key, parent = _FIXED.unpack_from(view, 0)
+    magic, version, num_layers, num_tokens, committed_s, key, parent = _FIXED.unpack_from(view, 0)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise RecordError(f"bad magic/version {magic!r}/{version}")
     if not 0 < num_layers <= MAX_LAYERS or num_tokens > MAX_TOKENS:
@@ -121,6 +124,7 @@ def decode_header(buf: Buffer) -> tuple[RecordHeader, int]:
         token_ids=tuple(tokens.tolist()),
         payload_sizes=tuple(sizes.tolist()),
         checksums=tuple(sums.tolist()),
+        committed_s=committed_s,
     )
     return header, end
 
@@ -139,7 +143,8 @@ class BlockRecord:
     @classmethod
     def build(cls, ref: BlockRef, payloads: Sequence[Buffer], checksums: Sequence[int]) -> BlockRecord:
         sizes = tuple(len(as_bytes_view(p)) for p in payloads)
-        header = RecordHeader(ref.key, ref.parent, tuple(int(t) for t in ref.token_ids), sizes, tuple(checksums))
+        tokens = tuple(int(t) for t in ref.token_ids)
+        header = RecordHeader(ref.key, ref.parent, tokens, sizes, tuple(checksums), int(time.time()) & 0xFFFFFFFF)
         return cls(header, payloads)
 
     @property
@@ -211,3 +216,11 @@ def read_layers(buf: Buffer, ref: BlockRef, layers: Sequence[int]) -> list[memor
             raise RecordError(f"checksum mismatch in layer {layer}")
         out.append(payload)
     return out
+
+
+def committed_seconds(buf: Buffer) -> int:
+    """The commit time stamped in a record's header (0 if unreadable); for ordering only, not verified."""
+    view = as_bytes_view(buf)
+    if len(view) < _FIXED.size:
+        return 0
+    return _FIXED.unpack_from(view, 0)[4]
