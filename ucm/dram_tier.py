@@ -43,6 +43,10 @@ class DramTier:
         self._policy.touch(key)
         return record
 
+    def peek(self, key: BlockKey) -> BlockRecord | None:
+        """The record if resident, without counting a hit or a use."""
+        return self._blocks.get(key)
+
     def get_many(self, keys: list[BlockKey], fallback: dict[BlockKey, BlockRecord]) -> list[BlockRecord | None]:
         """`get` for many keys at once (the load hot path); a key absent here is looked up in `fallback`
         (blocks committed but evicted before reaching disk), which counts as a DRAM hit without a use."""

@@ -90,9 +90,12 @@ class BlockReader:
             def visit(i: int, buf: memoryview) -> bool:
                 ref = refs[i]
                 try:
-                    if promote:  # one copy out of the map, then owned by DRAM
-                        found = decode_record(bytes(buf))
-                        self._check(ref, found)
+                    if promote:
+                        with store._lock:  # promoted meanwhile by a concurrent load of other layers?
+                            found = store._dram.peek(ref.key)
+                        if found is None or not found.header.matches(ref):
+                            found = decode_record(bytes(buf))  # one copy out of the map, then owned by DRAM
+                            self._check(ref, found)
                         payloads = [found.payloads[layer] for layer in layers]
                     else:  # serve straight out of the memory map
                         found, payloads = None, read_layers(buf, ref, layers)
