@@ -164,8 +164,12 @@ def test_chunked_prefill_and_decode_mixed_in_steps(smollm2_fp32, prompt_ids, ref
         assert_close(torch.cat(got[i]), reference[i], f"prompt {i} chunked/decode")
 
 
-def test_greedy_decode_matches_hf_generate(smollm2_fp32, hf_smollm2_fp32, prompt_ids):
-    """8 prompts x 16 tokens: batched greedy decoding over the paged cache equals HF generate per prompt."""
+def test_greedy_decode_matches_hf(smollm2_fp32, hf_smollm2_fp32, prompt_ids):
+    """8 prompts x 16 tokens of batched greedy decoding over the paged cache equal HF's greedy choice.
+
+    HF greedy picks t_k = argmax HF(prompt + t_<k). One HF forward over prompt + our tokens gives every
+    argmax(HF(prompt + ours_<k)) at once; if each equals ours_k then, by induction, HF greedy == ours. Two
+    prompts additionally go through `generate` itself (the full-engine greedy test is engine-core's)."""
     steps, chosen = 16, prompt_ids[:8]
     cache = PagedCache(smollm2_fp32, num_blocks=64, seed=3)
     logits = cache.step(list(enumerate(chosen)))
@@ -177,12 +181,15 @@ def test_greedy_decode_matches_hf_generate(smollm2_fp32, hf_smollm2_fp32, prompt
         for i, t in enumerate(nxt):
             outs[i].append(t)
     for i, ids in enumerate(chosen):
+        hf_choice = hf_logits(hf_smollm2_fp32, ids + outs[i][:-1])[len(ids) - 1 :].argmax(-1).tolist()
+        assert outs[i] == hf_choice, f"prompt {i}: ours {outs[i]} vs HF greedy {hf_choice}"
+    for i in (0, 1):
         with torch.no_grad():
             ref = hf_smollm2_fp32.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([chosen[i]]), attention_mask=torch.ones(1, len(chosen[i]), dtype=torch.long),
                 max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0,
-            )[0, len(ids):].tolist()
-        assert outs[i] == ref, f"prompt {i}: ours {outs[i]} vs HF {ref}"
+            )[0, len(chosen[i]):].tolist()
+        assert outs[i] == ref, f"prompt {i}: ours {outs[i]} vs HF generate {ref}"
 
 
 # --- tiny random-weight configs of the other families ------------------------------------------------
