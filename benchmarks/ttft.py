@@ -75,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # SIGTERM unwinds like Ctrl-C, so the `finally` blocks stop the store daemons.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("engine", "ucm", "connector"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
