@@ -76,6 +76,8 @@ class StoreClient:
         """Send one request and return (reply, data frames); raises StoreUnavailable / StoreRequestError."""
         with self._lock:
             req_id = next(self._req_ids)
+            if self._closed:
+                raise StoreUnavailable("client is closed")
             if time.monotonic() < self._down_until:
                 raise StoreUnavailable(f"store at {self.address} did not answer recently; retrying later")
         sock = self._socket()
@@ -84,6 +86,8 @@ class StoreClient:
         except zmq.Again as exc:
             self._mark_down()
             raise StoreUnavailable(f"cannot queue a request to {self.address}") from exc
+        except zmq.ZMQError as exc:  # the client was closed by another thread
+            raise StoreUnavailable(f"client socket unusable: {exc}") from exc
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
             remaining = deadline - time.monotonic()
