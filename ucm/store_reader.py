@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from ucm.store import Store
 
 log = logging.getLogger("ucm.store")
+# Below this a plain memoryview copy (GIL held, ~0.1 us overhead) beats numpy's GIL-free copy (~1.5 us).
+_GIL_FREE_COPY_BYTES = 64 << 10
 # Where payloads go: dst[i][j] a writable byte view to copy layers[j] of block i into, or None to have the
 # reader return the buffers themselves (owned by the caller: DRAM buffers are immutable, disk ones copied).
 Dest = list[list[memoryview]] | None
@@ -74,6 +76,8 @@ class BlockReader:
                     why = f"dst holds {len(row[j])} bytes, layer {layer} has {sizes[layer]}"
                     log.warning("load of %s failed: %s", ref.key.hex(), why)
                     break
+                elif sizes[layer] < _GIL_FREE_COPY_BYTES:
+                    row[j][:] = buf
                 else:  # numpy releases the GIL while copying: load threads copy in parallel
                     np.copyto(np.frombuffer(row[j], np.uint8), np.frombuffer(buf, np.uint8))
                 block_bytes += sizes[layer]
