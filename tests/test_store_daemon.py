@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -168,6 +169,13 @@ def test_restart_persistence_and_stats_cli(tmp_path) -> None:
             capture_output=True, text=True, timeout=30,
         )
         assert out.returncode == 0 and "disk" in out.stdout and "lookups 1: 5/5" in out.stdout, out.stdout
+        out = subprocess.run(
+            [sys.executable, "-c", "import sys; from ucm.daemon_cli import stats_main; sys.exit(stats_main(sys.argv[1:]))",
+             "--connect", d.address, "--json"],
+            capture_output=True, text=True, timeout=30,
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["tiers"]["disk"]["hits"] == 5
 
 
 def test_dram_only_daemon_payload_sizes() -> None:

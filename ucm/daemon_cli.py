@@ -8,12 +8,12 @@ write-behind queue is flushed and LMDB is closed.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
 import time
-from dataclasses import asdict
+
+import msgspec
 
 from ucm.client import StoreClient, StoreUnavailable
 from ucm.daemon import DaemonConfig, StoreDaemon
@@ -95,7 +95,7 @@ def stats_main(argv: list[str]) -> int:
                 print(f"ucm-serve store-stats: {exc}", file=sys.stderr)
                 return 1
             if args.json:
-                print(json.dumps(asdict(stats), default=lambda o: getattr(o, "value", str(o))), flush=True)
+                print(msgspec.json.encode(stats).decode(), flush=True)  # enum keys become their values
             else:
                 print(_table(stats), flush=True)
             if args.watch <= 0:
