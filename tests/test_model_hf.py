@@ -192,6 +192,25 @@ def test_greedy_decode_matches_hf(smollm2_fp32, hf_smollm2_fp32, prompt_ids):
         assert outs[i] == ref, f"prompt {i}: ours {outs[i]} vs HF generate {ref}"
 
 
+def test_bf16_serving_dtype_tracks_hf_bf16(smollm2_fp32, prompt_ids):
+    """The serving dtype: alone, a prompt matches HF's bf16 logits (bit-for-bit on this CPU today, but only a
+    bf16-rounding tolerance is asserted); packed, oneDNN may block the matmuls differently, so the bound is loose."""
+    from transformers import AutoModelForCausalLM
+
+    lm = load_model(smollm2_fp32.path, dtype=torch.bfloat16)
+    assert lm.model.embed_tokens.dtype == torch.bfloat16 and lm.fingerprint == smollm2_fp32.fingerprint
+    hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.bfloat16).eval()
+    ref = [hf_logits(hf, ids) for ids in prompt_ids]
+    cache = PagedCache(lm, seed=5)
+    for i, ids in enumerate(prompt_ids[:4]):
+        assert (cache.step([(100 + i, ids)]) - ref[i]).abs().max() <= 0.125, f"prompt {i} alone (bf16)"
+    packed = cache.step(list(enumerate(prompt_ids)))
+    ref_all = torch.cat(ref)
+    assert (packed - ref_all).abs().max() <= 0.5
+    agree = (packed.argmax(-1) == ref_all.argmax(-1)).float().mean().item()
+    assert agree >= 0.97, f"bf16 argmax agreement {agree:.3f}"
+
+
 # --- tiny random-weight configs of the other families ------------------------------------------------
 
 def _tiny_folder(tmp_path: Path, source: Path, config) -> Path:
