@@ -131,6 +131,21 @@ def test_prefill_attention(dtype, hq, hkv, head_dim):
     torch.testing.assert_close(prefill_attention_triton(*args), prefill_attention_torch(*args), **TOL[dtype])
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_other_block_sizes_and_strided_queries(block_size):
+    ctx, new = [40, 9, 70], [40, 1, 6]
+    case = make_paged_case(ctx, new, 6, 2, 64, block_size=block_size, seed=block_size, device=DEVICE)
+    q = torch.cat([case.q, case.q], dim=-1)[..., :64]  # non-contiguous rows, as a slice of a fused qkv
+    tables = case.block_tables.long()
+    args = (q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, tables, 0.125, case.max_query_len)
+    torch.testing.assert_close(prefill_attention_triton(*args), prefill_attention_torch(*args), **TOL[torch.float32])
+    last = (case.query_start_loc[1:] - 1).long()
+    dec = (q[last], case.k_cache, case.v_cache, tables, case.seq_lens, 0.125)
+    torch.testing.assert_close(
+        decode_attention_triton(*dec, num_splits=2), decode_attention_torch(*dec), **TOL[torch.float32]
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gather_scatter_blocks(dtype):
     gen = torch.Generator().manual_seed(3)
