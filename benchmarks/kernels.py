@@ -11,6 +11,7 @@ CPU: tokens/s of the torch reference path against SDPA on pre-gathered K/V.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -117,6 +118,12 @@ def paged_setup(s: Shape, dtype: torch.dtype, device: torch.device):
     return q, k_cache, v_cache, tables, seq_lens
 
 
+def decode_attention_triton(*args, **kwargs):
+    from kernels.triton_decode_attention import decode_attention_triton as fn  # CUDA only: imports triton
+
+    return fn(*args, **kwargs)
+
+
 def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float | None, min_s: float) -> list[Row]:
     q, k_cache, v_cache, tables, seq_lens = paged_setup(s, dtype, device)
     scale = s.head_dim**-0.5
@@ -131,6 +138,13 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
             q.unsqueeze(2), k_dense, v_dense, scale=scale, enable_gqa=gqa
         ),
     }
+    if device.type == "cuda":
+        # Tuning sweep of the Triton kernel itself (the dispatch row above uses its defaults).
+        for bn, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 8, 3), (128, 8, 2)):
+            runs[f"triton bn{bn} w{warps} s{stages}"] = functools.partial(
+                decode_attention_triton, q, k_cache, v_cache, tables, seq_lens, scale, s.ctx,
+                block_n=bn, num_warps=warps, num_stages=stages,
+            )
     if device.type == "cpu" and dtype != torch.float32:
         k32, v32 = k_dense.float(), v_dense.float()
         runs["SDPA pre-gathered fp32"] = lambda: F.scaled_dot_product_attention(

@@ -34,6 +34,14 @@ def variants() -> list[Variant]:
                 dict(GROUP=group, NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=32,
                      DOT_F32=dt == "*fp32", DOT_PRECISION="ieee"),
             ))
+        for block_n in (64, 128):  # the larger tiles benchmarks/kernels.py sweeps
+            out.append(Variant(
+                f"decode {dt[1:]} g4 d128 s1 bn{block_n}",
+                "kernels.triton_decode_attention:_decode_kernel",
+                (dt, dt, dt, "*i32", "*i32", dt, "*fp32", "*fp32", f32) + (i32,) * 9,
+                dict(GROUP=4, NUM_SPLITS=1, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=block_n,
+                     DOT_F32=dt == "*fp32", DOT_PRECISION="ieee"),
+            ))
         out.append(Variant(
             f"merge {dt[1:]}", "kernels.triton_decode_attention:_merge_splits_kernel",
             ("*fp32", "*fp32", dt, i32, i32), dict(NUM_SPLITS=8, HEAD_DIM=128, BLOCK_S=8, BLOCK_D=128),
@@ -95,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.dtype and not any(f" {d}" in v.name for d in args.dtype):
                 continue
             try:
-                compile_variant(v, arch)
-                print(f"ok    sm_{arch} {v.name}", flush=True)
+                kernel = compile_variant(v, arch)
+                print(f"ok    sm_{arch} {v.name} (shared {kernel.metadata.shared} B)", flush=True)
             except Exception as exc:  # report every failing variant, not just the first
                 failed += 1
                 print(f"FAIL  sm_{arch} {v.name}: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)

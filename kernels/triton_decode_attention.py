@@ -170,8 +170,13 @@ def decode_attention_triton(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] -> [B, Hq, D]. num_splits None = heuristic (needs max_seq_len, else reads seq_lens.max())."""
+    """q [B, Hq, D] -> [B, Hq, D]. num_splits None = heuristic (needs max_seq_len, else reads seq_lens.max()).
+
+    block_n / num_warps / num_stages are tuning knobs (benchmarks/kernels.py sweeps them on a GPU).
+    """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -201,6 +206,7 @@ def decode_attention_triton(
         DOT_F32=dot_in_fp32(q.dtype),
         DOT_PRECISION=DOT_PRECISION,
     )
+    launch = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
     if num_splits == 1:
         partial = lse = out  # unused by the kernel on this path
     else:
@@ -226,6 +232,7 @@ def decode_attention_triton(
         block_tables.stride(0),
         k_cache.shape[1],
         **meta,
+        **launch,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
