@@ -74,12 +74,24 @@ def _embed_chat_template(out: Path, template: str | None) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
 
+def _remove_stale_tmp_dirs(parent: Path, max_age_s: float = 6 * 3600) -> None:
+    """Leftovers of conversions that crashed; anything this old cannot still be in progress."""
+    now = time.time()
+    for tmp in parent.glob(".*.tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > max_age_s:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def convert_gguf(gguf_path: Path, target: Path) -> Path:
     """Dequantize `gguf_path` into the HF folder `target` (atomically); returns `target`."""
     global conversions_done
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp_dirs(target.parent)
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:

@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 from engine.model_config import ModelConfig
-from engine.model_source import file_digest, resolve_model_dir
+from engine.model_source import cached_file_digest, resolve_model_dir
 from engine.models.llama import LlamaForCausalLM
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model
@@ -38,7 +38,7 @@ def model_fingerprint(folder: Path, config: ModelConfig) -> str:
     h = xxhash.xxh3_128()
     for path in sorted(folder.glob("*.safetensors")):
         h.update(path.name.encode())
-        h.update(file_digest(path).encode())
+        h.update(cached_file_digest(path).encode())
     h.update(json.dumps(config.arch_dict(), sort_keys=True).encode())
     return f"{config.arch.value}-{h.hexdigest()}"
 
@@ -56,6 +56,11 @@ def load_model(
     tokenizer = Tokenizer(folder)
     if tokenizer.eos_token_ids - set(config.eos_token_ids):
         config = ModelConfig(**{**config.__dict__, "eos_token_ids": tuple(sorted(tokenizer.eos_token_ids))})
+    if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
+        log.warning(
+            "%s uses a %d-token sliding window; attention here is full, so sequences are capped at %d tokens",
+            spec, config.sliding_window, config.max_model_len,
+        )
     model = build_model(config, folder, dtype, device)
     fingerprint = model_fingerprint(folder, config)
     log.info(

@@ -73,6 +73,14 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
     @property
+    def max_model_len(self) -> int:
+        """Longest sequence this model computes exactly as its reference does: attention here is always full,
+        so a sliding-window model (Mistral) is only exact up to its window."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

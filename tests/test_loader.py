@@ -128,3 +128,30 @@ def test_tokenizer_matches_transformers(smollm2_fp32):
                                                                        add_generation_prompt=True, return_dict=False)
     with pytest.raises(ValueError, match="role"):
         tok.apply_chat_template([{"content": "no role"}])
+
+
+def test_config_reads_transformers4_rope_layout_and_sliding_window():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.models.rope import inverse_frequencies
+
+    v4 = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "rope_theta": 500000.0,
+          "max_position_embeddings": 131072, "eos_token_id": [7, 9],
+          "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}}
+    cfg = ModelConfig.from_hf_dict(v4)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling.rope_type.value == "llama3"
+    assert cfg.head_dim == 64 and cfg.max_model_len == 131072
+    hf_cfg = LlamaConfig(**{k: v for k, v in v4.items() if k not in ("model_type", "rope_scaling", "rope_theta")},
+                         rope_parameters={**v4["rope_scaling"], "rope_theta": 500000.0})
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    assert torch.allclose(inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), ref, rtol=1e-6)
+
+    mistral = ModelConfig.from_hf_dict({**v4, "model_type": "mistral", "sliding_window": 4096, "rope_scaling": None})
+    assert mistral.sliding_window == 4096 and mistral.max_model_len == 4096
+    qwen = ModelConfig.from_hf_dict({**v4, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096})
+    assert qwen.qkv_bias and not qwen.o_bias and qwen.sliding_window is None
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ModelConfig.from_hf_dict({**v4, "num_key_value_heads": 3})
