@@ -63,6 +63,9 @@ def load_fp32_model():
 
 def child_main(scenarios: list[list[str]]) -> None:
     """A fresh process: one fresh engine per (kv_store, kv_role); prints one JSON line of results."""
+    import torch
+
+    torch.set_num_threads(1)
     model = load_fp32_model()
     print(json.dumps([run_engine(model, store, role) for store, role in scenarios]), flush=True)
 
@@ -103,7 +106,10 @@ class Daemon:
 
 @pytest.fixture(scope="module")
 def model():
-    return load_fp32_model()
+    from tests.engine_helpers import single_thread
+
+    with single_thread():  # 2 shared cores: OpenMP spin-waiting makes threaded small matmuls far slower
+        yield load_fp32_model()
 
 
 @pytest.fixture(scope="module")
