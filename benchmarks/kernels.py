@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -85,13 +84,13 @@ def time_ms(fn: Callable[[], object], device: torch.device, min_time_s: float) -
             if elapsed < min_time_s * 1000:
                 reps *= 2
         return elapsed / reps
-    # CPU: median of single calls, robust to the other processes sharing the cores.
+    # CPU: best single call; on a shared 2-core box even the median swings 10x with other processes' load.
     samples, t_end = [], time.perf_counter() + min_time_s
     while time.perf_counter() < t_end or len(samples) < 5:
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1000
+    return min(samples) * 1000
 
 
 def peak_gbps(device: torch.device) -> tuple[float, str]:
