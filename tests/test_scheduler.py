@@ -160,3 +160,36 @@ def test_fork_shares_blocks_then_copies_on_write():
     assert len(out.cow_copies) == 2  # two of three sequences copy the shared partial block; the last keeps it
     after = [sched.kv.block_ids(rid) for rid in ("p", "p#1", "p#2")]
     assert all(b[0] == 0 for b in after) and len({b[1] for b in after}) == 3
+
+
+class _DelayFreeConnector:
+    """Scheduler side only: no external hits; asks to keep blocks after finish (an async save in flight)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return object()
+
+    def request_finished(self, request, block_ids):
+        return True, {"blocks": list(block_ids)}
+
+
+def test_delay_free_until_connector_reports_sent():
+    sched = make_scheduler(num_blocks=8)
+    sched.connector = _DelayFreeConnector()
+    r = make_request("r", 6, max_tokens=1)
+    sched.add_request(r)
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out))
+    assert r.is_finished and r.finished_kv_transfer_params == {"blocks": [0, 1]}
+    assert sched.kv.block_ids("r") == [0, 1]  # still held for the connector
+    sched.check_integrity()
+    out = sched.schedule()
+    assert out.finished_req_ids == {"r"}
+    sched.update_from_output(out, ModelRunnerOutput(finished_sending={"r"}))
+    assert sched.kv.pool.num_free_blocks == 8
+    sched.check_integrity()
