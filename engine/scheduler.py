@@ -49,7 +49,7 @@ class Scheduler:
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._delayed_free:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.validate_prompt_len(request.num_prompt_tokens)
         self.requests[request.request_id] = request
