@@ -6,7 +6,8 @@ Every request goes through the real `ucm.store.Store` code: `lookup` (hit prefix
 are whole blocks (the record size, header included, times a block count), so "capacity" reads as a
 fraction of the workload's working set (its distinct blocks).
 
-Two sweeps, both per policy (the same policy on each tier; TinyLFU is W-TinyLFU with its 1% window):
+Two sweeps, per policy (the same policy on both tiers, or "dram/disk" such as lru/tinylfu: TinyLFU's
+frequency filter guarding the disk tier behind a plain LRU DRAM tier):
 
 - `dram`: a DRAM-only store (no disk tier) of capacity f × working set. This is where the policies are
   compared: printed next to MIN for a single cache of the same size.
@@ -18,8 +19,10 @@ Two sweeps, both per policy (the same policy on each tier; TinyLFU is W-TinyLFU 
   max(DRAM, disk) distinct blocks, so the gap to MIN is partly structural, not the policy's fault).
 
 Hit rate = hit blocks / requested full blocks, with prefix semantics (a block after a miss is a miss, as in
-the store). The Mooncake trace is replayed whole by default (`--stride k` keeps every k-th request,
-`--max-requests N` the first N; the subsample is printed); synthetic workloads are seeded.
+the store). The Mooncake trace is subsampled by default to keep a full run near 3 minutes on 2 cores:
+`--sample 4` keeps ~1/4 of the conversations whole (SHARDS-style, by a hash of each request's second
+block, see benchmarks/traces.py), `--sample 1` replays all 12,031 requests; `--max-requests N` reads
+only the first N lines. What was kept is printed. Synthetic workloads are seeded.
 
     .venv/bin/python benchmarks/hit_rate.py [--quick] [--json out.json] [--png hit_rate.png]
 """
@@ -117,7 +120,14 @@ class Replayer:
 
 
 def run_point(
-    workload: str, sweep: str, policy: PolicyName, frac: float, requests: list[Request], ws: int, dram_frac: float
+    workload: str,
+    sweep: str,
+    policy: PolicyName,
+    frac: float,
+    requests: list[Request],
+    ws: int,
+    dram_frac: float,
+    disk_policy: PolicyName | None = None,
 ) -> Point:
     replayer = Replayer()
     rec = replayer.record_bytes()
@@ -131,19 +141,31 @@ def run_point(
             disk_path=tmp if disk_blocks else None,
             disk_bytes=disk_blocks * rec,
             policy=policy,
-            disk_policy=policy,
+            disk_policy=disk_policy or policy,
         )
         with Store(config) as store:
             dram_hits, disk_hits = replayer.replay(store, requests)
     accesses = sum(map(len, requests))
     return Point(
-        workload, sweep, policy.value, frac, dram_blocks, disk_blocks, accesses, dram_hits, disk_hits,
+        workload, sweep, policy_label(policy, disk_policy), frac, dram_blocks, disk_blocks, accesses, dram_hits, disk_hits,
         belady(requests, dram_blocks + disk_blocks).prefix_hits, accesses - ws, time.perf_counter() - start,
     )
 
 
+def policy_label(policy: PolicyName, disk_policy: PolicyName | None) -> str:
+    return policy.value if disk_policy in (None, policy) else f"{policy.value}/{disk_policy.value}"
+
+
+def parse_policies(spec: str) -> list[tuple[PolicyName, PolicyName | None]]:
+    out = []
+    for item in spec.split(","):
+        dram, _, disk = item.partition("/")
+        out.append((PolicyName(dram), PolicyName(disk) if disk else None))
+    return out
+
+
 def print_table(points: list[Point]) -> None:
-    policies = sorted({p.policy for p in points}, key=[n.value for n in PolicyName].index)
+    policies = list(dict.fromkeys(p.policy for p in points))
     groups: dict[tuple[str, str, float], dict[str, Point]] = {}
     for p in points:
         groups.setdefault((p.workload, p.sweep, p.capacity_frac), {})[p.policy] = p
@@ -171,6 +193,7 @@ def print_table(points: list[Point]) -> None:
 
 def plot(points: list[Point], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -180,7 +203,7 @@ def plot(points: list[Point], path: Path) -> None:
     for ax, (workload, sweep) in zip(axes[0], panels):
         mine = [p for p in points if p.workload == workload and p.sweep == sweep]
         fracs = sorted({p.capacity_frac for p in mine})
-        for name in [n.value for n in PolicyName]:
+        for name in dict.fromkeys(p.policy for p in mine):
             series = sorted((p.capacity_frac, p.hit_rate) for p in mine if p.policy == name)
             if series:
                 ax.plot(*zip(*series), marker="o", ms=3, label=name)
@@ -188,6 +211,10 @@ def plot(points: list[Point], path: Path) -> None:
         ax.plot(fracs, [ref[f].belady_hits / ref[f].accesses for f in fracs], "k--", label="Belady MIN")
         ax.plot(fracs, [ref[f].infinite_hits / ref[f].accesses for f in fracs], "k:", label="infinite")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(fracs)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
         ax.set_title(f"{workload} ({sweep})", fontsize=10)
         ax.set_xlabel("DRAM capacity / working set" if sweep == "dram" else "disk capacity / working set")
         ax.set_ylabel("block hit rate")
@@ -202,44 +229,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL (default <repo>/../shared/data/traces/)")
     ap.add_argument("--quick", action="store_true", help="a small run: fewer requests, capacities and workloads")
     ap.add_argument("--workloads", default=None, help="comma list of " + ",".join(w.value for w in Workload))
-    ap.add_argument("--policies", default=",".join(n.value for n in PolicyName))
-    ap.add_argument("--fracs", default=None, help="capacity fractions of the working set, comma list")
+    ap.add_argument("--policies", default=",".join(n.value for n in PolicyName), help="comma list; dram/disk pairs ok")
+    ap.add_argument("--tiered-policies", default=None, help="default: --policies plus lru/tinylfu")
+    ap.add_argument("--fracs", default=None, help="Mooncake DRAM capacities as fractions of the working set")
+    ap.add_argument("--synthetic-fracs", default=None, help="the same for the synthetic workloads")
     ap.add_argument("--tiered-fracs", default=None, help="disk fractions for the tiered sweep ('' = skip it)")
     ap.add_argument("--dram-frac", type=float, default=0.01, help="DRAM tier in the tiered sweep")
     ap.add_argument("--max-requests", type=int, default=None)
-    ap.add_argument("--stride", type=int, default=1, help="keep every k-th Mooncake request")
+    ap.add_argument("--sample", type=int, default=None, help="keep ~1/k Mooncake conversations (default 4; quick 8)")
     ap.add_argument("--synthetic-requests", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=Path("hit_rate.png"))
     args = ap.parse_args(argv)
+    # Each request hands a load to the store's thread pool; with CPython's default 5 ms switch interval
+    # the main thread waits for the GIL after every hand-off, which would dominate the replay time.
+    sys.setswitchinterval(2e-4)
 
     q = args.quick
     workloads = [Workload(w) for w in (args.workloads or ("mooncake,chat" if q else ",".join(w.value for w in Workload))).split(",")]
-    policies = [PolicyName(p) for p in args.policies.split(",")]
-    fracs = [float(f) for f in (args.fracs or ("0.02,0.1" if q else "0.01,0.02,0.05,0.1,0.2,0.4")).split(",")]
-    tiered_spec = args.tiered_fracs if args.tiered_fracs is not None else ("0.05" if q else "0.02,0.05,0.1,0.2")
+    policies = parse_policies(args.policies)
+    tiered_policies = parse_policies(args.tiered_policies or args.policies + ",lru/tinylfu")
+    fracs = [float(f) for f in (args.fracs or ("0.02,0.1" if q else "0.01,0.02,0.05,0.1,0.2")).split(",")]
+    syn_fracs = [float(f) for f in (args.synthetic_fracs or args.fracs or "0.02,0.1").split(",")]
+    tiered_spec = args.tiered_fracs if args.tiered_fracs is not None else ("0.05" if q else "0.05,0.2")
     tiered = [float(f) for f in tiered_spec.split(",") if f]
-    max_req = args.max_requests if args.max_requests is not None else (1500 if q else None)
-    n_syn = args.synthetic_requests or (1000 if q else 6000)
+    max_req = args.max_requests
+    sample = args.sample or (8 if q else 4)
+    n_syn = args.synthetic_requests or (1000 if q else 3000)
 
-    plan: list[tuple[Workload, str, float]] = [(w, "dram", f) for w in workloads for f in fracs]
+    plan = [(w, "dram", f) for w in workloads for f in (fracs if w is Workload.MOONCAKE else syn_fracs)]
     plan += [(Workload.MOONCAKE, "tiered", f) for f in tiered if Workload.MOONCAKE in workloads]
     data = {}
     for w in workloads:
-        reqs = make_workload(w, trace=args.trace, num_requests=max_req if w is Workload.MOONCAKE else n_syn, stride=args.stride)
+        reqs = make_workload(w, trace=args.trace, num_requests=max_req if w is Workload.MOONCAKE else n_syn, sample=sample)
         data[w] = (reqs, working_set(reqs))
         n = sum(map(len, reqs))
         print(f"{w.value}: {len(reqs)} requests, {n} block accesses, working set {data[w][1]} blocks"
-              + (f" (first {max_req} requests, stride {args.stride})" if w is Workload.MOONCAKE and (max_req or args.stride > 1) else ""), flush=True)
+              + (f" (lines read: {max_req or 'all'}, ~1/{sample} of the conversations kept)" if w is Workload.MOONCAKE else ""), flush=True)
     points: list[Point] = []
-    total = len(plan) * len(policies)
+    total = sum(len(tiered_policies if sweep == "tiered" else policies) for _, sweep, _ in plan)
     t0 = time.perf_counter()
     for w, sweep, frac in plan:
         reqs, ws = data[w]
-        for policy in policies:
-            p = run_point(w.value, sweep, policy, frac, reqs, ws, args.dram_frac)
+        for policy, disk_policy in tiered_policies if sweep == "tiered" else policies:
+            p = run_point(w.value, sweep, policy, frac, reqs, ws, args.dram_frac, disk_policy)
             points.append(p)
-            print(f"[{len(points)}/{total}] {w.value} {sweep} cap={frac:g} {policy.value}: hit {100 * p.hit_rate:.2f}% "
+            print(f"[{len(points)}/{total}] {w.value} {sweep} cap={frac:g} {p.policy}: hit {100 * p.hit_rate:.2f}% "
                   f"(dram {100 * p.dram_hits / p.accesses:.2f}%, disk {100 * p.disk_hits / p.accesses:.2f}%) "
                   f"MIN {100 * p.belady_hits / p.accesses:.2f}% in {p.seconds:.1f}s", file=sys.stderr, flush=True)
     print_table(points)

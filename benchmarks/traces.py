@@ -7,7 +7,10 @@ real `ucm.keys.chain_key` key. Sources:
 - `mooncake`: the Mooncake FAST'25 conversation trace (see ../shared/data/traces/PROVENANCE.md), whose
   `hash_ids` are remapped prefix-chained hashes of 512-token blocks. The last id of a request covers the
   trailing *partial* block (len(hash_ids) == ceil(input_length / 512)); the store keys full blocks only,
-  so we keep floor(input_length / 512) ids per request.
+  so we keep floor(input_length / 512) ids per request. `sample=k` keeps about 1/k of the conversations,
+  SHARDS-style: a request is kept iff xxh3(its second block id) falls in bucket 0 of k. Every block past
+  the first (the global system prompt) is only ever shared within the requests that share block 1, so each
+  kept conversation keeps all its reuse; capacities are then fractions of the sample's working set.
 - `chat`: multi-turn conversations behind a shared system prompt; sessions interleave, each turn re-sends
   the whole history plus the previous answer and a new user message.
 - `sysprompt`: single-turn requests that start with one of a few shared system prompts (Zipf popularity).
@@ -24,6 +27,7 @@ from collections.abc import Hashable
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 Request = list[int]
 MOONCAKE_BLOCK_TOKENS = 512
@@ -41,20 +45,26 @@ def default_trace_path() -> Path:
     return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
 
 
-def load_mooncake(path: Path, max_requests: int | None = None, stride: int = 1) -> list[Request]:
-    """Full-block hash ids per request; `max_requests` keeps the first N, `stride` every k-th of those."""
+def load_mooncake(path: Path, max_requests: int | None = None, sample: int = 1) -> list[Request]:
+    """Full-block hash ids per request; `max_requests` reads the first N lines, `sample` keeps ~1/k conversations."""
     if not path.is_file():
         raise ValueError(f"trace not found: {path} (pass --trace)")
+    if sample < 1:
+        raise ValueError(f"sample must be >= 1, got {sample}")
     requests: list[Request] = []
+    short = 0
     with path.open() as f:
         for i, line in enumerate(f):
             if max_requests is not None and i >= max_requests:
                 break
-            if i % stride:
-                continue
             row = json.loads(line)
-            full = int(row["input_length"]) // MOONCAKE_BLOCK_TOKENS
-            requests.append([int(h) for h in row["hash_ids"][:full]])
+            ids = [int(h) for h in row["hash_ids"][: int(row["input_length"]) // MOONCAKE_BLOCK_TOKENS]]
+            if len(ids) > 1:
+                keep = xxhash.xxh3_64_intdigest(ids[1].to_bytes(8, "little")) % sample == 0
+            else:  # nothing to share beyond the system prompt: keep the same fraction of them
+                keep, short = short % sample == 0, short + 1
+            if keep:
+                requests.append(ids)
     return requests
 
 
@@ -129,10 +139,10 @@ def rag(num_requests: int, seed: int = 0, num_docs: int = 2000, doc_blocks: int 
 
 
 def make_workload(
-    workload: Workload, *, trace: Path | None = None, num_requests: int | None = None, seed: int = 0, stride: int = 1
+    workload: Workload, *, trace: Path | None = None, num_requests: int | None = None, seed: int = 0, sample: int = 1
 ) -> list[Request]:
     if workload is Workload.MOONCAKE:
-        return load_mooncake(trace or default_trace_path(), num_requests, stride)
+        return load_mooncake(trace or default_trace_path(), num_requests, sample)
     n = num_requests if num_requests is not None else 8000
     generator = {Workload.CHAT: chat, Workload.SYSPROMPT: sysprompt, Workload.RAG: rag}[workload]
     return generator(n, seed=seed)

@@ -19,7 +19,7 @@ def test_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     workloads = "chat,rag" + (",mooncake" if default_trace_path().is_file() else "")
     out_json, out_png = tmp_path / "hr.json", tmp_path / "hr.png"
     rc = hit_rate.main([
-        "--workloads", workloads, "--max-requests", "150", "--synthetic-requests", "120",
+        "--workloads", workloads, "--max-requests", "150", "--sample", "1", "--synthetic-requests", "120",
         "--fracs", "0.05,0.3", "--tiered-fracs", "0.2", "--dram-frac", "0.05",
         "--json", str(out_json), "--png", str(out_png),
     ])  # fmt: skip
@@ -30,7 +30,7 @@ def test_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     points = json.loads(out_json.read_text())
     n_workloads = len(workloads.split(","))
     tiered = 1 if "mooncake" in workloads else 0
-    assert len(points) == len(PolicyName) * (2 * n_workloads + tiered)
+    assert len(points) == len(PolicyName) * 2 * n_workloads + (len(PolicyName) + 1) * tiered  # + lru/tinylfu
     for p in points:
         total = p["dram_hits"] + p["disk_hits"]
         assert 0 <= total <= p["belady_hits"] <= p["infinite_hits"] < p["accesses"], p
