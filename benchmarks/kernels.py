@@ -128,7 +128,7 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
     scale = s.head_dim**-0.5
     nb = tables.shape[1]
     k_dense = gather_context(k_cache, tables, nb)[:, :, : s.ctx].contiguous()
-    v_dense = gather_context(v_cache, tables, nb)[:, :, : s.ctx].contiguous()
+    v_dense = gather_context(v_cache, tables, nb, slot="v")[:, :, : s.ctx].contiguous()
     gqa = s.num_q_heads != s.num_kv_heads
     kv_bytes = 2 * k_dense.numel() * k_dense.element_size() + 2 * q.numel() * q.element_size()
     runs = {

@@ -30,7 +30,7 @@ def decode_attention_torch(
         max_seq_len = int(seq_lens.max())
     num_blocks = -(-max_seq_len // bs)
     k = gather_context(k_cache, block_tables, num_blocks, torch.float32)  # [B, Hkv, L, D]
-    v = gather_context(v_cache, block_tables, num_blocks, torch.float32)
+    v = gather_context(v_cache, block_tables, num_blocks, torch.float32, slot="v")
     positions = torch.arange(num_blocks * bs, device=q.device)
     mask = (positions[None, :] < seq_lens[:, None].to(q.device)).view(b, 1, 1, -1)
     out = F.scaled_dot_product_attention(

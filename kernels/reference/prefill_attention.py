@@ -45,8 +45,8 @@ def prefill_attention_torch(
             raise ValueError(f"sequence {i}: {n} query tokens but only {ctx} tokens of context")
         num_blocks = -(-ctx // bs)
         table = block_tables[i : i + 1]
-        k = gather_context(k_cache, table, num_blocks)[:, :, :ctx].to(q.dtype)  # [1, Hkv, L, D]
-        v = gather_context(v_cache, table, num_blocks)[:, :, :ctx].to(q.dtype)
+        k = gather_context(k_cache, table, num_blocks, q.dtype)[:, :, :ctx]  # [1, Hkv, L, D]
+        v = gather_context(v_cache, table, num_blocks, q.dtype, slot="v")[:, :, :ctx]
         qi = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if n == ctx:
             mask, causal = None, True  # no cached prefix: plain causal lets SDPA take its fastest path
