@@ -168,8 +168,8 @@ def test_greedy_decode_matches_hf(smollm2_fp32, hf_smollm2_fp32, prompt_ids):
     """8 prompts x 16 tokens of batched greedy decoding over the paged cache equal HF's greedy choice.
 
     HF greedy picks t_k = argmax HF(prompt + t_<k). One HF forward over prompt + our tokens gives every
-    argmax(HF(prompt + ours_<k)) at once; if each equals ours_k then, by induction, HF greedy == ours. Two
-    prompts additionally go through `generate` itself (the full-engine greedy test is engine-core's)."""
+    argmax(HF(prompt + ours_<k)) at once; if each equals ours_k then, by induction, HF greedy == ours.
+    One prompt additionally goes through `generate` itself (the full-engine greedy test is engine-core's)."""
     steps, chosen = 16, prompt_ids[:8]
     cache = PagedCache(smollm2_fp32, num_blocks=64, seed=3)
     logits = cache.step(list(enumerate(chosen)))
@@ -183,7 +183,7 @@ def test_greedy_decode_matches_hf(smollm2_fp32, hf_smollm2_fp32, prompt_ids):
     for i, ids in enumerate(chosen):
         hf_choice = hf_logits(hf_smollm2_fp32, ids + outs[i][:-1])[len(ids) - 1 :].argmax(-1).tolist()
         assert outs[i] == hf_choice, f"prompt {i}: ours {outs[i]} vs HF greedy {hf_choice}"
-    for i in (0, 1):
+    for i in (2,):  # the longest prompt
         with torch.no_grad():
             ref = hf_smollm2_fp32.generate(
                 torch.tensor([chosen[i]]), attention_mask=torch.ones(1, len(chosen[i]), dtype=torch.long),

@@ -41,14 +41,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] for positions [T], computed in fp32 then cast (as HF does)."""
+        """cos and sign-folded sin, [T, 1, head_dim], for positions [T]; fp32 math then cast, as HF does.
+
+        HF rotates with x*cos + cat(-x2, x1)*sin. The sign goes into sin here ([-sin | sin]), which is exact
+        in floating point and saves a negation per layer."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        return (
+            torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype),
+            torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype),
+        )
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] rotated; q and k go through together as one tensor to halve the launches."""
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
