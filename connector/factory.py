@@ -91,12 +91,13 @@ class UCMDirectConnector:
 
     @classmethod
     def create(cls, kv_store: str, role: KVConnectorRole | str | None, block_size: int, *,
-               save_decode_blocks: bool = True) -> UCMDirectConnector:
+               save_decode_blocks: bool = True, recompute_last_token_only: bool = True) -> UCMDirectConnector:
         spec = StoreSpec.parse(kv_store)
         kv_role = parse_role(role)
         store = open_store(spec)
         stats = ConnectorStats()
         scheduler = UCMSchedulerConnector(store, kv_role, block_size, stats, save_decode_blocks=save_decode_blocks,
+                                          recompute_last_token_only=recompute_last_token_only,
                                           store_address=spec.display)
         worker = UCMWorkerConnector(store, kv_role, stats, owns_store=spec.kind is StoreKind.DAEMON)
         return cls(scheduler, worker, store, spec, stats)
@@ -115,6 +116,9 @@ def make_connector(kv_store: str, role: KVConnectorRole | str | None, engine_con
 
         inner = kv_store.removeprefix(RECORDING_PREFIX).removeprefix("+") or "embedded"
         return make_recording_connector(make_connector(inner, role, engine_config, None, ""))
+    # Optional EngineConfig knobs (defaults when the engine does not define them).
     save_decode = bool(getattr(engine_config, "kv_save_decode_blocks", True))
-    conn = UCMDirectConnector.create(kv_store, role, engine_config.block_size, save_decode_blocks=save_decode)
+    last_token_only = bool(getattr(engine_config, "kv_recompute_last_token_only", True))
+    conn = UCMDirectConnector.create(kv_store, role, engine_config.block_size, save_decode_blocks=save_decode,
+                                     recompute_last_token_only=last_token_only)
     return conn.scheduler, conn.worker

@@ -44,7 +44,10 @@ def block_refs(request: Any, start: int, stop: int) -> list[BlockRef]:
 
 class UCMSchedulerConnector(KVConnectorScheduler):
     def __init__(self, store: KVStore, role: KVConnectorRole, block_size: int, stats: ConnectorStats, *,
-                 save_decode_blocks: bool = True, store_address: str = "embedded") -> None:
+                 save_decode_blocks: bool = True, recompute_last_token_only: bool = True,
+                 store_address: str = "embedded") -> None:
+        """`recompute_last_token_only`: when every block of a block-aligned prompt is stored, load them all and
+        compute only the last token (its KV slot is rewritten with the same values) instead of its whole block."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.store = store
@@ -52,6 +55,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         self.block_size = block_size
         self.stats = stats
         self.save_decode_blocks = save_decode_blocks
+        self.recompute_last_token_only = recompute_last_token_only
         self.store_address = store_address
         self._pending: dict[str, _PendingLoad] = {}
         self._progress: dict[str, _Progress] = {}
@@ -69,8 +73,10 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             raise ValueError(f"num_computed_tokens {num_computed_tokens} is not a multiple of block size {bs}")
         start = num_computed_tokens // bs
         self._check_producer_keys(request)
-        # The last token is always computed: its logits give the first sampled token.
-        stop = min(len(request.block_keys), (len(token_ids_of(request)) - 1) // bs)
+        num_tokens = len(token_ids_of(request))
+        # The last token is always computed: its logits give the first sampled token. Either the block
+        # holding it is left to compute (whole blocks), or it is loaded too and only that token recomputed.
+        stop = min(len(request.block_keys), (num_tokens if self.recompute_last_token_only else num_tokens - 1) // bs)
         if stop <= start:
             return 0, False
         try:
@@ -81,9 +87,10 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         self.stats.lookups += 1
         self.stats.lookup_hit_blocks += hit
         assert 0 <= hit <= stop - start, f"store lookup returned {hit} for {stop - start} keys"
-        if hit:
-            self._pending[request.request_id] = _PendingLoad(start, hit)
-        return hit * bs, False
+        if not hit:
+            return 0, False
+        self._pending[request.request_id] = _PendingLoad(start, hit)
+        return min(hit * bs, num_tokens - 1 - num_computed_tokens), False
 
     # ---- 2. allocation ---------------------------------------------------------------------------------
 
@@ -93,8 +100,8 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         if pending is None or num_external_tokens == 0:
             self._pending.pop(request.request_id, None)
             return
-        num = num_external_tokens // self.block_size
-        if num_external_tokens % self.block_size or num > pending.num_blocks:
+        num = -(-num_external_tokens // self.block_size)  # a partial last block is loaded whole
+        if num > pending.num_blocks or (num_external_tokens % self.block_size and num != pending.num_blocks):
             raise ValueError(f"num_external_tokens {num_external_tokens} does not match the "
                              f"{pending.num_blocks} blocks offered for {request.request_id}")
         stop = pending.start_block + num

@@ -23,6 +23,7 @@ NUM_LAYERS = 30
 PROMPT_BLOCKS = 10
 PROMPT_LEN = PROMPT_BLOCKS * BS + 7  # a tail that is never a full block
 MAX_TOKENS = 6
+EXTERNAL = PROMPT_BLOCKS * BS  # every full prompt block; the 7-token tail is computed
 CORRUPT_BLOCK = 4  # its LMDB bytes are flipped: blocks 4.. of the prompt must be recomputed
 ENGINE = dict(dtype="float32", kv_cache_memory="128MiB", max_model_len=1024)
 
@@ -32,12 +33,13 @@ def prompt_ids() -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(PROMPT_LEN)]
 
 
-def run_engine(loaded_model, kv_store: str | None, kv_role: str | None) -> dict:
+def run_engine(loaded_model, kv_store: str | None, kv_role: str | None, prompt: list[int] | None = None) -> dict:
     """Greedy generation on a fresh engine; its tokens, engine counters and connector counters."""
     from engine import LLM, SamplingParams
 
     llm = LLM(loaded_model=loaded_model, kv_store=kv_store, kv_role=kv_role, **ENGINE)
-    out = llm.generate([prompt_ids()], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    prompt = prompt if prompt is not None else prompt_ids()
+    out = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
     llm.engine.check_integrity()
     result = {"tokens": list(out.outputs[0].token_ids), "engine": asdict(llm.engine.stats()),
               "kv_transfer_params": out.kv_transfer_params if hasattr(out, "kv_transfer_params") else None}
@@ -123,6 +125,10 @@ def world(tmp_path_factory, model):
     # Engine A saves to the embedded store (DRAM + LMDB); engine A2 of the same process hits its DRAM.
     res["producer_lmdb"] = run_engine(model, f"recording+{embedded}", "kv_both")
     res["dram_in_process"] = run_engine(model, f"recording+{embedded}", "kv_consumer")
+    # A block-aligned prompt whose every block is stored: all are loaded, only its last token is computed.
+    aligned = prompt_ids()[:EXTERNAL]
+    res["aligned_reference"] = run_engine(model, None, None, aligned)
+    res["aligned_hit"] = run_engine(model, embedded, "kv_consumer", aligned)
     close_embedded_stores()  # flush LMDB and release it before another process opens it
     shutil.copytree(lmdb_dir, bad_dir)
     from ucm.keys import KeyNamespace, block_keys, root_key
@@ -149,9 +155,6 @@ def world(tmp_path_factory, model):
     return res
 
 
-EXTERNAL = PROMPT_BLOCKS * BS  # every full prompt block; the 7-token tail is computed
-
-
 def assert_full_hit(r: dict, reference: dict) -> None:
     assert r["tokens"] == reference["tokens"]
     assert r["engine"]["external_hit_tokens"] == EXTERNAL
@@ -175,6 +178,13 @@ def test_fresh_process_loads_from_lmdb(world):
 
 def test_fresh_engine_loads_from_dram(world):
     assert_full_hit(world["dram_in_process"], world["reference"])
+
+
+def test_aligned_prompt_fully_stored_computes_one_token(world):
+    r = world["aligned_hit"]
+    assert r["tokens"] == world["aligned_reference"]["tokens"]
+    assert r["engine"]["external_hit_tokens"] == EXTERNAL - 1 and r["engine"]["computed_tokens"] == 1
+    assert r["connector"]["blocks_loaded"] == PROMPT_BLOCKS
 
 
 def test_producer_and_consumer_share_a_daemon(world):

@@ -35,9 +35,10 @@ def make_caches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def make_pair(store, role: KVConnectorRole, save_decode_blocks: bool = True):
+def make_pair(store, role: KVConnectorRole, save_decode_blocks: bool = True, last_token_only: bool = False):
     stats = ConnectorStats()
-    sched = UCMSchedulerConnector(store, role, BS, stats, save_decode_blocks=save_decode_blocks)
+    sched = UCMSchedulerConnector(store, role, BS, stats, save_decode_blocks=save_decode_blocks,
+                                  recompute_last_token_only=last_token_only)
     worker = UCMWorkerConnector(store, role, stats)
     caches = make_caches()
     worker.register_kv_caches(caches)
@@ -105,6 +106,22 @@ def test_lookup_skips_device_blocks_and_leaves_last_token(store):
     assert sched.get_num_new_matched_tokens(make_request("b", tokens), 8) == (4, False)
     assert sched.get_num_new_matched_tokens(make_request("c", tokens), 12) == (0, False)
     assert sched.get_num_new_matched_tokens(make_request("d", [7] * 16), 0) == (0, False)
+
+
+def test_fully_stored_aligned_prompt_recomputes_only_its_last_token(store):
+    tokens = list(range(2100, 2116))  # exactly 4 full blocks, all stored
+    src, src_ids, _, _ = produce(store, tokens)
+    sched, worker, caches, stats = make_pair(store, KVConnectorRole.BOTH, last_token_only=True)
+    req = make_request("a", tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (15, False)
+    assert sched.get_num_new_matched_tokens(make_request("b", tokens), 8) == (7, False)
+    ids = [20, 21, 22, 23]
+    sched.update_state_after_alloc(req, ids, 15)
+    assert run_step(sched, worker, caches, [ScheduledRequest(req, ids, 15, 1, 15)]) == set()
+    assert stats.blocks_loaded == 4 and stats.blocks_saved == 0  # the last block is loaded whole, not re-saved
+    assert torch.equal(caches[0][0][23], src[0][0][src_ids[3]])
+    # A prompt that ends inside a block still loads whole blocks only.
+    assert sched.get_num_new_matched_tokens(make_request("c", tokens + [1, 2]), 0) == (16, False)
 
 
 def test_decode_blocks_saved_only_with_flag(store):
