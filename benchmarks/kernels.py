@@ -127,8 +127,9 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
     q, k_cache, v_cache, tables, seq_lens = paged_setup(s, dtype, device)
     scale = s.head_dim**-0.5
     nb = tables.shape[1]
-    k_dense = gather_context(k_cache, tables, nb)[:, :, : s.ctx].contiguous()
-    v_dense = gather_context(v_cache, tables, nb, slot="v")[:, :, : s.ctx].contiguous()
+    # clone: on CPU gather_context returns a scratch view that the paged path reuses.
+    k_dense = gather_context(k_cache, tables, nb)[:, :, : s.ctx].clone(memory_format=torch.contiguous_format)
+    v_dense = gather_context(v_cache, tables, nb, slot="v")[:, :, : s.ctx].clone(memory_format=torch.contiguous_format)
     gqa = s.num_q_heads != s.num_kv_heads
     kv_bytes = 2 * k_dense.numel() * k_dense.element_size() + 2 * q.numel() * q.element_size()
     runs = {

@@ -1,6 +1,19 @@
 """Paged-KV kernels: Triton on CUDA, the pure-torch reference on CPU (`UCM_ATTENTION_BACKEND=torch|triton` forces).
 
 Importing this package does not import triton; the Triton modules load on their first use.
+
+Map (caches are per layer `[num_blocks, block_size, num_kv_heads, head_dim]`):
+  api.py                       the entry points below: validate, then pick a backend per call from the device
+  backend.py                   AttentionBackend {TORCH, TRITON} and the selection rule
+  reference/                   pure-torch implementations: the CPU serving path and the test oracle
+  triton_write_kv.py           reshape-and-cache (slot -1 skips)
+  triton_decode_attention.py   one query per sequence, GQA, split-KV + merge kernel for long contexts
+  triton_prefill_attention.py  packed varlen causal queries over a partly cached context
+  triton_block_transfer.py     gather / scatter blocks <-> contiguous staging (connector save/load)
+  triton_block_copy.py         copy-on-write block copies across all layers
+  triton_support.py            interpreter facts shared by the wrappers
+  compile_check.py             AOT-compile every kernel for sm_80/90 without a GPU
+  testing.py                   random paged batches + a naive dense attention oracle for tests
 """
 
 from kernels.api import (
