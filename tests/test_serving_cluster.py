@@ -22,13 +22,13 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 KEY = "test-key"
 LONG = ("You are a meticulous assistant for a library. The catalogue lists books by author, title, year and "
-        "shelf. Patrons ask about opening hours, late fees, interlibrary loans and the reading room rules. ") * 6
+        "shelf. Patrons ask about opening hours, late fees, interlibrary loans and the reading room rules. ") * 4
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = ClusterSpec(prefill=2, decode=1, api_key=KEY, node_timeout_s=3.0, kv_cache_memory="256MiB",
-                       max_num_seqs=16)
+    spec = ClusterSpec(prefill=2, decode=1, api_key=KEY, node_timeout_s=3.0, kv_cache_memory="128MiB",
+                       max_num_seqs=16, node_args=("--threads", "1"))
     with Cluster(spec, log=lambda s: None) as c:
         yield c
 
@@ -77,24 +77,24 @@ def test_models_and_health(cluster, client) -> None:
 def test_completions_equal_offline(client, offline) -> None:
     complete, _ = offline
     prompt = "The capital of France is"
-    want = complete(prompt, 20)
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    want = complete(prompt, 12)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     assert r.choices[0].text == want
-    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == 20
-    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == 12
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
                                        stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
 
 
 def test_chat_equal_offline(client, offline) -> None:
     _, chat = offline
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
-    want = chat(messages, 24)
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    want = chat(messages, 12)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=24, temperature=0,
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=12, temperature=0,
                                             stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == want
@@ -102,15 +102,15 @@ def test_chat_equal_offline(client, offline) -> None:
 
 def test_n_stop_seed_logprobs(client, offline) -> None:
     complete, _ = offline
-    want = complete("Once upon a time", 16)
-    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, n=2,
+    want = complete("Once upon a time", 10)
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, n=2,
                                   logprobs=2)
     assert [c.text for c in r.choices] == [want, want]
-    assert len(r.choices[0].logprobs.token_logprobs) == 16 and r.usage.completion_tokens == 32
+    assert len(r.choices[0].logprobs.token_logprobs) == 10 and r.usage.completion_tokens == 20
     stop = want.strip().split()[2]  # a word in the middle of the greedy text
-    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop])
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, stop=[stop])
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want[: want.index(stop)]
-    seeded = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0,
+    seeded = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0,
                                         seed=7).choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]
 
@@ -183,12 +183,12 @@ def test_kill_prefill_in_flight_then_store_serves_prefill(cluster, client, offli
     assert client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0).choices[0].text == want_long
     time.sleep(1.5)  # heartbeats carry the new counters
     victim = max(("prefill-0", "prefill-1"), key=lambda n: node_stat(cluster, n, "prompt_tokens"))
-    prompts = [f"Question {i}: what is {i} plus {i}? Answer:" + " Think step by step." * 20 for i in range(6)]
-    wants = [complete(p, 12) for p in prompts]
+    prompts = [f"Question {i}: what is {i} plus {i}? Answer:" + " Think step by step." * 12 for i in range(4)]
+    wants = [complete(p, 8) for p in prompts]
     retries_before = metric(cluster, "ucm_prefill_retries_total")
 
     def ask(p: str) -> str:
-        return client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+        return client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
 
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(ask, p) for p in prompts]
@@ -209,14 +209,14 @@ def test_kill_prefill_in_flight_then_store_serves_prefill(cluster, client, offli
     store_before = metric(cluster, "ucm_prefix_cache_hit_tokens_total", role="prefill", source="store")
     assert client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0).choices[0].text == want_long
     store_after = metric(cluster, "ucm_prefix_cache_hit_tokens_total", role="prefill", source="store")
-    assert store_after - store_before >= 16 * 10, (store_before, store_after)
+    assert store_after - store_before >= 16 * 8, (store_before, store_after)
 
 
 def test_store_killed_requests_still_succeed(cluster, client, offline) -> None:
     complete, _ = offline
     cluster.children["store"].kill()
     prompt = "A brand new prompt after the store died, about rivers and mountains:" * 3
-    want = complete(prompt, 10)
+    want = complete(prompt, 6)
     for _ in range(2):  # nodes recompute (output identical to a cache-free run)
-        assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0).choices[0].text == want
+        assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text == want
     assert re.search(r"ucm_node_up\{[^}]*\} 1\.0", httpx.get(cluster.url + "/metrics").text)

@@ -31,6 +31,7 @@ class NodeConfig:
     max_model_len: int | None = None
     kv_cache_memory: str = "512MiB"  # paged-cache size (the device tier of the KV cache)
     heartbeat_interval_s: float = 0.5
+    num_threads: int | None = None  # torch intra-op threads (several nodes on one small machine: 1 each)
     cached_keys_cap: int = 4096  # how many recent block keys a heartbeat carries
 
     def __post_init__(self) -> None:
@@ -61,6 +62,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default="512MiB", help="paged KV cache size, e.g. 512MiB, 4GiB")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
 
 
@@ -84,4 +86,5 @@ def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         heartbeat_interval_s=args.heartbeat_interval,
+        num_threads=args.threads,
     )

@@ -35,7 +35,9 @@ def build_engine(config: NodeConfig) -> Any:
     from engine import EngineCore
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    role = {P.NodeRole.PREFILL: KVConnectorRole.PRODUCER, P.NodeRole.DECODE: KVConnectorRole.CONSUMER,
+    # A prefill node also *loads*: a prefix any node computed earlier is fetched from the store instead of being
+    # recomputed (DESIGN.md §2.3); the connector's PRODUCER role only saves, so prefill nodes run it as BOTH.
+    role = {P.NodeRole.PREFILL: KVConnectorRole.BOTH, P.NodeRole.DECODE: KVConnectorRole.CONSUMER,
             P.NodeRole.BOTH: KVConnectorRole.BOTH}[config.role]
     cache = CacheConfig(kv_cache_memory=config.kv_cache_memory)
     engine_config = EngineConfig(
@@ -123,6 +125,10 @@ class NodeServer:
 
 def run_node(config: NodeConfig) -> int:
     t0 = time.monotonic()
+    if config.num_threads:
+        import torch
+
+        torch.set_num_threads(config.num_threads)
     engine = build_engine(config)
     log.info("engine ready in %.1fs", time.monotonic() - t0)
     server = NodeServer(config, engine)
