@@ -102,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
             producer = LLM(kv_store=daemon.address, kv_role="kv_producer", **engine_kw)
             for llm in (cold, producer):
                 ttft(llm, warm)
+            producer_stats = producer.engine.kv_connector[0].stats
+            save_path: dict[int, list[float]] = {n: [] for n in args.lengths}
             for n in args.lengths:
                 for i in range(args.repeats):
                     # Interleave so machine noise hits both alike.
                     times["cold"][n].append(ttft(cold, cold_prompts[n][i]))
+                    before = producer_stats.save_seconds
                     times["cold+save"][n].append(ttft(producer, prompts[n][i]))
+                    save_path[n].append(producer_stats.save_seconds - before)
                     times["device hit"][n].append(ttft(producer, prompts[n][i]))
                 log.info("%5d tokens: cold %.3fs  cold+save %.3fs  device hit %.3fs", n,
                          statistics.median(times["cold"][n]), statistics.median(times["cold+save"][n]),
@@ -140,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             daemon.stop()
 
     med = {k: {n: statistics.median(v) for n, v in per.items()} for k, per in times.items()}
-    print(f"\nTTFT (median of {args.repeats}; {args.device}, {args.dtype}); ratio = cold / scenario")
+    print(f"\nTTFT (median of {args.repeats}; {args.device}, {args.dtype}, {torch.get_num_threads()} torch threads); "
+          "ratio = cold / scenario")
     print(f"{'tokens':>7} " + " ".join(f"{k:>18}" for k in med))
     for n in args.lengths:
         cells = [f"{med[k][n] * 1000:9.1f}ms" + (f" {med['cold'][n] / med[k][n]:6.1f}x" if k != "cold" else " " * 8)
@@ -148,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:>7} " + " ".join(f"{c:>18}" for c in cells))
     slow = {n: med["cold+save"][n] / med["cold"][n] - 1 for n in args.lengths}
     print("save overhead (cold+save vs cold): " + ", ".join(f"{n}: {100 * s:+.1f}%" for n, s in slow.items()))
+    share = {n: statistics.median(save_path[n]) / med["cold+save"][n] for n in args.lengths}
+    print("time inside the connector's save path (save_kv_layer + wait_for_save) / prefill: "
+          + ", ".join(f"{n}: {100 * s:.1f}%" for n, s in share.items()))
     print(f"blocks saved {saved}; dram: loaded {dram_stats.blocks_loaded} failed {dram_stats.blocks_load_failed}; "
           f"lmdb: loaded {lmdb_stats.blocks_loaded} failed {lmdb_stats.blocks_load_failed}, "
           f"external hit tokens {lmdb_engine.external_hit_tokens}")
@@ -160,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "device": args.device, "dtype": args.dtype, "repeats": args.repeats, "ttft_s": times,
-            "median_s": med, "save_overhead": slow, "targets": targets,
+            "median_s": med, "save_overhead": slow, "save_path_share": share, "targets": targets,
+            "threads": torch.get_num_threads(),
         }, indent=2))
     return 0
 
