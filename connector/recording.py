@@ -60,6 +60,8 @@ class RecordingScheduler(KVConnectorScheduler):
         return self.inner.request_finished(request, block_ids)
 
     def __getattr__(self, name: str) -> Any:  # counters and extras of the inner connector
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
@@ -110,6 +112,8 @@ class RecordingWorker(KVConnectorWorker):
         self.inner.close()
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 

@@ -255,3 +255,24 @@ def test_stuck_load_times_out_as_failed(store, monkeypatch):
     sched.update_state_after_alloc(req, [5, 6, 7], n)
     assert run_step(sched, worker, caches, [ScheduledRequest(req, [5, 6, 7], n, 1, n)]) == {5, 6}
     assert worker._load_bufs[0] is not old_buf  # the straggler keeps its buffer
+
+
+def test_lifecycle_checker_catches_misordered_calls():
+    from connector.recording import Call, check_lifecycle
+
+    def step(layers: list[tuple[str, int]]) -> list[Call]:
+        return ([Call("get_num_new_matched_tokens", "r"), Call("update_state_after_alloc", "r"),
+                 Call("build_connector_meta"), Call("bind_connector_metadata"), Call("start_load_kv")]
+                + [Call(m, layer=i) for m, i in layers]
+                + [Call(m) for m in ("wait_for_save", "get_finished", "get_block_ids_with_load_errors",
+                                     "clear_connector_metadata")])
+
+    good = [("wait_for_layer_load", 0), ("save_kv_layer", 0), ("wait_for_layer_load", 1), ("save_kv_layer", 1)]
+    ok = [Call("register_kv_caches")] + step(good) + [Call("request_finished", "r")]
+    assert check_lifecycle(ok, 2) == []
+    swapped = [Call("register_kv_caches")] + step([good[1], good[0], *good[2:]])
+    assert check_lifecycle(swapped, 2) and "wait_for_layer_load:0" in check_lifecycle(swapped, 2)[0]
+    assert check_lifecycle([Call("register_kv_caches")] + step(good[:2]), 2)  # a layer missing
+    assert check_lifecycle(step(good), 2)  # register_kv_caches missing
+    orphan = [Call("register_kv_caches"), Call("update_state_after_alloc", "x")] + step(good)
+    assert any("without a lookup" in p for p in check_lifecycle(orphan, 2))
