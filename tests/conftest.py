@@ -7,11 +7,17 @@ hf_smollm2_fp32  transformers' LlamaForCausalLM loaded from the very same conver
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The test box has 2 cores shared by the test process and the node/store subprocesses tests start. OpenMP's
+# default spin-waiting turns that oversubscription into 10-30x slowdowns; sleeping idle threads do not.
+# Must be set before torch (libgomp) loads; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+_TORCH_PRELOADED = "torch" in sys.modules
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +35,9 @@ def hf_smollm2_fp32(smollm2_fp32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(smollm2_fp32.path), dtype=torch.float32).eval()
+
+
+def pytest_report_header(config):
+    if _TORCH_PRELOADED:
+        return "warning: torch was imported before tests/conftest.py; OMP_WAIT_POLICY may not apply"
+    return None
