@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = [random.Random(2).randrange(100, 40000) for _ in range(64)]
     times: dict[str, dict[int, list[float]]] = {k: {n: [] for n in args.lengths}
                                                 for k in ("cold", "cold+save", "device hit", "dram hit", "lmdb hit")}
+    load_wait: dict[str, dict[int, list[float]]] = {k: {n: [] for n in args.lengths} for k in ("dram hit", "lmdb hit")}
     with tempfile.TemporaryDirectory(prefix="ttft-lmdb-") as tmp:
         daemon = Daemon(Path(tmp))
         try:
@@ -120,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             del cold, producer
             consumer = LLM(kv_store=daemon.address, kv_role="kv_consumer", **engine_kw)
             ttft(consumer, warm)
+            dram_stats = consumer.engine.kv_connector[0].stats
             for n in args.lengths:
                 for i in range(args.repeats):
+                    before = dram_stats.load_wait_seconds
                     times["dram hit"][n].append(ttft(consumer, prompts[n][i]))
+                    load_wait["dram hit"][n].append(dram_stats.load_wait_seconds - before)
                 log.info("%5d tokens: dram hit %.3fs", n, statistics.median(times["dram hit"][n]))
-            dram_stats = consumer.engine.kv_connector[0].stats
             consumer.engine.kv_connector[1].close()
             del consumer
         finally:
@@ -133,11 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             consumer = LLM(kv_store=daemon.address, kv_role="kv_consumer", **engine_kw)
             ttft(consumer, warm)
+            lmdb_stats = consumer.engine.kv_connector[0].stats
             for n in args.lengths:
                 for i in range(args.repeats):
+                    before = lmdb_stats.load_wait_seconds
                     times["lmdb hit"][n].append(ttft(consumer, prompts[n][i]))
+                    load_wait["lmdb hit"][n].append(lmdb_stats.load_wait_seconds - before)
                 log.info("%5d tokens: lmdb hit %.3fs", n, statistics.median(times["lmdb hit"][n]))
-            lmdb_stats = consumer.engine.kv_connector[0].stats
             lmdb_engine = consumer.engine.stats()
             consumer.engine.kv_connector[1].close()
         finally:
@@ -156,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     share = {n: statistics.median(save_path[n]) / med["cold+save"][n] for n in args.lengths}
     print("time inside the connector's save path (save_kv_layer + wait_for_save) / prefill: "
           + ", ".join(f"{n}: {100 * s:.1f}%" for n, s in share.items()))
+    for k, per in load_wait.items():
+        print(f"{k}: time the forward waited in wait_for_layer_load: "
+              + ", ".join(f"{n}: {1000 * statistics.median(v):.0f}ms" for n, v in per.items()))
     print(f"blocks saved {saved}; dram: loaded {dram_stats.blocks_loaded} failed {dram_stats.blocks_load_failed}; "
           f"lmdb: loaded {lmdb_stats.blocks_loaded} failed {lmdb_stats.blocks_load_failed}, "
           f"external hit tokens {lmdb_engine.external_hit_tokens}")
@@ -168,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "device": args.device, "dtype": args.dtype, "repeats": args.repeats, "ttft_s": times,
-            "median_s": med, "save_overhead": slow, "save_path_share": share, "targets": targets,
+            "median_s": med, "save_overhead": slow, "save_path_share": share,
+            "load_wait_s": load_wait, "targets": targets,
             "threads": torch.get_num_threads(),
         }, indent=2))
     return 0
