@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from ucm.eviction import ARCPolicy, LRUPolicy, PolicyName, S3FIFOPolicy, TinyLFUPolicy, make_policy
+from ucm.eviction import AdaptivePolicy, ARCPolicy, LRUPolicy, PolicyName, S3FIFOPolicy, TinyLFUPolicy, make_policy
 from ucm.eviction.belady import belady
 
 
@@ -263,3 +263,38 @@ def test_belady_matches_brute_force() -> None:
     for _, capacity in itertools.product(range(30), (1, 2, 3)):
         seq = [rng.randrange(5) for _ in range(11)]
         assert belady([[k] for k in seq], capacity).block_hits == brute_force_optimum(seq, capacity), seq
+
+
+# --- Adaptive -------------------------------------------------------------------------------------------
+
+
+def replay_hits(policy, stream: list[int], capacity: int) -> int:
+    hits = 0
+    for key in stream:
+        if key in policy:
+            hits += 1
+            policy.touch(key)
+        else:
+            put(policy, key, capacity)
+    return hits
+
+
+def test_adaptive_leaves_lru_on_a_loop_larger_than_the_cache() -> None:
+    stream = list(range(120)) * 30  # LRU's worst case: every access misses
+    assert replay_hits(LRUPolicy(100), stream, 100) == 0
+    adaptive = AdaptivePolicy(100)
+    hits = replay_hits(adaptive, stream, 100)
+    assert adaptive.leader_name is not PolicyName.LRU
+    assert hits > 0.3 * len(stream)
+
+
+def test_adaptive_stays_with_lru_on_a_recency_stream() -> None:
+    rng = random.Random(5)
+    stream, recent = [], list(range(50))
+    for i in range(5000):  # mostly re-reads of the 50 newest keys, a new key every 4th access
+        if i % 4 == 0:
+            recent = recent[1:] + [50 + i]
+        stream.append(recent[-1 - min(49, int(rng.expovariate(0.1)))])
+    adaptive = AdaptivePolicy(40)
+    lru_hits = replay_hits(LRUPolicy(40), stream, 40)
+    assert replay_hits(adaptive, stream, 40) >= 0.97 * lru_hits

@@ -30,7 +30,7 @@ def test_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     points = json.loads(out_json.read_text())
     n_workloads = len(workloads.split(","))
     tiered = 1 if "mooncake" in workloads else 0
-    assert len(points) == len(PolicyName) * (2 * n_workloads + tiered)  # tiered: lru, s3fifo, arc, lru/tinylfu
+    assert len(points) == len(PolicyName) * 2 * n_workloads + 4 * tiered  # tiered: lru, s3fifo, adaptive, lru/tinylfu
     for p in points:
         total = p["dram_hits"] + p["disk_hits"]
         assert 0 <= total <= p["belady_hits"] <= p["infinite_hits"] < p["accesses"], p

@@ -1,12 +1,13 @@
 """Pluggable eviction policies for the store's tiers; `make_policy` is the one way to build one.
 
 LRU is the baseline; S3-FIFO and ARC are eviction orders; TinyLFU is an admission filter (meant for
-the disk tier) over a segmented LRU. Belady's offline optimum lives in `ucm.eviction.belady` and is
+the disk tier) over a segmented LRU; Adaptive follows whichever of LRU, S3-FIFO and ARC is winning. Belady's offline optimum lives in `ucm.eviction.belady` and is
 for benchmarks only.
 """
 
 from __future__ import annotations
 
+from ucm.eviction.adaptive import AdaptivePolicy
 from ucm.eviction.arc import ARCPolicy
 from ucm.eviction.base import EvictionPolicy, PolicyName
 from ucm.eviction.lru import LRUPolicy
@@ -14,6 +15,7 @@ from ucm.eviction.s3fifo import S3FIFOPolicy
 from ucm.eviction.tinylfu import TinyLFUPolicy
 
 __all__ = [
+    "AdaptivePolicy",
     "ARCPolicy",
     "EvictionPolicy",
     "LRUPolicy",
@@ -28,6 +30,7 @@ _POLICIES = {
     PolicyName.S3FIFO: S3FIFOPolicy,
     PolicyName.ARC: ARCPolicy,
     PolicyName.TINYLFU: TinyLFUPolicy,
+    PolicyName.ADAPTIVE: AdaptivePolicy,
 }
 
 

@@ -16,6 +16,7 @@ class PolicyName(enum.Enum):
     S3FIFO = "s3fifo"
     ARC = "arc"
     TINYLFU = "tinylfu"
+    ADAPTIVE = "adaptive"  # added by the eviction owner: follows the best of LRU/S3-FIFO/ARC
 
 
 class EvictionPolicy(Protocol):

@@ -52,6 +52,10 @@ class LRUPolicy:
                 return key
         return None
 
+    def size(self, key: Hashable) -> int:
+        """Bytes of a tracked block (0 if untracked)."""
+        return self._sizes.get(key, 0)
+
     def keys(self) -> list[Hashable]:
         """Tracked keys, next victim first (for tests and debugging)."""
         return list(self._sizes)

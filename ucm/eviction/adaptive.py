@@ -1,0 +1,120 @@
+"""Adaptive: follow whichever expert policy (LRU, S3-FIFO, ARC) is winning on the recent past.
+
+No single order wins everywhere on KV-cache traces: S3-FIFO and ARC filter the many blocks that are never
+read again when the cache is small, while LRU keeps whole conversations alive when it has room. So each
+expert runs twice: a *real* copy over the resident keys (all copies see every insert/touch/remove; the
+victim comes from the current leader and the others forget it), and a small *shadow* cache that simulates
+the expert alone on a hash-sampled 1/M of the keys with 1/M of the capacity (SHARDS-style). Shadow hits
+are counted with exponential decay; the leader is the expert with the most, LRU on ties. O(experts) per
+operation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+
+import xxhash
+
+from ucm.eviction.arc import ARCPolicy
+from ucm.eviction.base import PolicyName, check_capacity, check_size
+from ucm.eviction.lru import LRUPolicy
+from ucm.eviction.s3fifo import S3FIFOPolicy
+from ucm.eviction.sketch import key_bytes
+
+EXPERTS = (LRUPolicy, S3FIFOPolicy, ARCPolicy)
+SHADOW_ENTRIES = 2048  # sample so that a shadow holds about this many blocks
+SWITCH_SIGMAS = 3.0
+HALF_LIFE_SHADOWS = 4  # scores forget with a half-life of this many shadow-fulls of sampled accesses
+
+
+def _everything(key: Hashable) -> bool:
+    return True
+
+
+class AdaptivePolicy:
+    name = PolicyName.ADAPTIVE
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = check_capacity(capacity_bytes)
+        self._real = [expert(capacity_bytes) for expert in EXPERTS]
+        self._shadows: list = []  # built with the first block's size, which sets the sampling rate
+        self._modulus = 1
+        self._shadow_capacity = capacity_bytes
+        self.scores = [0.0] * len(EXPERTS)
+        self._decay = 1.0
+        self.leader = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._real[0].used_bytes
+
+    @property
+    def leader_name(self) -> PolicyName:
+        return self._real[self.leader].name
+
+    def __len__(self) -> int:
+        return len(self._real[0])
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._real[0]
+
+    def admit(self, key: Hashable, size: int) -> bool:
+        check_size(size)
+        return True
+
+    def insert(self, key: Hashable, size: int) -> None:
+        check_size(size)
+        self._observe(key, size)
+        for policy in self._real:
+            policy.insert(key, size)
+
+    def touch(self, key: Hashable) -> None:
+        if key not in self:
+            return
+        self._observe(key, None)
+        for policy in self._real:
+            policy.touch(key)
+
+    def remove(self, key: Hashable) -> None:
+        for policy in self._real:
+            policy.remove(key)
+
+    def evict(self, can_evict: Callable[[Hashable], bool]) -> Hashable | None:
+        victim = self._real[self.leader].evict(can_evict)
+        if victim is not None:
+            for i, policy in enumerate(self._real):
+                if i != self.leader:
+                    policy.remove(victim)
+        return victim
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _observe(self, key: Hashable, size: int | None) -> None:
+        """Replay one access (a touch, or an insert = a miss here) on the shadows of sampled keys."""
+        if not self._shadows:
+            if size is None:
+                return
+            entries = max(1, self.capacity_bytes // max(size, 1))
+            self._modulus = max(1, entries // SHADOW_ENTRIES)
+            self._shadow_capacity = max(1, self.capacity_bytes // self._modulus)
+            self._shadows = [expert(self._shadow_capacity) for expert in EXPERTS]
+            self._decay = 0.5 ** (1.0 / (HALF_LIFE_SHADOWS * max(64, entries // self._modulus)))
+        if self._modulus > 1 and xxhash.xxh3_64_intdigest(key_bytes(key)) % self._modulus:
+            return
+        for i, shadow in enumerate(self._shadows):
+            self.scores[i] *= self._decay
+            if key in shadow:
+                self.scores[i] += 1.0
+                shadow.touch(key)
+                continue
+            shadow.insert(key, size if size is not None else self._real[0].size(key))
+            while shadow.used_bytes > self._shadow_capacity:
+                if shadow.evict(_everything) is None:
+                    break
+        best = max(range(len(EXPERTS)), key=lambda i: (self.scores[i], -i))
+        # Every switch leaves the real cache shaped by the old leader, so switch only on a lead that is not
+        # noise: more than SWITCH_SIGMAS standard deviations of a Poisson count.
+        lead = self.scores[best] - self.scores[self.leader]
+        if lead > SWITCH_SIGMAS * math.sqrt(max(self.scores[self.leader], 1.0)):
+            self.leader = best
