@@ -108,3 +108,12 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
     conversions_done += 1
     log.info("converted %s -> %s in %.1f s", gguf_path, target, time.perf_counter() - start)
     return target
+
+
+if __name__ == "__main__":  # `python -m engine.gguf_convert FILE.gguf TARGET_DIR` (model_source's child process)
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m engine.gguf_convert FILE.gguf TARGET_DIR")
+    convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))

