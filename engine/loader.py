@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -55,7 +56,7 @@ def load_model(
     config = ModelConfig.from_folder(folder)
     tokenizer = Tokenizer(folder)
     if tokenizer.eos_token_ids - set(config.eos_token_ids):
-        config = ModelConfig(**{**config.__dict__, "eos_token_ids": tuple(sorted(tokenizer.eos_token_ids))})
+        config = dataclasses.replace(config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | tokenizer.eos_token_ids)))
     if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
         log.warning(
             "%s uses a %d-token sliding window; attention here is full, so sequences are capped at %d tokens",

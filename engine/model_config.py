@@ -104,12 +104,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
         model_type = cfg.get("model_type", "")
         try:
             arch = ModelArch(model_type)
         except ValueError:
             supported = ", ".join(a.value for a in ModelArch)
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {supported}") from None
+        missing = [k for k in required if k not in cfg]
+        if missing:
+            raise ValueError(f"model config lacks {', '.join(missing)}")
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}; only SwiGLU (silu) MLPs are implemented")
@@ -144,7 +148,10 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
-        cfg = json.loads((folder / "config.json").read_text())
+        try:
+            cfg = json.loads((folder / "config.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{folder / 'config.json'} is not valid JSON: {exc}") from None
         eos = set(_as_ids(cfg.get("eos_token_id")))
         gen_path = folder / "generation_config.json"
         if gen_path.is_file():

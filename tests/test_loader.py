@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -118,6 +119,11 @@ def test_bad_model_folders_are_clear_errors(tmp_path):
         resolve_model_dir(not_gguf)
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
         ModelConfig.from_hf_dict({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="lacks hidden_size"):
+        ModelConfig.from_hf_dict({"model_type": "llama"})
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_folder(tmp_path)
 
 
 def test_fingerprint_is_deterministic_across_processes(smollm2_fp32):
@@ -129,7 +135,7 @@ def test_fingerprint_is_deterministic_across_processes(smollm2_fp32):
     seen = {_python(code, {"PYTHONHASHSEED": str(seed)}) for seed in (1, 2)}
     assert seen == {smollm2_fp32.fingerprint}, seen
     # the architecture is part of it
-    other = ModelConfig(**{**smollm2_fp32.config.__dict__, "rms_norm_eps": 1e-6})
+    other = dataclasses.replace(smollm2_fp32.config, rms_norm_eps=1e-6)
     assert model_fingerprint(smollm2_fp32.path, other) != smollm2_fp32.fingerprint
 
 
