@@ -232,13 +232,13 @@ DEPLOYMENTS = {
 def build_workloads(args: argparse.Namespace) -> dict[str, list[Req]]:
     rng = random.Random(args.seed)
     q = args.quick
-    n = args.num_prompts or (12 if q else 48)
+    n = args.num_prompts or (8 if q else 32)
+    prefix_len = args.prefix_len or (512 if q else 1024)
     all_ = {
-        "random": lambda: random_workload(rng, n, 256 if q else 512, 16 if q else 64),
-        "shared-prefix": lambda: shared_prefix_workload(rng, n, args.num_prefixes, args.prefix_len, 32,
-                                                        8 if q else 32),
-        "multi-turn": lambda: multi_turn_workload(rng, 3 if q else 6, 3 if q else 4, 16 if q else 48),
-        "trace": lambda: trace_workload(rng, n, args.trace_scale, 1024, 16 if q else 64, args.trace_time_scale),
+        "random": lambda: random_workload(rng, n, 256 if q else 512, 8 if q else 32),
+        "shared-prefix": lambda: shared_prefix_workload(rng, n, args.num_prefixes, prefix_len, 32, 8 if q else 16),
+        "multi-turn": lambda: multi_turn_workload(rng, 2 if q else 4, 3 if q else 4, 12 if q else 32),
+        "trace": lambda: trace_workload(rng, n, args.trace_scale, 1024, 8 if q else 32, args.trace_time_scale),
     }
     return {name: all_[name]() for name in args.workloads}
 
@@ -250,16 +250,17 @@ def main(argv: list[str] | None = None) -> int:
                     choices=["random", "shared-prefix", "multi-turn", "trace"])
     ap.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=list(DEPLOYMENTS))
     ap.add_argument("--num-prompts", type=int, default=0)
-    ap.add_argument("--concurrency", type=int, default=4, help="max requests in flight")
+    ap.add_argument("--concurrency", type=int, default=2, help="max requests in flight")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: "
                                                                                 "fixed concurrency)")
     ap.add_argument("--num-prefixes", type=int, default=6, help="shared-prefix: distinct system prompts")
-    ap.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
+    ap.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: system prompt tokens (0: 1024, quick 512)")
     ap.add_argument("--trace-scale", type=int, default=8, help="divide the trace's token lengths by this")
     ap.add_argument("--trace-time-scale", type=float, default=0.05, help="multiply the trace's timestamps by this")
-    ap.add_argument("--kv-cache-memory", default="96MiB",
+    ap.add_argument("--kv-cache-memory", default="128MiB",
                     help="each node's device KV cache (small on purpose: the prefixes must not all fit on the device)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per node (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results here")
     args = ap.parse_args(argv)
@@ -267,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for dep in args.deployments:
         spec = ClusterSpec(kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, max_num_seqs=32,
-                           dram="4GiB", disk="8GiB", **DEPLOYMENTS[dep])
+                           dram="4GiB", disk="8GiB", node_args=("--threads", str(args.threads)) if args.threads else (),
+                           **DEPLOYMENTS[dep])
         print(f"== {dep}: starting", flush=True)
         with Cluster(spec, sink=open("/dev/null", "w"), log=lambda s: None) as cluster:
             # Warm-up: first-step costs (allocation, kernel selection) are not what we measure.

@@ -29,7 +29,7 @@ class RouterMetrics:
         self.generation_tokens = Counter("ucm_generation_tokens", "generated tokens", registry=r)
         self.cache_hit_tokens = Counter(
             "ucm_prefix_cache_hit_tokens", "prompt tokens not computed, by node role and source (device, store, cached)",
-            ["role", "tier"], registry=r,
+            ["role", "source"], registry=r,
         )
         self.prefill_retries = Counter("ucm_prefill_retries", "prefill jobs retried on another node", registry=r)
         self.local_prefills = Counter("ucm_local_prefills", "sequences prefilled on the decode node (no prefill node)",

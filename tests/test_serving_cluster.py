@@ -180,9 +180,12 @@ def test_client_disconnect_aborts_on_nodes(cluster) -> None:
 def test_kill_prefill_in_flight_then_store_serves_prefill(cluster, client, offline) -> None:
     complete, _ = offline
     want_long = complete(LONG, 8)
+    prefills = ("prefill-0", "prefill-1")
+    before = {n: node_stat(cluster, n, "prompt_tokens") for n in prefills}
     assert client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0).choices[0].text == want_long
     time.sleep(1.5)  # heartbeats carry the new counters
-    victim = max(("prefill-0", "prefill-1"), key=lambda n: node_stat(cluster, n, "prompt_tokens"))
+    # The victim is the node that prefilled LONG: afterwards no device cache holds it.
+    victim = max(prefills, key=lambda n: node_stat(cluster, n, "prompt_tokens") - before[n])
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" + " Think step by step." * 12 for i in range(4)]
     wants = [complete(p, 8) for p in prompts]
     retries_before = metric(cluster, "ucm_prefill_retries_total")
@@ -220,3 +223,18 @@ def test_store_killed_requests_still_succeed(cluster, client, offline) -> None:
     for _ in range(2):  # nodes recompute (output identical to a cache-free run)
         assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text == want
     assert re.search(r"ucm_node_up\{[^}]*\} 1\.0", httpx.get(cluster.url + "/metrics").text)
+
+
+def test_no_prefill_node_left_decode_prefills_locally(cluster, client, offline) -> None:
+    complete, _ = offline
+    for name in ("prefill-0", "prefill-1"):
+        cluster.children[name].kill()
+    deadline = time.monotonic() + 15
+    while any(n.startswith("prefill") for n in httpx.get(cluster.url + "/health").json()["nodes"]):
+        assert time.monotonic() < deadline, "dead prefill nodes were never dropped"
+        time.sleep(0.2)
+    before = metric(cluster, "ucm_local_prefills_total")
+    prompt = "With no prefill node alive, the decode node computes this prompt itself."
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text == \
+        complete(prompt, 6)
+    assert metric(cluster, "ucm_local_prefills_total") == before + 1
