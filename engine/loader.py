@@ -56,7 +56,8 @@ def load_model(
     config = ModelConfig.from_folder(folder)
     tokenizer = Tokenizer(folder)
     if tokenizer.eos_token_ids - set(config.eos_token_ids):
-        config = dataclasses.replace(config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | tokenizer.eos_token_ids)))
+        eos = tuple(sorted(set(config.eos_token_ids) | tokenizer.eos_token_ids))
+        config = dataclasses.replace(config, eos_token_ids=eos)
     if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
         log.warning(
             "%s uses a %d-token sliding window; attention here is full, so sequences are capped at %d tokens",

@@ -101,8 +101,8 @@ def _check_hf_dir(path: Path) -> Path:
         raise FileNotFoundError(f"model folder {path} has no config.json (expected a Hugging Face model folder)")
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"model folder {path} has no *.safetensors weights")
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(f"model folder {path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no tokenizer.json (a fast tokenizer is required)")
     return path
 
 

@@ -22,7 +22,7 @@ class Tokenizer:
         from transformers import PreTrainedTokenizerFast
 
         if not (path / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"tokenizer folder {path} has no tokenizer.json (only fast tokenizers are supported)")
+            raise FileNotFoundError(f"tokenizer folder {path} has no tokenizer.json (fast tokenizers only)")
         self.path = path
         self.hf: Any = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids(path))

@@ -45,6 +45,8 @@ def _target(model: LlamaForCausalLM, config: ModelConfig, hf_name: str) -> torch
     if hf_name == "lm_head.weight" and model.lm_head is not None:
         return model.lm_head
     m = _LAYER.match(hf_name)
+    if m and int(m.group(1)) >= config.num_layers:
+        raise ValueError(f"checkpoint has {hf_name!r} but the config has only {config.num_layers} layers")
     if m and m.group(2) in _LAYER_MAP:
         prefix, block = _LAYER_MAP[m.group(2)]
         kind = m.group(3)
@@ -83,7 +85,9 @@ def build_model(config: ModelConfig, folder: Path, dtype: torch.dtype, device: s
                         continue
                     tensor = f.get_tensor(name)
                     if tensor.shape != target.shape:
-                        raise ValueError(f"{path.name}:{name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                        raise ValueError(
+                            f"{path.name}:{name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                        )
                     target.copy_(tensor)
                     param = owner[target.untyped_storage().data_ptr()]
                     filled[id(param)] += target.numel()

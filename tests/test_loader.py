@@ -113,6 +113,9 @@ def test_bad_model_folders_are_clear_errors(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="safetensors"):
         resolve_model_dir(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        resolve_model_dir(tmp_path)
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"x")
     with pytest.raises(ValueError, match="not a .gguf"):
