@@ -5,7 +5,8 @@ read again when the cache is small, while LRU keeps whole conversations alive wh
 expert runs twice: a *real* copy over the resident keys (all copies see every insert/touch/remove; the
 victim comes from the current leader and the others forget it), and a small *shadow* cache that simulates
 the expert alone on a hash-sampled 1/M of the keys with 1/M of the capacity (SHARDS-style). Shadow hits
-are counted with exponential decay; the leader is the expert with the most, LRU on ties. O(experts) per
+are counted with exponential decay; LRU leads at first, and a challenger takes over only when its lead is
+beyond noise (a switch is not free: the real cache still holds what the old leader chose). O(experts) per
 operation.
 """
 
@@ -25,6 +26,7 @@ from ucm.eviction.sketch import key_bytes
 EXPERTS = (LRUPolicy, S3FIFOPolicy, ARCPolicy)
 SHADOW_ENTRIES = 2048  # sample so that a shadow holds about this many blocks
 SWITCH_SIGMAS = 3.0
+MIN_HALF_LIFE = 64  # sampled accesses, for tiny caches
 HALF_LIFE_SHADOWS = 4  # scores forget with a half-life of this many shadow-fulls of sampled accesses
 
 
@@ -37,8 +39,8 @@ class AdaptivePolicy:
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = check_capacity(capacity_bytes)
-        self._real = [expert(capacity_bytes) for expert in EXPERTS]
-        self._shadows: list = []  # built with the first block's size, which sets the sampling rate
+        self._real: list[LRUPolicy | S3FIFOPolicy | ARCPolicy] = [expert(capacity_bytes) for expert in EXPERTS]
+        self._shadows: list[LRUPolicy | S3FIFOPolicy | ARCPolicy] = []  # built with the first block's size, which sets the sampling rate
         self._modulus = 1
         self._shadow_capacity = capacity_bytes
         self.scores = [0.0] * len(EXPERTS)
@@ -99,7 +101,7 @@ class AdaptivePolicy:
             self._modulus = max(1, entries // SHADOW_ENTRIES)
             self._shadow_capacity = max(1, self.capacity_bytes // self._modulus)
             self._shadows = [expert(self._shadow_capacity) for expert in EXPERTS]
-            self._decay = 0.5 ** (1.0 / (HALF_LIFE_SHADOWS * max(64, entries // self._modulus)))
+            self._decay = 0.5 ** (1.0 / (HALF_LIFE_SHADOWS * max(MIN_HALF_LIFE, entries // self._modulus)))
         if self._modulus > 1 and xxhash.xxh3_64_intdigest(key_bytes(key)) % self._modulus:
             return
         for i, shadow in enumerate(self._shadows):
