@@ -26,9 +26,8 @@ only the first N lines. What was kept is printed. Synthetic workloads are seeded
 
     .venv/bin/python benchmarks/hit_rate.py [--quick] [--json out.json] [--png bench_out/hit_rate.png]
 
-What it shows (default run, see the report in the commit log for the table): S3-FIFO/ARC beat LRU when the
-cache is small next to the reuse distances (Mooncake up to 10% of the working set, RAG, shared system
-prompts), but on conversation workloads with room for most live conversations LRU wins (Mooncake at 20%,
+What it shows (default run): S3-FIFO/ARC beat LRU when the cache is small next to the reuse distances
+(Mooncake up to 10% of the working set, RAG, shared system prompts), but on conversation workloads with room for most live conversations LRU wins (Mooncake at 20%,
 synthetic chat). There, the misses LRU avoids are whole conversations (lost from block 1 on, not tails):
 ARC and S3-FIFO demote a conversation whose blocks were read once (one turn so far) early, and it comes
 back after a gap LRU would have covered. `adaptive` follows whichever of the three is winning on sampled
