@@ -276,3 +276,27 @@ def test_lifecycle_checker_catches_misordered_calls():
     assert check_lifecycle(step(good), 2)  # register_kv_caches missing
     orphan = [Call("register_kv_caches"), Call("update_state_after_alloc", "x")] + step(good)
     assert any("without a lookup" in p for p in check_lifecycle(orphan, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_roundtrip_half_precision_caches(store, dtype):
+    tokens = list(range(8000, 8013))  # 3 full blocks + 1
+    stats = ConnectorStats()
+    caches = [(k.to(dtype), v.to(dtype)) for k, v in make_caches()]
+    prod = UCMWorkerConnector(store, KVConnectorRole.PRODUCER, stats)
+    prod.register_kv_caches(caches)
+    psched = UCMSchedulerConnector(store, KVConnectorRole.PRODUCER, BS, stats)
+    req = make_request("p", tokens)
+    run_step(psched, prod, caches, [ScheduledRequest(req, [1, 2, 3, 4], 0, 13)])
+    dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in caches]
+    cons = UCMWorkerConnector(store, KVConnectorRole.CONSUMER, stats)
+    cons.register_kv_caches(dst)
+    csched = UCMSchedulerConnector(store, KVConnectorRole.CONSUMER, BS, stats)
+    req2 = make_request("c", tokens)
+    n, _ = csched.get_num_new_matched_tokens(req2, 0)
+    csched.update_state_after_alloc(req2, [7, 8, 9, 10], n)
+    assert run_step(csched, cons, dst, [ScheduledRequest(req2, [7, 8, 9, 10], n, 1, n)]) == set()
+    assert cons.layout.payload_nbytes == 2 * BS * HEADS * DIM * 2
+    for layer in range(LAYERS):
+        assert torch.equal(dst[layer][0][7:10], caches[layer][0][1:4])
+        assert torch.equal(dst[layer][1][7:10], caches[layer][1][1:4])
