@@ -9,9 +9,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+import msgspec
 
 from router import protocol as P
 from router.node_client import NodeClient, NodeLost, NodeUnavailable
@@ -22,6 +25,10 @@ from router.registry import NodeState
 log = logging.getLogger(__name__)
 
 DECODE_ROLES = (P.NodeRole.DECODE, P.NodeRole.BOTH)
+
+
+class _DecodeNodeFailed(Exception):
+    """The decode node vanished; retried elsewhere if nothing was streamed from it yet."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,9 @@ class Dispatcher:
                 if not first.finished:
                     yield SeqEvent([], None, True, P.FinishReason.LENGTH)
                 return
-        async for event in self._decode(req, first, trace):
-            yield event
+        async with contextlib.aclosing(self._decode(req, first, trace)) as events:
+            async for event in events:
+                yield event
 
     async def _prefill(self, req: SeqRequest, trace: SeqTrace) -> P.PrefillDone | None:
         keys = self.registry.prompt_keys(req.prompt_token_ids, req.cache_salt)
@@ -123,14 +131,9 @@ class Dispatcher:
         return f"unexpected reply {type(reply).__name__}"
 
     async def _decode(self, req: SeqRequest, first: P.PrefillDone | None, trace: SeqTrace) -> AsyncIterator[SeqEvent]:
-        node = pick_decode(self.registry.alive(*DECODE_ROLES))
-        if node is None:
-            raise ApiError(503, "no decode node is alive", "service_unavailable", None, "no_decode_node")
-        trace.decode_node = node.node_id
         params = req.params
-        if first is not None:
-            params = P.SamplingSpec(**{f: getattr(params, f) for f in params.__struct_fields__})
-            params.max_tokens -= 1
+        if first is not None:  # the first token came from the prefill node
+            params = msgspec.structs.replace(params, max_tokens=params.max_tokens - 1)
         job = P.DecodeJob(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -139,7 +142,28 @@ class Dispatcher:
             kv_transfer_params=first.kv_transfer_params if first else None,
             cache_salt=req.cache_salt,
         )
-        queue = self.client.open(req.request_id, node)
+        tried: set[str] = set()
+        while True:
+            node = pick_decode(self.registry.alive(*DECODE_ROLES), exclude=tried)
+            if node is None:
+                raise ApiError(503, "no decode node is alive", "service_unavailable", None, "no_decode_node")
+            tried.add(node.node_id)
+            trace.decode_node = node.node_id
+            streamed = False
+            try:
+                # aclosing: if our caller stops early, the node's request is aborted now, not at GC time
+                async with contextlib.aclosing(self._decode_on(node, job, trace)) as events:
+                    async for event in events:
+                        streamed = True
+                        yield event
+                return
+            except _DecodeNodeFailed as e:
+                if streamed:  # tokens already reached the client: cannot replay them elsewhere
+                    raise ApiError(502, str(e), "server_error") from e
+                log.warning("%s: %s; retrying on another decode node", req.request_id, e)
+
+    async def _decode_on(self, node: NodeState, job: P.DecodeJob, trace: SeqTrace) -> AsyncIterator[SeqEvent]:
+        queue = self.client.open(job.request_id, node)
         done = False
         try:
             await self.client.send(node.node_id, job)
@@ -152,16 +176,16 @@ class Dispatcher:
                     yield SeqEvent(reply.token_ids, reply.logprobs, reply.finished, reply.finish_reason)
                 elif isinstance(reply, NodeLost):
                     done = True
-                    raise ApiError(502, f"decode node {node.node_id} lost: {reply.reason}", "server_error")
+                    raise _DecodeNodeFailed(f"decode node {node.node_id} lost: {reply.reason}")
                 elif isinstance(reply, P.JobFailed):
                     done = True
                     raise ApiError(500, f"decode failed on {node.node_id}: {reply.message}", "server_error")
         except NodeUnavailable as e:
             done = True
-            raise ApiError(502, str(e), "server_error") from e
+            raise _DecodeNodeFailed(str(e)) from e
         except TimeoutError as e:
             raise ApiError(504, f"decode node {node.node_id} timed out", "server_error") from e
         finally:
-            self.client.close_stream(req.request_id)
+            self.client.close_stream(job.request_id)
             if not done:  # the caller stopped early (client gone, stop string) or we timed out
-                await self.client.abort(node.node_id, [req.request_id])
+                await self.client.abort(node.node_id, [job.request_id])

@@ -5,4 +5,6 @@ key_cache.py recent block keys on this node (the heartbeat's prefix-cache summar
 runner.py    protocol jobs → EngineCore requests, engine outputs → protocol messages
 heartbeat.py a thread that keeps heartbeats flowing even while a long step runs
 server.py    the loop: poll the socket without blocking, step the engine, stream outputs back
+
+Wire messages come from router.protocol, the one torch-free module both sides import (DESIGN.md §1).
 """
