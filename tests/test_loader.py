@@ -76,7 +76,7 @@ def test_model_source_and_tokenizer_stay_torch_free_even_when_converting(fresh_c
     assert len(list(models.iterdir())) == 1, f"temporary dirs left behind: {list(models.iterdir())}"
 
 
-def test_gguf_conversion_is_cached(fresh_cache, monkeypatch):
+def test_gguf_conversion_is_cached(fresh_cache, monkeypatch, smollm2_fp32):
     monkeypatch.setenv("UCM_CACHE_DIR", str(fresh_cache))
     (folder,) = (fresh_cache / "models").iterdir()
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
@@ -88,6 +88,9 @@ def test_gguf_conversion_is_cached(fresh_cache, monkeypatch):
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
     # CPU time, not wall time: the shared 2-core CI box is often oversubscribed (~0.7 s CPU, ~1 s wall idle).
     assert cpu < 2.0, f"cached load took {cpu:.2f} s of CPU ({wall:.2f} s wall)"
+    # An independent conversion (another process, another cache dir: think another host) gives the same
+    # bytes, hence the same fingerprint and block keys.
+    assert lm.fingerprint == smollm2_fp32.fingerprint
 
 
 def test_in_process_conversion_when_torch_is_loaded(tmp_path, monkeypatch):
