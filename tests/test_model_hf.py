@@ -265,3 +265,40 @@ def test_tiny_random_families_match_hf(name, tmp_path, smollm2_fp32):
     step = cache.step([(i, t) for i, t in enumerate(nxt)])
     for i, ids in enumerate(seqs):
         assert_close(step[i : i + 1], hf_logits(hf, ids + nxt[i])[-1:], f"{name} seq {i} decode")
+
+
+def test_connector_hooks_run_per_layer_around_attention(tmp_path, smollm2_fp32):
+    """wait_for_layer_load(i) comes before layer i reads its cache; save_kv_layer(i) sees layer i's new K/V."""
+    folder = _tiny_folder(tmp_path, smollm2_fp32.path, _tiny_configs()["qwen2-qkv-bias"])
+    lm = load_model(folder, dtype=torch.float32)
+    cache = PagedCache(lm, num_blocks=8, seed=6)
+    calls: list[tuple[str, int]] = []
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3]
+
+    class Recorder:
+        def wait_for_layer_load(self, layer: int) -> None:
+            calls.append(("wait", layer))
+
+        def save_kv_layer(self, layer, k_cache, v_cache, attn_metadata) -> None:
+            assert k_cache is cache.caches[layer][0] and v_cache is cache.caches[layer][1]
+            slots = attn_metadata.slot_mapping
+            written = k_cache.view(-1, *k_cache.shape[2:])[slots]
+            assert not torch.any(written == 7.0), f"layer {layer}: K not yet written when save_kv_layer ran"
+            if layer + 1 < len(cache.caches):
+                untouched = cache.caches[layer + 1][0].view(-1, *k_cache.shape[2:])[slots]
+                assert torch.all(untouched == 7.0), "a later layer was written before this layer's save"
+            calls.append(("save", layer))
+
+    model, recorder = lm.model, Recorder()
+    original = model.forward
+
+    def forward_with_connector(input_ids, positions, kv_caches, md, kv_connector=None):
+        return original(input_ids, positions, kv_caches, md, kv_connector=recorder)
+
+    model.forward = forward_with_connector
+    try:
+        cache.step([(0, ids)])
+    finally:
+        del model.forward
+    expected = [(kind, layer) for layer in range(lm.config.num_layers) for kind in ("wait", "save")]
+    assert calls == expected
