@@ -300,3 +300,17 @@ def test_roundtrip_half_precision_caches(store, dtype):
     for layer in range(LAYERS):
         assert torch.equal(dst[layer][0][7:10], caches[layer][0][1:4])
         assert torch.equal(dst[layer][1][7:10], caches[layer][1][1:4])
+
+
+def test_loads_that_the_model_never_waited_for_are_still_accounted(store):
+    tokens = list(range(9000, 9009))
+    produce(store, tokens)
+    sched, worker, caches, stats = make_pair(store, KVConnectorRole.CONSUMER)
+    req = make_request("c", tokens)
+    n, _ = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [3, 4, 5], n)
+    worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput([ScheduledRequest(req, [3, 4, 5], n, 1, n)])))
+    worker.start_load_kv()
+    worker.wait_for_save()  # no layer waited: every layer still lands and is counted once
+    assert worker.get_block_ids_with_load_errors() == set() and stats.blocks_loaded == 2
+    worker.clear_connector_metadata()
