@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 from connector.base import ConnectorMetadata
 from ucm.api import BlockRef
+
+log = logging.getLogger("connector")
+# A store that stays down is reported again at most this often; every failure is counted.
+STORE_WARN_INTERVAL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -63,3 +69,19 @@ class ConnectorStats:
     save_seconds: float = 0.0  # time spent in save_kv_layer + wait_for_save
     store_errors: int = 0  # calls that raised (store unreachable and the like)
     key_mismatches: int = 0  # requests whose producer computed other block keys than this engine
+
+
+def warn_limited(last_warned: float, msg: str, *args: object) -> float:
+    """Log a warning unless one was logged in the last STORE_WARN_INTERVAL_S; returns when it last warned."""
+    now = time.monotonic()
+    if last_warned and now - last_warned < STORE_WARN_INTERVAL_S:
+        log.debug(msg, *args)
+        return last_warned
+    log.warning(msg, *args)
+    return now
+
+
+def store_failed(stats: ConnectorStats, what: str, exc: Exception, last_warned: float) -> float:
+    """Count a store call that raised and log it (rate-limited); returns when it last warned."""
+    stats.store_errors += 1
+    return warn_limited(last_warned, "KV store %s failed (%s: %s); continuing without it", what, type(exc).__name__, exc)

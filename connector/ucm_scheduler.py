@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.base import KVConnectorRole, KVConnectorScheduler
-from connector.metadata import ConnectorStats, LoadSpec, SaveSpec, UCMConnectorMetadata
+from connector.metadata import ConnectorStats, LoadSpec, SaveSpec, UCMConnectorMetadata, store_failed
 from connector.request_view import ScheduledView, iter_scheduled, token_ids_of
 from ucm.api import BlockRef, KVStore
 from ucm.keys import BlockKey
@@ -60,7 +60,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         self._pending: dict[str, _PendingLoad] = {}
         self._progress: dict[str, _Progress] = {}
         self._key_checked: set[str] = set()
-        self._store_warned = False
+        self._warn_at = 0.0  # when the last store-failure warning was logged
 
     # ---- 1. lookup -------------------------------------------------------------------------------------
 
@@ -206,9 +206,4 @@ class UCMSchedulerConnector(KVConnectorScheduler):
                         "size or cache_salt differ?); its KV cannot be reused", request.request_id)
 
     def _store_failed(self, what: str, exc: Exception) -> None:
-        self.stats.store_errors += 1
-        if not self._store_warned:
-            log.warning("KV store %s failed (%s: %s); continuing without it", what, type(exc).__name__, exc)
-            self._store_warned = True
-        else:
-            log.debug("KV store %s failed: %s", what, exc)
+        self._warn_at = store_failed(self.stats, what, exc, self._warn_at)

@@ -19,7 +19,7 @@ import torch
 
 from connector.base import KVConnectorRole, KVConnectorWorker
 from connector.kv_layout import KVLayout, StagingBuffer, pack_blocks, unpack_blocks
-from connector.metadata import ConnectorStats, LoadSpec, UCMConnectorMetadata
+from connector.metadata import ConnectorStats, LoadSpec, UCMConnectorMetadata, store_failed, warn_limited
 from ucm.api import BlockRef, KVStore, StoreTask, TaskStatus
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class UCMWorkerConnector(KVConnectorWorker):
         self._load_errors: set[int] = set()
         self._errored_requests: set[str] = set()  # this step's requests with a failed load
         self._h2d_done: Any = None  # CUDA event after the last staging -> cache copy
-        self._store_warned = False
+        self._warn_at = 0.0  # when the last store-failure warning was logged
 
     @property
     def layout(self) -> KVLayout:
@@ -168,7 +168,6 @@ class UCMWorkerConnector(KVConnectorWorker):
             self._load_errors.update(spec.block_ids[ok:])
             if bad:
                 self._errored_requests.add(spec.request_id)
-            if bad:
                 log.warning("request %s: load failed for %d of %d external blocks (from block %d); recomputing",
                             spec.request_id, len(bad), len(spec.blocks), ok)
         self._loads = None
@@ -234,6 +233,9 @@ class UCMWorkerConnector(KVConnectorWorker):
         self.stats.blocks_saved += len(good)
         self.stats.bytes_saved += len(good) * self.layout.payload_nbytes * self.layout.num_layers
         self.stats.blocks_save_failed += len(bad)
+        if bad:
+            self._warn_at = warn_limited(self._warn_at, "dropped the saves of %d of %d blocks (dump failed, store "
+                                         "unreachable or context load failed)", len(bad), len(blocks))
         self.stats.save_seconds += time.perf_counter() - t0
 
     # ---- 8. results ----------------------------------------------------------------------------------------
@@ -252,7 +254,4 @@ class UCMWorkerConnector(KVConnectorWorker):
             self.store.close()
 
     def _store_failed(self, what: str, exc: Exception) -> None:
-        self.stats.store_errors += 1
-        if not self._store_warned:
-            log.warning("KV store %s failed (%s: %s); continuing without it", what, type(exc).__name__, exc)
-            self._store_warned = True
+        self._warn_at = store_failed(self.stats, what, exc, self._warn_at)
