@@ -1,7 +1,21 @@
 """EngineCore: one model, one paged KV cache, one scheduler; `add_request` + `step()` → incremental outputs.
 
 Used directly by the prefill/decode nodes and wrapped by the offline `LLM`. Single-threaded by design: the
-caller owns the loop (and any lock around it)."""
+caller owns the loop (and any lock around it).
+
+KV connector (optional pair: scheduler side, worker side), called in connector/base.py's order each step:
+  Scheduler.schedule: per waiting request, after the device prefix match, get_num_new_matched_tokens (clamped so
+    at least one token is computed; async loads are treated as sync: they happen in this step's forward) →
+    blocks for computed + external + new tokens → update_state_after_alloc(request, all its block ids, n_external);
+    external tokens count as computed. Once per step: build_connector_meta(scheduler_output).
+  ModelRunner.execute: bind_connector_metadata → start_load_kv → forward (the model calls wait_for_layer_load /
+    save_kv_layer per layer) → wait_for_save → get_finished(finished ids) → get_block_ids_with_load_errors →
+    clear_connector_metadata.
+  Scheduler.update_from_output: a request owning a failed block rolls back to that block's start, drops its
+    sample and those blocks' prefix-cache keys, and is recomputed; full blocks are published to the device prefix
+    cache only after a successful step. On finish: request_finished(request, block ids) → (delay_free,
+    kv_transfer_params); the params go out with the final RequestOutput; delay_free keeps the blocks until
+    get_finished reports the request's saves done."""
 
 from __future__ import annotations
 
