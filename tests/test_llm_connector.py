@@ -35,6 +35,7 @@ class ToyScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         self.calls.append("get_num_new_matched_tokens")
         start, hits = num_computed_tokens // self.bs, 0
+        self.start_block = start  # request.num_computed_tokens is only updated after update_state_after_alloc
         for key in request.block_keys[start:]:
             if key not in self.store:
                 break
@@ -43,7 +44,7 @@ class ToyScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         self.calls.append("update_state_after_alloc")
-        start = request.num_computed_tokens // self.bs  # device hits (not yet counting external tokens)
+        start = self.start_block
         for i in range(start, start + -(-num_external_tokens // self.bs)):
             self.pending.append((request.block_keys[i], block_ids[i]))
 
