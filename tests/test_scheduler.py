@@ -193,3 +193,16 @@ def test_delay_free_until_connector_reports_sent():
     sched.update_from_output(out, ModelRunnerOutput(finished_sending={"r"}))
     assert sched.kv.pool.num_free_blocks == 8
     sched.check_integrity()
+
+
+def test_preemption_victim_is_lowest_priority():
+    sched = make_scheduler(num_blocks=6, budget=64, max_model_len=24)
+    low = make_request("low", 8, max_tokens=8, priority=1)
+    high = make_request("high", 8, max_tokens=8, priority=0, start=50)  # arrives later, more important
+    sched.add_request(low)
+    sched.add_request(high)
+    preempted = set()
+    while sched.has_unfinished_requests():
+        preempted |= step(sched).preempted_req_ids
+    assert preempted == {"low"}
+    assert low.output_token_ids == high.output_token_ids == [7] * 8
