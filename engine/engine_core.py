@@ -246,5 +246,6 @@ class EngineCore:
             outputs=comps,
             finished=finished,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_external_tokens=seq.num_external_tokens,
             kv_transfer_params=parent.kv_transfer_params if finished else None,
         )

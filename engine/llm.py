@@ -151,6 +151,7 @@ def _merge(results: dict[str, RequestOutput], delta: RequestOutput) -> None:
     acc.outputs.sort(key=lambda c: c.index)
     acc.finished = delta.finished
     acc.num_cached_tokens = max(acc.num_cached_tokens, delta.num_cached_tokens)
+    acc.num_external_tokens = max(acc.num_external_tokens, delta.num_external_tokens)
     if delta.kv_transfer_params is not None:
         acc.kv_transfer_params = delta.kv_transfer_params
 

@@ -43,6 +43,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from a cache (device prefix cache + connector)
+    num_external_tokens: int = 0  # of those, loaded by the KV connector
     kv_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

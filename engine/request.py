@@ -80,6 +80,8 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens served from a cache (device or connector) when first scheduled; -1 until then.
         self.num_cached_tokens = -1
+        # Of those, tokens the KV connector loaded (failed loads subtracted).
+        self.num_external_tokens = 0
         self.num_preemptions = 0
         self.forked = sampling_params.n == 1
         self.stop_reason: int | str | None = None
@@ -156,6 +158,7 @@ class Request:
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.num_external_tokens = self.num_external_tokens
         child.forked = True
         return child
 

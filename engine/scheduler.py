@@ -168,6 +168,7 @@ class Scheduler:
             req.num_computed_tokens = num_computed + num_external
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
+                req.num_external_tokens = num_external
             self.stats.prefix_cache_hit_tokens += prefix.num_tokens
             self.stats.external_hit_tokens += num_external
             self.running.append(req)
@@ -231,6 +232,7 @@ class Scheduler:
         self.stats.external_hit_tokens -= lost_external
         self.stats.load_error_tokens += lost
         if req.num_cached_tokens > restart:
+            req.num_external_tokens = max(0, req.num_external_tokens - (req.num_cached_tokens - restart))
             req.num_cached_tokens = restart
         req.num_computed_tokens = restart
         self.kv.uncache_from(req, first)

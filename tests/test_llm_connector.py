@@ -125,6 +125,7 @@ def run(core: EngineCore, ids: list[int]) -> list[int]:
             tokens += out.outputs[0].token_ids
             if out.finished:
                 assert out.kv_transfer_params == {"num_blocks": core.kv_manager.blocks_needed(len(ids) + 7)}
+                assert out.num_external_tokens == core.stats().external_hit_tokens
     core.check_integrity()
     return tokens
 
