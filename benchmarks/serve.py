@@ -230,15 +230,17 @@ DEPLOYMENTS = {
 
 
 def build_workloads(args: argparse.Namespace) -> dict[str, list[Req]]:
+    """--quick is sized for a shared 2-core CPU box (a 256-token prefill takes seconds there)."""
     rng = random.Random(args.seed)
     q = args.quick
-    n = args.num_prompts or (8 if q else 32)
-    prefix_len = args.prefix_len or (512 if q else 1024)
+    n = args.num_prompts or (6 if q else 24)
+    prefix_len = args.prefix_len or 512
     all_ = {
-        "random": lambda: random_workload(rng, n, 256 if q else 512, 8 if q else 32),
-        "shared-prefix": lambda: shared_prefix_workload(rng, n, args.num_prefixes, prefix_len, 32, 8 if q else 16),
-        "multi-turn": lambda: multi_turn_workload(rng, 2 if q else 4, 3 if q else 4, 12 if q else 32),
-        "trace": lambda: trace_workload(rng, n, args.trace_scale, 1024, 8 if q else 32, args.trace_time_scale),
+        "random": lambda: random_workload(rng, n, 128 if q else 512, 4 if q else 32),
+        "shared-prefix": lambda: shared_prefix_workload(rng, n, args.num_prefixes, prefix_len, 16, 4 if q else 16),
+        "multi-turn": lambda: multi_turn_workload(rng, 2, 3 if q else 4, 6 if q else 32),
+        "trace": lambda: trace_workload(rng, n, args.trace_scale, 512 if q else 1024, 4 if q else 32,
+                                        args.trace_time_scale),
     }
     return {name: all_[name]() for name in args.workloads}
 
@@ -253,11 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=2, help="max requests in flight")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: "
                                                                                 "fixed concurrency)")
-    ap.add_argument("--num-prefixes", type=int, default=6, help="shared-prefix: distinct system prompts")
-    ap.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: system prompt tokens (0: 1024, quick 512)")
-    ap.add_argument("--trace-scale", type=int, default=8, help="divide the trace's token lengths by this")
+    ap.add_argument("--num-prefixes", type=int, default=3, help="shared-prefix: distinct system prompts")
+    ap.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: system prompt tokens (0: 512)")
+    ap.add_argument("--trace-scale", type=int, default=16, help="divide the trace's token lengths by this")
     ap.add_argument("--trace-time-scale", type=float, default=0.05, help="multiply the trace's timestamps by this")
-    ap.add_argument("--kv-cache-memory", default="128MiB",
+    ap.add_argument("--kv-cache-memory", default="64MiB",
                     help="each node's device KV cache (small on purpose: the prefixes must not all fit on the device)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per node (0: torch's default)")

@@ -41,6 +41,8 @@ class RouterMetrics:
         self.node_free_blocks = Gauge("ucm_node_free_kv_blocks", "free KV blocks per node", ["node"], registry=r)
         self.node_stat = Gauge("ucm_node_stat", "engine / connector / store counters reported in heartbeats",
                                ["node", "name"], registry=r)
+        self.store_tier = Gauge("ucm_store_tier", "the KV store's per-tier counters (hits, misses, blocks, bytes_used, "
+                                "evictions…) as reported by its nodes", ["tier", "name"], registry=r)
         self._known: dict[str, P.NodeRole] = {}
 
     def node_event(self, node_id: str, event: str) -> None:
@@ -76,3 +78,13 @@ class RouterMetrics:
             self.node_free_blocks.labels(node.node_id).set(node.free_blocks)
             for name, value in node.stats.items():
                 self.node_stat.labels(node.node_id, name).set(value)
+        # Every node of a deployment talks to the same store: show its tiers once (the freshest report).
+        tiers: dict[tuple[str, str], float] = {}
+        for node in alive.values():
+            for name, value in node.stats.items():
+                parts = name.split("_", 2)
+                if name.startswith("store_") and len(parts) == 3 and parts[1] in ("dram", "disk"):
+                    key = (parts[1], parts[2])
+                    tiers[key] = max(tiers.get(key, 0.0), value)
+        for (tier, name), value in tiers.items():
+            self.store_tier.labels(tier, name).set(value)

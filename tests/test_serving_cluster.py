@@ -213,6 +213,11 @@ def test_kill_prefill_in_flight_then_store_serves_prefill(cluster, client, offli
     assert client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0).choices[0].text == want_long
     store_after = metric(cluster, "ucm_prefix_cache_hit_tokens_total", role="prefill", source="store")
     assert store_after - store_before >= 16 * 8, (store_before, store_after)
+    # The store's own per-tier counters reach /metrics through the nodes' heartbeats.
+    deadline = time.monotonic() + 10
+    while metric(cluster, "ucm_store_tier", tier="dram", name="hits") <= 0:
+        assert time.monotonic() < deadline, "no DRAM-tier hits in /metrics"
+        time.sleep(0.5)
 
 
 def test_store_killed_requests_still_succeed(cluster, client, offline) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import zmq
 
@@ -18,6 +19,32 @@ from engine.node.key_cache import RecentKeys
 from router import protocol as P
 
 log = logging.getLogger(__name__)
+
+
+class StoreStatsPoller(threading.Thread):
+    """Polls the store's per-tier counters on its own thread: a store that is down may block a call for its
+    whole timeout, which must delay neither the serving loop nor the heartbeats."""
+
+    def __init__(self, store: Any, interval_s: float = 2.0) -> None:
+        super().__init__(name="ucm-store-stats", daemon=True)
+        self._store = store
+        self._interval_s = interval_s
+        self._halt = threading.Event()
+        self.latest: dict[str, float] = {}
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def run(self) -> None:
+        while not self._halt.wait(self._interval_s):
+            try:
+                stats = self._store.stats()
+            except Exception:  # store down: keep the last numbers, the connector already recomputes
+                continue
+            out = {f"store_{tier.value}_{name}": float(value) for tier, ts in stats.tiers.items()
+                   for name, value in vars(ts).items() if isinstance(value, (int, float))}
+            out["store_lookup_hit_blocks"] = float(stats.lookup_hit_blocks)
+            self.latest = out
 
 
 class HeartbeatThread(threading.Thread):

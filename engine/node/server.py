@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from engine.node.config import NodeConfig
-from engine.node.heartbeat import HeartbeatThread
+from engine.node.heartbeat import HeartbeatThread, StoreStatsPoller
 from engine.node.key_cache import RecentKeys
 from engine.node.runner import JobRunner
 from router import protocol as P
@@ -65,6 +65,7 @@ class NodeServer:
             instance=uuid.uuid4().hex,
         )
         self._stop = threading.Event()
+        self._store_stats: StoreStatsPoller | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -78,6 +79,11 @@ class NodeServer:
         heartbeat = HeartbeatThread(ctx, self.config.router_addr, self.register_msg,
                                     self.config.heartbeat_interval_s, self.recent_keys)
         heartbeat.start()
+        worker = self.engine.kv_connector[1] if self.engine.kv_connector else None
+        poller = StoreStatsPoller(worker.store) if getattr(worker, "store", None) is not None else None
+        if poller is not None:
+            poller.start()
+        self._store_stats = poller
         print(f"ucm-serve {self.config.role.value} node {self.node_id} ready: router {self.config.router_addr}, "
               f"store {self.config.store_addr or 'none'}", flush=True)
         try:
@@ -87,6 +93,8 @@ class NodeServer:
                     sock.send(P.encode(msg))
                 heartbeat.update_load(*self._load())
         finally:
+            if poller is not None:
+                poller.stop()
             heartbeat.stop()
             heartbeat.join(timeout=2)
             sock.close(0)
@@ -120,6 +128,8 @@ class NodeServer:
         if conn_stats is not None:
             stats.update({f"connector_{k}": float(v) for k, v in vars(conn_stats).items()
                           if isinstance(v, (int, float))})
+        if self._store_stats is not None:
+            stats.update(self._store_stats.latest)
         return len(sched.running), len(sched.waiting), self.engine.kv_manager.pool.num_free_blocks, stats
 
 
