@@ -1,6 +1,6 @@
 """Store bandwidth: dump/load GB/s per tier, in process and through the daemon, next to a plain memcpy.
 
-    .venv/bin/python benchmarks/store_bandwidth.py [--blocks 128 --layers 32 --payload 64KiB] [--json out.json]
+    .venv/bin/python -m benchmarks.store_bandwidth [--blocks 128 --layers 32 --payload 64KiB] [--json out.json]
 
 One pass moves blocks x layers payloads of `--payload` bytes each (default: 16-token blocks of an 8-KV-head,
 128-dim fp16 model = 64 KiB per block and layer). "load" goes one layer at a time into caller buffers, the
@@ -21,13 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_store_helpers import make_refs, run_daemon  # noqa: E402
-
-from ucm.client import StoreClient  # noqa: E402
-from ucm.malloc_tuning import retain_freed_memory  # noqa: E402
-from ucm.size import parse_size  # noqa: E402
-from ucm.store import Store, StoreConfig  # noqa: E402
+from tests.store_helpers import make_refs, run_daemon
+from ucm.client import StoreClient
+from ucm.malloc_tuning import retain_freed_memory
+from ucm.size import parse_size
+from ucm.store import Store, StoreConfig
 
 
 def timed(fn: Callable[[], object], repeat: int, baseline: Callable[[], object] | None = None) -> tuple[float, float]:

@@ -11,7 +11,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from test_store_helpers import NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, load_all, make_refs, payload, run_daemon
+from store_helpers import NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, load_all, make_refs, payload, run_daemon
 
 from ucm import protocol as p
 from ucm.api import Tier

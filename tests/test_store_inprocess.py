@@ -6,7 +6,7 @@ import threading
 
 import lmdb
 import pytest
-from test_store_helpers import NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, load_all, make_refs, payload
+from store_helpers import NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, load_all, make_refs, payload
 
 from ucm import keys as ucm_keys
 from ucm.api import Tier
