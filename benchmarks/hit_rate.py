@@ -24,7 +24,7 @@ the store). The Mooncake trace is subsampled by default to keep a full run near 
 block, see benchmarks/traces.py), `--sample 1` replays all 12,031 requests; `--max-requests N` reads
 only the first N lines. What was kept is printed. Synthetic workloads are seeded.
 
-    .venv/bin/python benchmarks/hit_rate.py [--quick] [--json out.json] [--png bench_out/hit_rate.png]
+    .venv/bin/python -m benchmarks.hit_rate [--quick] [--json out.json] [--png bench_out/hit_rate.png]
 
 What it shows (default run): S3-FIFO/ARC beat LRU when the cache is small next to the reuse distances
 (Mooncake up to 10% of the working set, RAG, shared system prompts), but on conversation workloads with room for most live conversations LRU wins (Mooncake at 20%,
@@ -47,15 +47,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.traces import Request, Workload, make_workload, working_set  # noqa: E402
-from ucm.api import BlockRef, Tier  # noqa: E402
-from ucm.eviction import PolicyName  # noqa: E402
-from ucm.eviction.belady import belady  # noqa: E402
-from ucm.keys import KeyNamespace, chain_key, root_key  # noqa: E402
-from ucm.record import BlockRecord, checksum  # noqa: E402
-from ucm.store import Store, StoreConfig  # noqa: E402
+from benchmarks.traces import Request, Workload, make_workload, working_set
+from ucm.api import BlockRef, Tier
+from ucm.eviction import PolicyName
+from ucm.eviction.belady import belady
+from ucm.keys import KeyNamespace, chain_key, root_key
+from ucm.record import BlockRecord, checksum
+from ucm.store import Store, StoreConfig
 
 PAYLOAD_BYTES = 64
 ROOT = root_key(KeyNamespace("hit-rate-bench", "fake", 512))

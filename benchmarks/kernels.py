@@ -5,7 +5,7 @@ bandwidth (from a table by device name, else a measured large copy), with torch 
 K/V (and torch index_select / index_copy_ for blocks) as the baseline.
 CPU: tokens/s of the torch reference path against SDPA on pre-gathered K/V.
 
-    python benchmarks/kernels.py [--json out.json] [--quick]
+    .venv/bin/python -m benchmarks.kernels [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -22,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file, this folder is sys.path[0] and `import kernels` would find this script
+    raise SystemExit("run it as a module from the repository root: python -m benchmarks.kernels")
 
 import kernels  # noqa: E402
 from kernels.reference.paged_gather import gather_context  # noqa: E402
