@@ -11,7 +11,8 @@ Map (caches are per layer `[num_blocks, block_size, num_kv_heads, head_dim]`):
   triton_prefill_attention.py  packed varlen causal queries over a partly cached context
   triton_block_transfer.py     gather / scatter blocks <-> contiguous staging (connector save/load)
   triton_block_copy.py         copy-on-write block copies across all layers
-  triton_support.py            interpreter facts shared by the wrappers
+  triton_attention_tile.py     the online-softmax tile step both attention kernels run
+  triton_support.py            what the wrappers share: layout checks, launch arguments, interpreter facts
   compile_check.py             AOT-compile every kernel for sm_80/90 without a GPU
   testing.py                   random paged batches + a naive dense attention oracle for tests
 """

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference.block_ops import copy_blocks_torch
+from kernels.triton_support import check_block_contiguous
 
 __all__ = ["copy_blocks_torch", "copy_blocks_triton"]
 
@@ -53,10 +54,10 @@ def copy_blocks_triton(
     if n == 0:
         return
     for k_cache, v_cache in kv_caches:
-        bs, h, d = k_cache.shape[1:]
-        if k_cache.stride() != v_cache.stride() or k_cache.stride()[1:] != (h * d, d, 1):
-            raise ValueError(f"copy_blocks: each cache block must be contiguous, got strides {k_cache.stride()}")
-        elems = bs * h * d
+        check_block_contiguous("copy_blocks", k_cache)
+        if k_cache.stride() != v_cache.stride():
+            raise ValueError(f"copy_blocks: k/v caches need equal strides, got {k_cache.stride()} {v_cache.stride()}")
+        elems = k_cache[0].numel()
         _block_copy_kernel[(n, triton.cdiv(elems, _CHUNK))](
             k_cache, v_cache, src, dst, k_cache.stride(0), BLOCK_ELEMS=elems, CHUNK=_CHUNK
         )

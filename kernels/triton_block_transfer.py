@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference.block_ops import gather_blocks_torch, scatter_blocks_torch
+from kernels.triton_support import INDEX_DTYPES, check_block_contiguous
 
 __all__ = ["gather_blocks_torch", "gather_blocks_triton", "scatter_blocks_torch", "scatter_blocks_triton"]
 
@@ -37,12 +38,11 @@ def _block_transfer_kernel(
 
 
 def _check(cache: torch.Tensor, staging: torch.Tensor, block_ids: torch.Tensor) -> None:
+    check_block_contiguous("block transfer", cache)
     bs, h, d = cache.shape[1:]
-    if cache.stride()[1:] != (h * d, d, 1):
-        raise ValueError(f"block transfer: each cache block must be contiguous, got strides {cache.stride()}")
     if not staging.is_contiguous() or staging.shape != (block_ids.shape[0], bs, h, d):
         raise ValueError(f"block transfer: staging must be contiguous [n, {bs}, {h}, {d}], got {tuple(staging.shape)}")
-    if block_ids.device != cache.device or block_ids.dtype not in (torch.int32, torch.int64):
+    if block_ids.device != cache.device or block_ids.dtype not in INDEX_DTYPES:
         raise ValueError(f"block transfer: block_ids must be int32/int64 on {cache.device}")
 
 

@@ -14,12 +14,10 @@ import triton
 import triton.language as tl
 
 from kernels.reference.decode_attention import decode_attention_torch
-from kernels.triton_support import DOT_PRECISION, dot_in_fp32
+from kernels.triton_attention_tile import attend_tile
+from kernels.triton_support import DOT_PRECISION, attention_launch_args, check_attention_operands, dot_in_fp32
 
 __all__ = ["decode_attention_torch", "decode_attention_triton", "choose_num_splits"]
-
-_LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _decode_kernel(
@@ -77,23 +75,14 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     n = tl.arange(0, BLOCK_N)
     head_off = kv_head * cache_stride_head
+    table_row = block_tables_ptr + b * bt_stride_b
     for tile in range(start, end, BLOCK_N):
         pos = tile + n
         n_mask = pos < end
-        page = tl.load(block_tables_ptr + b * bt_stride_b + pos // block_size, mask=n_mask, other=0).to(tl.int64)
-        kv_off = page * cache_stride_block + (pos % block_size) * cache_stride_slot + head_off
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2e
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, pos, n_mask, n_mask[None, :], d, d_mask,
+            block_size, cache_stride_block, cache_stride_slot, head_off, scale_log2e, DOT_PRECISION,
+        )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
@@ -180,12 +169,7 @@ def decode_attention_triton(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("decode_attention: q and caches need unit head_dim stride; k/v caches equal strides")
-    if block_tables.stride(-1) != 1 or block_tables.dtype not in (torch.int32, torch.int64):
-        raise ValueError("decode_attention: block_tables must be int32/int64 with contiguous rows")
-    if seq_lens.dtype not in (torch.int32, torch.int64) or not seq_lens.is_contiguous():
-        raise ValueError("decode_attention: seq_lens must be a contiguous int32/int64 vector")
+    check_attention_operands("decode_attention", q, k_cache, v_cache, block_tables, seq_lens=seq_lens)
     out = torch.empty_like(q)
     if batch == 0:
         return out
@@ -221,16 +205,7 @@ def decode_attention_triton(
         out,
         partial,
         lse,
-        scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        k_cache.shape[1],
+        *attention_launch_args(q, out, k_cache, block_tables, scale),
         **meta,
         **launch,
     )

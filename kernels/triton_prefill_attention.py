@@ -11,12 +11,10 @@ import triton
 import triton.language as tl
 
 from kernels.reference.prefill_attention import prefill_attention_torch
-from kernels.triton_support import DOT_PRECISION, dot_in_fp32
+from kernels.triton_attention_tile import attend_tile
+from kernels.triton_support import DOT_PRECISION, attention_launch_args, check_attention_operands, dot_in_fp32
 
 __all__ = ["prefill_attention_torch", "prefill_attention_triton"]
-
-_LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _prefill_kernel(
@@ -74,23 +72,15 @@ def _prefill_kernel(
     head_off = (head // GROUP) * cache_stride_head
     # Keys past this tile's last query position are masked for every row: stop there.
     hi = tl.minimum(ctx, prefix + (m_tile + 1) * BLOCK_M)
+    table_row = block_tables_ptr + seq * bt_stride_b
     for tile in range(0, hi, BLOCK_N):
         pos = tile + n
         n_mask = pos < hi
-        page = tl.load(block_tables_ptr + seq * bt_stride_b + pos // block_size, mask=n_mask, other=0).to(tl.int64)
-        kv_off = page * cache_stride_block + (pos % block_size) * cache_stride_slot + head_off
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2e
-        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, pos, n_mask, causal, d, d_mask,
+            block_size, cache_stride_block, cache_stride_slot, head_off, scale_log2e, DOT_PRECISION,
+        )
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + (q_start + m)[:, None] * out_stride_t + head * out_stride_h + d[None, :],
@@ -114,13 +104,9 @@ def prefill_attention_triton(
     """q [T, Hq, D] packed by query_start_loc [B + 1]; seq_lens [B] include the new tokens -> [T, Hq, D]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("prefill_attention: q and caches need unit head_dim stride; k/v caches equal strides")
-    if block_tables.stride(-1) != 1 or block_tables.dtype not in (torch.int32, torch.int64):
-        raise ValueError("prefill_attention: block_tables must be int32/int64 with contiguous rows")
-    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        if t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
-            raise ValueError(f"prefill_attention: {name} must be a contiguous int32/int64 vector")
+    check_attention_operands(
+        "prefill_attention", q, k_cache, v_cache, block_tables, query_start_loc=query_start_loc, seq_lens=seq_lens
+    )
     out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
@@ -134,16 +120,7 @@ def prefill_attention_triton(
         seq_lens,
         block_tables,
         out,
-        scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        k_cache.shape[1],
+        *attention_launch_args(q, out, k_cache, block_tables, scale),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
