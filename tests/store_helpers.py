@@ -1,4 +1,5 @@
-"""Helpers shared by the store tests (no tests here): fake blocks with recognisable payloads, a daemon process."""
+"""Helpers shared by the store tests (no tests here): fake blocks with recognisable payloads, an in-process store,
+rounds of dumps and loads from several threads, a daemon process."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,10 +18,12 @@ import numpy as np
 
 from ucm.api import BlockRef
 from ucm.keys import KeyNamespace, block_keys, root_key
+from ucm.store import Store, StoreConfig
 
 BLOCK_SIZE = 4
 NUM_LAYERS = 3
 PAYLOAD = 256  # bytes per (block, layer)
+MiB = 1 << 20
 
 
 def make_refs(token_ids: list[int], salt: str | None = None) -> list[BlockRef]:
@@ -62,6 +66,40 @@ def assert_loaded(refs: list[BlockRef], dst, layers: list[int] | None = None, sk
             continue
         for j, layer in enumerate(layers):
             assert bytes(dst[i][j]) == payload(ref, layer, len(dst[i][j])), f"block {i} layer {layer} differs"
+
+
+def open_store(tmp_path: Path, dram: int = 4 * MiB, disk: int | None = 16 * MiB, **kw) -> Store:
+    """An in-process Store with its LMDB under tmp_path/db (disk=None: DRAM only)."""
+    return Store(
+        StoreConfig(dram_bytes=dram, disk_path=str(tmp_path / "db") if disk else None, disk_bytes=disk or 0, **kw)
+    )
+
+
+def dump_load_rounds(store, refs: list[BlockRef], rounds: int) -> None:
+    """Dump, commit and load back all of refs `rounds` times, checking every byte each time."""
+    for _ in range(rounds):
+        dump_all(store, refs)
+        ok, failed, dst = load_all(store, refs)
+        assert ok, f"failed {failed}"
+        assert_loaded(refs, dst)
+
+
+def run_threads(worker: Callable[[int], None], count: int, timeout_s: float = 60.0) -> list[str]:
+    """worker(0..count-1), each on its own thread; what went wrong, one line per thread that raised."""
+    errors: list[str] = []
+
+    def guarded(n: int) -> None:
+        try:
+            worker(n)
+        except Exception as exc:  # surfaced by the caller's assert
+            errors.append(f"thread {n}: {exc!r}")
+
+    threads = [threading.Thread(target=guarded, args=(n,)) for n in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return errors
 
 
 class DaemonProcess:

@@ -5,13 +5,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 
 import msgspec
 import pytest
 import zmq
-from store_helpers import NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, load_all, make_refs, payload, run_daemon
+from store_helpers import (
+    NUM_LAYERS,
+    PAYLOAD,
+    assert_loaded,
+    dump_all,
+    dump_load_rounds,
+    load_all,
+    make_refs,
+    payload,
+    run_daemon,
+    run_threads,
+)
 
 from ucm import protocol as p
 from ucm.api import Tier
@@ -100,31 +110,16 @@ def test_garbage_oversized_and_unknown_get_error_replies(daemon, client) -> None
 
 def test_concurrent_clients_same_keys(daemon) -> None:
     refs = make_refs(list(range(400, 432)))  # 8 blocks, dumped and loaded by every thread
-    errors: list[str] = []
     shared = StoreClient(daemon.address, timeout_s=10.0)
 
     def worker(n: int) -> None:
-        own = StoreClient(daemon.address, timeout_s=10.0) if n % 2 else None
-        store = own or shared
-        try:
-            for _ in range(5):
-                dump_all(store, refs)
-                ok, failed, dst = load_all(store, refs)
-                if not ok:
-                    errors.append(f"thread {n}: failed {failed}")
-                    return
-                assert_loaded(refs, dst)
-        except Exception as exc:  # surfaced below
-            errors.append(f"thread {n}: {exc!r}")
-        finally:
-            if own:
-                own.close()
+        if n % 2 == 0:
+            dump_load_rounds(shared, refs, 5)
+            return
+        with StoreClient(daemon.address, timeout_s=10.0) as own:
+            dump_load_rounds(own, refs, 5)
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = run_threads(worker, 6)
     shared.close()
     assert not errors, errors
 

@@ -1,4 +1,5 @@
-"""The in-process Store: tiers, visibility, eviction, integrity (real LMDB in tmp_path)."""
+"""The in-process Store: tiers, visibility, eviction, pins, concurrency (real LMDB in tmp_path).
+Integrity (checksums, corruption, key collisions) is in test_store_integrity.py."""
 
 from __future__ import annotations
 
@@ -6,20 +7,22 @@ import threading
 
 import lmdb
 import pytest
-from store_helpers import NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, load_all, make_refs, payload
+from store_helpers import (
+    NUM_LAYERS,
+    PAYLOAD,
+    assert_loaded,
+    dump_all,
+    dump_load_rounds,
+    load_all,
+    make_refs,
+    open_store,
+    payload,
+    run_threads,
+)
 
-from ucm import keys as ucm_keys
 from ucm.api import Tier
 from ucm.eviction import PolicyName
 from ucm.store import Store, StoreConfig
-
-MiB = 1 << 20
-
-
-def _store(tmp_path, dram: int = 4 * MiB, disk: int | None = 16 * MiB, **kw) -> Store:
-    return Store(
-        StoreConfig(dram_bytes=dram, disk_path=str(tmp_path / "db") if disk else None, disk_bytes=disk or 0, **kw)
-    )
 
 
 def _record_bytes(store: Store, ref) -> int:
@@ -30,7 +33,7 @@ def _record_bytes(store: Store, ref) -> int:
 
 
 def test_dram_round_trip_and_prefix_lookup(tmp_path) -> None:
-    with _store(tmp_path, disk=None) as store:
+    with open_store(tmp_path, disk=None) as store:
         refs = make_refs(list(range(40)))  # 10 blocks
         dump_all(store, refs[:6])
         keys = [r.key for r in refs]
@@ -51,11 +54,11 @@ def test_dram_round_trip_and_prefix_lookup(tmp_path) -> None:
 
 def test_disk_round_trip_promotion_and_restart(tmp_path) -> None:
     refs = make_refs(list(range(24)))
-    with _store(tmp_path) as store:
+    with open_store(tmp_path) as store:
         dump_all(store, refs)
         store.flush()
         assert store.stats().tiers[Tier.DISK].blocks == 6
-    with _store(tmp_path) as store:  # reopen: only the disk tier has them
+    with open_store(tmp_path) as store:  # reopen: only the disk tier has them
         keys = [r.key for r in refs]
         assert store.lookup(keys) == 6
         ok, _, dst = load_all(store, refs)
@@ -71,10 +74,10 @@ def test_disk_round_trip_promotion_and_restart(tmp_path) -> None:
 
 def test_prefetch_promotes(tmp_path) -> None:
     refs = make_refs(list(range(16)))
-    with _store(tmp_path) as store:
+    with open_store(tmp_path) as store:
         dump_all(store, refs)
         store.flush()
-    with _store(tmp_path) as store:
+    with open_store(tmp_path) as store:
         store.prefetch([r.key for r in refs])
         store._pool.submit(lambda: None).result()  # prefetch runs on the load pool; wait for it
         for _ in range(100):
@@ -88,7 +91,7 @@ def test_prefetch_promotes(tmp_path) -> None:
 
 
 def test_partial_dump_never_visible(tmp_path) -> None:
-    with _store(tmp_path) as store:
+    with open_store(tmp_path) as store:
         refs = make_refs(list(range(8)))
         for layer in range(NUM_LAYERS - 1):  # the last layer never arrives
             store.dump(refs, layer, NUM_LAYERS, [payload(r, layer) for r in refs]).wait()
@@ -108,9 +111,9 @@ def test_partial_dump_never_visible(tmp_path) -> None:
 
 def test_lru_eviction_dram_then_disk(tmp_path) -> None:
     refs = make_refs(list(range(4 * 12)))
-    with _store(tmp_path, disk=None) as probe:
+    with open_store(tmp_path, disk=None) as probe:
         size = _record_bytes(probe, refs[0])
-    with _store(tmp_path, dram=4 * size, disk=6 * size, policy=PolicyName.LRU) as store:
+    with open_store(tmp_path, dram=4 * size, disk=6 * size, policy=PolicyName.LRU) as store:
         dump_all(store, refs[:4])
         assert load_all(store, [refs[0]])[0]  # refs[0] is now the most recently used
         dump_all(store, refs[4:6])  # DRAM evicts refs[1], refs[2] (still on disk)
@@ -133,9 +136,9 @@ def test_lru_eviction_dram_then_disk(tmp_path) -> None:
 
 def test_pinned_block_not_evicted_during_load(tmp_path) -> None:
     refs = make_refs(list(range(4 * 6)))
-    with _store(tmp_path, disk=None) as probe:
+    with open_store(tmp_path, disk=None) as probe:
         size = _record_bytes(probe, refs[0])
-    with _store(tmp_path, dram=2 * size, disk=None) as store:
+    with open_store(tmp_path, dram=2 * size, disk=None) as store:
         dump_all(store, refs[:2])
         in_load, release = threading.Event(), threading.Event()
 
@@ -157,83 +160,17 @@ def test_pinned_block_not_evicted_during_load(tmp_path) -> None:
         assert store.stats().tiers[Tier.DRAM].blocks == 2
 
 
-def _flip_byte_in_lmdb(path, key: bytes, offset_from_end: int) -> None:
-    env = lmdb.open(str(path), map_size=1 << 30)
-    with env.begin(write=True) as txn:
-        value = bytearray(txn.get(key))
-        value[-offset_from_end] ^= 0xFF
-        txn.put(key, bytes(value))
-    env.close()
-
-
-@pytest.mark.parametrize("where", [10, 10_000])  # inside a payload / inside the header
-def test_corruption_on_disk_is_a_miss_and_dropped(tmp_path, where: int) -> None:
-    refs = make_refs(list(range(12)))
-    with _store(tmp_path) as store:
-        dump_all(store, refs)
-        store.flush()
-    record_len = len(lmdb.open(str(tmp_path / "db"), readonly=True, lock=False).begin().get(refs[1].key))
-    _flip_byte_in_lmdb(tmp_path / "db", refs[1].key, min(where, record_len - 20))
-    with _store(tmp_path) as store:
-        assert store.lookup([r.key for r in refs]) == 3  # lookup trusts the index; the read verifies
-        ok, failed, dst = load_all(store, refs)
-        assert not ok and failed == [1]
-        assert bytes(dst[1][0]) == bytes(PAYLOAD) and bytes(dst[1][2]) == bytes(PAYLOAD)  # nothing copied
-        assert_loaded(refs, dst, skip=(1,))
-        stats = store.stats()
-        assert stats.corrupt_dropped == 1 and stats.tiers[Tier.DISK].blocks == 2
-        assert store.lookup([r.key for r in refs]) == 1
-    with lmdb.open(str(tmp_path / "db"), readonly=True, lock=False) as env:
-        assert env.begin().get(refs[1].key) is None  # dropped from LMDB too
-
-
-def test_forced_collision_never_returns_wrong_data(tmp_path, monkeypatch) -> None:
-    real_chain_key = ucm_keys.chain_key
-    monkeypatch.setattr(ucm_keys, "chain_key", lambda parent, token_ids, extra=b"": real_chain_key(parent, [0]))
-    a, b = make_refs([1, 2, 3, 4]), make_refs([5, 6, 7, 8])
-    assert a[0].key == b[0].key and a[0].token_ids != b[0].token_ids
-    with _store(tmp_path) as store:
-        store.dump(a, 0, NUM_LAYERS, [payload(a[0], 0)]).wait()
-        assert store.dump(b, 0, NUM_LAYERS, [payload(b[0], 0)]).failed_blocks == [0]  # same key, other content
-        dump_all(store, a)
-        store.flush()
-        assert store.lookup([b[0].key]) == 1  # the key is there...
-        ok, failed, dst = load_all(store, b)  # ...but it is not b's block
-        assert not ok and failed == [0] and bytes(dst[0][0]) == bytes(PAYLOAD)
-        assert store.stats().corrupt_dropped == 1 and store.lookup([a[0].key]) == 0
-        dump_all(store, b)
-        ok, _, dst = load_all(store, b)
-        assert ok
-        assert_loaded(b, dst)
-        assert not load_all(store, a)[0]
-
-
 def test_concurrent_threads_dump_and_load_same_keys(tmp_path) -> None:
     refs = make_refs(list(range(4 * 8)))
-    errors: list[str] = []
-    with _store(tmp_path) as store:
-
-        def worker(n: int) -> None:
-            for _ in range(20):
-                dump_all(store, refs)
-                ok, failed, dst = load_all(store, refs)
-                if not ok:
-                    errors.append(f"thread {n}: failed {failed}")
-                    return
-                assert_loaded(refs, dst)
-
-        threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+    with open_store(tmp_path) as store:
+        errors = run_threads(lambda n: dump_load_rounds(store, refs, 20), 4)
         assert not errors, errors
         store.flush()
         assert store.stats().tiers[Tier.DISK].blocks == 8
 
 
 def test_bad_arguments_raise(tmp_path) -> None:
-    with _store(tmp_path, disk=None) as store:
+    with open_store(tmp_path, disk=None) as store:
         refs = make_refs(list(range(8)))
         with pytest.raises(ValueError):
             store.dump(refs, 0, NUM_LAYERS, [b"x"])
@@ -253,10 +190,10 @@ def test_bad_arguments_raise(tmp_path) -> None:
 @pytest.mark.parametrize("policy", list(PolicyName))
 def test_every_policy_respects_capacity_and_pins(tmp_path, policy: PolicyName, caplog) -> None:
     refs = make_refs(list(range(4 * 40)))
-    with _store(tmp_path, disk=None) as probe:
+    with open_store(tmp_path, disk=None) as probe:
         size = _record_bytes(probe, refs[0])
     caplog.set_level("DEBUG", logger="ucm")
-    with _store(tmp_path, dram=5 * size, disk=8 * size, policy=policy, disk_policy=policy) as store:
+    with open_store(tmp_path, dram=5 * size, disk=8 * size, policy=policy, disk_policy=policy) as store:
         for start in range(0, 40, 4):
             dump_all(store, refs[start : start + 4])
             load_all(store, refs[: start + 4 : 3])  # some reuse for the frequency-aware policies
@@ -273,24 +210,11 @@ def test_every_policy_respects_capacity_and_pins(tmp_path, policy: PolicyName, c
     assert any("disk: evicting" in m for m in caplog.messages)
 
 
-def test_dram_checksum_verified_when_enabled(tmp_path) -> None:
-    refs = make_refs(list(range(8)))
-    with _store(tmp_path, disk=None, verify_dram_reads=True) as store:
-        dump_all(store, refs)
-        record = store._dram._blocks[refs[1].key]
-        record.payloads[2] = bytes(PAYLOAD)  # simulate memory corruption of one payload
-        ok, failed, _ = load_all(store, refs, layers=[0, 1])
-        assert ok  # layer 2 was not asked for
-        ok, failed, _ = load_all(store, refs)
-        assert failed == [1] and store.stats().corrupt_dropped == 1
-        assert store.lookup([r.key for r in refs]) == 1
-
-
 def test_pinned_block_not_deleted_from_disk_during_load(tmp_path) -> None:
     refs = make_refs(list(range(4 * 6)))
-    with _store(tmp_path, disk=None) as probe:
+    with open_store(tmp_path, disk=None) as probe:
         size = _record_bytes(probe, refs[0])
-    with _store(tmp_path, dram=1, disk=2 * size) as store:  # DRAM admits nothing: blocks live on disk only
+    with open_store(tmp_path, dram=1, disk=2 * size) as store:  # DRAM admits nothing: blocks live on disk only
         dump_all(store, refs[:2])
         store.flush()
         in_load, release = threading.Event(), threading.Event()
@@ -310,15 +234,15 @@ def test_pinned_block_not_deleted_from_disk_during_load(tmp_path) -> None:
 
 def test_reopen_keeps_recency_and_evicts_down_to_capacity(tmp_path, monkeypatch) -> None:
     refs = make_refs(list(range(4 * 6)))
-    with _store(tmp_path, disk=None) as probe:
+    with open_store(tmp_path, disk=None) as probe:
         size = _record_bytes(probe, refs[0])
     clock = iter(range(1_000_000, 1_000_100))
     monkeypatch.setattr("ucm.record.time.time", lambda: next(clock))  # one second per commit
-    with _store(tmp_path, disk=6 * size) as store:
+    with open_store(tmp_path, disk=6 * size) as store:
         for i in (3, 0, 5, 1, 4, 2):  # commit order differs from key order and from position
             dump_all(store, refs[i : i + 1])
         store.flush()
-    with _store(tmp_path, disk=3 * size, disk_policy=PolicyName.LRU) as store:
+    with open_store(tmp_path, disk=3 * size, disk_policy=PolicyName.LRU) as store:
         stats = store.stats().tiers[Tier.DISK]
         assert stats.blocks == 3 and stats.bytes_used <= 3 * size
         assert store.contains([r.key for r in refs]) == [False, True, True, False, True, False]  # newest 3 kept
@@ -332,7 +256,7 @@ def test_reopen_keeps_recency_and_evicts_down_to_capacity(tmp_path, monkeypatch)
 
 def test_abandoned_dumps_expire(tmp_path) -> None:
     refs = make_refs(list(range(8)))
-    with _store(tmp_path, disk=None, pending_timeout_s=0.05) as store:
+    with open_store(tmp_path, disk=None, pending_timeout_s=0.05) as store:
         store.dump(refs[:1], 0, NUM_LAYERS, [payload(refs[0], 0)]).wait()  # never committed
         assert store.stats().pending_blocks == 1
         threading.Event().wait(0.1)
