@@ -237,7 +237,9 @@ def build_workloads(args: argparse.Namespace) -> dict[str, list[Req]]:
     prefix_len = args.prefix_len or 512
     all_ = {
         "random": lambda: random_workload(rng, n, 128 if q else 512, 4 if q else 32),
-        "shared-prefix": lambda: shared_prefix_workload(rng, n, args.num_prefixes, prefix_len, 16, 4 if q else 16),
+        # 4+ requests per system prompt, so most requests are repeats (the first of each is a cold miss)
+        "shared-prefix": lambda: shared_prefix_workload(rng, max(n, 4 * args.num_prefixes), args.num_prefixes,
+                                                        prefix_len, 16, 4 if q else 16),
         "multi-turn": lambda: multi_turn_workload(rng, 2, 3 if q else 4, 6 if q else 32),
         "trace": lambda: trace_workload(rng, n, args.trace_scale, 512 if q else 1024, 4 if q else 32,
                                         args.trace_time_scale),

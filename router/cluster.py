@@ -7,6 +7,7 @@ Torch-free: the model is converted once by a child process before any node start
 from __future__ import annotations
 
 import enum
+import os
 import shutil
 import socket
 import subprocess
@@ -139,6 +140,11 @@ class Cluster:
                 "--heartbeat-interval", str(self.spec.heartbeat_interval_s), *self.spec.node_args]
         if self.spec.device:
             args += ["--device", self.spec.device]
+        if "--threads" not in self.spec.node_args:
+            # Several CPU engines on one box: oversubscribed OpenMP threads spin against each other and every
+            # step gets many times slower, so split the cores between the nodes.
+            nodes = max(1, self.spec.prefill + self.spec.decode + self.spec.colocated)
+            args += ["--threads", str(max(1, (os.cpu_count() or 1) // nodes))]
         if kind == "colocated":
             args.append("--colocated")
         return self._spawn(name, _cmd(*args))
