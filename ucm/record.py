@@ -97,9 +97,9 @@ def header_nbytes(num_tokens: int, num_layers: int) -> int:
     return _FIXED.size + 4 * num_tokens + 16 * num_layers + _U64.size
 
 
-def decode_header(buf: Buffer) -> tuple[RecordHeader, int]:
-    """Parse and validate the header at the start of `buf`; returns it and the offset of layer 0's payload."""
-    view = as_bytes_view(buf)
+def _verified_header(view: memoryview) -> tuple[int, int, int, bytes, bytes, int]:
+    """The fixed header fields of the record in `view`, checked along with the header's own checksum:
+    (num_layers, num_tokens, committed_s, key, parent, offset of layer 0's payload)."""
     if len(view) < _FIXED.size:
         raise RecordError(f"record truncated: {len(view)} bytes")
     magic, version, num_layers, num_tokens, committed_s, key, parent = _FIXED.unpack_from(view, 0)
@@ -113,6 +113,13 @@ def decode_header(buf: Buffer) -> tuple[RecordHeader, int]:
     (stored_sum,) = _U64.unpack_from(view, end - _U64.size)
     if checksum(view[: end - _U64.size]) != stored_sum:
         raise RecordError("header checksum mismatch")
+    return num_layers, num_tokens, committed_s, key, parent, end
+
+
+def decode_header(buf: Buffer) -> tuple[RecordHeader, int]:
+    """Parse and validate the header at the start of `buf`; returns it and the offset of layer 0's payload."""
+    view = as_bytes_view(buf)
+    num_layers, num_tokens, committed_s, key, parent, end = _verified_header(view)
     offset = _FIXED.size
     tokens = np.frombuffer(view, dtype="<u4", count=num_tokens, offset=offset)
     offset += 4 * num_tokens
@@ -190,14 +197,7 @@ def read_layers(buf: Buffer, ref: BlockRef, layers: Sequence[int]) -> list[memor
     only the requested payloads. Raises RecordMismatch for another block, RecordError for bad bytes.
     """
     view = as_bytes_view(buf)
-    if len(view) < _FIXED.size:
-        raise RecordError(f"record truncated: {len(view)} bytes")
-    magic, version, num_layers, num_tokens, _, key, parent = _FIXED.unpack_from(view, 0)
-    if magic != MAGIC or version != FORMAT_VERSION or not 0 < num_layers <= MAX_LAYERS or num_tokens > MAX_TOKENS:
-        raise RecordError(f"bad record header ({magic!r} v{version}, {num_layers} layers, {num_tokens} tokens)")
-    end = header_nbytes(num_tokens, num_layers)
-    if len(view) < end or checksum(view[: end - _U64.size]) != _U64.unpack_from(view, end - _U64.size)[0]:
-        raise RecordError("header truncated or header checksum mismatch")
+    num_layers, num_tokens, _, key, parent, end = _verified_header(view)
     tokens_at = _FIXED.size
     sizes_at = tokens_at + 4 * num_tokens
     if key != ref.key or parent != ref.parent or view[tokens_at:sizes_at] != token_bytes(ref.token_ids):
