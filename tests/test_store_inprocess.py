@@ -21,7 +21,9 @@ from store_helpers import (
 )
 
 from ucm.api import Tier
-from ucm.eviction import PolicyName
+from ucm.disk_tier import DiskTier
+from ucm.eviction import PolicyName, make_policy
+from ucm.record import BlockRecord, checksum
 from ucm.store import Store, StoreConfig
 
 
@@ -265,3 +267,29 @@ def test_abandoned_dumps_expire(tmp_path) -> None:
         dump_all(store, refs[:1], commit=False)
         store.commit([refs[0].key], True)
         assert store.lookup([refs[0].key]) == 1
+
+
+def test_disk_write_that_cannot_make_room_still_deletes_its_victims(tmp_path) -> None:
+    # Room for three small blocks; two are pinned, so a big block evicts the third and then finds no more room.
+    refs = make_refs(list(range(4 * 4)))
+    small = [_record(ref, PAYLOAD) for ref in refs[:3]]
+    big = _record(refs[3], 2 * PAYLOAD)
+    pinned = {refs[1].key, refs[2].key}
+    disk = DiskTier(
+        tmp_path / "db", 3 * small[0].nbytes, 1 << 24, make_policy(PolicyName.LRU, 3 * small[0].nbytes),
+        lambda key: key not in pinned,
+    )
+    try:
+        assert disk.write(small) == [r.key for r in small]
+        assert disk.write([big]) == []  # not admitted: no room once refs[0] is gone
+        assert refs[0].key not in disk and disk.snapshot().evictions == 1
+        with disk._env.begin() as txn:
+            assert txn.get(refs[0].key) is None, "evicted from the index but left in LMDB"
+            assert txn.stat()["entries"] == 2
+    finally:
+        disk.close()
+
+
+def _record(ref, size: int) -> BlockRecord:
+    payloads = [payload(ref, layer, size) for layer in range(NUM_LAYERS)]
+    return BlockRecord.build(ref, payloads, [checksum(p) for p in payloads])

@@ -62,21 +62,23 @@ class DiskTier:
         self.stats.blocks = len(self._sizes)
         log.info("disk: opened %s with %d blocks, %d bytes", self.path, len(self._sizes), self.stats.bytes_used)
         if self.stats.bytes_used > self.capacity_bytes:  # reopened with a smaller capacity
-            victims = self._make_room(0, "reopened with a smaller capacity")
+            victims, _ = self._make_room(0, "reopened with a smaller capacity")
             self._delete(victims)
 
     def __contains__(self, key: BlockKey) -> bool:
         with self._lock:
             return key in self._sizes
 
-    def _make_room(self, size: int, reason: str) -> list[BlockKey] | None:
-        """Pick victims so that `size` more bytes fit; None if not possible. Caller holds the lock."""
+    def _make_room(self, size: int, reason: str) -> tuple[list[BlockKey], bool]:
+        """Evict so that `size` more bytes fit: (the victims, whether it fits). The victims are gone from the
+        index even when it does not fit, so the caller deletes them from LMDB either way. Caller holds the lock."""
         victims: list[BlockKey] = []
         while self.stats.bytes_used + size > self.capacity_bytes:
             victim = self._policy.evict(self._can_evict)
             if victim is None:
                 log.debug("disk: no room for %d bytes: every resident block is pinned", size)
-                return None
+                self.stats.blocks = len(self._sizes)
+                return victims, False
             freed = self._sizes.pop(victim)
             self.stats.bytes_used -= freed
             self.stats.evictions += 1
@@ -86,7 +88,7 @@ class DiskTier:
                 victim.hex(), freed, self._policy.name.value, reason, self.stats.bytes_used, self.capacity_bytes,
             )
         self.stats.blocks = len(self._sizes)
-        return victims
+        return victims, True
 
     def write(self, records: Sequence[BlockRecord]) -> list[BlockKey]:
         """Persist records in one transaction (evicting by deletion as needed); returns the keys written."""
@@ -97,10 +99,10 @@ class DiskTier:
                 key, size = record.key, record.nbytes
                 if key in self._sizes or size > self.capacity_bytes or not self._policy.admit(key, size):
                     continue
-                made = self._make_room(size, f"to admit {key.hex()} ({size} bytes)")
-                if made is None:
-                    continue
+                made, fits = self._make_room(size, f"to admit {key.hex()} ({size} bytes)")
                 victims += made
+                if not fits:
+                    continue
                 # Reserved before the write lands; the store keeps serving the block from its in-flight map.
                 self._sizes[key] = size
                 self._policy.insert(key, size)
