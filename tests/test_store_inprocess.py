@@ -293,3 +293,32 @@ def test_disk_write_that_cannot_make_room_still_deletes_its_victims(tmp_path) ->
 def _record(ref, size: int) -> BlockRecord:
     payloads = [payload(ref, layer, size) for layer in range(NUM_LAYERS)]
     return BlockRecord.build(ref, payloads, [checksum(p) for p in payloads])
+
+
+def test_block_removed_while_its_disk_write_is_queued_stays_removed(tmp_path) -> None:
+    refs = make_refs(list(range(4 * 2)))
+    with open_store(tmp_path) as store:
+        disk_write = store._disk.write
+        entered, release, landed, finish = (threading.Event() for _ in range(4))
+
+        def paused_write(records):  # the write-behind thread: hold the write before and after it lands
+            entered.set()
+            release.wait(10)
+            out = disk_write(records)
+            landed.set()
+            finish.wait(10)
+            return out
+
+        store._disk.write = paused_write
+        dump_all(store, refs)
+        assert entered.wait(10)
+        store.remove([refs[0].key])
+        release.set()
+        assert landed.wait(10)
+        assert store.contains([r.key for r in refs]) == [False, True], "the landed write made it visible again"
+        finish.set()
+        store.flush()
+        assert store.contains([r.key for r in refs]) == [False, True]
+        assert store.stats().tiers[Tier.DISK].blocks == 1
+    with lmdb.open(str(tmp_path / "db"), readonly=True, lock=False) as env:
+        assert env.begin().get(refs[0].key) is None and env.begin().get(refs[1].key) is not None

@@ -164,10 +164,12 @@ class DiskTier:
         self.stats.blocks = len(self._sizes)
         return True
 
-    def remove(self, keys: Sequence[BlockKey]) -> None:
+    def remove(self, keys: Sequence[BlockKey], purge: bool = False) -> None:
+        """Forget keys and delete them from LMDB; purge: delete every key from LMDB, also those the index no
+        longer has (a write that landed after they were removed)."""
         with self._lock:
             present = [key for key in keys if self._forget(key)]
-        self._delete(present)
+        self._delete(list(keys) if purge else present)
 
     def _delete(self, keys: Sequence[BlockKey]) -> None:
         if keys:

@@ -65,6 +65,8 @@ class Store:
             self._disk = DiskTier(config.disk_path, config.disk_bytes, config.map_size, disk_policy, self._pins.is_unpinned)
             self._writer = WriteBehind(self._disk, config.write_queue_blocks, self._on_written)
         self._inflight: dict[BlockKey, BlockRecord] = {}  # committed, not yet on disk: still visible
+        # Removed while in flight: hidden even if their disk write lands, until `_on_written` deletes it again.
+        self._removed_inflight: set[BlockKey] = set()
         self._pending: dict[BlockKey, _Pending] = {}
         self._counters = StoreStats()
         self._last_sweep = time.monotonic()
@@ -77,7 +79,9 @@ class Store:
     # --- visibility -------------------------------------------------------------------------------------
 
     def _committed(self, key: BlockKey) -> bool:
-        return key in self._dram or key in self._inflight or (self._disk is not None and key in self._disk)
+        if key in self._dram or key in self._inflight:
+            return True
+        return self._disk is not None and key not in self._removed_inflight and key in self._disk
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         with self._lock:
@@ -162,6 +166,7 @@ class Store:
                 in_dram = self._dram.put(record, "commit")
                 if self._writer is not None:
                     self._inflight[key] = record
+                    self._removed_inflight.discard(key)
                     to_write.append(record)
                 elif not in_dram:
                     log.debug("dropping %s at commit: no room in DRAM and no disk tier", key.hex())
@@ -170,21 +175,27 @@ class Store:
             self._writer.submit(to_write)
 
     def _on_written(self, records: Sequence[BlockRecord], written: Sequence[BlockKey]) -> None:
-        removed = []
+        removed, settled = [], []
         with self._lock:
             for record in records:
                 if self._inflight.get(record.key) is record:
                     del self._inflight[record.key]
                 elif record.key in written:
                     removed.append(record.key)  # `remove` ran while it was being written
+                if record.key in self._removed_inflight and record.key not in self._inflight:
+                    settled.append(record.key)
         if removed and self._disk is not None:
-            self._disk.remove(removed)
+            self._disk.remove(removed, purge=True)  # `remove` may have forgotten it just before the write landed
+        if settled:
+            with self._lock:
+                self._removed_inflight.difference_update(k for k in settled if k not in self._inflight)
 
     def remove(self, keys: Sequence[BlockKey]) -> None:
         with self._lock:
             for key in keys:
                 self._pending.pop(key, None)
-                self._inflight.pop(key, None)
+                if self._inflight.pop(key, None) is not None:
+                    self._removed_inflight.add(key)
                 self._dram.remove(key)
         if self._disk is not None:
             self._disk.remove(keys)
