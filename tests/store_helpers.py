@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ucm.api import BlockRef
+from ucm.api import BlockRef, Tier
 from ucm.keys import KeyNamespace, block_keys, root_key
 from ucm.store import Store, StoreConfig
 
@@ -73,6 +73,14 @@ def open_store(tmp_path: Path, dram: int = 4 * MiB, disk: int | None = 16 * MiB,
     return Store(
         StoreConfig(dram_bytes=dram, disk_path=str(tmp_path / "db") if disk else None, disk_bytes=disk or 0, **kw)
     )
+
+
+def record_bytes(store: Store, ref: BlockRef) -> int:
+    """The bytes one committed block of `ref` takes in DRAM (dumped, measured, removed again)."""
+    dump_all(store, [ref], commit=True)
+    size = store.stats().tiers[Tier.DRAM].bytes_used
+    store.remove([ref.key])
+    return size
 
 
 def dump_load_rounds(store, refs: list[BlockRef], rounds: int) -> None:

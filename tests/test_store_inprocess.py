@@ -1,11 +1,11 @@
-"""The in-process Store: tiers, visibility, eviction, pins, concurrency (real LMDB in tmp_path).
-Integrity (checksums, corruption, key collisions) is in test_store_integrity.py."""
+"""The in-process Store: visibility, DRAM and disk eviction, pins, concurrency (real LMDB in tmp_path).
+The disk tier's own behaviour is in test_store_disk.py; integrity (checksums, corruption, collisions) in
+test_store_integrity.py."""
 
 from __future__ import annotations
 
 import threading
 
-import lmdb
 import pytest
 from store_helpers import (
     NUM_LAYERS,
@@ -17,21 +17,13 @@ from store_helpers import (
     make_refs,
     open_store,
     payload,
+    record_bytes,
     run_threads,
 )
 
 from ucm.api import Tier
-from ucm.disk_tier import DiskTier
-from ucm.eviction import PolicyName, make_policy
-from ucm.record import BlockRecord, checksum
-from ucm.store import Store, StoreConfig
-
-
-def _record_bytes(store: Store, ref) -> int:
-    dump_all(store, [ref], commit=True)
-    size = store.stats().tiers[Tier.DRAM].bytes_used
-    store.remove([ref.key])
-    return size
+from ucm.eviction import PolicyName
+from ucm.store import StoreConfig
 
 
 def test_dram_round_trip_and_prefix_lookup(tmp_path) -> None:
@@ -52,26 +44,6 @@ def test_dram_round_trip_and_prefix_lookup(tmp_path) -> None:
         stats = store.stats()
         assert stats.tiers[Tier.DRAM].hits == 8 and stats.tiers[Tier.DRAM].misses == 2
         assert Tier.DISK not in stats.tiers
-
-
-def test_disk_round_trip_promotion_and_restart(tmp_path) -> None:
-    refs = make_refs(list(range(24)))
-    with open_store(tmp_path) as store:
-        dump_all(store, refs)
-        store.flush()
-        assert store.stats().tiers[Tier.DISK].blocks == 6
-    with open_store(tmp_path) as store:  # reopen: only the disk tier has them
-        keys = [r.key for r in refs]
-        assert store.lookup(keys) == 6
-        ok, _, dst = load_all(store, refs)
-        assert ok
-        assert_loaded(refs, dst)
-        stats = store.stats()
-        assert stats.tiers[Tier.DISK].hits == 6 and stats.tiers[Tier.DRAM].misses == 6
-        assert stats.tiers[Tier.DRAM].blocks == 6  # promoted
-        ok, _, dst = load_all(store, refs)
-        assert ok and store.stats().tiers[Tier.DRAM].hits == 6
-        assert_loaded(refs, dst)
 
 
 def test_prefetch_promotes(tmp_path) -> None:
@@ -114,7 +86,7 @@ def test_partial_dump_never_visible(tmp_path) -> None:
 def test_lru_eviction_dram_then_disk(tmp_path) -> None:
     refs = make_refs(list(range(4 * 12)))
     with open_store(tmp_path, disk=None) as probe:
-        size = _record_bytes(probe, refs[0])
+        size = record_bytes(probe, refs[0])
     with open_store(tmp_path, dram=4 * size, disk=6 * size, policy=PolicyName.LRU) as store:
         dump_all(store, refs[:4])
         assert load_all(store, [refs[0]])[0]  # refs[0] is now the most recently used
@@ -139,7 +111,7 @@ def test_lru_eviction_dram_then_disk(tmp_path) -> None:
 def test_pinned_block_not_evicted_during_load(tmp_path) -> None:
     refs = make_refs(list(range(4 * 6)))
     with open_store(tmp_path, disk=None) as probe:
-        size = _record_bytes(probe, refs[0])
+        size = record_bytes(probe, refs[0])
     with open_store(tmp_path, dram=2 * size, disk=None) as store:
         dump_all(store, refs[:2])
         in_load, release = threading.Event(), threading.Event()
@@ -193,7 +165,7 @@ def test_bad_arguments_raise(tmp_path) -> None:
 def test_every_policy_respects_capacity_and_pins(tmp_path, policy: PolicyName, caplog) -> None:
     refs = make_refs(list(range(4 * 40)))
     with open_store(tmp_path, disk=None) as probe:
-        size = _record_bytes(probe, refs[0])
+        size = record_bytes(probe, refs[0])
     caplog.set_level("DEBUG", logger="ucm")
     with open_store(tmp_path, dram=5 * size, disk=8 * size, policy=policy, disk_policy=policy) as store:
         for start in range(0, 40, 4):
@@ -212,50 +184,6 @@ def test_every_policy_respects_capacity_and_pins(tmp_path, policy: PolicyName, c
     assert any("disk: evicting" in m for m in caplog.messages)
 
 
-def test_pinned_block_not_deleted_from_disk_during_load(tmp_path) -> None:
-    refs = make_refs(list(range(4 * 6)))
-    with open_store(tmp_path, disk=None) as probe:
-        size = _record_bytes(probe, refs[0])
-    with open_store(tmp_path, dram=1, disk=2 * size) as store:  # DRAM admits nothing: blocks live on disk only
-        dump_all(store, refs[:2])
-        store.flush()
-        in_load, release = threading.Event(), threading.Event()
-        store.load_hook = lambda _blocks: (in_load.set(), release.wait(10))
-        dst = [[bytearray(PAYLOAD) for _ in range(NUM_LAYERS)]]
-        task = store.load([refs[0]], list(range(NUM_LAYERS)), [[memoryview(b) for b in dst[0]]])
-        assert in_load.wait(10)
-        for i in range(2, 5):
-            dump_all(store, refs[i : i + 1])
-            store.flush()
-        assert store.contains([refs[0].key]) == [True], "a pinned block was deleted from disk"
-        assert store.stats().tiers[Tier.DISK].evictions == 3
-        release.set()
-        assert task.wait(10)
-        assert_loaded([refs[0]], dst)
-
-
-def test_reopen_keeps_recency_and_evicts_down_to_capacity(tmp_path, monkeypatch) -> None:
-    refs = make_refs(list(range(4 * 6)))
-    with open_store(tmp_path, disk=None) as probe:
-        size = _record_bytes(probe, refs[0])
-    clock = iter(range(1_000_000, 1_000_100))
-    monkeypatch.setattr("ucm.record.time.time", lambda: next(clock))  # one second per commit
-    with open_store(tmp_path, disk=6 * size) as store:
-        for i in (3, 0, 5, 1, 4, 2):  # commit order differs from key order and from position
-            dump_all(store, refs[i : i + 1])
-        store.flush()
-    with open_store(tmp_path, disk=3 * size, disk_policy=PolicyName.LRU) as store:
-        stats = store.stats().tiers[Tier.DISK]
-        assert stats.blocks == 3 and stats.bytes_used <= 3 * size
-        assert store.contains([r.key for r in refs]) == [False, True, True, False, True, False]  # newest 3 kept
-        present = [refs[i] for i in (1, 2, 4)]
-        ok, _, dst = load_all(store, present)
-        assert ok
-        assert_loaded(present, dst)
-    with lmdb.open(str(tmp_path / "db"), readonly=True, lock=False) as env:
-        assert env.stat()["entries"] == 3  # deleted, not just forgotten
-
-
 def test_abandoned_dumps_expire(tmp_path) -> None:
     refs = make_refs(list(range(8)))
     with open_store(tmp_path, disk=None, pending_timeout_s=0.05) as store:
@@ -267,58 +195,3 @@ def test_abandoned_dumps_expire(tmp_path) -> None:
         dump_all(store, refs[:1], commit=False)
         store.commit([refs[0].key], True)
         assert store.lookup([refs[0].key]) == 1
-
-
-def test_disk_write_that_cannot_make_room_still_deletes_its_victims(tmp_path) -> None:
-    # Room for three small blocks; two are pinned, so a big block evicts the third and then finds no more room.
-    refs = make_refs(list(range(4 * 4)))
-    small = [_record(ref, PAYLOAD) for ref in refs[:3]]
-    big = _record(refs[3], 2 * PAYLOAD)
-    pinned = {refs[1].key, refs[2].key}
-    disk = DiskTier(
-        tmp_path / "db", 3 * small[0].nbytes, 1 << 24, make_policy(PolicyName.LRU, 3 * small[0].nbytes),
-        lambda key: key not in pinned,
-    )
-    try:
-        assert disk.write(small) == [r.key for r in small]
-        assert disk.write([big]) == []  # not admitted: no room once refs[0] is gone
-        assert refs[0].key not in disk and disk.snapshot().evictions == 1
-        with disk._env.begin() as txn:
-            assert txn.get(refs[0].key) is None, "evicted from the index but left in LMDB"
-            assert txn.stat()["entries"] == 2
-    finally:
-        disk.close()
-
-
-def _record(ref, size: int) -> BlockRecord:
-    payloads = [payload(ref, layer, size) for layer in range(NUM_LAYERS)]
-    return BlockRecord.build(ref, payloads, [checksum(p) for p in payloads])
-
-
-def test_block_removed_while_its_disk_write_is_queued_stays_removed(tmp_path) -> None:
-    refs = make_refs(list(range(4 * 2)))
-    with open_store(tmp_path) as store:
-        disk_write = store._disk.write
-        entered, release, landed, finish = (threading.Event() for _ in range(4))
-
-        def paused_write(records):  # the write-behind thread: hold the write before and after it lands
-            entered.set()
-            release.wait(10)
-            out = disk_write(records)
-            landed.set()
-            finish.wait(10)
-            return out
-
-        store._disk.write = paused_write
-        dump_all(store, refs)
-        assert entered.wait(10)
-        store.remove([refs[0].key])
-        release.set()
-        assert landed.wait(10)
-        assert store.contains([r.key for r in refs]) == [False, True], "the landed write made it visible again"
-        finish.set()
-        store.flush()
-        assert store.contains([r.key for r in refs]) == [False, True]
-        assert store.stats().tiers[Tier.DISK].blocks == 1
-    with lmdb.open(str(tmp_path / "db"), readonly=True, lock=False) as env:
-        assert env.begin().get(refs[0].key) is None and env.begin().get(refs[1].key) is not None
