@@ -24,12 +24,12 @@ test: install
 	$(BIN)/python -m pytest -q tests
 
 bench: install
-	$(BIN)/python benchmarks/throughput.py
-	$(BIN)/python benchmarks/hit_rate.py
-	$(BIN)/python benchmarks/store_bandwidth.py
-	$(BIN)/python benchmarks/ttft.py
-	$(BIN)/python benchmarks/kernels.py
-	$(BIN)/python benchmarks/serve.py
+	$(BIN)/python -m benchmarks.throughput
+	$(BIN)/python -m benchmarks.hit_rate
+	$(BIN)/python -m benchmarks.store_bandwidth
+	$(BIN)/python -m benchmarks.ttft
+	$(BIN)/python -m benchmarks.kernels
+	$(BIN)/python -m benchmarks.serve
 
 clean:
 	rm -rf $(VENV)
