@@ -234,7 +234,7 @@ def build_workloads(args: argparse.Namespace) -> dict[str, list[Req]]:
     rng = random.Random(args.seed)
     q = args.quick
     n = args.num_prompts or (6 if q else 24)
-    prefix_len = args.prefix_len or 512
+    prefix_len = args.prefix_len or 1024
     all_ = {
         "random": lambda: random_workload(rng, n, 128 if q else 512, 4 if q else 32),
         # 4+ requests per system prompt, so most requests are repeats (the first of each is a cold miss)
@@ -258,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: "
                                                                                 "fixed concurrency)")
     ap.add_argument("--num-prefixes", type=int, default=3, help="shared-prefix: distinct system prompts")
-    ap.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: system prompt tokens (0: 512)")
+    ap.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: system prompt tokens (0: 1024)")
     ap.add_argument("--trace-scale", type=int, default=16, help="divide the trace's token lengths by this")
     ap.add_argument("--trace-time-scale", type=float, default=0.05, help="multiply the trace's timestamps by this")
-    ap.add_argument("--kv-cache-memory", default="64MiB",
+    ap.add_argument("--kv-cache-memory", default="128MiB",
                     help="each node's device KV cache (small on purpose: the prefixes must not all fit on the device)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per node (0: torch's default)")
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "shared-prefix" and args.prewarm:
                     # One untimed request per system prompt (every deployment alike): the steady state of a
                     # service whose system prompts were seen before — by any node, or before a restart.
-                    seen = {tuple(r.prompt[: args.prefix_len or 512]): r for r in reqs}
+                    seen = {tuple(r.prompt[: args.prefix_len or 1024]): r for r in reqs}
                     warm = [Req(r.prompt, 1) for r in seen.values()]
                     asyncio.run(run_workload(cluster.url, warm, 1, float("inf"), 0))
                 results, duration = asyncio.run(run_workload(cluster.url, reqs, args.concurrency, args.request_rate,
