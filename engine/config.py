@@ -5,40 +5,16 @@ Torch-free: `import engine.config` must stay cheap (the router and CLIs import i
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass, field
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+from ucm.size import parse_size
 
 
 def parse_memory_size(value: int | float | str) -> int:
-    """Bytes from an int or a string such as "512MiB", "2GiB", "1.5GB", "1000000"."""
-    if isinstance(value, bool):
+    """Bytes from an int or a string such as "512MiB", "2GiB", "1.5GB", "1000000" (one parser: `ucm.size`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"memory size must be a number of bytes or a string like '2GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        nbytes = int(value)
-    elif isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _SIZE_UNITS:
-            raise ValueError(f"cannot parse memory size {value!r}; use bytes or e.g. '512MiB', '2GiB'")
-        nbytes = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    else:
-        raise ValueError(f"memory size must be int or str, got {type(value).__name__}")
+    nbytes = parse_size(value) if isinstance(value, str) else int(value)
     if nbytes <= 0:
         raise ValueError(f"memory size must be positive, got {value!r}")
     return nbytes
