@@ -14,7 +14,10 @@ def parse_memory_size(value: int | float | str) -> int:
     """Bytes from an int or a string such as "512MiB", "2GiB", "1.5GB", "1000000" (one parser: `ucm.size`)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"memory size must be a number of bytes or a string like '2GiB', got {value!r}")
-    nbytes = parse_size(value) if isinstance(value, str) else int(value)
+    try:
+        nbytes = parse_size(value) if isinstance(value, str) else int(value)
+    except ValueError as exc:
+        raise ValueError(f"invalid memory size {value!r}: {exc}") from None
     if nbytes <= 0:
         raise ValueError(f"memory size must be positive, got {value!r}")
     return nbytes
