@@ -116,9 +116,7 @@ def make_connector(kv_store: str, role: KVConnectorRole | str | None, engine_con
 
         inner = kv_store.removeprefix(RECORDING_PREFIX).removeprefix("+") or "embedded"
         return make_recording_connector(make_connector(inner, role, engine_config, None, ""))
-    # Optional EngineConfig knobs (defaults when the engine does not define them).
-    save_decode = bool(getattr(engine_config, "kv_save_decode_blocks", True))
-    last_token_only = bool(getattr(engine_config, "kv_recompute_last_token_only", True))
-    conn = UCMDirectConnector.create(kv_store, role, engine_config.block_size, save_decode_blocks=save_decode,
-                                     recompute_last_token_only=last_token_only)
+    conn = UCMDirectConnector.create(kv_store, role, engine_config.block_size,
+                                     save_decode_blocks=engine_config.kv_save_decode_blocks,
+                                     recompute_last_token_only=engine_config.kv_recompute_last_token_only)
     return conn.scheduler, conn.worker

@@ -104,6 +104,11 @@ class EngineConfig:
     # KV store spec for the connector (e.g. "embedded", "ipc://..."); None = no connector.
     kv_store: str | None = None
     kv_role: str | None = None
+    # Save generated tokens' full blocks too (a multi-turn chat's next turn reuses them).
+    kv_save_decode_blocks: bool = True
+    # A fully stored, block-aligned prompt loads every block and recomputes only its last token
+    # (False: recompute the whole last block).
+    kv_recompute_last_token_only: bool = True
 
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(str(self.dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))

@@ -169,6 +169,12 @@ class EngineCore:
             self._pending.append(self._request_output(seq, parent, outs))
             self._detoks.pop(seq.request_id, None)
 
+    def close(self) -> None:
+        """Release the connector's resources (a daemon client's sockets); the engine is unusable after."""
+        for side in self.kv_connector or ():
+            side.close()
+        self.kv_connector = None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
 

@@ -50,6 +50,15 @@ class LLM:
         self.engine = EngineCore(self.config, loaded_model=loaded_model)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

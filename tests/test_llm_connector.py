@@ -170,3 +170,16 @@ def test_load_errors_are_recomputed(smollm2_fp32):
     pool = broken.kv_manager.pool
     cached = {b.key for b in pool.blocks if b.key is not None}
     assert producer_keys[1] in cached  # recomputed afterwards: now holds correct KV under its key
+
+
+def test_close_releases_both_connector_sides(smollm2_fp32):
+    calls = []
+    sched, worker = ToyScheduler({}, calls), ToyWorker({}, calls)
+    closed = []
+    sched.close = lambda: closed.append("scheduler")
+    worker.close = lambda: closed.append("worker")
+    core = EngineCore(make_llm(smollm2_fp32).config, loaded_model=smollm2_fp32, kv_connector=(sched, worker))
+    core.close()
+    assert closed == ["scheduler", "worker"]
+    core.close()  # idempotent
+    assert closed == ["scheduler", "worker"]
