@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import statistics
 import sys
 import time
@@ -270,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results here")
     args = ap.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so each cluster's `with` block stops its children and removes its temp dirs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workloads = build_workloads(args)
     rows = []
     for dep in args.deployments:
