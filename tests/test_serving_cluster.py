@@ -113,6 +113,13 @@ def test_n_stop_seed_logprobs(client, offline) -> None:
     seeded = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0,
                                         seed=7).choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]
+    salted = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0,
+                                       extra_body={"cache_salt": "tenant-a"})
+    assert salted.choices[0].text == want  # another key namespace, same greedy text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
 
 
 BAD = [
