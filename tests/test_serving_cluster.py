@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import re
+import signal
 import time
 
 import httpx
@@ -182,6 +183,23 @@ def test_client_disconnect_aborts_on_nodes(cluster) -> None:
                 break  # leave mid-stream: closing the connection must abort the request on the decode node
     nodes = _wait_idle(cluster)
     assert all(n["running"] == 0 for n in nodes.values()), nodes
+
+
+def test_silent_node_is_dropped_and_readded_when_it_returns(cluster) -> None:
+    child = cluster.children["prefill-1"]
+    child.proc.send_signal(signal.SIGSTOP)  # alive but silent: no heartbeats
+    try:
+        deadline = time.monotonic() + 15
+        while "prefill-1" in httpx.get(cluster.url + "/health").json()["nodes"]:
+            assert time.monotonic() < deadline, "a silent node was never dropped"
+            time.sleep(0.2)
+    finally:
+        child.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 15
+    while "prefill-1" not in httpx.get(cluster.url + "/health").json()["nodes"]:
+        assert time.monotonic() < deadline, "the node did not come back after it resumed"
+        time.sleep(0.2)
+    assert metric(cluster, "ucm_node_events_total", node="prefill-1", event="dropped") >= 1
 
 
 def test_kill_prefill_in_flight_then_store_serves_prefill(cluster, client, offline) -> None:
