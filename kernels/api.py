@@ -10,7 +10,7 @@ import torch
 from kernels.backend import AttentionBackend, select_backend
 from kernels.reference import (
     copy_blocks_torch,
-    decode_attention_torch,
+    decode_attention_chunked_torch,
     gather_blocks_torch,
     prefill_attention_torch,
     scatter_blocks_torch,
@@ -91,7 +91,8 @@ def decode_attention(
         from kernels.triton_decode_attention import decode_attention_triton
 
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
-    return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+    # CPU: the length-chunked path (same result as the plain reference, which stays the oracle).
+    return decode_attention_chunked_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
 
 
 def prefill_attention(

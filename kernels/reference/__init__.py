@@ -2,12 +2,14 @@
 
 from kernels.reference.block_ops import copy_blocks_torch, gather_blocks_torch, scatter_blocks_torch
 from kernels.reference.decode_attention import decode_attention_torch
+from kernels.reference.decode_attention_chunked import decode_attention_chunked_torch
 from kernels.reference.paged_gather import gather_context
 from kernels.reference.prefill_attention import prefill_attention_torch
 from kernels.reference.write_kv import write_kv_torch
 
 __all__ = [
     "copy_blocks_torch",
+    "decode_attention_chunked_torch",
     "decode_attention_torch",
     "gather_blocks_torch",
     "gather_context",
