@@ -67,6 +67,25 @@ def make_prompts(lengths: list[int], repeats: int, seed: int) -> dict[int, list[
     return {n: [[rng.randrange(100, 40000) for _ in range(n)] for _ in range(repeats)] for n in lengths}
 
 
+def measure_store_hits(label: str, address: str, engine_kw: dict[str, Any], warm: list[int],
+                       prompts: dict[int, list[list[int]]], times: dict[str, dict[int, list[float]]],
+                       load_wait: dict[str, dict[int, list[float]]]) -> tuple[Any, Any]:
+    """TTFT of a fresh consumer engine whose prompts all sit in the store; (connector stats, engine stats)."""
+    consumer = LLM(kv_store=address, kv_role="kv_consumer", **engine_kw)
+    try:
+        ttft(consumer, warm)
+        stats = consumer.engine.kv_connector[0].stats
+        for n, per_length in prompts.items():
+            for prompt in per_length:
+                before = stats.load_wait_seconds
+                times[label][n].append(ttft(consumer, prompt))
+                load_wait[label][n].append(stats.load_wait_seconds - before)
+            log.info("%5d tokens: %s %.3fs", n, label, statistics.median(times[label][n]))
+        return stats, consumer.engine.stats()
+    finally:
+        consumer.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -117,34 +136,15 @@ def main(argv: list[str] | None = None) -> int:
                          statistics.median(times["cold"][n]), statistics.median(times["cold+save"][n]),
                          statistics.median(times["device hit"][n]))
             saved = producer.engine.kv_connector[0].stats.blocks_saved
-            producer.engine.kv_connector[1].close()
+            producer.close()
             del cold, producer
-            consumer = LLM(kv_store=daemon.address, kv_role="kv_consumer", **engine_kw)
-            ttft(consumer, warm)
-            dram_stats = consumer.engine.kv_connector[0].stats
-            for n in args.lengths:
-                for i in range(args.repeats):
-                    before = dram_stats.load_wait_seconds
-                    times["dram hit"][n].append(ttft(consumer, prompts[n][i]))
-                    load_wait["dram hit"][n].append(dram_stats.load_wait_seconds - before)
-                log.info("%5d tokens: dram hit %.3fs", n, statistics.median(times["dram hit"][n]))
-            consumer.engine.kv_connector[1].close()
-            del consumer
+            dram_stats, _ = measure_store_hits("dram hit", daemon.address, engine_kw, warm, prompts, times, load_wait)
         finally:
             daemon.stop()
         daemon = Daemon(Path(tmp))  # same LMDB directory, empty DRAM tier
         try:
-            consumer = LLM(kv_store=daemon.address, kv_role="kv_consumer", **engine_kw)
-            ttft(consumer, warm)
-            lmdb_stats = consumer.engine.kv_connector[0].stats
-            for n in args.lengths:
-                for i in range(args.repeats):
-                    before = lmdb_stats.load_wait_seconds
-                    times["lmdb hit"][n].append(ttft(consumer, prompts[n][i]))
-                    load_wait["lmdb hit"][n].append(lmdb_stats.load_wait_seconds - before)
-                log.info("%5d tokens: lmdb hit %.3fs", n, statistics.median(times["lmdb hit"][n]))
-            lmdb_engine = consumer.engine.stats()
-            consumer.engine.kv_connector[1].close()
+            lmdb_stats, lmdb_engine = measure_store_hits("lmdb hit", daemon.address, engine_kw, warm, prompts,
+                                                         times, load_wait)
         finally:
             daemon.stop()
 
