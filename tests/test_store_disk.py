@@ -140,3 +140,29 @@ def test_block_removed_while_its_disk_write_is_queued_stays_removed(tmp_path) ->
         assert store.stats().tiers[Tier.DISK].blocks == 1
     with lmdb.open(str(tmp_path / "db"), readonly=True, lock=False) as env:
         assert env.begin().get(refs[0].key) is None and env.begin().get(refs[1].key) is not None
+
+
+def test_layer_by_layer_disk_reads_see_removes_and_rewrites_at_once(tmp_path) -> None:
+    """Per-layer loads share one LMDB snapshot per moment (ucm.read_snapshot); a remove or a write retires it."""
+    refs = make_refs(list(range(24)))
+    with open_store(tmp_path) as store:
+        one_block = record_bytes(store, refs[0])
+    with open_store(tmp_path, dram=one_block, promote_on_disk_hit=False) as store:  # reads come from LMDB
+
+        def load_layers() -> list[list[int]]:
+            failed = []
+            for layer in range(NUM_LAYERS):
+                ok, bad, dst = load_all(store, refs, layers=[layer])
+                assert_loaded(refs, dst, layers=[layer], skip=tuple(bad))
+                failed.append(bad)
+            return failed
+
+        dump_all(store, refs)
+        store.flush()
+        store.remove([refs[2].key])
+        assert load_layers() == [[2]] * NUM_LAYERS  # a snapshot without refs[2]...
+        dump_all(store, refs)  # refs[2] is written again (the others are committed already) and held in DRAM...
+        dump_all(store, make_refs(list(range(100, 104))))  # ...until this block takes its place
+        store.flush()
+        assert load_layers() == [[]] * NUM_LAYERS  # ...is not what serves it now
+        assert store.stats().corrupt_dropped == 0

@@ -19,6 +19,7 @@ import lmdb
 from ucm.api import TierStats
 from ucm.eviction import EvictionPolicy
 from ucm.keys import BlockKey
+from ucm.read_snapshot import SnapshotHolder, StoredRecord
 from ucm.record import BlockRecord, committed_seconds
 
 log = logging.getLogger("ucm.disk")
@@ -46,6 +47,7 @@ class DiskTier:
         self._can_evict = can_evict
         self._lock = threading.Lock()
         self._sizes: dict[BlockKey, int] = {}
+        self._snapshots = SnapshotHolder(self._env)  # reads share one; every write or delete retires it
         self.stats = TierStats(capacity_bytes=capacity_bytes)
         self._load_index()
 
@@ -120,30 +122,35 @@ class DiskTier:
                     nbytes += len(value)
                     txn.put(record.key, value)
         except lmdb.Error as exc:
+            self._snapshots.retire()
             log.error("disk: write of %d blocks failed (%s); dropping them from the index", len(accepted), exc)
             with self._lock:
                 for record in accepted:
                     self._forget(record.key)
             return []
+        self._snapshots.retire()
         with self._lock:
             self.stats.bytes_written += nbytes
             self.stats.write_seconds += time.perf_counter() - start
         return [record.key for record in accepted]
 
-    def read_many(self, keys: Sequence[BlockKey], tags: Sequence[T], visit: Callable[[T, memoryview], bool]) -> list[bool]:
-        """In one read transaction, call `visit(tag, stored bytes)` for each present key (the view is valid
-        only during the call); returns, per key, False if absent or what `visit` said."""
+    def read_many(self, keys: Sequence[BlockKey], tags: Sequence[T], visit: Callable[[T, StoredRecord], bool]) -> list[bool]:
+        """In one read snapshot, call `visit(tag, stored record)` for each present key (its view is valid only
+        during the call); returns, per key, False if absent or what `visit` said."""
         with self._lock:
             present = [key in self._sizes for key in keys]
         out = [False] * len(keys)
         start, nbytes = time.perf_counter(), 0
         if any(present):
-            with self._env.begin(buffers=True) as txn:
+            snap = self._snapshots.acquire()
+            try:
                 for i, key in enumerate(keys):
-                    value = txn.get(key) if present[i] else None
-                    if value is not None:
-                        out[i] = visit(tags[i], value)
-                        nbytes += len(value) if out[i] else 0
+                    stored = snap.get(key) if present[i] else None
+                    if stored is not None and visit(tags[i], stored):
+                        out[i] = True
+                        nbytes += len(stored.view)
+            finally:
+                self._snapshots.release(snap)
         with self._lock:
             for key, hit in zip(keys, out):
                 if hit and key in self._sizes:
@@ -173,14 +180,18 @@ class DiskTier:
 
     def _delete(self, keys: Sequence[BlockKey]) -> None:
         if keys:
-            with self._env.begin(write=True) as txn:
-                for key in keys:
-                    txn.delete(key)
+            try:
+                with self._env.begin(write=True) as txn:
+                    for key in keys:
+                        txn.delete(key)
+            finally:
+                self._snapshots.retire()
 
     def snapshot(self) -> TierStats:
         with self._lock:
             return TierStats(**vars(self.stats))
 
     def close(self) -> None:
+        self._snapshots.retire()
         self._env.sync(True)
         self._env.close()

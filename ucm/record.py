@@ -183,39 +183,56 @@ def decode_record(buf: Buffer) -> BlockRecord:
     return BlockRecord(header, payloads, bytes(view[: offset - sum(header.payload_sizes)]))
 
 
-def token_bytes(token_ids: Sequence[int]) -> bytes:
-    try:
-        return struct.pack(f"<{len(token_ids)}I", *token_ids)
-    except struct.error as exc:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+class RecordLayout:
+    """The verified header of one encoded record, parsed once so that reading a layer is a slice and a checksum.
+
+    The disk tier keeps it with the record's view for a moment, so a load asking for one layer at a time does
+    not re-parse (and re-hash) the header for each layer; every payload is still verified on each read.
+    """
+
+    __slots__ = ("key", "parent", "token_ids", "num_layers", "offsets", "sizes", "sums")
+
+    def __init__(self, view: memoryview) -> None:
+        num_layers, num_tokens, _, key, parent, end = _verified_header(view)
+        sizes_at = _FIXED.size + 4 * num_tokens
+        self.key, self.parent, self.num_layers = bytes(key), bytes(parent), num_layers
+        self.token_ids = struct.unpack_from(f"<{num_tokens}I", view, _FIXED.size)
+        self.sizes = struct.unpack_from(f"<{num_layers}Q", view, sizes_at)
+        self.sums = struct.unpack_from(f"<{num_layers}Q", view, sizes_at + 8 * num_layers)
+        offsets, at = [], end
+        for size in self.sizes:
+            offsets.append(at)
+            at += size
+        if len(view) != at:
+            raise RecordError(f"record length {len(view)} != {at} announced by its header")
+        self.offsets = tuple(offsets)
+
+    def check(self, ref: BlockRef) -> None:
+        """Raise RecordMismatch unless this record is `ref`'s block (not just one with the same key)."""
+        if self.key != ref.key or self.parent != ref.parent or self.token_ids != tuple(ref.token_ids):
+            raise RecordMismatch("key, parent or token ids differ from the caller's (hash collision or stale entry)")
+
+    def payload(self, view: memoryview, layer: int) -> memoryview:
+        """`layer`'s payload in `view` (the record this layout was parsed from), checksum verified."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside the block's {self.num_layers}")
+        start = self.offsets[layer]
+        payload = view[start : start + self.sizes[layer]]
+        if xxhash.xxh3_64_intdigest(payload) != self.sums[layer]:
+            raise RecordError(f"checksum mismatch in layer {layer}")
+        return payload
 
 
 def read_layers(buf: Buffer, ref: BlockRef, layers: Sequence[int]) -> list[memoryview]:
     """Verified views of `layers` of the encoded record in `buf`, if it is `ref`'s block.
 
-    The hot path of a disk read: parses only what it needs, compares token ids as bytes and checksums
-    only the requested payloads. Raises RecordMismatch for another block, RecordError for bad bytes.
+    Parses only what it needs and checksums only the requested payloads. Raises RecordMismatch for another
+    block, RecordError for bad bytes, ValueError for a layer the block does not have.
     """
     view = as_bytes_view(buf)
-    num_layers, num_tokens, _, key, parent, end = _verified_header(view)
-    tokens_at = _FIXED.size
-    sizes_at = tokens_at + 4 * num_tokens
-    if key != ref.key or parent != ref.parent or view[tokens_at:sizes_at] != token_bytes(ref.token_ids):
-        raise RecordMismatch("key, parent or token ids differ from the caller's (hash collision or stale entry)")
-    sizes = struct.unpack_from(f"<{num_layers}Q", view, sizes_at)
-    sums = struct.unpack_from(f"<{num_layers}Q", view, sizes_at + 8 * num_layers)
-    if len(view) != end + sum(sizes):
-        raise RecordError(f"record length {len(view)} != {end + sum(sizes)} announced by its header")
-    out = []
-    for layer in layers:
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"layer {layer} outside the block's {num_layers}")
-        start = end + sum(sizes[:layer])
-        payload = view[start : start + sizes[layer]]
-        if checksum(payload) != sums[layer]:
-            raise RecordError(f"checksum mismatch in layer {layer}")
-        out.append(payload)
-    return out
+    layout = RecordLayout(view)
+    layout.check(ref)
+    return [layout.payload(view, layer) for layer in layers]
 
 
 def committed_seconds(buf: Buffer) -> int:

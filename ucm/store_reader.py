@@ -19,7 +19,8 @@ from xxhash import xxh3_64_intdigest as xxh3_64
 
 from ucm.api import BlockRef
 from ucm.keys import BlockKey
-from ucm.record import BlockRecord, RecordError, RecordMismatch, decode_record, read_layers
+from ucm.read_snapshot import StoredRecord
+from ucm.record import BlockRecord, RecordError, RecordMismatch, decode_record
 
 if TYPE_CHECKING:
     from ucm.store import Store
@@ -91,18 +92,20 @@ class BlockReader:
         if on_disk and store._disk is not None:
             promote = store.config.promote_on_disk_hit
 
-            def visit(i: int, buf: memoryview) -> bool:
+            def visit(i: int, stored: StoredRecord) -> bool:
                 ref = refs[i]
                 try:
                     if promote:
                         with store._lock:  # promoted meanwhile by a concurrent load of other layers?
                             found = store._dram.peek(ref.key)
                         if found is None or not found.header.matches(ref):
-                            found = decode_record(bytes(buf))  # one copy out of the map, then owned by DRAM
+                            found = decode_record(bytes(stored.view))  # one copy out of the map, then owned by DRAM
                             self._check(ref, found)
                         payloads = [found.payloads[layer] for layer in layers]
-                    else:  # serve straight out of the memory map
-                        found, payloads = None, read_layers(buf, ref, layers)
+                    else:  # serve straight out of the memory map; the header was parsed by the first layer's read
+                        layout, view = stored.layout(), stored.view
+                        layout.check(ref)
+                        found, payloads = None, [layout.payload(view, layer) for layer in layers]
                 except RecordError as exc:
                     bad.append((ref.key, f"disk entry rejected: {exc}"))
                     return False
@@ -131,7 +134,10 @@ class BlockReader:
                 log.warning("load of %s: dst holds %d bytes, payload has %d", ref.key.hex(), len(dst), len(payload))
                 return False
         for payload, dst in zip(payloads, dst_row):
-            dst[:] = payload
+            if len(payload) < _GIL_FREE_COPY_BYTES:
+                dst[:] = payload
+            else:  # numpy releases the GIL while copying: load threads copy in parallel
+                np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(payload, np.uint8))
         return True
 
     @staticmethod
@@ -162,9 +168,9 @@ class BlockReader:
         found: list[BlockRecord] = []
         bad: list[tuple[BlockKey, str]] = []
 
-        def visit(key: BlockKey, buf: memoryview) -> bool:
+        def visit(key: BlockKey, stored: StoredRecord) -> bool:
             try:
-                record = decode_record(bytes(buf))
+                record = decode_record(bytes(stored.view))
                 if record.key != key:
                     raise RecordMismatch("header names another key")
                 for layer in range(record.header.num_layers):
