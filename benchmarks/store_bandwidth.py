@@ -3,9 +3,12 @@
     .venv/bin/python -m benchmarks.store_bandwidth [--blocks 128 --layers 32 --payload 64KiB] [--json out.json]
 
 One pass moves blocks x layers payloads of `--payload` bytes each (default: 16-token blocks of an 8-KV-head,
-128-dim fp16 model = 64 KiB per block and layer). "load" goes one layer at a time into caller buffers, the
-way the connector overlaps loads with compute; "load/block" asks for every layer of 16 blocks per call. memcpy = numpy copy of the same bytes in this run, as one contiguous array and as
-the same per-payload chunks. Targets (issue 4): DRAM load >= 0.5x memcpy, warm LMDB read >= 0.3x.
+128-dim fp16 model = 64 KiB per block and layer). Two load patterns:
+  "load 1 layer/call" = THE CONNECTOR'S PATTERN (connector/ucm_worker.py issues one `load(blocks, [layer], dst)`
+                        task per layer, all at once, and waits for layer L before layer L's attention);
+  "load all layers"   = every layer of 16 blocks per call (one record read per block).
+memcpy = numpy copy of the same bytes in this run, as one contiguous array and as the same per-payload chunks.
+Targets (issue 4): DRAM load >= 0.5x memcpy, warm LMDB read >= 0.3x, for the connector's pattern first.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from ucm.client import StoreClient
 from ucm.malloc_tuning import retain_freed_memory
 from ucm.size import parse_size
 from ucm.store import Store, StoreConfig
+
+
+OP_LAYER = "load 1 layer/call (connector)"
+OP_BLOCK = "load all layers/call"
 
 
 def timed(fn: Callable[[], object], repeat: int, baseline: Callable[[], object] | None = None) -> tuple[float, float]:
@@ -64,7 +71,7 @@ class Workload:
         store.commit([r.key for r in self.refs], True)
 
     def load(self, store) -> None:
-        """Layer by layer, as the connector overlaps loading with compute."""
+        """The connector's pattern (connector/ucm_worker.py): one task per layer, all issued at once, then waited for."""
         tasks = [
             store.load(self.refs, [layer], [[memoryview(row)] for row in self.dst[layer]]) for layer in range(self.layers)
         ]
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"tier": tier, "mode": mode, "op": op, "gb_per_s": w.nbytes / seconds / 1e9, "memcpy_gb_per_s": w.nbytes / base / 1e9}
         row["x_memcpy"] = row["gb_per_s"] / row["memcpy_gb_per_s"]
         rows.append(row)
-        print(f"  {tier:<5} {mode:<26} {op:<5} {row['gb_per_s']:7.2f} GB/s  (memcpy {row['memcpy_gb_per_s']:.2f})", flush=True)
+        print(f"  {tier:<5} {mode:<26} {op:<31} {row['gb_per_s']:7.2f} GB/s  (memcpy {row['memcpy_gb_per_s']:.2f})", flush=True)
 
     def chunked() -> None:
         for layer in range(w.layers):
@@ -133,40 +140,41 @@ def main(argv: list[str] | None = None) -> int:
             with Store(StoreConfig(dram_bytes=big, verify_dram_reads=verify)) as store:
                 mode = f"in-process verify={'on' if verify else 'off'}"
                 record("dram", mode, "dump", lambda s=store: (s.remove(keys), w.dump(s)))
-                record("dram", mode, "load", lambda s=store: w.load(s))
+                record("dram", mode, OP_LAYER, lambda s=store: w.load(s))
                 w.check()
-                record("dram", mode, "load/block", lambda s=store: w.load_blocks(s))
+                record("dram", mode, OP_BLOCK, lambda s=store: w.load_blocks(s))
                 w.check()
         disk = tmp / "db"
         cfg = dict(dram_bytes=big, disk_path=str(disk), disk_bytes=big)
         with Store(StoreConfig(**cfg)) as store:  # dump + commit + wait until written behind (fsync'd)
             record("disk", "in-process write-behind", "dump", lambda: (store.remove(keys), w.dump(store), store.flush()), 2)
         with Store(StoreConfig(**cfg, promote_on_disk_hit=False)) as store:  # DRAM stays empty: every read is LMDB
-            record("disk", "in-process warm LMDB", "load", lambda: w.load(store))
+            record("disk", "in-process warm LMDB", OP_LAYER, lambda: w.load(store))
             w.check()
-            record("disk", "in-process warm LMDB", "load/block", lambda: w.load_blocks(store))
+            record("disk", "in-process warm LMDB", OP_BLOCK, lambda: w.load_blocks(store))
             w.check()
         with Store(StoreConfig(**cfg)) as store:  # first read of each block: LMDB read + promotion copy
-            record("disk", "in-process +promote", "load", lambda: w.load(store), 0)
+            record("disk", "in-process +promote", OP_LAYER, lambda: w.load(store), 0)
             w.check()
         daemon_args = ("--max-request-bytes", "1GiB")
         with run_daemon(None, *daemon_args, dram=str(big)) as d, StoreClient(d.address, timeout_s=60) as client:
             record("dram", "daemon tcp", "dump", lambda: (client.remove(keys), w.dump(client)))
-            record("dram", "daemon tcp", "load", lambda: w.load(client))
+            record("dram", "daemon tcp", OP_LAYER, lambda: w.load(client))
             w.check()
-            record("dram", "daemon tcp", "load/block", lambda: w.load_blocks(client))
+            record("dram", "daemon tcp", OP_BLOCK, lambda: w.load_blocks(client))
             w.check()
         with run_daemon(disk, "--disk", str(big), "--map-size", str(2 * big), *daemon_args, dram=str(big)) as d:
             with StoreClient(d.address, timeout_s=60) as client:
-                record("disk", "daemon tcp +promote", "load", lambda: w.load(client), 0)
+                record("disk", "daemon tcp +promote", OP_LAYER, lambda: w.load(client), 0)
                 w.check()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"\n{'tier':<6}{'mode':<28}{'op':<6}{'GB/s':>8}{'memcpy':>8}{'x memcpy':>10}")
+    print(f"\n{'tier':<6}{'mode':<28}{'op':<32}{'GB/s':>8}{'memcpy':>8}{'x memcpy':>10}")
     for row in rows:
-        print(f"{row['tier']:<6}{row['mode']:<28}{row['op']:<6}{row['gb_per_s']:>8.2f}{row['memcpy_gb_per_s']:>8.2f}{row['x_memcpy']:>10.2f}")
+        print(f"{row['tier']:<6}{row['mode']:<28}{row['op']:<32}{row['gb_per_s']:>8.2f}{row['memcpy_gb_per_s']:>8.2f}{row['x_memcpy']:>10.2f}")
     print("memcpy = numpy copy of the same bytes (one contiguous array), timed alternately with each row")
+    print(f"'{OP_LAYER}' is how connector/ucm_worker.py loads: one task per layer (targets: DRAM >= 0.5x, warm LMDB >= 0.3x)")
     if args.json:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         args.json.write_text(json.dumps({"config": config, "bytes_per_pass": w.nbytes, "rows": rows}, indent=2))
