@@ -72,3 +72,27 @@ def test_dram_checksum_verified_when_enabled(tmp_path) -> None:
         ok, failed, _ = load_all(store, refs)
         assert failed == [1] and store.stats().corrupt_dropped == 1
         assert store.lookup([r.key for r in refs]) == 1
+
+
+@pytest.mark.parametrize("where", [10, 10_000])  # inside the last layer's payload / inside the header
+def test_corruption_found_by_one_layer_loads_straight_from_lmdb(tmp_path, where: int) -> None:
+    """The connector's pattern (one layer per call) with DRAM out of the way: the shared read snapshot must not
+    let a layer skip its checksum, nor a later call miss that the block was dropped."""
+    refs = make_refs(list(range(12)))
+    with open_store(tmp_path) as store:
+        dump_all(store, refs)
+        store.flush()
+    record_len = len(lmdb.open(str(tmp_path / "db"), readonly=True, lock=False).begin().get(refs[1].key))
+    _flip_byte_in_lmdb(tmp_path / "db", refs[1].key, min(where, record_len - 20))
+    with open_store(tmp_path, promote_on_disk_hit=False) as store:
+        last = NUM_LAYERS - 1
+        for layer in range(last if where == 10 else 0):  # a payload flip spoils only its own layer
+            ok, _, dst = load_all(store, refs, layers=[layer])
+            assert ok
+            assert_loaded(refs, dst, layers=[layer])
+        ok, failed, dst = load_all(store, refs, layers=[last])
+        assert not ok and failed == [1] and bytes(dst[1][0]) == bytes(PAYLOAD)
+        assert_loaded(refs, dst, layers=[last], skip=(1,))
+        assert store.stats().corrupt_dropped == 1
+        assert load_all(store, refs, layers=[0])[1] == [1]  # dropped: a miss from now on
+        assert store.lookup([r.key for r in refs]) == 1

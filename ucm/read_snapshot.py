@@ -61,6 +61,9 @@ class Snapshot:
         self.retired = False
 
     def get(self, key: BlockKey) -> StoredRecord | None:
+        record = self._records.get(key)  # a dict read is atomic: the lock is only for looking up LMDB
+        if record is not None:
+            return record
         with self._lock:
             record = self._records.get(key)
             if record is None:
