@@ -29,11 +29,12 @@ SNAPSHOT_TTL_S = 0.25
 class StoredRecord:
     """One record as read in a snapshot: its bytes (valid while the snapshot is held) and parsed header."""
 
-    __slots__ = ("view", "_layout")
+    __slots__ = ("view", "_layout", "matched")
 
     def __init__(self, view: memoryview) -> None:
         self.view = view
         self._layout: RecordLayout | RecordError | None = None
+        self.matched: object = None  # the last caller's BlockRef found to match the header (set by the reader)
 
     def layout(self) -> RecordLayout:
         """The verified header (parsed on first use); raises RecordError (each time) if it is bad."""

@@ -101,20 +101,26 @@ class BlockReader:
                 ref = refs[i]
                 if one_layer is not None:  # the connector's pattern, flattened: same checks, fewer steps
                     try:
-                        layout, view = stored.layout(), stored.view
-                        layout.check(ref)
-                        payload = layout.payload(view, one_layer)
+                        layout = stored.layout()
+                        if stored.matched is not ref:  # the caller passes the same BlockRef for every layer
+                            layout.check(ref)
+                            stored.matched = ref if type(ref.token_ids) is tuple else None  # immutable refs only
                     except RecordError as exc:
                         bad.append((ref.key, f"disk entry rejected: {exc}"))
                         return False
-                    except ValueError as exc:  # the caller's layer is not in this block
-                        log.warning("load of %s failed: %s", ref.key.hex(), exc)
+                    if one_layer >= layout.num_layers:
+                        log.warning("load of %s: layer %d outside the block's %d", ref.key.hex(), one_layer, layout.num_layers)
+                        return False
+                    start, size = layout.offsets[one_layer], layout.sizes[one_layer]
+                    payload = stored.view[start : start + size]
+                    if xxh3_64(payload) != layout.sums[one_layer]:
+                        bad.append((ref.key, f"disk entry rejected: checksum mismatch in layer {one_layer}"))
                         return False
                     out = dst[i][0]  # type: ignore[index]
-                    if len(out) != len(payload):
-                        log.warning("load of %s: dst holds %d bytes, payload has %d", ref.key.hex(), len(out), len(payload))
+                    if len(out) != size:
+                        log.warning("load of %s: dst holds %d bytes, payload has %d", ref.key.hex(), len(out), size)
                         return False
-                    if len(payload) < _GIL_FREE_COPY_BYTES:
+                    if size < _GIL_FREE_COPY_BYTES:
                         out[:] = payload
                     else:  # numpy releases the GIL while copying: load threads copy in parallel
                         np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(payload, np.uint8))
