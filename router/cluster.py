@@ -39,7 +39,7 @@ class ClusterSpec:
     dram: str = "2GiB"
     disk: str = "4GiB"
     disk_path: str | None = None  # None: a temporary folder, removed on stop
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str | None = None
     kv_cache_memory: str = "512MiB"
     max_num_seqs: int = 64

@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dram", default="4GiB", help="store DRAM tier capacity")
     p.add_argument("--disk", default="20GiB", help="store disk tier capacity")
     p.add_argument("--disk-path", default=None, help="store LMDB folder (default: a temporary folder)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = bf16 on CPUs with native bf16 (and on CUDA), else fp32")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="each node's paged KV cache")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cluster to be healthy")

@@ -28,7 +28,7 @@ LONG = ("You are a meticulous assistant for a library. The catalogue lists books
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = ClusterSpec(prefill=2, decode=1, api_key=KEY, node_timeout_s=3.0, kv_cache_memory="128MiB",
+    spec = ClusterSpec(prefill=2, decode=1, api_key=KEY, node_timeout_s=3.0, kv_cache_memory="128MiB", dtype="float32",
                        max_num_seqs=16, node_args=("--threads", "1"))
     with Cluster(spec, log=lambda s: None) as c:
         yield c

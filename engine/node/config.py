@@ -24,7 +24,8 @@ class NodeConfig:
     store_addr: str | None  # tcp://… of a store daemon, "embedded", or None (no connector)
     model: str = "smollm2-135m"
     served_model_name: str | None = None  # the name clients use; defaults to `model`
-    dtype: str = "float32"
+    # "auto": bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 / AMX), else fp32.
+    dtype: str = "auto"
     device: str = "cpu"
     node_id: str = ""
     max_num_seqs: int = 64
@@ -56,7 +57,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default="none", help="store daemon address (tcp://…), 'embedded', or 'none'")
     parser.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--node-id", default="", help="stable id (default: role-host-pid)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
