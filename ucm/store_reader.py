@@ -2,9 +2,11 @@
 
 A block is served only if its header names the caller's key, parent and token ids (no collision can return
 wrong KV) and every requested payload's checksum verifies; otherwise it is a miss and the entry is dropped.
-One call handles a whole load request: one lock round for the DRAM lookups, one LMDB read transaction.
-The per-payload loop is kept flat on purpose: with 16-64 KiB payloads, Python call overhead would
-otherwise cost as much as the copy itself.
+One call handles a whole load request: one lock round for the DRAM lookups, one LMDB read snapshot (shared
+with the calls around it, `ucm.read_snapshot`: the connector asks for one layer per call, and each record is
+looked up and its header parsed once, not once per layer). The per-payload loops are kept flat on purpose,
+with a flatter one still for one-layer calls: with 16-64 KiB payloads, Python call overhead would otherwise
+cost as much as the copy itself.
 """
 
 from __future__ import annotations
