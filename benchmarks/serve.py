@@ -10,8 +10,8 @@ chat (each turn resends the whole history), and a replay of the Mooncake convers
 machine (token lengths / --trace-scale, its block hash ids reused as shared content, its timestamps as arrivals).
 Reports request throughput, output tok/s and TTFT / TPOT / ITL / E2E mean, median and p99.
 
-    .venv/bin/python benchmarks/serve.py --quick
-    .venv/bin/python benchmarks/serve.py --workloads shared-prefix --json out.json
+    .venv/bin/python -m benchmarks.serve --quick
+    .venv/bin/python -m benchmarks.serve --workloads shared-prefix --json out.json
 """
 
 from __future__ import annotations
