@@ -89,6 +89,20 @@ def test_completions_equal_offline(client, offline) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
 
 
+def test_completions_batch_of_prompts_and_token_ids(client, offline) -> None:
+    complete, _ = offline
+    prompts = ["The capital of France is", "Water boils at a temperature of"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [complete(p, 8) for p in prompts]
+    from engine.model_source import resolve_model_dir
+    from engine.tokenizer import Tokenizer
+
+    ids = Tokenizer(resolve_model_dir(MODEL)).encode(prompts[0])
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert r.choices[0].text == complete(prompts[0], 8) and r.usage.prompt_tokens == len(ids)
+
+
 def test_chat_equal_offline(client, offline) -> None:
     _, chat = offline
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
