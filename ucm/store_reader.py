@@ -62,7 +62,7 @@ class BlockReader:
             if record is None:
                 continue
             ref, header = refs[i], record.header
-            if header.key != ref.key or header.parent != ref.parent or header.token_ids != tuple(ref.token_ids):
+            if not header.matches(ref):
                 bad.append((ref.key, "DRAM entry is another block (hash collision or stale entry)"))
                 continue
             if top >= header.num_layers:
@@ -171,7 +171,7 @@ class BlockReader:
             if record is None:
                 continue
             ref, header = refs[i], record.header
-            if header.key != ref.key or header.parent != ref.parent or header.token_ids != tuple(ref.token_ids):
+            if not header.matches(ref):
                 bad.append((ref.key, "DRAM entry is another block (hash collision or stale entry)"))
                 continue
             sizes = header.payload_sizes
