@@ -19,14 +19,20 @@ def _flip_byte_in_lmdb(path, key: bytes, offset_from_end: int) -> None:
     env.close()
 
 
-@pytest.mark.parametrize("where", [10, 10_000])  # inside a payload / inside the header
-def test_corruption_on_disk_is_a_miss_and_dropped(tmp_path, where: int) -> None:
+def _stored_refs_with_block_1_corrupted(tmp_path, where: int) -> list:
+    """12 blocks written through to LMDB, then one byte of block 1's stored value flipped at `where`."""
     refs = make_refs(list(range(12)))
     with open_store(tmp_path) as store:
         dump_all(store, refs)
         store.flush()
     record_len = len(lmdb.open(str(tmp_path / "db"), readonly=True, lock=False).begin().get(refs[1].key))
     _flip_byte_in_lmdb(tmp_path / "db", refs[1].key, min(where, record_len - 20))
+    return refs
+
+
+@pytest.mark.parametrize("where", [10, 10_000])  # inside a payload / inside the header
+def test_corruption_on_disk_is_a_miss_and_dropped(tmp_path, where: int) -> None:
+    refs = _stored_refs_with_block_1_corrupted(tmp_path, where)
     with open_store(tmp_path) as store:
         assert store.lookup([r.key for r in refs]) == 3  # lookup trusts the index; the read verifies
         ok, failed, dst = load_all(store, refs)
@@ -78,12 +84,7 @@ def test_dram_checksum_verified_when_enabled(tmp_path) -> None:
 def test_corruption_found_by_one_layer_loads_straight_from_lmdb(tmp_path, where: int) -> None:
     """The connector's pattern (one layer per call) with DRAM out of the way: the shared read snapshot must not
     let a layer skip its checksum, nor a later call miss that the block was dropped."""
-    refs = make_refs(list(range(12)))
-    with open_store(tmp_path) as store:
-        dump_all(store, refs)
-        store.flush()
-    record_len = len(lmdb.open(str(tmp_path / "db"), readonly=True, lock=False).begin().get(refs[1].key))
-    _flip_byte_in_lmdb(tmp_path / "db", refs[1].key, min(where, record_len - 20))
+    refs = _stored_refs_with_block_1_corrupted(tmp_path, where)
     with open_store(tmp_path, promote_on_disk_hit=False) as store:
         last = NUM_LAYERS - 1
         for layer in range(last if where == 10 else 0):  # a payload flip spoils only its own layer
