@@ -94,4 +94,6 @@ def build_model(config: ModelConfig, folder: Path, dtype: torch.dtype, device: s
     missing = [n for n, p in model.named_parameters() if filled[id(p)] != p.numel()]
     if missing:
         raise ValueError(f"checkpoint in {folder} does not fill parameters {missing[:6]} (config/weights mismatch?)")
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    model.pack_weights()
+    return model

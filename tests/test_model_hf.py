@@ -211,6 +211,25 @@ def test_bf16_serving_dtype_tracks_hf_bf16(smollm2_fp32, prompt_ids):
     assert agree >= 0.97, f"bf16 argmax agreement {agree:.3f}"
 
 
+def test_bf16_packed_matmul_weights_change_nothing(smollm2_fp32, prompt_ids):
+    """The oneDNN-packed weights (engine/models/dense.py) give the very same logits as plain F.linear."""
+    from engine.models.dense import packing_supported
+
+    lm = load_model(smollm2_fp32.path, dtype=torch.bfloat16)
+    model = lm.model
+    if not packing_supported(model.embed_tokens):
+        pytest.skip("this CPU/torch build has no oneDNN bf16 matmul: nothing is packed")
+    layer = model.layers[0]
+    assert layer.attn.qkv_packed is not None and layer.mlp.down_packed is not None and model.lm_head_packed is not None
+    batch = list(enumerate(prompt_ids[:6]))
+    with_packed = PagedCache(lm, seed=7).step(batch)
+    for layer in model.layers:
+        layer.attn.qkv_packed = layer.attn.o_packed = layer.mlp.gate_up_packed = layer.mlp.down_packed = None
+    model.lm_head_packed = None
+    plain = PagedCache(lm, seed=7).step(batch)
+    assert torch.equal(with_packed, plain), f"max |diff| {(with_packed - plain).abs().max().item():.3g}"
+
+
 # --- tiny random-weight configs of the other families ------------------------------------------------
 
 def _tiny_folder(tmp_path: Path, source: Path, config) -> Path:

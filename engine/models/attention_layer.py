@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import paged_attention_forward
 from engine.attention_metadata import AttentionMetadata
 from engine.model_config import ModelConfig
+from engine.models.dense import dense, pack_weight
 from engine.models.rope import RotaryEmbedding
 
 
@@ -28,6 +28,12 @@ class PagedSelfAttention(nn.Module):
         self.qkv_bias = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size)) if config.qkv_bias else None
         self.o_weight = nn.Parameter(torch.empty(config.hidden_size, self.q_size))
         self.o_bias = nn.Parameter(torch.empty(config.hidden_size)) if config.o_bias else None
+        self.qkv_packed: torch.Tensor | None = None
+        self.o_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        self.qkv_packed = pack_weight(self.qkv_weight)
+        self.o_packed = pack_weight(self.o_weight)
 
     def forward(
         self,
@@ -39,7 +45,7 @@ class PagedSelfAttention(nn.Module):
         kv_connector: Any | None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = dense(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
         qk = RotaryEmbedding.apply(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
@@ -50,4 +56,4 @@ class PagedSelfAttention(nn.Module):
         out = paged_attention_forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)
         if kv_connector is not None:
             kv_connector.save_kv_layer(self.layer_index, k_cache, v_cache, attn_metadata)
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        return dense(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias, self.o_packed)

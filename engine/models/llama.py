@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.model_config import ModelConfig
+from engine.models.dense import dense, pack_weight
 from engine.models.attention_layer import PagedSelfAttention
 from engine.models.mlp import GatedMLP
 from engine.models.rmsnorm import RMSNorm
@@ -52,6 +53,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Pre-pack the matmul weights for the CPU backend (see engine/models/dense.py); call once the weights
+        are loaded and on their final device/dtype. The packed copies add the matmul weights' size in memory."""
+        for layer in self.layers:
+            layer.attn.pack_weights()
+            layer.mlp.pack_weights()
+        self.lm_head_packed = pack_weight(self.lm_head_weight)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -80,4 +90,4 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (only the rows being sampled) -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return dense(hidden, self.lm_head_weight, None, self.lm_head_packed).float()

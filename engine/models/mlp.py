@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.dense import dense, pack_weight
+
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
@@ -16,8 +18,14 @@ class GatedMLP(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.empty(2 * intermediate_size)) if bias else None
         self.down_weight = nn.Parameter(torch.empty(hidden_size, intermediate_size))
         self.down_bias = nn.Parameter(torch.empty(hidden_size)) if bias else None
+        self.gate_up_packed: torch.Tensor | None = None
+        self.down_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        self.gate_up_packed = pack_weight(self.gate_up_weight)
+        self.down_packed = pack_weight(self.down_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = dense(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        return dense(F.silu(gate) * up, self.down_weight, self.down_bias, self.down_packed)
