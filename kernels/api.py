@@ -1,4 +1,10 @@
-"""The kernel entry points the engine and connector call; each picks Triton or torch per call from the device."""
+"""The kernel entry points the engine and connector call; each picks Triton or the CPU path per call from the device.
+
+CPU attention runs the native C kernel (`kernels/cpu/`, K/V read in place from the paged cache) for decodes and
+prefill chunks over a cached prefix; whole prompts keep torch's causal SDPA (kernels/cpu/paged_attention.py says
+why). `UCM_CPU_ATTENTION=torch` forces the torch path, which also runs when the kernel cannot be built or the
+dtype/layout is not one it takes.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.backend import AttentionBackend, select_backend
+from kernels.backend import AttentionBackend, CpuAttention, cpu_attention, select_backend
+from kernels.cpu import native
+from kernels.cpu.native import NativeLib
+from kernels.cpu.paged_attention import decode_attention_native, prefill_attention_native, supports
 from kernels.reference import (
     copy_blocks_torch,
     decode_attention_chunked_torch,
@@ -41,6 +50,13 @@ def _check_query(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ValueError(f"q head_dim {d} != cache head_dim {dk}")
     if hq % hkv != 0:
         raise ValueError(f"num query heads {hq} must be a multiple of num kv heads {hkv}")
+
+
+def _native_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> NativeLib | None:
+    """The C kernel when the CPU path should and can run it here, else None (torch)."""
+    if cpu_attention() is CpuAttention.TORCH or not supports(q, k_cache, v_cache):
+        return None
+    return native.load()
 
 
 def write_kv(
@@ -91,7 +107,10 @@ def decode_attention(
         from kernels.triton_decode_attention import decode_attention_triton
 
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
-    # CPU: the length-chunked path (same result as the plain reference, which stays the oracle).
+    lib = _native_cpu_attention(q, k_cache, v_cache)
+    if lib is not None:
+        return decode_attention_native(lib, q, k_cache, v_cache, block_tables, seq_lens, scale)
+    # Torch: the length-chunked path (same result as the plain reference, which stays the oracle).
     return decode_attention_chunked_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
 
 
@@ -120,6 +139,9 @@ def prefill_attention(
         return prefill_attention_triton(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len
         )
+    lib = _native_cpu_attention(q, k_cache, v_cache)
+    if lib is not None:
+        return prefill_attention_native(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     return prefill_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len)
 
 
@@ -130,7 +152,10 @@ def paged_attention(
     attn_metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Attention for a packed step (new K/V already written): decode kernel when every sequence has one new token."""
+    """Attention for a packed step (new K/V already written): decode kernel when every sequence has one new token.
+
+    On CPU both branches reach the same native varlen kernel; the decode one just skips query_start_loc.
+    """
     md = attn_metadata
     if md.is_decode_only and q.shape[0] == md.num_seqs:
         return decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, md.max_seq_len)

@@ -1,4 +1,8 @@
-"""Which implementation a kernel call runs: the Triton kernels on CUDA, the pure-torch reference elsewhere."""
+"""Which implementation a kernel call runs: the Triton kernels on CUDA, the CPU path elsewhere.
+
+On the CPU path, attention itself runs the native C kernel (`kernels/cpu/`) unless `UCM_CPU_ATTENTION=torch`
+asks for the pure-torch reference; everything else (write_kv, block copies) is torch.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import os
 import torch
 
 ENV_VAR = "UCM_ATTENTION_BACKEND"
+CPU_ENV_VAR = "UCM_CPU_ATTENTION"
 
 
 class AttentionBackend(enum.Enum):
@@ -25,6 +30,26 @@ def forced_backend() -> AttentionBackend | None:
     except ValueError:
         choices = ", ".join(b.value for b in AttentionBackend)
         raise ValueError(f"{ENV_VAR}={raw!r} is not one of: {choices}") from None
+
+
+class CpuAttention(enum.Enum):
+    """Attention on the CPU path: the C kernel reading the paged cache in place, or torch SDPA on gathered K/V."""
+
+    NATIVE = "native"
+    TORCH = "torch"
+
+
+def cpu_attention() -> CpuAttention:
+    """`UCM_CPU_ATTENTION` (default native; read per call: tests flip it). Native still falls back to torch
+    where the C kernel cannot run: no compiler, an unsupported dtype or layout."""
+    raw = os.environ.get(CPU_ENV_VAR, "").strip().lower()
+    if not raw:
+        return CpuAttention.NATIVE
+    try:
+        return CpuAttention(raw)
+    except ValueError:
+        choices = ", ".join(c.value for c in CpuAttention)
+        raise ValueError(f"{CPU_ENV_VAR}={raw!r} is not one of: {choices}") from None
 
 
 def triton_interpreted() -> bool:

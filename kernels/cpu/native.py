@@ -1,0 +1,180 @@
+"""Build the C kernel beside this file on first use and load it with ctypes.
+
+The shared library is cached under `<ucm-serve cache dir>/kernels/`, named by a hash of everything that changes
+the machine code: the source, the flags, the compiler's version and the CPU (`-march=native` output only runs
+on a CPU with the same features). Concurrent first uses (a test starting several nodes at once) each compile
+into a temporary file and `os.replace` it into place, so a reader sees either no library or a whole one.
+
+If the compiler is missing or the build fails, one warning is logged and `load()` returns None: callers keep
+the pure-torch path.
+
+OpenMP: the library is built with -fopenmp. The torch wheel ships its own `libgomp.so.1`; ours is loaded after
+torch, so the dynamic linker resolves our `libgomp.so.1` dependency to torch's copy (one OpenMP runtime and
+one thread pool per process; `tests/test_kernels_native.py` checks this).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp")
+LIBS = ("-lm",)
+COMPILER_ENV = "CC"
+DEFAULT_COMPILER = "gcc"
+BUILD_TIMEOUT_S = 120
+
+_c_int32_p = ctypes.POINTER(ctypes.c_int32)
+
+
+class BuildError(RuntimeError):
+    """The compiler is missing or rejected the source."""
+
+
+@dataclass(frozen=True)
+class NativeLib:
+    """The loaded library and its one entry point (argtypes set, so ctypes checks each call's arguments)."""
+
+    path: Path
+    cdll: ctypes.CDLL
+    paged_attention: ctypes._CFuncPtr  # see ucm_paged_attention in paged_attention.c
+    has_avx512: bool
+    has_openmp: bool
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tried = False
+        self.lib: NativeLib | None = None
+        self.error: str | None = None
+
+
+_state = _State()
+
+
+def compiler() -> str:
+    """The C compiler command: `$CC` if set, else gcc."""
+    return os.environ.get(COMPILER_ENV, "").strip() or DEFAULT_COMPILER
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's feature flags (Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"C compiler {cc!r} is not usable: {e}") from e
+    if done.returncode != 0:
+        raise BuildError(f"`{cc} --version` failed: {done.stderr.strip()[-500:]}")
+    return done.stdout
+
+
+def library_path(cc: str, cache_root: Path) -> Path:
+    """Where the library for this source, compiler and CPU lives (built or not)."""
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), _compiler_version(cc).encode(),
+                 platform.machine().encode(), _cpu_signature().encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return cache_root / "kernels" / f"{SOURCE.stem}-{h.hexdigest()[:20]}.so"
+
+
+def _compile(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *FLAGS, str(SOURCE), "-o", tmp, *LIBS]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise BuildError(f"`{' '.join(cmd)}` could not run: {e}") from e
+        if done.returncode != 0:
+            raise BuildError(f"`{' '.join(cmd)}` failed:\n{done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _bind(path: Path) -> NativeLib:
+    cdll = ctypes.CDLL(str(path))
+    fn = cdll.ucm_paged_attention
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [
+        ptr, i64, i64,  # q, q token stride, q head stride (elements)
+        ptr, ptr, ptr,  # k_cache, v_cache, out
+        ptr, ptr, ptr, i64, i32, i64,  # query_start_loc (NULL: decode), seq_lens, block_tables, row stride, width, N
+        i32, i32, i32, i32, i32, i32,  # num_seqs, num_tokens, Hq, Hkv, head_dim, block_size
+        i32, ctypes.c_float, i32, i32,  # dtype, scale, skip_whole_prompts, num_threads
+        _c_int32_p, _c_int32_p,  # err_seq, num_skipped (out)
+    ]
+    fn.restype = i32
+    cdll.ucm_has_avx512.restype = i32
+    cdll.ucm_has_openmp.restype = i32
+    return NativeLib(path, cdll, fn, bool(cdll.ucm_has_avx512()), bool(cdll.ucm_has_openmp()))
+
+
+def build(cache_root: Path | None = None) -> NativeLib:
+    """Compile (unless cached) and load the library; raises BuildError when that is impossible."""
+    if cache_root is None:
+        # The one cache-dir rule of the project; model_source is torch-free and imports nothing of ours.
+        from engine.model_source import cache_dir
+
+        cache_root = cache_dir()
+    cc = compiler()
+    path = library_path(cc, cache_root)
+    if not path.exists():
+        _compile(cc, path)
+    try:
+        return _bind(path)
+    except OSError as e:
+        raise BuildError(f"built {path} but could not load it: {e}") from e
+
+
+def load() -> NativeLib | None:
+    """The library, built on the first call in this process; None (and one logged warning) if it cannot be."""
+    if _state.tried:
+        return _state.lib
+    with _state.lock:
+        if not _state.tried:
+            try:
+                _state.lib = build()
+            except BuildError as e:
+                _state.error = str(e)
+                log.warning("native CPU attention unavailable, using the torch path: %s", e)
+            _state.tried = True
+    return _state.lib
+
+
+def load_error() -> str | None:
+    """Why `load()` returned None, if it did."""
+    return _state.error
+
+
+def forget() -> None:
+    """Drop this process's load result so the next `load()` builds or loads again (tests change $CC)."""
+    with _state.lock:
+        _state.tried, _state.lib, _state.error = False, None, None

@@ -1,0 +1,501 @@
+/* Paged attention on the CPU, reading K/V in place from the paged cache (no gather into a dense copy).
+ *
+ * Plain C11 without torch headers so it builds in about a second on first use (kernels/cpu/native.py).
+ *
+ * Layout (all contiguous):
+ *   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], bf16 (as uint16) or fp32
+ *   q                 [T, num_q_heads, head_dim] with any token/head stride, head_dim contiguous; same dtype
+ *   out               [T, num_q_heads, head_dim] contiguous; same dtype
+ * Sequence b owns query rows query_start_loc[b] .. query_start_loc[b+1]; with n of them and L = seq_lens[b],
+ * query token i sits at position L - n + i and attends keys 0..L-n+i (causal over a cached prefix). A NULL
+ * query_start_loc means decode: sequence b has exactly one query, row b.
+ *
+ * Work item = (sequence, kv head, tile of up to MAX_ROWS query rows). A row is (token, query head of this kv
+ * head's group): all heads of a GQA group share the item, so each K/V row is read once per group and tile.
+ * Keys are streamed in chunks of up to 16 (never crossing a block) with an online softmax in fp32 (base 2).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define UCM_DTYPE_F32 0
+#define UCM_DTYPE_BF16 1
+
+#define MAX_ROWS 16   /* query rows per work item: the scores of a chunk for all rows stay in L1 */
+#define MAX_D 256     /* largest head_dim: per-row accumulators live on the stack */
+#define CHUNK 16      /* keys per online-softmax step: one AVX-512 vector of scores */
+
+/* Error codes returned to Python (which turns them into ValueError with the sequence index). */
+#define UCM_OK 0
+#define UCM_ERR_QUERY_LONGER_THAN_CONTEXT 1
+#define UCM_ERR_BLOCK_TABLE_TOO_NARROW 2
+#define UCM_ERR_BLOCK_ID_OUT_OF_RANGE 3
+#define UCM_ERR_BAD_QUERY_START_LOC 4
+#define UCM_ERR_BAD_SHAPE 5
+
+static const float LOG2E = 1.4426950408889634f;
+
+typedef struct {
+    const void *q;
+    int64_t q_stride_tok, q_stride_head; /* elements */
+    const void *k_cache, *v_cache;
+    void *out;
+    const int32_t *query_start_loc, *seq_lens, *block_tables;
+    int64_t block_table_stride;
+    int32_t num_q_heads, num_kv_heads, head_dim, block_size;
+    float scale_log2; /* softmax scale folded with log2(e): scores live in base 2 */
+    int32_t skip_whole_prompts; /* leave sequences whose queries are their whole context (n == L > 1) alone */
+} Problem;
+
+typedef struct {
+    int32_t seq, kv_head, row0; /* row0: first of this item's rows within (token, group head) order */
+} Item;
+
+/* ---------------------------------------------------------------- dtype helpers (scalar) */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* keep NaN a NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load_f(const void *base, int64_t i, int dtype) {
+    return dtype == UCM_DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* ---------------------------------------------------------------- one work item: shared bookkeeping */
+
+static inline int64_t q_offset(const Problem *p, int32_t token, int32_t head) {
+    return (int64_t)token * p->q_stride_tok + (int64_t)head * p->q_stride_head;
+}
+
+static inline int64_t out_offset(const Problem *p, int32_t token, int32_t head) {
+    return ((int64_t)token * p->num_q_heads + head) * p->head_dim;
+}
+
+/* The rows of item `it` whose tokens start at packed row q0, as (query offset, output offset, position). */
+static int32_t item_rows(const Problem *p, const Item *it, int32_t n, int32_t len, int32_t q0,
+                         int64_t *q_off, int64_t *o_off, int32_t *pos) {
+    const int32_t group = p->num_q_heads / p->num_kv_heads;
+    const int32_t total = n * group;
+    const int32_t nrows = total - it->row0 < MAX_ROWS ? total - it->row0 : MAX_ROWS;
+    for (int32_t i = 0; i < nrows; i++) {
+        const int32_t row = it->row0 + i, tok = row / group, head = it->kv_head * group + row % group;
+        q_off[i] = q_offset(p, q0 + tok, head);
+        o_off[i] = out_offset(p, q0 + tok, head);
+        pos[i] = len - n + tok;
+    }
+    return nrows;
+}
+
+static inline const int32_t *table_of(const Problem *p, int32_t seq) {
+    return p->block_tables + (int64_t)seq * p->block_table_stride;
+}
+
+/* Element offset of (token t of block, kv head) inside a cache. */
+static inline int64_t cache_offset(const Problem *p, int32_t block, int32_t t, int32_t kv_head) {
+    return (((int64_t)block * p->block_size + t) * p->num_kv_heads + kv_head) * p->head_dim;
+}
+
+/* ---------------------------------------------------------------- portable path (any head_dim, any CPU) */
+
+static void attend_item_scalar(const Problem *p, const Item *it, int dtype) {
+    const int32_t seq = it->seq;
+    const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq;
+    const int32_t n = p->query_start_loc ? p->query_start_loc[seq + 1] - q0 : 1;
+    const int32_t len = p->seq_lens[seq], d = p->head_dim, bs = p->block_size;
+    int64_t q_off[MAX_ROWS], o_off[MAX_ROWS];
+    int32_t pos[MAX_ROWS];
+    const int32_t nrows = item_rows(p, it, n, len, q0, q_off, o_off, pos);
+    const int32_t *table = table_of(p, seq);
+    float qv[MAX_D], acc[MAX_D];
+    for (int32_t r = 0; r < nrows; r++) {
+        if (len == 0) { /* padding row: the kernels' contract is 0, not NaN */
+            for (int32_t k = 0; k < d; k++) {
+                if (dtype == UCM_DTYPE_BF16) ((uint16_t *)p->out)[o_off[r] + k] = 0;
+                else ((float *)p->out)[o_off[r] + k] = 0.0f;
+            }
+            continue;
+        }
+        for (int32_t k = 0; k < d; k++) {
+            qv[k] = load_f(p->q, q_off[r] + k, dtype);
+            acc[k] = 0.0f;
+        }
+        float m = -INFINITY, l = 0.0f;
+        for (int32_t j = 0; j <= pos[r]; j++) {
+            const int64_t kv = cache_offset(p, table[j / bs], j % bs, it->kv_head);
+            float s = 0.0f;
+            for (int32_t k = 0; k < d; k++) s += qv[k] * load_f(p->k_cache, kv + k, dtype);
+            s *= p->scale_log2;
+            const float m_new = s > m ? s : m;
+            const float alpha = exp2f(m - m_new), w = exp2f(s - m_new);
+            l = l * alpha + w;
+            for (int32_t k = 0; k < d; k++) acc[k] = acc[k] * alpha + w * load_f(p->v_cache, kv + k, dtype);
+            m = m_new;
+        }
+        for (int32_t k = 0; k < d; k++) {
+            const float o = acc[k] / l;
+            if (dtype == UCM_DTYPE_BF16) ((uint16_t *)p->out)[o_off[r] + k] = f32_to_bf16(o);
+            else ((float *)p->out)[o_off[r] + k] = o;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- AVX-512 path (head_dim % 32 == 0) */
+
+#ifdef __AVX512F__
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE __m512 bf16x16_to_f32(const uint16_t *src) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+
+ALWAYS_INLINE __m512 load16(const void *base, int64_t i, int dtype) {
+    return dtype == UCM_DTYPE_BF16 ? bf16x16_to_f32((const uint16_t *)base + i) : _mm512_loadu_ps((const float *)base + i);
+}
+
+/* 2^x for x <= 0 (masked lanes are zeroed by the caller): round, degree-7 Taylor of 2^f on [-0.5, 0.5]
+ * (relative error < 1e-8), then scalef adds the exponent. */
+ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 y = _mm512_set1_ps(1.525273380405984e-05f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530393381606e-04f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.618129107628477e-03f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550410866482158e-02f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402265069591007e-01f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931471805599453e-01f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* Lane j of the result = sum of the 16 lanes of v[j]: a transpose-and-add tree, 45 shuffles/adds for 16
+ * dot products instead of 16 separate horizontal reductions. */
+ALWAYS_INLINE __m512 hsum16x16(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Raw scores q . k_j for the nk keys at k (consecutive keys kstride elements apart); lanes >= nk are 0. */
+ALWAYS_INLINE __m512 qk_chunk(const void *q, const float *qf, const void *k, int64_t kstride, int nk, int d,
+                              int dtype) {
+    __m512 acc[CHUNK];
+#pragma GCC unroll 16
+    for (int j = 0; j < CHUNK; j++) {
+        acc[j] = _mm512_setzero_ps();
+        if (j < nk) {
+#if defined(__AVX512BF16__)
+            if (dtype == UCM_DTYPE_BF16) {
+                /* bf16 x bf16 products are exact in fp32: dpbf16 loses nothing against converting first. */
+                const uint16_t *kj = (const uint16_t *)k + j * kstride, *qh = (const uint16_t *)q;
+                for (int c = 0; c < d; c += 32)
+                    acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(qh + c),
+                                              (__m512bh)_mm512_loadu_si512(kj + c));
+                continue;
+            }
+#endif
+            (void)q;
+            for (int c = 0; c < d; c += 16)
+                acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c), load16(k, j * kstride + c, dtype), acc[j]);
+        }
+    }
+    return hsum16x16(acc);
+}
+
+/* o[r] = o[r] * alpha[r] + sum_j p[r][j] * v_j for rows [r0, r0 + NR), two 16-float column slices at a time so
+ * 2 * NR independent FMA chains hide the FMA latency. */
+ALWAYS_INLINE void pv_rows(float (*o)[MAX_D], const float (*pw)[CHUNK], const float *alpha, int r0, int NR,
+                           const void *v, int64_t vstride, int nk, int d, int dtype) {
+    for (int c = 0; c < d; c += 32) {
+        __m512 a0[4], a1[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const __m512 s = _mm512_set1_ps(alpha[r0 + r]);
+            a0[r] = _mm512_mul_ps(_mm512_load_ps(o[r0 + r] + c), s);
+            a1[r] = _mm512_mul_ps(_mm512_load_ps(o[r0 + r] + c + 16), s);
+        }
+        for (int j = 0; j < nk; j++) {
+            const __m512 v0 = load16(v, j * vstride + c, dtype), v1 = load16(v, j * vstride + c + 16, dtype);
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                const __m512 w = _mm512_set1_ps(pw[r0 + r][j]);
+                a0[r] = _mm512_fmadd_ps(w, v0, a0[r]);
+                a1[r] = _mm512_fmadd_ps(w, v1, a1[r]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            _mm512_store_ps(o[r0 + r] + c, a0[r]);
+            _mm512_store_ps(o[r0 + r] + c + 16, a1[r]);
+        }
+    }
+}
+
+ALWAYS_INLINE void prefetch_rows(const void *base, int64_t stride_bytes, int nk, int row_bytes) {
+    for (int j = 0; j < nk; j++)
+        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)base + j * stride_bytes + b, _MM_HINT_T0);
+}
+
+ALWAYS_INLINE void attend_item_avx512(const Problem *p, const Item *it, int d, int dtype) {
+    const int32_t seq = it->seq;
+    const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq;
+    const int32_t n = p->query_start_loc ? p->query_start_loc[seq + 1] - q0 : 1;
+    const int32_t len = p->seq_lens[seq], bs = p->block_size, kvh = it->kv_head;
+    const int esize = dtype == UCM_DTYPE_BF16 ? 2 : 4;
+    int64_t q_off[MAX_ROWS], o_off[MAX_ROWS];
+    int32_t pos[MAX_ROWS];
+    const int32_t nrows = item_rows(p, it, n, len, q0, q_off, o_off, pos);
+    if (nrows <= 0) return; /* items are made with row0 < n * group; this only tells the compiler */
+    if (len == 0) { /* padding row: the kernels' contract is 0, not NaN */
+        for (int32_t r = 0; r < nrows; r++) memset((char *)p->out + o_off[r] * esize, 0, (size_t)d * esize);
+        return;
+    }
+    const int32_t *table = table_of(p, seq);
+    const int64_t kstride = (int64_t)p->num_kv_heads * d; /* elements between consecutive keys of a block */
+    _Alignas(64) float o[MAX_ROWS][MAX_D];
+    _Alignas(64) float pw[MAX_ROWS][CHUNK];
+    _Alignas(64) float qf[MAX_ROWS][MAX_D];
+    float m[MAX_ROWS], l[MAX_ROWS], alpha[MAX_ROWS];
+    const void *qrow[MAX_ROWS];
+    for (int32_t r = 0; r < nrows; r++) {
+        qrow[r] = (const char *)p->q + q_off[r] * esize;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int c = 0; c < d; c += 16) {
+            _mm512_store_ps(o[r] + c, _mm512_setzero_ps());
+            _mm512_store_ps(qf[r] + c, load16(qrow[r], c, dtype));
+        }
+    }
+    const int32_t last = pos[nrows - 1]; /* rows are in position order: the last row sees the most keys */
+    int32_t first_live = 0;              /* rows before it have seen all their keys */
+    int nk;
+    for (int32_t start = 0; start <= last; start += nk) {
+        /* a chunk never straddles a block: its keys are equally spaced in memory */
+        const int32_t blk = start / bs, off = start % bs;
+        nk = last - start + 1;
+        if (nk > CHUNK) nk = CHUNK;
+        if (nk > bs - off) nk = bs - off;
+        const int64_t base = cache_offset(p, table[blk], off, kvh);
+        const void *kc = (const char *)p->k_cache + base * esize, *vc = (const char *)p->v_cache + base * esize;
+        const int32_t next = start + nk;
+        if (next <= last) {
+            const int64_t nb = cache_offset(p, table[next / bs], next % bs, kvh) * esize;
+            int nn = last - next + 1 < CHUNK ? last - next + 1 : CHUNK;
+            if (nn > bs - next % bs) nn = bs - next % bs;
+            prefetch_rows((const char *)p->k_cache + nb, kstride * esize, nn, d * esize);
+            prefetch_rows((const char *)p->v_cache + nb, kstride * esize, nn, d * esize);
+        }
+        while (first_live < nrows && pos[first_live] < start) first_live++;
+        for (int32_t r = first_live; r < nrows; r++) {
+            int vis = pos[r] - start + 1; /* keys of this chunk row r may see */
+            if (vis > nk) vis = nk;
+            __m512 s = _mm512_mul_ps(qk_chunk(qrow[r], qf[r], kc, kstride, nk, d, dtype), _mm512_set1_ps(p->scale_log2));
+            const __mmask16 live = (__mmask16)((1u << vis) - 1u);
+            s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), s);
+            const float cmax = _mm512_reduce_max_ps(s);
+            const float m_new = cmax > m[r] ? cmax : m[r];
+            alpha[r] = exp2f(m[r] - m_new);
+            const __m512 w = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(w);
+            m[r] = m_new;
+            _mm512_store_ps(pw[r], w);
+        }
+        int32_t r = first_live;
+        for (; r + 4 <= nrows; r += 4) pv_rows(o, (const float (*)[CHUNK])pw, alpha, r, 4, vc, kstride, nk, d, dtype);
+        switch (nrows - r) {
+        case 3: pv_rows(o, (const float (*)[CHUNK])pw, alpha, r, 3, vc, kstride, nk, d, dtype); break;
+        case 2: pv_rows(o, (const float (*)[CHUNK])pw, alpha, r, 2, vc, kstride, nk, d, dtype); break;
+        case 1: pv_rows(o, (const float (*)[CHUNK])pw, alpha, r, 1, vc, kstride, nk, d, dtype); break;
+        default: break;
+        }
+    }
+    for (int32_t r = 0; r < nrows; r++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int c = 0; c < d; c += 16) {
+            const __m512 y = _mm512_mul_ps(_mm512_load_ps(o[r] + c), inv);
+            if (dtype == UCM_DTYPE_BF16) {
+                _Alignas(64) float tmp[16];
+                _mm512_store_ps(tmp, y);
+                uint16_t *dst = (uint16_t *)p->out + o_off[r] + c;
+                for (int k = 0; k < 16; k++) dst[k] = f32_to_bf16(tmp[k]);
+            } else {
+                _mm512_storeu_ps((float *)p->out + o_off[r] + c, y);
+            }
+        }
+    }
+}
+
+/* One instance per (dtype, head_dim) so the head_dim loops unroll; other head_dims use the generic body. */
+static void item_bf16_d64(const Problem *p, const Item *it) { attend_item_avx512(p, it, 64, UCM_DTYPE_BF16); }
+static void item_bf16_d128(const Problem *p, const Item *it) { attend_item_avx512(p, it, 128, UCM_DTYPE_BF16); }
+static void item_bf16_any(const Problem *p, const Item *it) { attend_item_avx512(p, it, p->head_dim, UCM_DTYPE_BF16); }
+static void item_f32_d64(const Problem *p, const Item *it) { attend_item_avx512(p, it, 64, UCM_DTYPE_F32); }
+static void item_f32_d128(const Problem *p, const Item *it) { attend_item_avx512(p, it, 128, UCM_DTYPE_F32); }
+static void item_f32_any(const Problem *p, const Item *it) { attend_item_avx512(p, it, p->head_dim, UCM_DTYPE_F32); }
+#endif /* __AVX512F__ */
+
+static void item_bf16_scalar(const Problem *p, const Item *it) { attend_item_scalar(p, it, UCM_DTYPE_BF16); }
+static void item_f32_scalar(const Problem *p, const Item *it) { attend_item_scalar(p, it, UCM_DTYPE_F32); }
+
+typedef void (*ItemFn)(const Problem *, const Item *);
+
+static ItemFn pick_item_fn(int32_t d, int32_t dtype) {
+#ifdef __AVX512F__
+    if (d % 32 == 0) {
+        if (dtype == UCM_DTYPE_BF16) return d == 64 ? item_bf16_d64 : d == 128 ? item_bf16_d128 : item_bf16_any;
+        return d == 64 ? item_f32_d64 : d == 128 ? item_f32_d128 : item_f32_any;
+    }
+#endif
+    (void)d;
+    return dtype == UCM_DTYPE_BF16 ? item_bf16_scalar : item_f32_scalar;
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+/* 1 when this build has the AVX-512 path (tests use it to know which path a head_dim takes). */
+int ucm_has_avx512(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int ucm_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline int32_t num_queries(const Problem *p, int32_t seq) {
+    return p->query_start_loc ? p->query_start_loc[seq + 1] - p->query_start_loc[seq] : 1;
+}
+
+/* Whether sequence seq gets no work here: no queries, or a whole prompt the caller computes elsewhere. */
+static inline int skipped(const Problem *p, int32_t seq) {
+    const int32_t n = num_queries(p, seq);
+    return n == 0 || (p->skip_whole_prompts && n > 1 && n == p->seq_lens[seq]);
+}
+
+/* Checks every sequence before any work so a bad batch fails whole, with the first bad sequence in *err_seq;
+ * counts the work items and the skipped whole prompts. */
+static int validate(const Problem *p, int32_t num_seqs, int32_t num_tokens, int32_t max_blocks_per_seq,
+                    int64_t num_blocks, int32_t *err_seq, int64_t *num_items, int32_t *num_skipped) {
+    const int32_t group = p->num_q_heads / p->num_kv_heads;
+    int64_t items = 0;
+    int32_t skips = 0;
+    for (int32_t b = 0; b < num_seqs; b++) {
+        *err_seq = b;
+        int32_t n = 1;
+        if (p->query_start_loc) {
+            const int32_t lo = p->query_start_loc[b], hi = p->query_start_loc[b + 1];
+            if (lo < 0 || hi < lo || hi > num_tokens) return UCM_ERR_BAD_QUERY_START_LOC;
+            n = hi - lo;
+        } else if (b >= num_tokens) {
+            return UCM_ERR_BAD_QUERY_START_LOC;
+        }
+        const int32_t len = p->seq_lens[b];
+        if (skipped(p, b)) {
+            skips += n > 0;
+            continue;
+        }
+        if (len < 0 || (len > 0 && n > len) || (len == 0 && n > 1)) return UCM_ERR_QUERY_LONGER_THAN_CONTEXT;
+        const int32_t used = (len + p->block_size - 1) / p->block_size;
+        if (used > max_blocks_per_seq) return UCM_ERR_BLOCK_TABLE_TOO_NARROW;
+        const int32_t *table = table_of(p, b);
+        for (int32_t i = 0; i < used; i++)
+            if (table[i] < 0 || table[i] >= num_blocks) return UCM_ERR_BLOCK_ID_OUT_OF_RANGE;
+        items += p->num_kv_heads * (((int64_t)n * group + MAX_ROWS - 1) / MAX_ROWS);
+    }
+    *err_seq = -1;
+    *num_items = items;
+    *num_skipped = skips;
+    return UCM_OK;
+}
+
+/* Varlen causal paged attention (see the file comment). dtype: 0 fp32, 1 bf16. num_threads > 1 splits the
+ * work items over OpenMP threads when the build has OpenMP (it shares the process's libgomp with torch).
+ * With skip_whole_prompts, sequences whose queries are their whole context are left out (their output rows
+ * untouched) and counted in *num_skipped. Returns UCM_OK or an UCM_ERR_* code with the sequence in *err_seq. */
+int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_head, const void *k_cache,
+                        const void *v_cache, void *out, const int32_t *query_start_loc, const int32_t *seq_lens,
+                        const int32_t *block_tables, int64_t block_table_stride, int32_t max_blocks_per_seq,
+                        int64_t num_blocks, int32_t num_seqs, int32_t num_tokens, int32_t num_q_heads,
+                        int32_t num_kv_heads, int32_t head_dim, int32_t block_size, int32_t dtype, float scale,
+                        int32_t skip_whole_prompts, int32_t num_threads, int32_t *err_seq,
+                        int32_t *num_skipped) {
+    *err_seq = -1;
+    *num_skipped = 0;
+    if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim > MAX_D ||
+        block_size <= 0 || (dtype != UCM_DTYPE_F32 && dtype != UCM_DTYPE_BF16))
+        return UCM_ERR_BAD_SHAPE;
+    const Problem p = {q, q_stride_tok, q_stride_head, k_cache, v_cache, out, query_start_loc, seq_lens,
+                       block_tables, block_table_stride, num_q_heads, num_kv_heads, head_dim, block_size,
+                       scale * LOG2E, skip_whole_prompts};
+    int64_t num_items = 0;
+    const int rc = validate(&p, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
+    if (rc != UCM_OK) return rc;
+    const ItemFn fn = pick_item_fn(head_dim, dtype);
+    const int32_t group = num_q_heads / num_kv_heads;
+#ifdef _OPENMP
+    if (num_threads > 1 && num_items > 1) {
+        Item *items = malloc((size_t)num_items * sizeof *items);
+        if (items) {
+            int64_t k = 0;
+            for (int32_t b = 0; b < num_seqs; b++) {
+                if (skipped(&p, b)) continue;
+                const int32_t n = num_queries(&p, b);
+                for (int32_t h = 0; h < num_kv_heads; h++)
+                    for (int32_t r = 0; r < n * group; r += MAX_ROWS) items[k++] = (Item){b, h, r};
+            }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+            for (int64_t i = 0; i < num_items; i++) fn(&p, &items[i]);
+            free(items);
+            return UCM_OK;
+        }
+    }
+#endif
+    (void)num_threads;
+    for (int32_t b = 0; b < num_seqs; b++) {
+        if (skipped(&p, b)) continue;
+        const int32_t n = num_queries(&p, b);
+        for (int32_t h = 0; h < num_kv_heads; h++)
+            for (int32_t r = 0; r < n * group; r += MAX_ROWS) {
+                const Item it = {b, h, r};
+                fn(&p, &it);
+            }
+    }
+    return UCM_OK;
+}

@@ -1,0 +1,134 @@
+"""Python side of the native CPU paged-attention kernel (`paged_attention.c`): layout checks and the ctypes call.
+
+The kernel reads K/V in place from the paged cache; the only tensor made per call is the output. Metadata
+tensors are passed by pointer, so decode steps never copy them into Python lists.
+
+Whole prompts (a sequence whose new tokens are its entire context, more than one) are left to torch's causal
+SDPA, the kernel HF transformers runs too: a bf16 prompt's logits then stay bit-identical to HF's
+(tests/test_model_hf.py). The native kernel is as accurate against fp32 but sums in another order, and in bf16
+that difference grows to ~0.7 logits over 30 layers. Cached-prefix chunks, decodes and their mixes are native.
+
+Threads: the kernel splits its (sequence, kv head, query tile) work items over `torch.get_num_threads()`
+OpenMP threads (the libgomp thread pool torch uses); with one torch thread it runs on the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu.native import NativeLib
+from kernels.reference import prefill_attention_torch
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HEAD_DIM = 256  # MAX_D in paged_attention.c
+
+_ERRORS = {
+    1: "has more query tokens than context tokens (seq_lens counts the new tokens too)",
+    2: "needs more blocks than block_tables has columns",
+    3: "has a block id outside the cache",
+    4: "has query_start_loc entries out of order or past the query tokens",
+    5: "has an unsupported shape (head_dim > 256, or query heads not a multiple of kv heads)",
+}
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel can take these tensors as they are (else the caller uses the torch path)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in DTYPE_CODES
+        and q.dtype == k_cache.dtype
+        and k_cache.shape[3] <= MAX_HEAD_DIM
+        and q.stride(2) == 1
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _call(
+    lib: NativeLib,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    skip_whole_prompts: bool,
+) -> tuple[torch.Tensor, int]:
+    """One kernel call -> (out, number of whole prompts it skipped)."""
+    num_tokens, hq, d = q.shape
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    out = torch.empty((num_tokens, hq, d), dtype=q.dtype)
+    seq_lens, block_tables = _int32(seq_lens), _int32(block_tables)
+    qsl_ptr = None if query_start_loc is None else _int32(query_start_loc).data_ptr()
+    err_seq, skipped = ctypes.c_int32(-1), ctypes.c_int32(0)
+    rc = lib.paged_attention(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        qsl_ptr, seq_lens.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], num_blocks,
+        seq_lens.shape[0], num_tokens, hq, hkv, d, block_size,
+        DTYPE_CODES[q.dtype], scale, skip_whole_prompts, torch.get_num_threads(),
+        ctypes.byref(err_seq), ctypes.byref(skipped),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"paged attention: sequence {err_seq.value} {_ERRORS.get(rc, f'failed with code {rc}')}")
+    return out, skipped.value
+
+
+def paged_attention_native(
+    lib: NativeLib,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The kernel alone on every sequence, whole prompts included (tests, benchmarks); None: decode."""
+    return _call(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, False)[0]
+
+
+def decode_attention_native(
+    lib: NativeLib,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`kernels.decode_attention`'s contract (one query per sequence, row b); the caller checked `supports`."""
+    return _call(lib, q, k_cache, v_cache, None, seq_lens, block_tables, scale, False)[0]
+
+
+def prefill_attention_native(
+    lib: NativeLib,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`kernels.prefill_attention`'s contract (packed varlen, causal); whole prompts go to torch (module doc)."""
+    out, skipped = _call(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, True)
+    if not skipped:
+        return out
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, ctx in enumerate(lens):
+        lo, hi = starts[i], starts[i + 1]
+        if hi - lo > 1 and hi - lo == ctx:
+            one = torch.tensor([0, ctx], dtype=torch.int32)
+            out[lo:hi] = prefill_attention_torch(
+                q[lo:hi], k_cache, v_cache, one, seq_lens[i : i + 1], block_tables[i : i + 1], scale, ctx
+            )
+    return out
