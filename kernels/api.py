@@ -2,8 +2,8 @@
 
 CPU attention runs the native C kernel (`kernels/cpu/`, K/V read in place from the paged cache) for decodes and
 prefill chunks over a cached prefix; whole prompts keep torch's causal SDPA (kernels/cpu/paged_attention.py says
-why). `UCM_CPU_ATTENTION=torch` forces the torch path, which also runs when the kernel cannot be built or the
-dtype/layout is not one it takes.
+why); write_kv is a C copy loop. `UCM_CPU_ATTENTION=torch` forces the torch path for both, which also runs when
+the library cannot be built or the dtype/layout is not one it takes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from kernels.backend import AttentionBackend, CpuAttention, cpu_attention, select_backend
 from kernels.cpu import native
 from kernels.cpu.native import NativeLib
+from kernels.cpu import write_kv as native_write
 from kernels.cpu.paged_attention import decode_attention_native, prefill_attention_native, supports
 from kernels.reference import (
     copy_blocks_torch,
@@ -79,6 +80,12 @@ def write_kv(
         from kernels.triton_write_kv import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        return
+    lib = None
+    if cpu_attention() is CpuAttention.NATIVE and native_write.supports(key, value, k_cache, v_cache):
+        lib = native.load()
+    if lib is not None:
+        native_write.write_kv_native(lib, key, value, k_cache, v_cache, slot_mapping)
     else:
         write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
 

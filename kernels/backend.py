@@ -1,7 +1,7 @@
 """Which implementation a kernel call runs: the Triton kernels on CUDA, the CPU path elsewhere.
 
-On the CPU path, attention itself runs the native C kernel (`kernels/cpu/`) unless `UCM_CPU_ATTENTION=torch`
-asks for the pure-torch reference; everything else (write_kv, block copies) is torch.
+On the CPU path, attention and write_kv run the native C library (`kernels/cpu/`) unless
+`UCM_CPU_ATTENTION=torch` asks for the pure-torch reference; block gather/scatter/copy are torch.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def forced_backend() -> AttentionBackend | None:
 
 
 class CpuAttention(enum.Enum):
-    """Attention on the CPU path: the C kernel reading the paged cache in place, or torch SDPA on gathered K/V."""
+    """Attention (and write_kv) on the CPU path: the C library reading the paged cache in place, or torch."""
 
     NATIVE = "native"
     TORCH = "torch"

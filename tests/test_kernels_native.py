@@ -17,7 +17,13 @@ import torch
 import kernels
 from kernels.cpu import native
 from kernels.cpu.paged_attention import paged_attention_native, prefill_attention_native
-from kernels.reference import decode_attention_chunked_torch, decode_attention_torch, prefill_attention_torch
+from kernels.cpu.write_kv import write_kv_native
+from kernels.reference import (
+    decode_attention_chunked_torch,
+    decode_attention_torch,
+    prefill_attention_torch,
+    write_kv_torch,
+)
 from kernels.testing import make_paged_case, naive_attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,15 +142,38 @@ def test_bad_batches_raise(lib):
         paged_attention_native(lib, case.q, *args, None, case.seq_lens, case.block_tables[:, :1], 0.125)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference(lib, dtype):
+    t, hkv, d, blocks, bs = 7, 3, 64, 6, 16
+    gen = torch.Generator().manual_seed(1)
+    # k and v as the model hands them over: token rows of a wider fused qkv tensor.
+    qkv = torch.randn(t, 9 * d + 2 * hkv * d, generator=gen).to(dtype)
+    key = qkv[:, 9 * d : 9 * d + hkv * d].view(t, hkv, d)
+    value = qkv[:, 9 * d + hkv * d :].view(t, hkv, d)
+    slots = torch.tensor([17, -1, 0, 95, 40, -1, 3])
+    caches = [torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    write_kv_native(lib, key, value, *caches, slots)
+    write_kv_torch(key, value, *want, slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    with pytest.raises(ValueError, match="token 1 has slot 96"):
+        write_kv_native(lib, key[:2], value[:2], *caches, torch.tensor([5, blocks * bs]))
+    assert torch.equal(caches[0], want[0]), "a bad batch writes nothing"
+
+
 def _spy(monkeypatch, lib: native.NativeLib) -> list[int]:
-    """Count calls into the C kernel made through kernels' dispatch."""
+    """Record calls into the C library made through kernels' dispatch: 1 attention, 2 write_kv."""
     calls: list[int] = []
 
     def counted(*a):
         calls.append(1)
         return lib.paged_attention(*a)
 
-    spy = dataclasses.replace(lib, paged_attention=counted)
+    def counted_write(*a):
+        calls.append(2)
+        return lib.write_kv(*a)
+
+    spy = dataclasses.replace(lib, paged_attention=counted, write_kv=counted_write)
     monkeypatch.setattr(native, "load", lambda: spy)
     return calls
 
@@ -158,16 +187,19 @@ def test_dispatch_and_switch(lib, monkeypatch):
     assert kernels.select_backend(torch.device("cpu")) is kernels.AttentionBackend.TORCH  # the CPU path
     native_out = kernels.decode_attention(*decode_args)
     assert len(calls) == 1, "native is the CPU default"
+    kernels.write_kv(case.keys[0][:2], case.values[0][:2], case.k_cache, case.v_cache, torch.tensor([-1, -1]))
+    assert calls == [1, 2]
     monkeypatch.setenv("UCM_CPU_ATTENTION", "torch")
     torch_out = kernels.decode_attention(*decode_args)
-    assert len(calls) == 1, "UCM_CPU_ATTENTION=torch must keep the kernel out"
+    kernels.write_kv(case.keys[0][:2], case.values[0][:2], case.k_cache, case.v_cache, torch.tensor([-1, -1]))
+    assert len(calls) == 2, "UCM_CPU_ATTENTION=torch must keep the library out"
     assert torch.equal(torch_out, decode_attention_chunked_torch(*decode_args))
     torch.testing.assert_close(native_out, torch_out, **TOL[torch.bfloat16])
     monkeypatch.setenv("UCM_CPU_ATTENTION", "native")
     kernels.prefill_attention(
         case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables, 0.125, 1
     )
-    assert len(calls) == 2
+    assert calls == [1, 2, 1]
     monkeypatch.setenv("UCM_CPU_ATTENTION", "fast")
     with pytest.raises(ValueError, match="UCM_CPU_ATTENTION='fast' is not one of: native, torch"):
         kernels.decode_attention(*decode_args)

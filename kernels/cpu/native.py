@@ -44,11 +44,12 @@ class BuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class NativeLib:
-    """The loaded library and its one entry point (argtypes set, so ctypes checks each call's arguments)."""
+    """The loaded library and its entry points (argtypes set, so ctypes checks each call's arguments)."""
 
     path: Path
     cdll: ctypes.CDLL
     paged_attention: ctypes._CFuncPtr  # see ucm_paged_attention in paged_attention.c
+    write_kv: ctypes._CFuncPtr  # ucm_write_kv
     has_avx512: bool
     has_openmp: bool
 
@@ -132,9 +133,13 @@ def _bind(path: Path) -> NativeLib:
         _c_int32_p, _c_int32_p,  # err_seq, num_skipped (out)
     ]
     fn.restype = i32
+    write = cdll.ucm_write_kv
+    # key, key token stride (bytes), value, value token stride, k_cache, v_cache, slots, T, num slots, row bytes
+    write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    write.restype = i64
     cdll.ucm_has_avx512.restype = i32
     cdll.ucm_has_openmp.restype = i32
-    return NativeLib(path, cdll, fn, bool(cdll.ucm_has_avx512()), bool(cdll.ucm_has_openmp()))
+    return NativeLib(path, cdll, fn, write, bool(cdll.ucm_has_avx512()), bool(cdll.ucm_has_openmp()))
 
 
 def build(cache_root: Path | None = None) -> NativeLib:

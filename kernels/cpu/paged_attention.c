@@ -8,11 +8,15 @@
  *   out               [T, num_q_heads, head_dim] contiguous; same dtype
  * Sequence b owns query rows query_start_loc[b] .. query_start_loc[b+1]; with n of them and L = seq_lens[b],
  * query token i sits at position L - n + i and attends keys 0..L-n+i (causal over a cached prefix). A NULL
- * query_start_loc means decode: sequence b has exactly one query, row b.
+ * query_start_loc means decode: sequence b has exactly one query, row b. Sequences with L == 0 (padding) get
+ * zeros.
  *
- * Work item = (sequence, kv head, tile of up to MAX_ROWS query rows). A row is (token, query head of this kv
- * head's group): all heads of a GQA group share the item, so each K/V row is read once per group and tile.
- * Keys are streamed in chunks of up to 16 (never crossing a block) with an online softmax in fp32 (base 2).
+ * Work item = (sequence, up to MAX_ROWS consecutive "rows"), a row being one (query token, query head) pair in
+ * token-major order. A decode item therefore holds every head of its sequence: each chunk of keys is one
+ * contiguous stretch of a block (all kv heads), read once, sequentially, and prefetched a chunk ahead. Random
+ * block order defeats the hardware prefetchers, and one kv head at a time (a third of every cache line run)
+ * measured 2x slower on a cold cache. Rows of one GQA group share each V row they read.
+ * Keys are streamed in chunks of up to 16 (never crossing a block) with an online softmax in fp32, base 2.
  */
 
 #include <math.h>
@@ -30,9 +34,9 @@
 #define UCM_DTYPE_F32 0
 #define UCM_DTYPE_BF16 1
 
-#define MAX_ROWS 16   /* query rows per work item: the scores of a chunk for all rows stay in L1 */
-#define MAX_D 256     /* largest head_dim: per-row accumulators live on the stack */
-#define CHUNK 16      /* keys per online-softmax step: one AVX-512 vector of scores */
+#define MAX_ROWS 32 /* rows per work item: a prefill chunk's tokens share the K/V they stream from L1/L2 */
+#define MAX_D 256   /* largest head_dim: per-row accumulators live on the stack */
+#define CHUNK 16    /* keys per online-softmax step: one AVX-512 vector of scores */
 
 /* Error codes returned to Python (which turns them into ValueError with the sequence index). */
 #define UCM_OK 0
@@ -52,13 +56,48 @@ typedef struct {
     const int32_t *query_start_loc, *seq_lens, *block_tables;
     int64_t block_table_stride;
     int32_t num_q_heads, num_kv_heads, head_dim, block_size;
-    float scale_log2; /* softmax scale folded with log2(e): scores live in base 2 */
+    float scale_log2;           /* softmax scale folded with log2(e): scores live in base 2 */
     int32_t skip_whole_prompts; /* leave sequences whose queries are their whole context (n == L > 1) alone */
 } Problem;
 
 typedef struct {
-    int32_t seq, kv_head, row0; /* row0: first of this item's rows within (token, group head) order */
+    int32_t seq, row0; /* row0: first row (token * num_q_heads + query head) of the item */
 } Item;
+
+/* One item's rows, resolved: where each row's query and output live, its kv head and last visible key. */
+typedef struct {
+    int32_t n, len, nrows;
+    int64_t q_off[MAX_ROWS], o_off[MAX_ROWS];
+    int32_t kv_head[MAX_ROWS], pos[MAX_ROWS];
+} Rows;
+
+static inline int32_t num_queries(const Problem *p, int32_t seq) {
+    return p->query_start_loc ? p->query_start_loc[seq + 1] - p->query_start_loc[seq] : 1;
+}
+
+static void resolve_rows(const Problem *p, const Item *it, Rows *r) {
+    const int32_t q0 = p->query_start_loc ? p->query_start_loc[it->seq] : it->seq;
+    const int32_t hq = p->num_q_heads, group = hq / p->num_kv_heads;
+    r->n = num_queries(p, it->seq);
+    r->len = p->seq_lens[it->seq];
+    r->nrows = r->n * hq - it->row0 < MAX_ROWS ? r->n * hq - it->row0 : MAX_ROWS;
+    for (int32_t i = 0; i < r->nrows; i++) {
+        const int32_t row = it->row0 + i, tok = row / hq, head = row % hq;
+        r->q_off[i] = (int64_t)(q0 + tok) * p->q_stride_tok + (int64_t)head * p->q_stride_head;
+        r->o_off[i] = ((int64_t)(q0 + tok) * hq + head) * p->head_dim;
+        r->kv_head[i] = head / group;
+        r->pos[i] = r->len - r->n + tok;
+    }
+}
+
+static inline const int32_t *table_of(const Problem *p, int32_t seq) {
+    return p->block_tables + (int64_t)seq * p->block_table_stride;
+}
+
+/* Element offset of (token t of block, kv head) inside a cache. */
+static inline int64_t cache_offset(const Problem *p, int32_t block, int32_t t, int32_t kv_head) {
+    return (((int64_t)block * p->block_size + t) * p->num_kv_heads + kv_head) * p->head_dim;
+}
 
 /* ---------------------------------------------------------------- dtype helpers (scalar) */
 
@@ -73,7 +112,7 @@ static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* keep NaN a NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    u += 0x7fffu + ((u >> 16) & 1u);                                             /* round to nearest even */
     return (uint16_t)(u >> 16);
 }
 
@@ -81,67 +120,32 @@ static inline float load_f(const void *base, int64_t i, int dtype) {
     return dtype == UCM_DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-/* ---------------------------------------------------------------- one work item: shared bookkeeping */
-
-static inline int64_t q_offset(const Problem *p, int32_t token, int32_t head) {
-    return (int64_t)token * p->q_stride_tok + (int64_t)head * p->q_stride_head;
-}
-
-static inline int64_t out_offset(const Problem *p, int32_t token, int32_t head) {
-    return ((int64_t)token * p->num_q_heads + head) * p->head_dim;
-}
-
-/* The rows of item `it` whose tokens start at packed row q0, as (query offset, output offset, position). */
-static int32_t item_rows(const Problem *p, const Item *it, int32_t n, int32_t len, int32_t q0,
-                         int64_t *q_off, int64_t *o_off, int32_t *pos) {
-    const int32_t group = p->num_q_heads / p->num_kv_heads;
-    const int32_t total = n * group;
-    const int32_t nrows = total - it->row0 < MAX_ROWS ? total - it->row0 : MAX_ROWS;
-    for (int32_t i = 0; i < nrows; i++) {
-        const int32_t row = it->row0 + i, tok = row / group, head = it->kv_head * group + row % group;
-        q_off[i] = q_offset(p, q0 + tok, head);
-        o_off[i] = out_offset(p, q0 + tok, head);
-        pos[i] = len - n + tok;
-    }
-    return nrows;
-}
-
-static inline const int32_t *table_of(const Problem *p, int32_t seq) {
-    return p->block_tables + (int64_t)seq * p->block_table_stride;
-}
-
-/* Element offset of (token t of block, kv head) inside a cache. */
-static inline int64_t cache_offset(const Problem *p, int32_t block, int32_t t, int32_t kv_head) {
-    return (((int64_t)block * p->block_size + t) * p->num_kv_heads + kv_head) * p->head_dim;
+static void store_zero_rows(const Problem *p, const Rows *r, int dtype) {
+    const size_t bytes = (size_t)p->head_dim * (dtype == UCM_DTYPE_BF16 ? 2 : 4);
+    for (int32_t i = 0; i < r->nrows; i++)
+        memset((char *)p->out + r->o_off[i] * (int64_t)(bytes / p->head_dim), 0, bytes);
 }
 
 /* ---------------------------------------------------------------- portable path (any head_dim, any CPU) */
 
 static void attend_item_scalar(const Problem *p, const Item *it, int dtype) {
-    const int32_t seq = it->seq;
-    const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq;
-    const int32_t n = p->query_start_loc ? p->query_start_loc[seq + 1] - q0 : 1;
-    const int32_t len = p->seq_lens[seq], d = p->head_dim, bs = p->block_size;
-    int64_t q_off[MAX_ROWS], o_off[MAX_ROWS];
-    int32_t pos[MAX_ROWS];
-    const int32_t nrows = item_rows(p, it, n, len, q0, q_off, o_off, pos);
-    const int32_t *table = table_of(p, seq);
+    Rows r;
+    resolve_rows(p, it, &r);
+    if (r.len == 0) { /* padding row: the kernels' contract is 0, not NaN */
+        store_zero_rows(p, &r, dtype);
+        return;
+    }
+    const int32_t d = p->head_dim, bs = p->block_size;
+    const int32_t *table = table_of(p, it->seq);
     float qv[MAX_D], acc[MAX_D];
-    for (int32_t r = 0; r < nrows; r++) {
-        if (len == 0) { /* padding row: the kernels' contract is 0, not NaN */
-            for (int32_t k = 0; k < d; k++) {
-                if (dtype == UCM_DTYPE_BF16) ((uint16_t *)p->out)[o_off[r] + k] = 0;
-                else ((float *)p->out)[o_off[r] + k] = 0.0f;
-            }
-            continue;
-        }
+    for (int32_t i = 0; i < r.nrows; i++) {
         for (int32_t k = 0; k < d; k++) {
-            qv[k] = load_f(p->q, q_off[r] + k, dtype);
+            qv[k] = load_f(p->q, r.q_off[i] + k, dtype);
             acc[k] = 0.0f;
         }
         float m = -INFINITY, l = 0.0f;
-        for (int32_t j = 0; j <= pos[r]; j++) {
-            const int64_t kv = cache_offset(p, table[j / bs], j % bs, it->kv_head);
+        for (int32_t j = 0; j <= r.pos[i]; j++) {
+            const int64_t kv = cache_offset(p, table[j / bs], j % bs, r.kv_head[i]);
             float s = 0.0f;
             for (int32_t k = 0; k < d; k++) s += qv[k] * load_f(p->k_cache, kv + k, dtype);
             s *= p->scale_log2;
@@ -153,8 +157,8 @@ static void attend_item_scalar(const Problem *p, const Item *it, int dtype) {
         }
         for (int32_t k = 0; k < d; k++) {
             const float o = acc[k] / l;
-            if (dtype == UCM_DTYPE_BF16) ((uint16_t *)p->out)[o_off[r] + k] = f32_to_bf16(o);
-            else ((float *)p->out)[o_off[r] + k] = o;
+            if (dtype == UCM_DTYPE_BF16) ((uint16_t *)p->out)[r.o_off[i] + k] = f32_to_bf16(o);
+            else ((float *)p->out)[r.o_off[i] + k] = o;
         }
     }
 }
@@ -165,16 +169,39 @@ static void attend_item_scalar(const Problem *p, const Item *it, int dtype) {
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+ALWAYS_INLINE int has_bf16_dot(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 ALWAYS_INLINE __m512 bf16x16_to_f32(const uint16_t *src) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)src);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 ALWAYS_INLINE __m512 load16(const void *base, int64_t i, int dtype) {
     return dtype == UCM_DTYPE_BF16 ? bf16x16_to_f32((const uint16_t *)base + i) : _mm512_loadu_ps((const float *)base + i);
 }
 
-/* 2^x for x <= 0 (masked lanes are zeroed by the caller): round, degree-7 Taylor of 2^f on [-0.5, 0.5]
- * (relative error < 1e-8), then scalef adds the exponent. */
+/* Round 16 floats to bf16, nearest even, NaN kept a NaN. */
+ALWAYS_INLINE void store_bf16x16(uint16_t *dst, __m512 y) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(y));
+#else
+    __m512i u = _mm512_castps_si512(y);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    u = _mm512_mask_or_epi32(u, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_castps_si512(y),
+                             _mm512_set1_epi32(0x400000));
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+#endif
+}
+
+/* 2^x for x <= 0: round, degree-7 Taylor of 2^f on [-0.5, 0.5] (relative error < 1e-8), scalef adds the
+ * exponent. Below -127 the result is ~0 either way; callers zero masked lanes themselves. */
 ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -206,7 +233,8 @@ ALWAYS_INLINE __m512 hsum16x16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Raw scores q . k_j for the nk keys at k (consecutive keys kstride elements apart); lanes >= nk are 0. */
+/* Raw scores q . k_j for the nk keys at k (consecutive keys kstride elements apart); lanes >= nk are 0.
+ * qf is q in fp32 (unused when bf16 dot products run natively). */
 ALWAYS_INLINE __m512 qk_chunk(const void *q, const float *qf, const void *k, int64_t kstride, int nk, int d,
                               int dtype) {
     __m512 acc[CHUNK];
@@ -224,133 +252,157 @@ ALWAYS_INLINE __m512 qk_chunk(const void *q, const float *qf, const void *k, int
                 continue;
             }
 #endif
-            (void)q;
             for (int c = 0; c < d; c += 16)
                 acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c), load16(k, j * kstride + c, dtype), acc[j]);
         }
     }
+    (void)q;
+    (void)qf;
     return hsum16x16(acc);
 }
 
-/* o[r] = o[r] * alpha[r] + sum_j p[r][j] * v_j for rows [r0, r0 + NR), two 16-float column slices at a time so
- * 2 * NR independent FMA chains hide the FMA latency. */
-ALWAYS_INLINE void pv_rows(float (*o)[MAX_D], const float (*pw)[CHUNK], const float *alpha, int r0, int NR,
-                           const void *v, int64_t vstride, int nk, int d, int dtype) {
+/* o[r] = o[r] * alpha[r] + sum_j w[r][j] * v_j for NR consecutive rows sharing one V head, two 16-float
+ * column slices at a time so 2 * NR independent FMA chains hide the FMA latency. */
+ALWAYS_INLINE void pv_rows(float *o, const float (*w)[CHUNK], const float *alpha, int r0, int NR, const void *v,
+                           int64_t vstride, int nk, int d, int dtype) {
     for (int c = 0; c < d; c += 32) {
         __m512 a0[4], a1[4];
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             const __m512 s = _mm512_set1_ps(alpha[r0 + r]);
-            a0[r] = _mm512_mul_ps(_mm512_load_ps(o[r0 + r] + c), s);
-            a1[r] = _mm512_mul_ps(_mm512_load_ps(o[r0 + r] + c + 16), s);
+            a0[r] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + r) * d + c), s);
+            a1[r] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + r) * d + c + 16), s);
         }
         for (int j = 0; j < nk; j++) {
             const __m512 v0 = load16(v, j * vstride + c, dtype), v1 = load16(v, j * vstride + c + 16, dtype);
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++) {
-                const __m512 w = _mm512_set1_ps(pw[r0 + r][j]);
-                a0[r] = _mm512_fmadd_ps(w, v0, a0[r]);
-                a1[r] = _mm512_fmadd_ps(w, v1, a1[r]);
+                const __m512 wj = _mm512_set1_ps(w[r0 + r][j]);
+                a0[r] = _mm512_fmadd_ps(wj, v0, a0[r]);
+                a1[r] = _mm512_fmadd_ps(wj, v1, a1[r]);
             }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
-            _mm512_store_ps(o[r0 + r] + c, a0[r]);
-            _mm512_store_ps(o[r0 + r] + c + 16, a1[r]);
+            _mm512_store_ps(o + (r0 + r) * d + c, a0[r]);
+            _mm512_store_ps(o + (r0 + r) * d + c + 16, a1[r]);
         }
     }
 }
 
-ALWAYS_INLINE void prefetch_rows(const void *base, int64_t stride_bytes, int nk, int row_bytes) {
-    for (int j = 0; j < nk; j++)
-        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)base + j * stride_bytes + b, _MM_HINT_T0);
+/* The cache lines of the next chunk, handed to the prefetcher a few at a time between rows: a burst of a
+ * few hundred prefetches at once stalls on the core's miss buffers. */
+typedef struct {
+    const char *k, *v;
+    int64_t stride, bytes; /* bytes between key rows, bytes per key row */
+    int rows, row;
+    int64_t at;
+} Prefetch;
+
+ALWAYS_INLINE void prefetch_some(Prefetch *pf, int lines) {
+    for (; lines > 0 && pf->row < pf->rows; lines--) {
+        _mm_prefetch(pf->k + pf->row * pf->stride + pf->at, _MM_HINT_T0);
+        _mm_prefetch(pf->v + pf->row * pf->stride + pf->at, _MM_HINT_T0);
+        pf->at += 64;
+        if (pf->at >= pf->bytes) {
+            pf->at = 0;
+            pf->row++;
+        }
+    }
 }
 
 ALWAYS_INLINE void attend_item_avx512(const Problem *p, const Item *it, int d, int dtype) {
-    const int32_t seq = it->seq;
-    const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq;
-    const int32_t n = p->query_start_loc ? p->query_start_loc[seq + 1] - q0 : 1;
-    const int32_t len = p->seq_lens[seq], bs = p->block_size, kvh = it->kv_head;
-    const int esize = dtype == UCM_DTYPE_BF16 ? 2 : 4;
-    int64_t q_off[MAX_ROWS], o_off[MAX_ROWS];
-    int32_t pos[MAX_ROWS];
-    const int32_t nrows = item_rows(p, it, n, len, q0, q_off, o_off, pos);
-    if (nrows <= 0) return; /* items are made with row0 < n * group; this only tells the compiler */
-    if (len == 0) { /* padding row: the kernels' contract is 0, not NaN */
-        for (int32_t r = 0; r < nrows; r++) memset((char *)p->out + o_off[r] * esize, 0, (size_t)d * esize);
+    Rows r;
+    resolve_rows(p, it, &r);
+    if (r.nrows <= 0) return; /* items are made with row0 < n * num_q_heads; this only tells the compiler */
+    if (r.len == 0) {         /* padding row: the kernels' contract is 0, not NaN */
+        store_zero_rows(p, &r, dtype);
         return;
     }
-    const int32_t *table = table_of(p, seq);
+    const int esize = dtype == UCM_DTYPE_BF16 ? 2 : 4;
+    const int32_t bs = p->block_size, nrows = r.nrows;
+    const int32_t *table = table_of(p, it->seq);
     const int64_t kstride = (int64_t)p->num_kv_heads * d; /* elements between consecutive keys of a block */
-    _Alignas(64) float o[MAX_ROWS][MAX_D];
-    _Alignas(64) float pw[MAX_ROWS][CHUNK];
-    _Alignas(64) float qf[MAX_ROWS][MAX_D];
+    int32_t h_lo = r.kv_head[0], h_hi = r.kv_head[0]; /* the kv heads to prefetch */
+    for (int32_t i = 1; i < nrows; i++) {
+        h_lo = r.kv_head[i] < h_lo ? r.kv_head[i] : h_lo;
+        h_hi = r.kv_head[i] > h_hi ? r.kv_head[i] : h_hi;
+    }
+    const int64_t pf_bytes = (int64_t)(h_hi - h_lo + 1) * d * esize;
+    _Alignas(64) float o[MAX_ROWS * MAX_D];
+    _Alignas(64) float qf[MAX_ROWS * MAX_D];
+    _Alignas(64) float w[MAX_ROWS][CHUNK];
     float m[MAX_ROWS], l[MAX_ROWS], alpha[MAX_ROWS];
     const void *qrow[MAX_ROWS];
-    for (int32_t r = 0; r < nrows; r++) {
-        qrow[r] = (const char *)p->q + q_off[r] * esize;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
+    const int native_dot = dtype == UCM_DTYPE_BF16 && has_bf16_dot();
+    for (int32_t i = 0; i < nrows; i++) {
+        qrow[i] = (const char *)p->q + r.q_off[i] * esize;
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
         for (int c = 0; c < d; c += 16) {
-            _mm512_store_ps(o[r] + c, _mm512_setzero_ps());
-            _mm512_store_ps(qf[r] + c, load16(qrow[r], c, dtype));
+            _mm512_store_ps(o + i * d + c, _mm512_setzero_ps());
+            if (!native_dot) _mm512_store_ps(qf + i * d + c, load16(qrow[i], c, dtype));
         }
     }
-    const int32_t last = pos[nrows - 1]; /* rows are in position order: the last row sees the most keys */
-    int32_t first_live = 0;              /* rows before it have seen all their keys */
+    const int32_t last = r.pos[nrows - 1]; /* rows are in position order: the last row sees the most keys */
+    int32_t first_live = 0;                /* rows before it have seen all their keys */
     int nk;
     for (int32_t start = 0; start <= last; start += nk) {
         /* a chunk never straddles a block: its keys are equally spaced in memory */
-        const int32_t blk = start / bs, off = start % bs;
-        nk = last - start + 1;
-        if (nk > CHUNK) nk = CHUNK;
+        const int32_t off = start % bs;
+        nk = last - start + 1 < CHUNK ? last - start + 1 : CHUNK;
         if (nk > bs - off) nk = bs - off;
-        const int64_t base = cache_offset(p, table[blk], off, kvh);
-        const void *kc = (const char *)p->k_cache + base * esize, *vc = (const char *)p->v_cache + base * esize;
+        const int64_t base = cache_offset(p, table[start / bs], off, 0);
+        const char *kc = (const char *)p->k_cache + base * esize, *vc = (const char *)p->v_cache + base * esize;
+        /* One chunk ahead is enough (measured: 2 or 4 ahead, or into L2 only, were slower). */
         const int32_t next = start + nk;
+        Prefetch pf = {0};
         if (next <= last) {
-            const int64_t nb = cache_offset(p, table[next / bs], next % bs, kvh) * esize;
             int nn = last - next + 1 < CHUNK ? last - next + 1 : CHUNK;
             if (nn > bs - next % bs) nn = bs - next % bs;
-            prefetch_rows((const char *)p->k_cache + nb, kstride * esize, nn, d * esize);
-            prefetch_rows((const char *)p->v_cache + nb, kstride * esize, nn, d * esize);
+            const int64_t nb = cache_offset(p, table[next / bs], next % bs, h_lo) * esize;
+            pf = (Prefetch){(const char *)p->k_cache + nb, (const char *)p->v_cache + nb, kstride * esize, pf_bytes,
+                            nn, 0, 0};
         }
-        while (first_live < nrows && pos[first_live] < start) first_live++;
-        for (int32_t r = first_live; r < nrows; r++) {
-            int vis = pos[r] - start + 1; /* keys of this chunk row r may see */
-            if (vis > nk) vis = nk;
-            __m512 s = _mm512_mul_ps(qk_chunk(qrow[r], qf[r], kc, kstride, nk, d, dtype), _mm512_set1_ps(p->scale_log2));
+        while (first_live < nrows && r.pos[first_live] < start) first_live++;
+        const int32_t live_rows = nrows - first_live; /* >= 1: the last row sees this chunk */
+        const int pf_step = (int)((pf.rows * (pf_bytes / 64) + live_rows - 1) / live_rows);
+        for (int32_t i = first_live; i < nrows; i++) {
+            prefetch_some(&pf, pf_step);
+            const int vis = r.pos[i] - start + 1 < nk ? r.pos[i] - start + 1 : nk; /* keys row i may see */
             const __mmask16 live = (__mmask16)((1u << vis) - 1u);
+            const char *ki = kc + (int64_t)r.kv_head[i] * d * esize;
+            __m512 s = _mm512_mul_ps(qk_chunk(qrow[i], qf + i * d, ki, kstride, nk, d, dtype),
+                                     _mm512_set1_ps(p->scale_log2));
             s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), s);
-            const float cmax = _mm512_reduce_max_ps(s);
-            const float m_new = cmax > m[r] ? cmax : m[r];
-            alpha[r] = exp2f(m[r] - m_new);
-            const __m512 w = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(w);
-            m[r] = m_new;
-            _mm512_store_ps(pw[r], w);
+            const float m_new = fmaxf(_mm512_reduce_max_ps(s), m[i]);
+            alpha[i] = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m[i] - m_new)));
+            const __m512 e = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+            l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(e);
+            m[i] = m_new;
+            _mm512_store_ps(w[i], e);
         }
-        int32_t r = first_live;
-        for (; r + 4 <= nrows; r += 4) pv_rows(o, (const float (*)[CHUNK])pw, alpha, r, 4, vc, kstride, nk, d, dtype);
-        switch (nrows - r) {
-        case 3: pv_rows(o, (const float (*)[CHUNK])pw, alpha, r, 3, vc, kstride, nk, d, dtype); break;
-        case 2: pv_rows(o, (const float (*)[CHUNK])pw, alpha, r, 2, vc, kstride, nk, d, dtype); break;
-        case 1: pv_rows(o, (const float (*)[CHUNK])pw, alpha, r, 1, vc, kstride, nk, d, dtype); break;
-        default: break;
+        /* Runs of consecutive rows with one kv head share each V row, up to 4 at a time. */
+        for (int32_t i = first_live; i < nrows;) {
+            int32_t run = 1;
+            while (i + run < nrows && run < 4 && r.kv_head[i + run] == r.kv_head[i]) run++;
+            const char *vi = vc + (int64_t)r.kv_head[i] * d * esize;
+            const float (*wc)[CHUNK] = (const float (*)[CHUNK])w;
+            switch (run) {
+            case 4: pv_rows(o, wc, alpha, i, 4, vi, kstride, nk, d, dtype); break;
+            case 3: pv_rows(o, wc, alpha, i, 3, vi, kstride, nk, d, dtype); break;
+            case 2: pv_rows(o, wc, alpha, i, 2, vi, kstride, nk, d, dtype); break;
+            default: pv_rows(o, wc, alpha, i, 1, vi, kstride, nk, d, dtype); break;
+            }
+            i += run;
         }
     }
-    for (int32_t r = 0; r < nrows; r++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+    for (int32_t i = 0; i < nrows; i++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[i]);
         for (int c = 0; c < d; c += 16) {
-            const __m512 y = _mm512_mul_ps(_mm512_load_ps(o[r] + c), inv);
-            if (dtype == UCM_DTYPE_BF16) {
-                _Alignas(64) float tmp[16];
-                _mm512_store_ps(tmp, y);
-                uint16_t *dst = (uint16_t *)p->out + o_off[r] + c;
-                for (int k = 0; k < 16; k++) dst[k] = f32_to_bf16(tmp[k]);
-            } else {
-                _mm512_storeu_ps((float *)p->out + o_off[r] + c, y);
-            }
+            const __m512 y = _mm512_mul_ps(_mm512_load_ps(o + i * d + c), inv);
+            if (dtype == UCM_DTYPE_BF16) store_bf16x16((uint16_t *)p->out + r.o_off[i] + c, y);
+            else _mm512_storeu_ps((float *)p->out + r.o_off[i] + c, y);
         }
     }
 }
@@ -399,34 +451,31 @@ int ucm_has_openmp(void) {
 #endif
 }
 
-static inline int32_t num_queries(const Problem *p, int32_t seq) {
-    return p->query_start_loc ? p->query_start_loc[seq + 1] - p->query_start_loc[seq] : 1;
-}
-
 /* Whether sequence seq gets no work here: no queries, or a whole prompt the caller computes elsewhere. */
 static inline int skipped(const Problem *p, int32_t seq) {
     const int32_t n = num_queries(p, seq);
     return n == 0 || (p->skip_whole_prompts && n > 1 && n == p->seq_lens[seq]);
 }
 
+static inline int32_t items_of(const Problem *p, int32_t seq) {
+    return (num_queries(p, seq) * p->num_q_heads + MAX_ROWS - 1) / MAX_ROWS;
+}
+
 /* Checks every sequence before any work so a bad batch fails whole, with the first bad sequence in *err_seq;
  * counts the work items and the skipped whole prompts. */
 static int validate(const Problem *p, int32_t num_seqs, int32_t num_tokens, int32_t max_blocks_per_seq,
                     int64_t num_blocks, int32_t *err_seq, int64_t *num_items, int32_t *num_skipped) {
-    const int32_t group = p->num_q_heads / p->num_kv_heads;
     int64_t items = 0;
     int32_t skips = 0;
     for (int32_t b = 0; b < num_seqs; b++) {
         *err_seq = b;
-        int32_t n = 1;
         if (p->query_start_loc) {
             const int32_t lo = p->query_start_loc[b], hi = p->query_start_loc[b + 1];
             if (lo < 0 || hi < lo || hi > num_tokens) return UCM_ERR_BAD_QUERY_START_LOC;
-            n = hi - lo;
         } else if (b >= num_tokens) {
             return UCM_ERR_BAD_QUERY_START_LOC;
         }
-        const int32_t len = p->seq_lens[b];
+        const int32_t n = num_queries(p, b), len = p->seq_lens[b];
         if (skipped(p, b)) {
             skips += n > 0;
             continue;
@@ -437,7 +486,7 @@ static int validate(const Problem *p, int32_t num_seqs, int32_t num_tokens, int3
         const int32_t *table = table_of(p, b);
         for (int32_t i = 0; i < used; i++)
             if (table[i] < 0 || table[i] >= num_blocks) return UCM_ERR_BLOCK_ID_OUT_OF_RANGE;
-        items += p->num_kv_heads * (((int64_t)n * group + MAX_ROWS - 1) / MAX_ROWS);
+        items += items_of(p, b);
     }
     *err_seq = -1;
     *num_items = items;
@@ -468,7 +517,6 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
     const int rc = validate(&p, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
     if (rc != UCM_OK) return rc;
     const ItemFn fn = pick_item_fn(head_dim, dtype);
-    const int32_t group = num_q_heads / num_kv_heads;
 #ifdef _OPENMP
     if (num_threads > 1 && num_items > 1) {
         Item *items = malloc((size_t)num_items * sizeof *items);
@@ -476,9 +524,7 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
             int64_t k = 0;
             for (int32_t b = 0; b < num_seqs; b++) {
                 if (skipped(&p, b)) continue;
-                const int32_t n = num_queries(&p, b);
-                for (int32_t h = 0; h < num_kv_heads; h++)
-                    for (int32_t r = 0; r < n * group; r += MAX_ROWS) items[k++] = (Item){b, h, r};
+                for (int32_t i = 0; i < items_of(&p, b); i++) items[k++] = (Item){b, i * MAX_ROWS};
             }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
             for (int64_t i = 0; i < num_items; i++) fn(&p, &items[i]);
@@ -490,12 +536,27 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
     (void)num_threads;
     for (int32_t b = 0; b < num_seqs; b++) {
         if (skipped(&p, b)) continue;
-        const int32_t n = num_queries(&p, b);
-        for (int32_t h = 0; h < num_kv_heads; h++)
-            for (int32_t r = 0; r < n * group; r += MAX_ROWS) {
-                const Item it = {b, h, r};
-                fn(&p, &it);
-            }
+        for (int32_t i = 0; i < items_of(&p, b); i++) {
+            const Item it = {b, i * MAX_ROWS};
+            fn(&p, &it);
+        }
     }
     return UCM_OK;
+}
+
+/* Reshape-and-cache: key/value token t (num_kv_heads * head_dim contiguous elements, token_stride apart) goes
+ * to cache slot slot_mapping[t] (block * block_size + offset); slot -1 skips. Checks every slot first and
+ * returns the first bad token + 1 (0: all written). */
+int64_t ucm_write_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
+                     void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_slots,
+                     int64_t row_bytes) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return t + 1;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        memcpy((char *)k_cache + slot * row_bytes, (const char *)key + t * key_stride, (size_t)row_bytes);
+        memcpy((char *)v_cache + slot * row_bytes, (const char *)value + t * value_stride, (size_t)row_bytes);
+    }
+    return 0;
 }
