@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small run: fewer requests, capacities and workloads")
     ap.add_argument("--workloads", default=None, help="comma list of " + ",".join(w.value for w in Workload))
     ap.add_argument("--policies", default=",".join(n.value for n in PolicyName), help="comma list; dram/disk pairs ok")
-    ap.add_argument("--tiered-policies", default=None, help="default: lru,s3fifo,adaptive,lru/tinylfu")
+    ap.add_argument("--tiered-policies", default=None, help="default: lru,s3fifo,density,adaptive,lru/tinylfu")
     ap.add_argument("--fracs", default=None, help="Mooncake DRAM capacities as fractions of the working set")
     ap.add_argument("--synthetic-fracs", default=None, help="the same for the synthetic workloads")
     ap.add_argument("--tiered-fracs", default=None, help="disk fractions for the tiered sweep ('' = skip it)")
@@ -204,7 +204,7 @@ def _run(args: argparse.Namespace) -> int:
     q = args.quick
     workloads = [Workload(w) for w in (args.workloads or ("mooncake,chat" if q else ",".join(w.value for w in Workload))).split(",")]
     policies = parse_policies(args.policies)
-    tiered_policies = parse_policies(args.tiered_policies or "lru,s3fifo,adaptive,lru/tinylfu")
+    tiered_policies = parse_policies(args.tiered_policies or "lru,s3fifo,density,adaptive,lru/tinylfu")
     fracs = [float(f) for f in (args.fracs or ("0.02,0.1" if q else "0.01,0.02,0.05,0.1,0.2")).split(",")]
     syn_fracs = [float(f) for f in (args.synthetic_fracs or args.fracs or "0.02,0.1").split(",")]
     tiered_spec = args.tiered_fracs if args.tiered_fracs is not None else ("0.05" if q else "0.05,0.2")

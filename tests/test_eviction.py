@@ -8,8 +8,18 @@ import random
 
 import pytest
 
-from ucm.eviction import AdaptivePolicy, ARCPolicy, LRUPolicy, PolicyName, S3FIFOPolicy, TinyLFUPolicy, make_policy
+from ucm.eviction import (
+    AdaptivePolicy,
+    ARCPolicy,
+    DensityPolicy,
+    LRUPolicy,
+    PolicyName,
+    S3FIFOPolicy,
+    TinyLFUPolicy,
+    make_policy,
+)
 from ucm.eviction.belady import belady
+from ucm.eviction.reuse_model import ReuseModel
 
 
 def everything(key: object) -> bool:
@@ -118,6 +128,20 @@ def test_lru_order() -> None:
     assert drain(lru) == ["a", "d", "c"]
 
 
+def test_lru_keeps_a_chain_s_shallower_blocks_more_recent() -> None:
+    lru = LRUPolicy(10)
+    for key, parent in (("a2", "a1"), ("a1", "a0"), ("a0", None), ("b0", None)):  # deepest first, as tiers do
+        lru.insert(key, 1, parent)
+    assert lru.keys() == ["a2", "a1", "a0", "b0"]
+    for key in ("a1", "a0"):  # a request hits a's prefix (touched deepest first)...
+        lru.touch(key)
+    lru.insert("a1x", 1, "a1")  # ...and commits a new block after it: the prefix it used ends more recent
+    assert lru.keys() == ["a2", "b0", "a1x", "a1", "a0"]
+    lru.remove("a1")
+    lru.insert("c", 1, "a1")  # an absent parent: nothing to refresh
+    assert lru.keys() == ["a2", "b0", "a1x", "a0", "c"]
+
+
 def test_lru_pinned_key_keeps_its_place() -> None:
     lru = LRUPolicy(10)
     for key in "abc":
@@ -224,6 +248,78 @@ def test_w_tinylfu_window_adapts() -> None:
     for i in range(2000):  # a pure scan: nothing ever hits, the climber keeps moving
         put(lfu, i, 64)
     assert lfu.window_target != start
+
+
+# --- DENSITY --------------------------------------------------------------------------------------------
+
+
+def insert_chains(policy, *chains: list[str]) -> None:
+    """Insert each chain deepest first with its parents, as a tier does."""
+    for chain in chains:
+        for i in range(len(chain) - 1, -1, -1):
+            policy.insert(chain[i], 1, chain[i - 1] if i else None)
+
+
+def test_density_evicts_chains_tail_first_in_lru_order_before_it_has_data() -> None:
+    density = DensityPolicy(5)
+    insert_chains(density, ["a0", "a1", "a2"], ["b0", "b1"])  # ticks: a2 1, a1 2, a0 3, b1 4, b0 5
+    assert drain(density) == ["a2", "a1", "a0", "b1", "b0"], "leaves only, oldest first; a parent waits for its child"
+    insert_chains(density, ["a0", "a1", "a2"], ["b0", "b1"])
+    density.touch("a0")  # a hit, the newest use of all; but a1 still depends on a0
+    assert density.hits("a0") == 2, "coming back as a ghost counted as a use, then the hit"
+    assert drain(density) == ["a2", "a1", "b1", "b0", "a0"]
+
+
+def test_density_orphans_go_first_and_come_back_with_their_parent() -> None:
+    density = DensityPolicy(10)
+    density.insert("x", 1)
+    insert_chains(density, ["a", "b", "c"])
+    density.remove("b")  # e.g. found corrupt: c cannot be reached through this tier any more
+    assert density.orphans() == ["c"]
+    assert density.evict(everything) == "c", "the orphan goes before the older leaf x"
+    density.insert("c", 1, "b")
+    assert density.orphans() == [], "a block whose parent was never here is not an orphan"
+    density.insert("b", 1, "a")  # the parent comes back: c is its child again
+    assert drain(density) == ["x", "c", "b", "a"]
+    insert_chains(density, ["a", "b", "c"])
+    density.remove("a")
+    density.touch("b")  # read again (its parent must be reachable some other way): an ordinary block again
+    assert density.orphans() == [] and drain(density) == ["c", "b"]
+
+
+def test_density_pinned_leaves_fall_back_to_inner_blocks() -> None:
+    density = DensityPolicy(10)
+    insert_chains(density, ["a", "b"])
+    assert density.evict(lambda k: k != "b") == "a", "only the leaf is pinned: its parent has to go"
+    assert density.orphans() == ["b"] and "b" in density
+    assert density.evict(lambda k: False) is None
+    assert drain(density) == ["b"]
+
+
+def test_density_learns_to_keep_reused_blocks_through_a_scan() -> None:
+    stream: list[tuple[str, int]] = []
+    for round_ in range(60):  # 10 hot keys, then 40 never seen again: a reuse distance of 50 > 20 blocks
+        stream += [("hot", i) for i in range(10)] + [("scan", 40 * round_ + i) for i in range(40)]
+    assert replay_hits(LRUPolicy(20), stream, 20) == 0
+    assert replay_hits(DensityPolicy(20), stream, 20) > 0.8 * 600, "most of the 600 hot accesses hit"
+
+
+def test_reuse_model_values_a_class_that_comes_back() -> None:
+    model = ReuseModel(num_classes=2, entries=16)
+    now = 0
+    for i in range(2000):  # class 0: never used again; class 1: used again 8 accesses later
+        now += 1
+        model.start(("once", i), 0, 0, now)
+        if i >= 8:
+            assert model.end(("twice", i - 8), now) == 0
+        now += 1
+        model.start(("twice", i), 1, 0, now)
+        model.advance(now)
+    assert len(model) <= model.horizon + 16, "starts past the horizon are dropped"
+    assert model.value(1, 4) > 10 * model.value(0, 4)
+    assert model.value(1, 100) < model.value(1, 4), "past its reuse age a block is worth little"
+    model.forget(("twice", 1999))
+    assert model.end(("twice", 1999), now) is None
 
 
 # --- Belady ---------------------------------------------------------------------------------------------

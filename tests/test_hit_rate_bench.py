@@ -30,7 +30,7 @@ def test_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     points = json.loads(out_json.read_text())
     n_workloads = len(workloads.split(","))
     tiered = 1 if "mooncake" in workloads else 0
-    assert len(points) == len(PolicyName) * 2 * n_workloads + 4 * tiered  # tiered: lru, s3fifo, adaptive, lru/tinylfu
+    assert len(points) == len(PolicyName) * 2 * n_workloads + 5 * tiered  # tiered: lru, s3fifo, density, adaptive, lru/tinylfu
     for p in points:
         total = p["dram_hits"] + p["disk_hits"]
         assert 0 <= total <= p["belady_hits"] <= p["infinite_hits"] < p["accesses"], p
@@ -41,7 +41,8 @@ def test_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_store_replay_matches_a_direct_lru_simulation() -> None:
-    """The store's DRAM tier, driven by the replay, makes exactly the choices of a bare LRU policy."""
+    """The store's DRAM tier, driven by the replay, makes exactly the choices of a bare LRU policy that is told
+    each request's blocks deepest first, as the tier does (ucm.chain_order)."""
     requests = make_workload(Workload.CHAT, num_requests=300, seed=1)
     ws = working_set(requests)
     point = hit_rate.run_point("chat", "dram", PolicyName.LRU, 0.1, requests, ws, 0.0)
@@ -51,17 +52,18 @@ def test_store_replay_matches_a_direct_lru_simulation() -> None:
         hit = 0
         while hit < len(request) and request[hit] in lru:
             hit += 1
-        for block in request[:hit]:
+        for block in reversed(request[:hit]):
             lru.touch(block)
         # The store decides at dump time which blocks it already holds (content-addressed: skip them),
         # so one evicted while the request's other blocks commit is not stored again.
         stored = [block in lru for block in request[hit:]]
-        for block, skip in zip(request[hit:], stored):
+        parents = [request[i - 1] if i else None for i in range(hit, len(request))]
+        for block, parent, skip in reversed(list(zip(request[hit:], parents, stored))):
             if skip:
                 continue
-            lru.insert(block, 1)
-            while lru.used_bytes > capacity:
+            while lru.used_bytes + 1 > capacity:  # the tier makes room first, then inserts
                 lru.evict(lambda key: True)
+            lru.insert(block, 1, parent)
         hits += hit
     assert point.dram_hits == hits and point.disk_hits == 0
     assert 0 < hits < point.infinite_hits

@@ -84,7 +84,8 @@ def test_partial_dump_never_visible(tmp_path) -> None:
 
 
 def test_lru_eviction_dram_then_disk(tmp_path) -> None:
-    refs = make_refs(list(range(4 * 12)))
+    # Unrelated blocks (each the first of its own chain), so that the order is plain LRU; chains: below.
+    refs = [make_refs(list(range(4)), salt=f"chain-{i}")[0] for i in range(12)]
     with open_store(tmp_path, disk=None) as probe:
         size = record_bytes(probe, refs[0])
     with open_store(tmp_path, dram=4 * size, disk=6 * size, policy=PolicyName.LRU) as store:

@@ -7,23 +7,48 @@ Lock order: the store's lock may be held while taking this tier's lock, never th
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import lmdb
 
 from ucm.api import TierStats
+from ucm.chain_order import deepest_first
 from ucm.eviction import EvictionPolicy
 from ucm.keys import BlockKey
 from ucm.read_snapshot import SnapshotHolder, StoredRecord
-from ucm.record import BlockRecord, committed_seconds
+from ucm.record import BlockRecord, committed_seconds, stated_parent
 
 log = logging.getLogger("ucm.disk")
 T = TypeVar("T")
+
+
+class _Indexed(NamedTuple):
+    committed_s: int
+    key: BlockKey
+    size: int
+    parent: BlockKey | None
+
+
+def _indexed_key(item: _Indexed) -> BlockKey:
+    return item.key
+
+
+def _indexed_parent(item: _Indexed) -> BlockKey | None:
+    return item.parent
+
+
+def _record_key(record: BlockRecord) -> BlockKey:
+    return record.key
+
+
+def _record_parent(record: BlockRecord) -> BlockKey:
+    return record.header.parent
 
 
 class DiskTier:
@@ -52,15 +77,16 @@ class DiskTier:
         self._load_index()
 
     def _load_index(self) -> None:
-        found = []
+        found: list[_Indexed] = []
         with self._env.begin(buffers=True) as txn:
             for key, value in txn.cursor():
-                found.append((committed_seconds(value), bytes(key), len(value)))
-        found.sort()  # oldest commit first: the policy sees the blocks in the order they arrived
-        for _, key, size in found:
-            self._sizes[key] = size
-            self._policy.insert(key, size)
-            self.stats.bytes_used += size
+                found.append(_Indexed(committed_seconds(value), bytes(key), len(value), stated_parent(value)))
+        found.sort(key=lambda item: item.committed_s)  # oldest commit first: the order they arrived in
+        for _, same_second in itertools.groupby(found, key=lambda item: item.committed_s):
+            for item in deepest_first(list(same_second), _indexed_key, _indexed_parent):
+                self._sizes[item.key] = item.size
+                self._policy.insert(item.key, item.size, item.parent)
+                self.stats.bytes_used += item.size
         self.stats.blocks = len(self._sizes)
         log.info("disk: opened %s with %d blocks, %d bytes", self.path, len(self._sizes), self.stats.bytes_used)
         if self.stats.bytes_used > self.capacity_bytes:  # reopened with a smaller capacity
@@ -93,11 +119,12 @@ class DiskTier:
         return victims, True
 
     def write(self, records: Sequence[BlockRecord]) -> list[BlockKey]:
-        """Persist records in one transaction (evicting by deletion as needed); returns the keys written."""
+        """Persist records in one transaction (evicting by deletion as needed); returns the keys written, in the
+        given order (the policy sees them deepest first)."""
         victims: list[BlockKey] = []
         accepted: list[BlockRecord] = []
         with self._lock:
-            for record in records:
+            for record in deepest_first(records, _record_key, _record_parent):
                 key, size = record.key, record.nbytes
                 if key in self._sizes or size > self.capacity_bytes or not self._policy.admit(key, size):
                     continue
@@ -107,7 +134,7 @@ class DiskTier:
                     continue
                 # Reserved before the write lands; the store keeps serving the block from its in-flight map.
                 self._sizes[key] = size
-                self._policy.insert(key, size)
+                self._policy.insert(key, size, record.header.parent)
                 self.stats.bytes_used += size
                 accepted.append(record)
             self.stats.blocks = len(self._sizes)
@@ -132,11 +159,15 @@ class DiskTier:
         with self._lock:
             self.stats.bytes_written += nbytes
             self.stats.write_seconds += time.perf_counter() - start
-        return [record.key for record in accepted]
+        written = {record.key for record in accepted}
+        return [record.key for record in records if record.key in written]
 
-    def read_many(self, keys: Sequence[BlockKey], tags: Sequence[T], visit: Callable[[T, StoredRecord], bool]) -> list[bool]:
+    def read_many(
+        self, keys: Sequence[BlockKey], tags: Sequence[T], visit: Callable[[T, StoredRecord], bool], use: bool = True
+    ) -> list[bool]:
         """In one read snapshot, call `visit(tag, stored record)` for each present key (its view is valid only
-        during the call); returns, per key, False if absent or what `visit` said."""
+        during the call); returns, per key, False if absent or what `visit` said. `keys` in chain order;
+        `use=False`: hits are counted but the policy is not told (another call of the same load did)."""
         with self._lock:
             present = [key in self._sizes for key in keys]
         out = [False] * len(keys)
@@ -152,9 +183,10 @@ class DiskTier:
             finally:
                 self._snapshots.release(snap)
         with self._lock:
-            for key, hit in zip(keys, out):
-                if hit and key in self._sizes:
-                    self._policy.touch(key)
+            if use:
+                for key, hit in zip(reversed(keys), reversed(out)):  # deepest first, as the DRAM tier does
+                    if hit and key in self._sizes:
+                        self._policy.touch(key)
             hits = sum(out)
             self.stats.hits += hits
             self.stats.misses += len(keys) - hits

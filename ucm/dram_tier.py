@@ -1,7 +1,8 @@
 """Host-DRAM tier: committed blocks kept as Python buffers, bounded in bytes, ordered by a pluggable policy.
 
 Not locked itself: the `Store` calls it only under its own lock. Payload buffers are immutable once here, so a
-reader that took a reference keeps valid bytes even if the block is evicted meanwhile.
+reader that took a reference keeps valid bytes even if the block is evicted meanwhile. The policy sees a
+request's blocks deepest first (`ucm.chain_order`) and each block's parent key.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 from collections.abc import Callable
 
 from ucm.api import TierStats
+from ucm.chain_order import deepest_first
 from ucm.eviction import EvictionPolicy
 from ucm.keys import BlockKey
 from ucm.record import BlockRecord
@@ -47,22 +49,30 @@ class DramTier:
         """The record if resident, without counting a hit or a use."""
         return self._blocks.get(key)
 
-    def get_many(self, keys: list[BlockKey], fallback: dict[BlockKey, BlockRecord]) -> list[BlockRecord | None]:
-        """`get` for many keys at once (the load hot path); a key absent here is looked up in `fallback`
-        (blocks committed but evicted before reaching disk), which counts as a DRAM hit without a use."""
-        blocks, touch, stats = self._blocks, self._policy.touch, self.stats
-        out: list[BlockRecord | None] = []
-        for key in keys:
-            record = blocks.get(key)
-            if record is not None:
-                touch(key)
-            else:
-                record = fallback.get(key)
-            out.append(record)
+    def get_many(
+        self, keys: list[BlockKey], fallback: dict[BlockKey, BlockRecord], use: bool = True
+    ) -> list[BlockRecord | None]:
+        """`get` for many keys at once (the load hot path), `keys` in chain order; a key absent here is looked
+        up in `fallback` (blocks committed but evicted before reaching disk), which counts as a DRAM hit without
+        a use. `use=False`: hits are counted but the policy is not told (another call of the same load did)."""
+        blocks, stats = self._blocks, self.stats
+        out: list[BlockRecord | None] = [blocks.get(key) for key in keys]
+        if use:
+            touch = self._policy.touch
+            for key, record in zip(reversed(keys), reversed(out)):  # deepest first: the root ends most recent
+                if record is not None:
+                    touch(key)
+        if fallback:
+            out = [record if record is not None else fallback.get(key) for key, record in zip(keys, out)]
         hits = len(out) - out.count(None)
         stats.hits += hits
         stats.misses += len(out) - hits
         return out
+
+    def put_many(self, records: list[BlockRecord], reason: str) -> list[bool]:
+        """`put` each record, deepest first; per record (in the given order), whether it was stored."""
+        placed = {record.key: self.put(record, reason) for record in deepest_first(records, _key, _parent)}
+        return [placed[record.key] for record in records]
 
     def put(self, record: BlockRecord, reason: str) -> bool:
         """Insert `record`, evicting others if needed; False if it was not admitted or no room could be made."""
@@ -93,7 +103,7 @@ class DramTier:
                 self.capacity_bytes,
             )
         self._blocks[key] = record
-        self._policy.insert(key, size)
+        self._policy.insert(key, size, record.header.parent)
         self.stats.bytes_used += size
         self.stats.blocks = len(self._blocks)
         return True
@@ -106,3 +116,11 @@ class DramTier:
         self.stats.bytes_used -= record.nbytes
         self.stats.blocks = len(self._blocks)
         return True
+
+
+def _key(record: BlockRecord) -> BlockKey:
+    return record.key
+
+
+def _parent(record: BlockRecord) -> BlockKey:
+    return record.header.parent

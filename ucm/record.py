@@ -241,3 +241,11 @@ def committed_seconds(buf: Buffer) -> int:
     if len(view) < _FIXED.size:
         return 0
     return _FIXED.unpack_from(view, 0)[4]
+
+
+def stated_parent(buf: Buffer) -> BlockKey | None:
+    """The parent key a record's header names (None if unreadable); for eviction order only, not verified."""
+    view = as_bytes_view(buf)
+    if len(view) < _FIXED.size:
+        return None
+    return bytes(_FIXED.unpack_from(view, 0)[6])

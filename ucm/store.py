@@ -154,6 +154,7 @@ class Store:
     def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:
         to_write: list[BlockRecord] = []
         with self._lock:
+            records: list[BlockRecord] = []
             for key in keys:
                 pending = self._pending.pop(key, None)
                 if pending is None:
@@ -162,14 +163,14 @@ class Store:
                 if not ok or missing:
                     log.debug("discarding %s (ok=%s, missing layers %s)", key.hex(), ok, missing[:8])
                     continue
-                record = BlockRecord.build(pending.ref, pending.payloads, pending.checksums)  # type: ignore[arg-type]
-                in_dram = self._dram.put(record, "commit")
+                records.append(BlockRecord.build(pending.ref, pending.payloads, pending.checksums))  # type: ignore[arg-type]
+            for record, in_dram in zip(records, self._dram.put_many(records, "commit")):  # deepest first
                 if self._writer is not None:
-                    self._inflight[key] = record
-                    self._removed_inflight.discard(key)
+                    self._inflight[record.key] = record
+                    self._removed_inflight.discard(record.key)
                     to_write.append(record)
                 elif not in_dram:
-                    log.debug("dropping %s at commit: no room in DRAM and no disk tier", key.hex())
+                    log.debug("dropping %s at commit: no room in DRAM and no disk tier", record.key.hex())
         if to_write:
             assert self._writer is not None
             self._writer.submit(to_write)

@@ -48,8 +48,11 @@ class BlockReader:
             raise ValueError(f"negative layer in {list(layers)}")
         top = max(layers, default=-1)
         rows: Rows = [[b""] * len(layers) for _ in range(n)] if dst is None else []
+        # A load reading layer 0 is a use of its blocks for the policies; the connector loads one layer per call,
+        # and counting each call would make every loaded block look num_layers times as hot.
+        use = 0 in layers
         with store._lock:
-            records = store._dram.get_many([ref.key for ref in refs], store._inflight)
+            records = store._dram.get_many([ref.key for ref in refs], store._inflight, use)
         ok = [False] * n
         bad: list[tuple[BlockKey, str]] = []
         verify = store.config.verify_dram_reads
@@ -154,7 +157,7 @@ class BlockReader:
                         store._dram.put(found, "promoted after a disk hit")
                 return True
 
-            for i, hit in zip(on_disk, store._disk.read_many([refs[i].key for i in on_disk], on_disk, visit)):
+            for i, hit in zip(on_disk, store._disk.read_many([refs[i].key for i in on_disk], on_disk, visit, use)):
                 ok[i] = hit
         for key, why in bad:
             self._drop(key, why)
@@ -249,5 +252,4 @@ class BlockReader:
         for key, why in bad:
             self._drop(key, why)
         with store._lock:
-            for record in found:
-                store._dram.put(record, "prefetch")
+            store._dram.put_many(found, "prefetch")

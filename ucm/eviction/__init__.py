@@ -1,8 +1,9 @@
 """Pluggable eviction policies for the store's tiers; `make_policy` is the one way to build one.
 
 LRU is the baseline; S3-FIFO and ARC are eviction orders; TinyLFU is an admission filter (meant for
-the disk tier) over a segmented LRU; Adaptive follows whichever of LRU, S3-FIFO and ARC is winning. Belady's offline optimum lives in `ucm.eviction.belady` and is
-for benchmarks only.
+the disk tier) over a segmented LRU; DENSITY evicts chains tail first by a hit density it learns per reuse
+class (`reuse_model`); Adaptive follows whichever of LRU and DENSITY is winning. Belady's offline optimum
+lives in `ucm.eviction.belady` and is for benchmarks only.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from ucm.eviction.adaptive import AdaptivePolicy
 from ucm.eviction.arc import ARCPolicy
 from ucm.eviction.base import EvictionPolicy, PolicyName
+from ucm.eviction.density import DensityPolicy
 from ucm.eviction.lru import LRUPolicy
 from ucm.eviction.s3fifo import S3FIFOPolicy
 from ucm.eviction.tinylfu import TinyLFUPolicy
@@ -17,6 +19,7 @@ from ucm.eviction.tinylfu import TinyLFUPolicy
 __all__ = [
     "AdaptivePolicy",
     "ARCPolicy",
+    "DensityPolicy",
     "EvictionPolicy",
     "LRUPolicy",
     "PolicyName",
@@ -31,6 +34,7 @@ _POLICIES = {
     PolicyName.ARC: ARCPolicy,
     PolicyName.TINYLFU: TinyLFUPolicy,
     PolicyName.ADAPTIVE: AdaptivePolicy,
+    PolicyName.DENSITY: DensityPolicy,
 }
 
 

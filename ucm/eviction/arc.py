@@ -50,7 +50,8 @@ class ARCPolicy:
         check_size(size)
         return True
 
-    def insert(self, key: Hashable, size: int) -> None:
+    def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        # Chains are not tracked: only the tier's deepest-first order keeps a request's new tail ahead of its root.
         check_size(size)
         self._incoming = key
         if key in self:

@@ -2,6 +2,12 @@
 
 A policy only orders keys; the tier owns the bytes. Keys the tier cannot drop right now (pinned by an
 in-flight load) are skipped through `can_evict`, and stay tracked by the policy.
+
+Blocks are prefix-chained: a lookup serves block i only if blocks 0..i-1 are served too, so a block whose
+parent is gone is worth nothing to a lookup that has to pass through this tier. Tiers therefore hand a
+request's blocks to the policy deepest first (touches and inserts), so that in recency order every block is
+more recent than its descendants, and pass each block's parent key to `insert`; a policy may use it to keep a
+chain's shallower blocks at least as long as its deeper ones.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ class PolicyName(enum.Enum):
     S3FIFO = "s3fifo"
     ARC = "arc"
     TINYLFU = "tinylfu"
-    ADAPTIVE = "adaptive"  # added by the eviction owner: follows the best of LRU/S3-FIFO/ARC
+    ADAPTIVE = "adaptive"  # follows the better of LRU and DENSITY on sampled shadow caches
+    DENSITY = "density"  # prefix-aware: evicts chains tail first, by hit density learned per reuse class
 
 
 class EvictionPolicy(Protocol):
@@ -26,8 +33,9 @@ class EvictionPolicy(Protocol):
         """Whether a new block is worth inserting at all (admission control); most policies say yes."""
         ...
 
-    def insert(self, key: Hashable, size: int) -> None:
-        """A block was stored under `key` (not already tracked)."""
+    def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        """A block was stored under `key` (not already tracked). `parent`: the key of the block before it in its
+        chain, whether or not this tier holds it (None: unknown, or the chain's first block)."""
         ...
 
     def touch(self, key: Hashable) -> None:

@@ -49,7 +49,8 @@ class S3FIFOPolicy:
         check_size(size)
         return True
 
-    def insert(self, key: Hashable, size: int) -> None:
+    def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        # Chains are not tracked: only the tier's deepest-first order keeps a request's new tail ahead of its root.
         check_size(size)
         if key in self._freq:  # a rewrite of a block we hold: a use with the new size
             self.remove(key)

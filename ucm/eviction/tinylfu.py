@@ -86,7 +86,8 @@ class TinyLFUPolicy:
             return True  # with a window, the duel happens when the window overflows (in evict)
         return self.frequency(key) > self._victims_frequency(need)
 
-    def insert(self, key: Hashable, size: int) -> None:
+    def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        # Chains are not tracked: only the tier's deepest-first order keeps a request's new tail ahead of its root.
         check_size(size)
         if key != self._last_admitted:
             self._record(key, size)  # the tier skipped admit(): still count the sighting
