@@ -7,6 +7,8 @@ Eviction: each tier asks the policy built by `ucm.eviction.make_policy(config.po
 `make_policy(config.disk_policy, config.disk_bytes)` (admit/insert/touch/remove/evict(can_evict)); `can_evict`
 is False for keys pinned by an in-flight load. DRAM eviction just drops (the block was written behind); disk
 eviction deletes. Lock order: `Store._lock` → disk tier lock → pin lock; nothing is taken the other way.
+A disk block is promoted into DRAM once (the first load to read it; concurrent loads of other layers find it
+there) and never after a removal started (`ucm.removal_clock`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ucm.eviction import EvictionPolicy, PolicyName, make_policy
 from ucm.keys import KEY_NBYTES, BlockKey
 from ucm.pins import PinTable
 from ucm.record import BlockRecord, as_bytes_view, checksum
+from ucm.removal_clock import RemovalClock
 from ucm.store_config import StoreConfig
 from ucm.store_reader import BlockReader
 from ucm.task import Task
@@ -68,6 +71,7 @@ class Store:
         # Removed while in flight: hidden even if their disk write lands, until `_on_written` deletes it again.
         self._removed_inflight: set[BlockKey] = set()
         self._pending: dict[BlockKey, _Pending] = {}
+        self._removals = RemovalClock()  # a promotion from disk must not bring back what a removal deleted
         self._counters = StoreStats()
         self._last_sweep = time.monotonic()
         self._pool = ThreadPoolExecutor(config.load_threads, thread_name_prefix="ucm-load")
@@ -193,13 +197,18 @@ class Store:
 
     def remove(self, keys: Sequence[BlockKey]) -> None:
         with self._lock:
+            self._removals.begin()
             for key in keys:
                 self._pending.pop(key, None)
                 if self._inflight.pop(key, None) is not None:
                     self._removed_inflight.add(key)
                 self._dram.remove(key)
-        if self._disk is not None:
-            self._disk.remove(keys)
+        try:
+            if self._disk is not None:
+                self._disk.remove(keys)
+        finally:
+            with self._lock:
+                self._removals.end()
 
     # --- reads ------------------------------------------------------------------------------------------
 

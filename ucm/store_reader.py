@@ -53,6 +53,7 @@ class BlockReader:
         use = 0 in layers
         with store._lock:
             records = store._dram.get_many([ref.key for ref in refs], store._inflight, use)
+            removals = store._removals.mark()  # before any disk read: see `promoted` below
         ok = [False] * n
         bad: list[tuple[BlockKey, str]] = []
         verify = store.config.verify_dram_reads
@@ -130,18 +131,19 @@ class BlockReader:
                     else:  # numpy releases the GIL while copying: load threads copy in parallel
                         np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(payload, np.uint8))
                     return True
+                decoded = None  # read from disk here: to promote into DRAM
                 try:
                     if promote:
                         with store._lock:  # promoted meanwhile by a concurrent load of other layers?
                             found = store._dram.peek(ref.key)
                         if found is None or not found.header.matches(ref):
-                            found = decode_record(bytes(stored.view))  # one copy out of the map, then owned by DRAM
+                            found = decoded = decode_record(bytes(stored.view))  # one copy out of the map
                             self._check(ref, found)
                         payloads = [found.payloads[layer] for layer in layers]
                     else:  # serve straight out of the memory map; the header was parsed by the first layer's read
                         layout, view = stored.layout(), stored.view
                         layout.check(ref)
-                        found, payloads = None, [layout.payload(view, layer) for layer in layers]
+                        payloads = [layout.payload(view, layer) for layer in layers]
                 except RecordError as exc:
                     bad.append((ref.key, f"disk entry rejected: {exc}"))
                     return False
@@ -152,9 +154,12 @@ class BlockReader:
                     rows[i] = payloads if promote else [bytes(p) for p in payloads]
                 elif not self._copy(ref, payloads, dst[i]):
                     return False
-                if found is not None:  # at once, so concurrent loads of the same blocks (other layers) hit DRAM
+                if decoded is not None:  # at once, so concurrent loads of the same blocks (other layers) hit DRAM
                     with store._lock:
-                        store._dram.put(found, "promoted after a disk hit")
+                        # Once: another load may have promoted it since our peek (a second put would count as a
+                        # use). Never after a removal: it deleted the block from both tiers after we read it.
+                        if ref.key not in store._dram and store._removals.quiet_since(removals):
+                            store._dram.put(decoded, "promoted after a disk hit")
                 return True
 
             for i, hit in zip(on_disk, store._disk.read_many([refs[i].key for i in on_disk], on_disk, visit, use)):
@@ -219,11 +224,16 @@ class BlockReader:
         store = self._store
         log.warning("dropping %s: %s", key.hex(), why)
         with store._lock:
+            store._removals.begin()
             store._counters.corrupt_dropped += 1
             store._inflight.pop(key, None)
             store._dram.remove(key)
-        if store._disk is not None:
-            store._disk.remove([key])
+        try:
+            if store._disk is not None:
+                store._disk.remove([key])
+        finally:
+            with store._lock:
+                store._removals.end()
 
     def promote(self, keys: Sequence[BlockKey]) -> None:
         """Prefetch: copy disk blocks into DRAM (verified against their own header, all layers)."""
@@ -231,6 +241,7 @@ class BlockReader:
         assert store._disk is not None, "promote needs a disk tier"
         with store._lock:
             keys = [key for key in keys if key not in store._dram and key not in store._inflight]
+            removals = store._removals.mark()
         found: list[BlockRecord] = []
         bad: list[tuple[BlockKey, str]] = []
 
@@ -252,4 +263,5 @@ class BlockReader:
         for key, why in bad:
             self._drop(key, why)
         with store._lock:
-            store._dram.put_many(found, "prefetch")
+            if store._removals.quiet_since(removals):  # else one of them may have been removed since it was read
+                store._dram.put_many([record for record in found if record.key not in store._dram], "prefetch")
