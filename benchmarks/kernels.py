@@ -3,7 +3,9 @@
 CUDA: achieved memory bandwidth (bytes the kernel must move / time) as a fraction of the device's peak HBM
 bandwidth (from a table by device name, else a measured large copy), with torch SDPA on already-gathered dense
 K/V (and torch index_select / index_copy_ for blocks) as the baseline.
-CPU: tokens/s of the torch reference path against SDPA on pre-gathered K/V.
+CPU: tokens/s of the dispatch path (the native C kernel, kernels/cpu/) next to the torch path
+(`UCM_CPU_ATTENTION=torch`) and SDPA on pre-gathered K/V, in the same run. The "cold" shape cycles through one
+cache per layer (30, > the last-level cache) as the engine does, so K/V come from DRAM.
 
     .venv/bin/python -m benchmarks.kernels [--json out.json] [--quick]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -25,6 +28,9 @@ if not __package__:  # run as a file, this folder is sys.path[0] and `import ker
     raise SystemExit("run it as a module from the repository root: python -m benchmarks.kernels")
 
 import kernels  # noqa: E402
+from kernels.cpu import native  # noqa: E402
+from kernels.cpu.paged_attention import paged_attention_native  # noqa: E402
+from kernels.reference import decode_attention_chunked_torch, prefill_attention_torch  # noqa: E402
 from kernels.reference.paged_gather import gather_context  # noqa: E402
 
 # Peak HBM/DRAM bandwidth in GB/s (vendor datasheets), matched by substring of torch.cuda.get_device_name().
@@ -55,6 +61,7 @@ class Shape:
     num_kv_heads: int
     head_dim: int
     block_size: int = 16
+    layers: int = 1  # > 1: one cache per layer, called in turn (cold caches, as in the engine)
 
 
 @dataclass(frozen=True)
@@ -123,10 +130,40 @@ def decode_attention_triton(*args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def cpu_paged_runs(
+    q: torch.Tensor,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+) -> dict[str, Callable[[], object]]:
+    """The CPU decode paths over the paged caches, each call on the next cache in turn."""
+    layer = itertools.cycle(caches)
+    runs = {
+        "paged (dispatch)": lambda: kernels.decode_attention(q, *next(layer), tables, seq_lens, scale, max_seq_len),
+        "torch path": lambda: decode_attention_chunked_torch(q, *next(layer), tables, seq_lens, scale, max_seq_len),
+    }
+    lib = native.load()
+    if lib is not None:
+        runs["native (in place)"] = lambda: paged_attention_native(lib, q, *next(layer), None, seq_lens, tables, scale)
+    return runs
+
+
 def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float | None, min_s: float) -> list[Row]:
     q, k_cache, v_cache, tables, seq_lens = paged_setup(s, dtype, device)
     scale = s.head_dim**-0.5
     nb = tables.shape[1]
+    if s.layers > 1:
+        assert device.type == "cpu", "cold-cache shapes are a CPU benchmark"
+        caches = [(k_cache, v_cache)] + [paged_setup(s, dtype, device)[1:3] for _ in range(s.layers - 1)]
+        kv_bytes = 2 * s.batch * s.ctx * s.num_kv_heads * s.head_dim * k_cache.element_size()
+        rows = []
+        for impl, fn in cpu_paged_runs(q, caches, tables, seq_lens, scale, s.ctx).items():
+            ms = time_ms(fn, device, min_s)
+            rows.append(Row("decode", f"{s.name} {dtype_name(dtype)}", impl, ms, kv_bytes / ms / 1e6, None,
+                            s.batch / ms * 1e3))
+        return rows
     # clone: on CPU gather_context returns a scratch view that the paged path reuses.
     k_dense = gather_context(k_cache, tables, nb)[:, :, : s.ctx].clone(memory_format=torch.contiguous_format)
     v_dense = gather_context(v_cache, tables, nb, slot="v")[:, :, : s.ctx].clone(memory_format=torch.contiguous_format)
@@ -138,6 +175,8 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
             q.unsqueeze(2), k_dense, v_dense, scale=scale, enable_gqa=gqa
         ),
     }
+    if device.type == "cpu":
+        runs.update(cpu_paged_runs(q, [(k_cache, v_cache)], tables, seq_lens, scale, s.ctx))
     if device.type == "cuda":
         # Tuning sweep of the Triton kernel itself (the dispatch row above uses its defaults).
         for bn, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 8, 3), (128, 8, 2)):
@@ -160,7 +199,8 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
 
 
 def bench_prefill_cpu(s: Shape, dtype: torch.dtype, min_s: float) -> list[Row]:
-    """One sequence of s.ctx tokens whose last half is new (a prefix hit on the first half)."""
+    """One sequence of s.ctx tokens whose last half is new (a prefix hit on the first half), and a whole prompt
+    of s.ctx // 2 tokens (dispatch sends whole prompts to torch's SDPA: kernels/cpu/paged_attention.py)."""
     device = torch.device("cpu")
     one = Shape(s.name, 1, s.ctx, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size)
     _, k_cache, v_cache, tables, seq_lens = paged_setup(one, dtype, device)
@@ -168,11 +208,20 @@ def bench_prefill_cpu(s: Shape, dtype: torch.dtype, min_s: float) -> list[Row]:
     q = torch.randn(new, s.num_q_heads, s.head_dim, dtype=dtype)
     qsl = torch.tensor([0, new], dtype=torch.int32)
     scale = s.head_dim**-0.5
-    ms = time_ms(
-        lambda: kernels.prefill_attention(q, k_cache, v_cache, qsl, seq_lens, tables, scale, new), device, min_s
-    )
-    shape = f"{s.name} {dtype_name(dtype)} {new} new/{s.ctx}"
-    return [Row("prefill", shape, "paged (dispatch)", ms, None, None, new / ms * 1e3)]
+    lib = native.load()
+    rows = []
+    for ctx, what in ((s.ctx, f"{new} new/{s.ctx}"), (new, f"{new} whole prompt")):
+        lens = torch.tensor([ctx], dtype=torch.int32)
+        runs = {
+            "paged (dispatch)": lambda: kernels.prefill_attention(q, k_cache, v_cache, qsl, lens, tables, scale, new),
+            "torch path": lambda: prefill_attention_torch(q, k_cache, v_cache, qsl, lens, tables, scale, new),
+        }
+        if lib is not None:
+            runs["native (in place)"] = lambda: paged_attention_native(lib, q, k_cache, v_cache, qsl, lens, tables, scale)
+        for impl, fn in runs.items():
+            ms = time_ms(fn, device, min_s)
+            rows.append(Row("prefill", f"{s.name} {dtype_name(dtype)} {what}", impl, ms, None, None, new / ms * 1e3))
+    return rows
 
 
 def bench_blocks(s: Shape, num_blocks: int, dtype: torch.dtype, device: torch.device, peak: float | None, min_s: float):
@@ -200,12 +249,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'bench':8} {'shape':34} {'impl':24} {'ms':>9} {'GB/s':>8} {'%peak':>6} {'tok/s':>11}")
+    print(f"{'bench':8} {'shape':40} {'impl':24} {'ms':>9} {'GB/s':>8} {'%peak':>6} {'tok/s':>11}")
     for r in rows:
         gb = f"{r.gbps:8.1f}" if r.gbps is not None else f"{'-':>8}"
         fr = f"{100 * r.frac_peak:5.1f}%" if r.frac_peak is not None else f"{'-':>6}"
         tk = f"{r.tokens_per_s:11.0f}" if r.tokens_per_s is not None else f"{'-':>11}"
-        print(f"{r.bench:8} {r.shape:34} {r.impl:24} {r.ms:9.3f} {gb} {fr} {tk}")
+        print(f"{r.bench:8} {r.shape:40} {r.impl:24} {r.ms:9.3f} {gb} {fr} {tk}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = [torch.bfloat16]
     else:
         ctx = 512 if args.quick else 2048
-        shapes = [Shape(f"smollm2 b8x{ctx}", 8, ctx, 9, 3, 64)]
+        shapes = [Shape(f"smollm2 b8x{ctx}", 8, ctx, 9, 3, 64), Shape("smollm2 b32x512 cold", 32, 512, 9, 3, 64, layers=30)]
         dtypes = [torch.float32, torch.bfloat16]
     what = torch.cuda.get_device_name(device) if cuda else f"cpu, {torch.get_num_threads()} threads"
     peak_txt = f"{peak_src} = {peak:.0f} GB/s" if peak else peak_src
@@ -235,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in dtypes:
         for s in shapes:
             rows += bench_decode(s, dtype, device, peak, min_s)
-            if not cuda:
+            if not cuda and s.layers == 1:
                 rows += bench_prefill_cpu(s, dtype, min_s)
         rows += bench_blocks(shapes[0], 4096 if cuda else 256, dtype, device, peak, min_s)
     print_table(rows)

@@ -16,6 +16,7 @@ import torch
 
 import kernels
 from kernels.cpu import native
+from kernels.cpu import paged_attention as native_attention
 from kernels.cpu.paged_attention import paged_attention_native, prefill_attention_native
 from kernels.cpu.write_kv import write_kv_native
 from kernels.reference import (
@@ -61,7 +62,7 @@ def _strided(q: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,head_dim", HEADS)
 def test_decode_matches_oracle(lib, dtype, hq, hkv, head_dim):
-    ctx = [0, 1, 17, 16, 33, 5, 0, 250] + [random.Random(hq).randint(1, 120) for _ in range(9)]
+    ctx = [0, 1, 17, 16, 33, 5, 0, 250, 700] + [random.Random(hq).randint(1, 120) for _ in range(9)]
     case = make_paged_case(ctx, [1] * len(ctx), hq, hkv, head_dim, dtype=dtype, seed=hq * head_dim)
     scale = head_dim**-0.5
     q = _strided(case.q)
@@ -79,11 +80,12 @@ def test_decode_matches_oracle(lib, dtype, hq, hkv, head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,head_dim", HEADS)
-def test_varlen_matches_oracle(lib, dtype, hq, hkv, head_dim):
+def test_varlen_matches_oracle(lib, dtype, hq, hkv, head_dim, monkeypatch):
     # (context, new tokens): whole prompt, prefix hit at a block boundary, chunk ending mid-block, decodes,
-    # a long chunk over > 8 blocks, no queries at all, a padding row, and a tile-boundary (16 rows) count.
-    ctx = [15, 32, 17, 1, 150, 9, 40, 0, 60, 23]
-    new = [15, 16, 5, 1, 40, 1, 0, 1, 16, 23]
+    # a long chunk over > 8 blocks, no queries at all, a padding row, a 16-token chunk, a whole prompt, and a
+    # 300-token chunk over a long prefix.
+    ctx = [15, 32, 17, 1, 150, 9, 40, 0, 60, 23, 530]
+    new = [15, 16, 5, 1, 40, 1, 0, 1, 16, 23, 300]
     case = make_paged_case(ctx, new, hq, hkv, head_dim, dtype=dtype, seed=hq + head_dim)
     scale = head_dim**-0.5
     args = (case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables, scale)
@@ -104,6 +106,8 @@ def test_varlen_matches_oracle(lib, dtype, hq, hkv, head_dim):
     for i in (0, 9):
         lo, hi = int(case.query_start_loc[i]), int(case.query_start_loc[i + 1])
         assert torch.equal(mixed[lo:hi], ref[lo:hi]), f"whole prompt {i} must be torch's result bit for bit"
+    monkeypatch.setattr(native_attention, "WHOLE_PROMPTS_ON_TORCH", False)
+    assert torch.equal(prefill_attention_native(lib, case.q, *args), paged_attention_native(lib, case.q, *args))
 
 
 def test_multithreaded_equals_single_thread(lib):
