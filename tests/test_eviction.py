@@ -19,6 +19,7 @@ from ucm.eviction import (
     make_policy,
 )
 from ucm.eviction.belady import belady
+from ucm.eviction.density import GHOSTS_PER_BLOCK
 from ucm.eviction.reuse_model import ReuseModel
 
 
@@ -302,6 +303,45 @@ def test_density_learns_to_keep_reused_blocks_through_a_scan() -> None:
         stream += [("hot", i) for i in range(10)] + [("scan", 40 * round_ + i) for i in range(40)]
     assert replay_hits(LRUPolicy(20), stream, 20) == 0
     assert replay_hits(DensityPolicy(20), stream, 20) > 0.8 * 600, "most of the 600 hot accesses hit"
+
+
+def test_density_metadata_stays_proportional_to_resident_blocks() -> None:
+    rng = random.Random(11)
+    capacity = 64
+    density = DensityPolicy(capacity)
+    chains: list[list[int]] = []
+    fresh = itertools.count()
+    worst_ghosts = 0
+    for step in range(40_000):
+        if step % 10_000 < 5_000 and chains and rng.random() < 0.5:  # random reuse of a prefix
+            chain = rng.choice(chains)
+            chain = chain[: rng.randrange(1, len(chain) + 1)]
+        else:  # a new chain, never seen again half the time: a scan
+            chain = [next(fresh) for _ in range(rng.randrange(1, 9))]
+            chains = (chains + [chain])[-200:]
+        for i in range(len(chain) - 1, -1, -1):
+            key, parent = chain[i], chain[i - 1] if i else None
+            if key in density:
+                density.touch(key)
+            else:
+                density.insert(key, 1, parent)
+        while density.used_bytes > capacity:
+            density.evict(everything)
+        worst_ghosts = max(worst_ghosts, density.ghosts())
+        assert density.ghosts() <= GHOSTS_PER_BLOCK * capacity, f"step {step}: {density.ghosts()} ghosts"
+        assert density.heap_entries() <= 2 * (2 * len(density) + 1024 + 1), f"step {step}: stale heap entries"
+    assert worst_ghosts == GHOSTS_PER_BLOCK * capacity, "the scans fill the cap (the test reaches it)"
+
+
+def test_reuse_model_censors_ghosts_over_the_cap() -> None:
+    model = ReuseModel(num_classes=1, entries=4)
+    for now in range(1, 11):
+        model.start(now, 0, 0, now)
+        model.left(now, now, max_ghosts=3)
+    assert model.ghosts == 3 and len(model) == 3, "the first evicted go first"
+    assert model.end(7, 11) is None and model.end(8, 11) == 0, "a dropped ghost comes back unknown"
+    with pytest.raises(ValueError):
+        model.left(9, 11, max_ghosts=-1)
 
 
 def test_reuse_model_values_a_class_that_comes_back() -> None:

@@ -17,6 +17,8 @@ a workload that changes. O(1) per access; O(bins² × classes) per recompute.
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import NamedTuple
@@ -25,7 +27,7 @@ AGE_BINS_PER_OCTAVE = 2  # log-spaced ages: fine where reuse is quick, coarse wh
 # A start is followed for this many capacity-fulls of accesses: long enough to see that some class is worth
 # keeping several times longer than the cache turns over (Mooncake at 1% of its working set turns over in
 # ~700 accesses; conversations come back after a median ~2,500). It bounds the ghosts kept: at most one per
-# distinct key used within the horizon.
+# distinct key used within the horizon, and the policy caps them (`left`).
 HORIZON_CAPACITIES = 16
 PRIOR_STARTS = 16.0
 HALF_LIFE_MIN = 1 << 15  # accesses; small caches still average over many outcomes
@@ -53,6 +55,7 @@ class ReuseModel:
         if num_classes <= 0 or entries <= 0:
             raise ValueError(f"need positive num_classes and entries, got {num_classes}, {entries}")
         self.num_classes = num_classes
+        self.entries = entries
         self.horizon = HORIZON_CAPACITIES * entries
         self._edges = age_edges(self.horizon)
         bins = len(self._edges) - 1
@@ -61,15 +64,26 @@ class ReuseModel:
         self._epoch_len = max(1, self.period // OPEN_EPOCHS_PER_PERIOD)
         self._decay = 0.5 ** (self.period / max(HALF_LIFE_MIN, 2 * self.horizon))
         self._open: OrderedDict[Hashable, _Start] = OrderedDict()  # oldest start first
+        # Open starts whose block left the cache (key -> start time), and a heap of them by start time, oldest
+        # first: the ones a cap drops (see `left`). Heap entries of ghosts that came back are skipped lazily.
+        self._ghosts: dict[Hashable, int] = {}
+        self._ghost_heap: list[tuple[int, int, Hashable]] = []
+        self._ghost_seq = itertools.count()
         self._open_counts: dict[int, list[int]] = {}  # epoch -> open starts per class
         self._reused = [[0.0] * bins for _ in range(num_classes)]
         self._expired = [0.0] * num_classes
+        self._censored = [[0.0] * bins for _ in range(num_classes)]  # ghosts dropped by the cap, by age
         self._values = [[0.0] * bins for _ in range(num_classes)]
         self._next_update = self.period
 
     def __len__(self) -> int:
         """Starts followed now: the resident blocks plus the ghosts."""
         return len(self._open)
+
+    @property
+    def ghosts(self) -> int:
+        """Starts followed whose block has left the cache."""
+        return len(self._ghosts)
 
     def start(self, key: Hashable, cls: int, hits: int, now: int) -> None:
         """`key` was used at time `now` while in class `cls`, after `hits` earlier uses; follow it from here."""
@@ -88,6 +102,28 @@ class ReuseModel:
             return None
         self._reused[start.cls][self._bin(now - start.ts)] += 1
         return start.hits
+
+    def left(self, key: Hashable, now: int, max_ghosts: int) -> None:
+        """`key` was evicted: keep following it as a ghost, but keep at most `max_ghosts` ghosts. The ones
+        over the cap, least recently used first, are censored: counted at risk up to their age, as a start that is
+        still open, so the hazard stays unbiased; only their class is lost if they come back."""
+        if max_ghosts < 0:
+            raise ValueError(f"max_ghosts must be >= 0, got {max_ghosts}")
+        start = self._open.get(key)
+        if start is not None:
+            self._ghosts[key] = start.ts
+            heapq.heappush(self._ghost_heap, (start.ts, next(self._ghost_seq), key))
+        heap = self._ghost_heap
+        while len(self._ghosts) > max_ghosts:
+            ts, _, oldest = heapq.heappop(heap)
+            if self._ghosts.get(oldest) != ts:
+                continue
+            start = self._close(oldest)
+            assert start is not None, "a ghost is an open start"
+            self._censored[start.cls][self._bin(now - start.ts)] += 1
+        if len(heap) > 2 * len(self._ghosts) + 1024:
+            self._ghost_heap = [(ts, seq, k) for ts, seq, k in heap if self._ghosts.get(k) == ts]
+            heapq.heapify(self._ghost_heap)
 
     def forget(self, key: Hashable) -> None:
         """Stop following `key` without an outcome (it was removed on purpose, not evicted)."""
@@ -116,6 +152,7 @@ class ReuseModel:
     def _close(self, key: Hashable) -> _Start | None:
         start = self._open.pop(key, None)
         if start is not None:
+            self._ghosts.pop(key, None)
             epoch = start.ts // self._epoch_len
             counts = self._open_counts[epoch]
             counts[start.cls] -= 1
@@ -130,6 +167,9 @@ class ReuseModel:
             age_bin = self._bin(max(0, now - epoch * self._epoch_len - self._epoch_len // 2))
             for c in classes:
                 still_open[c][age_bin] += counts[c]
+        for c in classes:  # a censored start was at risk up to its age, like an open one
+            for x in range(bins):
+                still_open[c][x] += self._censored[c][x]
         at_risk = []  # starts that reached each age: reused at that age or later, expired, or open and older
         for c in classes:
             row, total = [0.0] * bins, self._expired[c]
@@ -148,6 +188,7 @@ class ReuseModel:
             self._values[c] = self._gittins(hazard)
             self._reused[c] = [r * self._decay for r in self._reused[c]]
             self._expired[c] *= self._decay
+            self._censored[c] = [n * self._decay for n in self._censored[c]]
 
     def _gittins(self, hazard: list[float]) -> list[float]:
         widths, bins = self._widths, len(hazard)
