@@ -19,6 +19,7 @@ from ucm.eviction import (
     make_policy,
 )
 from ucm.eviction.belady import belady
+from ucm.eviction.adaptive import EXPERTS
 from ucm.eviction.density import GHOSTS_PER_BLOCK
 from ucm.eviction.reuse_model import ReuseModel
 
@@ -434,3 +435,16 @@ def test_adaptive_stays_with_lru_on_a_recency_stream() -> None:
     adaptive = AdaptivePolicy(40)
     lru_hits = replay_hits(LRUPolicy(40), stream, 40)
     assert replay_hits(adaptive, stream, 40) >= 0.97 * lru_hits
+
+
+def test_adaptive_density_copy_learns_from_the_leaders_evictions() -> None:
+    adaptive = AdaptivePolicy(4)
+    for key in range(6):
+        put(adaptive, key, 4)
+    assert adaptive.leader_name is PolicyName.LRU
+    density = adaptive._real[EXPERTS.index(DensityPolicy)]
+    assert isinstance(density, DensityPolicy) and 0 not in density
+    assert density.ghosts() == 2, "LRU's victims stay ghosts in density's copy (a remove would forget them)"
+    put(adaptive, 0, 4)
+    assert density.hits(0) == 1, "back within the horizon: its use before the eviction counts"
+

@@ -123,6 +123,12 @@ class DensityPolicy:
         if self._model is not None:
             self._model.forget(key)
 
+    def evicted(self, key: Hashable) -> None:
+        """Another policy (Adaptive's leader) evicted `key`: drop it as an eviction, so that the model keeps
+        following it as a ghost and learns from its fate, unlike `remove`."""
+        if key in self._blocks:
+            self._evicted(key)
+
     def evict(self, can_evict: Callable[[Hashable], bool]) -> Hashable | None:
         victim = next((key for key in self._orphans if can_evict(key)), None)
         if victim is None:
@@ -131,11 +137,7 @@ class DensityPolicy:
             victim = min((k for k in self._blocks if can_evict(k)), key=lambda k: self._blocks[k].ts, default=None)
             if victim is None:
                 return None
-        self._drop(victim)
-        assert self._model is not None, "a tracked block implies a model"
-        # Proportional to the resident blocks, or to the blocks that fit at the first block's size, so that
-        # a cache emptied by evictions (or by removes) still remembers what it just held.
-        self._model.left(victim, self._now, GHOSTS_PER_BLOCK * max(len(self._blocks), self._model.entries))
+        self._evicted(victim)
         return victim
 
     def ghosts(self) -> int:
@@ -166,6 +168,13 @@ class DensityPolicy:
         stale_bound = 2 * len(self._blocks) + _COMPACT_SLACK
         if sum(map(len, self._oldest)) > stale_bound or sum(map(len, self._newest)) > stale_bound:
             self._compact()
+
+    def _evicted(self, key: Hashable) -> None:
+        self._drop(key)
+        assert self._model is not None, "a tracked block implies a model"
+        # Proportional to the resident blocks, or to the blocks that fit at the first block's size, so that
+        # a cache emptied by evictions (or by removes) still remembers what it just held.
+        self._model.left(key, self._now, GHOSTS_PER_BLOCK * max(len(self._blocks), self._model.entries))
 
     def _is_leaf(self, key: Hashable, block: _Block) -> bool:
         return not block.orphan and not self._kids.get(key)
