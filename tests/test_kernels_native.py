@@ -219,7 +219,7 @@ def test_unsupported_dtype_takes_the_torch_path(lib, monkeypatch):
 
 
 def test_failed_build_falls_back_to_torch(fresh_native, monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("UCM_CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("UCM_CPU_ATTENTION", raising=False)
     case = make_paged_case([40, 3, 0], [1, 1, 1], 9, 3, 64, dtype=torch.bfloat16, seed=4)

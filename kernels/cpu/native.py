@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_attention.c")
 FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp")
 LIBS = ("-lm",)
-COMPILER_ENV = "CC"
+# Not $CC: a clang there would link its own OpenMP runtime beside torch's libgomp.
+COMPILER_ENV = "UCM_CC"
 DEFAULT_COMPILER = "gcc"
 BUILD_TIMEOUT_S = 120
 
@@ -66,7 +67,7 @@ _state = _State()
 
 
 def compiler() -> str:
-    """The C compiler command: `$CC` if set, else gcc."""
+    """The C compiler command: `$UCM_CC` if set, else gcc."""
     return os.environ.get(COMPILER_ENV, "").strip() or DEFAULT_COMPILER
 
 
@@ -180,6 +181,6 @@ def load_error() -> str | None:
 
 
 def forget() -> None:
-    """Drop this process's load result so the next `load()` builds or loads again (tests change $CC)."""
+    """Drop this process's load result so the next `load()` builds or loads again (tests change $UCM_CC)."""
     with _state.lock:
         _state.tried, _state.lib, _state.error = False, None, None

@@ -13,9 +13,10 @@
  *
  * Work item = (sequence, up to MAX_ROWS consecutive "rows"), a row being one (query token, query head) pair in
  * token-major order. A decode item therefore holds every head of its sequence: each chunk of keys is one
- * contiguous stretch of a block (all kv heads), read once, sequentially, and prefetched a chunk ahead. Random
- * block order defeats the hardware prefetchers, and one kv head at a time (a third of every cache line run)
- * measured 2x slower on a cold cache. Rows of one GQA group share each V row they read.
+ * contiguous stretch of a block (all kv heads), read once, sequentially, and prefetched a chunk ahead (random
+ * block order defeats the hardware prefetchers). Items of one kv head each, reading a third of every block,
+ * measured 1.25x slower with DRAM-resident caches (SmolLM2 shapes, 32 sequences, 30 layers' caches: 1015 vs
+ * 808 us a layer). Rows of one GQA group share each V row they read.
  * Keys are streamed in chunks of up to 16 (never crossing a block) with an online softmax in fp32, base 2.
  */
 
@@ -121,9 +122,8 @@ static inline float load_f(const void *base, int64_t i, int dtype) {
 }
 
 static void store_zero_rows(const Problem *p, const Rows *r, int dtype) {
-    const size_t bytes = (size_t)p->head_dim * (dtype == UCM_DTYPE_BF16 ? 2 : 4);
-    for (int32_t i = 0; i < r->nrows; i++)
-        memset((char *)p->out + r->o_off[i] * (int64_t)(bytes / p->head_dim), 0, bytes);
+    const int esize = dtype == UCM_DTYPE_BF16 ? 2 : 4;
+    for (int32_t i = 0; i < r->nrows; i++) memset((char *)p->out + r->o_off[i] * esize, 0, (size_t)p->head_dim * esize);
 }
 
 /* ---------------------------------------------------------------- portable path (any head_dim, any CPU) */
@@ -291,7 +291,8 @@ ALWAYS_INLINE void pv_rows(float *o, const float (*w)[CHUNK], const float *alpha
 }
 
 /* The cache lines of the next chunk, handed to the prefetcher a few at a time between rows: a burst of a
- * few hundred prefetches at once stalls on the core's miss buffers. */
+ * few hundred prefetches at once stalls on the core's miss buffers (measured with DRAM-resident caches on huge
+ * pages: a burst 1516 us a layer, spread out 668, no prefetch 1773). */
 typedef struct {
     const char *k, *v;
     int64_t stride, bytes; /* bytes between key rows, bytes per key row */

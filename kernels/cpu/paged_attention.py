@@ -13,7 +13,8 @@ chunks, decodes and their mixes are always native.
 
 Threads: the kernel splits its work items (a sequence's query rows, 32 (token, head) pairs at a time) over
 `torch.get_num_threads()` OpenMP threads (the libgomp thread pool torch uses); with one torch thread it runs
-on the calling thread.
+on the calling thread. Measured on the 2-core box, DRAM-resident decode (32 sequences, SmolLM2 shapes):
+777 us a layer on 1 thread, 499 on 2.
 """
 
 from __future__ import annotations
