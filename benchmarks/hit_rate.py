@@ -29,11 +29,11 @@ only the first N lines. What was kept is printed. Synthetic workloads are seeded
 What it shows (default run; table in docs/benchmarks.md): tiers hand a request's blocks to the policy
 deepest first, so chains lose their tails, not their roots. `density` (prefix-aware: evicts leaves only, ranked
 by a hit density it learns per hit-count class, remembering evicted blocks as ghosts) is the best policy on
-Mooncake up to 10% of the working set (1%: 10.74 against LRU's 5.07; 2%: 15.11 against 7.86), on RAG, and
+Mooncake up to 10% of the working set (1%: 10.97 against LRU's 5.07; 2%: 15.34 against 7.86), on RAG, and
 on shared system prompts at 2%; where recency is what predicts reuse (synthetic chat at 10%, Mooncake at 20%,
-also tiered) it falls 0.15 to 0.38 points under LRU. `adaptive` follows LRU or `density`, whichever wins on sampled shadow caches, and
+also tiered) it falls 0.15 to 0.37 points under LRU. `adaptive` follows LRU or `density`, whichever wins on sampled shadow caches, and
 is >= LRU at every capacity of every workload, giving back part of `density`'s lead for that. No online policy
-gets within 2 points of MIN on Mooncake (12.8 points at 1%, 2.35 at 20%): three quarters of its blocks are
+gets within 2 points of MIN on Mooncake (12.6 points at 1%, 2.35 at 20%): three quarters of its blocks are
 never read again, MIN stores exactly the others, and nothing visible online (hit count, depth, position in
 the request, first request or continuation) tells them apart beyond a reuse probability of 0.16 to 0.40 for
 a block never hit.
