@@ -1,6 +1,7 @@
 """The model's single call site into the paged-attention kernels, so the backend can switch in one place.
 
-`kernels` picks Triton for CUDA tensors and the torch reference on CPU (`UCM_ATTENTION_BACKEND` forces one).
+`kernels` picks Triton for CUDA tensors and, on CPU, the native C kernel (kernels/cpu/, built on first use) or,
+where it cannot run, the torch path (`UCM_ATTENTION_BACKEND` and `UCM_CPU_ATTENTION` force one).
 """
 
 from __future__ import annotations
