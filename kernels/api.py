@@ -4,6 +4,10 @@ CPU attention runs the native C kernel (`kernels/cpu/`, K/V read in place from t
 prefill chunks over a cached prefix; whole prompts keep torch's causal SDPA (kernels/cpu/paged_attention.py says
 why); write_kv is a C copy loop. `UCM_CPU_ATTENTION=torch` forces the torch path for both, which also runs when
 the library cannot be built or the dtype/layout is not one it takes.
+
+The Llama block's elementwise ops (RMSNorm with the residual add folded in, SiLU-and-mul, RoPE) run the same
+library's fused kernels for contiguous bf16 CPU tensors under the same switch, bit-identical to torch's bf16
+math up to the order of one fp32 sum; fp32, CUDA and `UCM_CPU_ATTENTION=torch` run that torch math itself.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.backend import AttentionBackend, CpuAttention, cpu_attention, select_backend
+from kernels.cpu import elementwise as native_elementwise
 from kernels.cpu import native
 from kernels.cpu.native import NativeLib
 from kernels.cpu import write_kv as native_write
@@ -21,9 +26,13 @@ from kernels.cpu.paged_attention import decode_attention_native, prefill_attenti
 from kernels.reference import (
     copy_blocks_torch,
     decode_attention_chunked_torch,
+    fused_add_rms_norm_torch,
     gather_blocks_torch,
     prefill_attention_torch,
+    rms_norm_torch,
+    rotary_embedding_torch,
     scatter_blocks_torch,
+    silu_and_mul_torch,
     write_kv_torch,
 )
 
@@ -220,3 +229,63 @@ def copy_blocks(
         copy_blocks_triton(kv_caches, src_block_ids, dst_block_ids)
     else:
         copy_blocks_torch(kv_caches, src_block_ids, dst_block_ids)
+
+
+def _native_elementwise(supported: bool) -> NativeLib | None:
+    """The C library when the CPU path should and can run an elementwise kernel on these tensors, else None."""
+    if not supported or cpu_attention() is CpuAttention.TORCH:
+        return None
+    return native.load()
+
+
+def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() < 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight {tuple(weight.shape)} must be [hidden] for x {tuple(x.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama RMSNorm of x [..., hidden]: weight * (x * rsqrt(mean(x^2) + eps)) with x's dtype's roundings."""
+    _check_norm_weight(x, weight)
+    lib = _native_elementwise(native_elementwise.supports_rows(x, weight))
+    if lib is not None:
+        return native_elementwise.rms_norm_native(lib, x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place, rounded to its dtype), then rms_norm(residual): vLLM's fused_add_rms_norm, one
+    pass instead of a residual add and a norm."""
+    _check_norm_weight(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
+        )
+    lib = _native_elementwise(native_elementwise.supports_rows(x, residual, weight))
+    if lib is not None:
+        return native_elementwise.fused_add_rms_norm_native(lib, x, residual, weight, eps)
+    return fused_add_rms_norm_torch(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: x [..., 2I] = (gate | up) -> silu(gate) * up [..., I]."""
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dimension (gate | up), got {tuple(x.shape)}")
+    lib = _native_elementwise(native_elementwise.supports_rows(x))
+    if lib is not None:
+        return native_elementwise.silu_and_mul_native(lib, x)
+    return silu_and_mul_torch(x)
+
+
+def rotary_embedding_(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """Rotate qk [T, H, D] in place (rotate-half layout) by cos and sign-folded sin [T, 1, D]
+    (engine/models/rope.py's `cos_sin`); qk may be a token-strided view, e.g. the q|k heads of a fused qkv."""
+    if qk.dim() != 3 or qk.shape[2] % 2:
+        raise ValueError(f"qk must be [tokens, heads, head_dim] with an even head_dim, got {tuple(qk.shape)}")
+    want = (qk.shape[0], 1, qk.shape[2])
+    if cos.shape != want or signed_sin.shape != want:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(signed_sin.shape)} must be {want}")
+    lib = _native_elementwise(native_elementwise.supports_rope(qk, cos, signed_sin))
+    if lib is not None:
+        native_elementwise.rotary_embedding_native(lib, qk, cos, signed_sin)
+    else:
+        qk.copy_(rotary_embedding_torch(qk, cos, signed_sin))

@@ -11,7 +11,7 @@ from engine.attention import paged_attention_forward
 from engine.attention_metadata import AttentionMetadata
 from engine.model_config import ModelConfig
 from engine.models.dense import dense, pack_weight
-from engine.models.rope import RotaryEmbedding
+from kernels.api import rotary_embedding_
 
 
 class PagedSelfAttention(nn.Module):
@@ -47,7 +47,10 @@ class PagedSelfAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = dense(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
-        qk = RotaryEmbedding.apply(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        # In place inside qkv: q and k go through together (one call), and stay views with qkv's token stride,
+        # which the attention and write_kv kernels take as they are.
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        rotary_embedding_(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if kv_connector is not None:

@@ -1,7 +1,11 @@
 """Llama-family causal LM (Llama, SmolLM2, Mistral, Qwen2) reading and writing a paged KV cache.
 
 All tokens of all sequences in a step are packed along one axis; per-layer work is a handful of big matmuls
-(fused QKV, fused gate/up) and one call into the paged-attention kernels.
+(fused QKV, fused gate/up), one call into the paged-attention kernels and three fused elementwise kernels.
+
+The residual stream is carried beside the hidden states as vLLM does: each residual add happens inside the
+norm that follows it (layer i's post-attention norm, layer i+1's input norm, the final norm), which is the
+same sum in the same order as `h = h + sublayer(norm(h))`, so results do not change, only the op count.
 """
 
 from __future__ import annotations
@@ -32,14 +36,25 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
         kv_connector: Any | None,
-    ) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), cos, sin, kv_cache, attn_metadata, kv_connector)
-        return h + self.mlp(self.post_attn_norm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) -> (this layer's MLP output, the residual stream before adding it).
+
+        The residual stream is the previous layer's input plus its two sublayer outputs; its last add (the
+        previous MLP output, h) happens in this layer's input norm. Layer 0 gets the embeddings and None."""
+        if residual is None:
+            residual = h
+            x = self.input_norm(h)
+        else:
+            x = self.input_norm(h, residual)
+        x = self.attn(x, cos, sin, kv_cache, attn_metadata, kv_connector)
+        x = self.post_attn_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -83,9 +98,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, attn_metadata, kv_connector)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache, attn_metadata, kv_connector)
+        if residual is None:  # no layers
+            return self.norm(h)
+        return self.norm(h, residual)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.dense import dense, pack_weight
+from kernels.api import silu_and_mul
 
 
 class GatedMLP(nn.Module):
@@ -27,5 +27,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = dense(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return dense(F.silu(gate) * up, self.down_weight, self.down_bias, self.down_packed)
+        return dense(silu_and_mul(gate_up), self.down_weight, self.down_bias, self.down_packed)

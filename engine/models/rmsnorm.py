@@ -1,9 +1,12 @@
-"""RMSNorm, computed in fp32 and cast back exactly the way HF's Llama does (so bf16 outputs agree bit for bit)."""
+"""RMSNorm exactly as HF's Llama computes it (fp32 inside, cast back, then scaled), optionally with the
+residual add before it fused in (vLLM's layout: see DecoderLayer)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kernels.api import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -12,8 +15,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x); with a residual, norm(residual + x) and the sum left in `residual` (updated in place)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -44,16 +44,10 @@ class RotaryEmbedding(nn.Module):
         """cos and sign-folded sin, [T, 1, head_dim], for positions [T]; fp32 math then cast, as HF does.
 
         HF rotates with x*cos + cat(-x2, x1)*sin. The sign goes into sin here ([-sin | sin]), which is exact
-        in floating point and saves a negation per layer."""
+        in floating point and saves a negation per layer; `kernels.api.rotary_embedding_` applies them."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         return (
             torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype),
             torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype),
         )
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] rotated; q and k go through together as one tensor to halve the launches."""
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin

@@ -1,7 +1,7 @@
-"""Build the C kernel beside this file on first use and load it with ctypes.
+"""Build the C kernels beside this file into one shared library on first use and load it with ctypes.
 
-The shared library is cached under `<ucm-serve cache dir>/kernels/`, named by a hash of everything that changes
-the machine code: the source, the flags, the compiler's version and the CPU (`-march=native` output only runs
+The library is cached under `<ucm-serve cache dir>/kernels/`, named by a hash of everything that changes
+the machine code: the sources, the flags, the compiler's version and the CPU (`-march=native` output only runs
 on a CPU with the same features). Concurrent first uses (a test starting several nodes at once) each compile
 into a temporary file and `os.replace` it into place, so a reader sees either no library or a whole one.
 
@@ -26,9 +26,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ucm.paths import cache_dir  # stdlib-only: kernels/ stays clear of engine/
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
+# One library, one compiler run: the sources share no symbols (their helpers are static), and a single load
+# keeps one build-or-fallback decision per process.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.c", "elementwise.c"))
+LIBRARY_STEM = "ucm_kernels"
 FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp")
 LIBS = ("-lm",)
 # Not $CC: a clang there would link its own OpenMP runtime beside torch's libgomp.
@@ -51,6 +56,10 @@ class NativeLib:
     cdll: ctypes.CDLL
     paged_attention: ctypes._CFuncPtr  # see ucm_paged_attention in paged_attention.c
     write_kv: ctypes._CFuncPtr  # ucm_write_kv
+    rms_norm: ctypes._CFuncPtr  # ucm_rms_norm in elementwise.c
+    fused_add_rms_norm: ctypes._CFuncPtr  # ucm_fused_add_rms_norm
+    silu_and_mul: ctypes._CFuncPtr  # ucm_silu_and_mul
+    rotary_embedding: ctypes._CFuncPtr  # ucm_rotary_embedding
     has_avx512: bool
     has_openmp: bool
 
@@ -94,13 +103,15 @@ def _compiler_version(cc: str) -> str:
 
 
 def library_path(cc: str, cache_root: Path) -> Path:
-    """Where the library for this source, compiler and CPU lives (built or not)."""
+    """Where the library for these sources, compiler and CPU lives (built or not)."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), _compiler_version(cc).encode(),
-                 platform.machine().encode(), _cpu_signature().encode()):
+    parts = [src.name.encode() for src in SOURCES] + [src.read_bytes() for src in SOURCES]
+    parts += [" ".join(FLAGS + LIBS).encode(), _compiler_version(cc).encode(), platform.machine().encode(),
+              _cpu_signature().encode()]
+    for part in parts:
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
-    return cache_root / "kernels" / f"{SOURCE.stem}-{h.hexdigest()[:20]}.so"
+    return cache_root / "kernels" / f"{LIBRARY_STEM}-{h.hexdigest()[:20]}.so"
 
 
 def _compile(cc: str, target: Path) -> None:
@@ -108,7 +119,7 @@ def _compile(cc: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, str(SOURCE), "-o", tmp, *LIBS]
+        cmd = [cc, *FLAGS, *(str(src) for src in SOURCES), "-o", tmp, *LIBS]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as e:
@@ -138,17 +149,29 @@ def _bind(path: Path) -> NativeLib:
     # key, key token stride (bytes), value, value token stride, k_cache, v_cache, slots, T, num slots, row bytes
     write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
     write.restype = i64
+    f32 = ctypes.c_float
+    norm = cdll.ucm_rms_norm
+    norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]  # x, weight, out, rows, hidden, eps, num_threads
+    norm.restype = None
+    add_norm = cdll.ucm_fused_add_rms_norm
+    add_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]  # x, residual, weight, out, rows, hidden, ...
+    add_norm.restype = None
+    silu = cdll.ucm_silu_and_mul
+    silu.argtypes = [ptr, ptr, i64, i64, i32]  # gate_up, out, rows, intermediate, num_threads
+    silu.restype = None
+    rope = cdll.ucm_rotary_embedding
+    rope.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i32]  # qk, token stride, rows, heads, head_dim, cos, sin, ...
+    rope.restype = None
     cdll.ucm_has_avx512.restype = i32
     cdll.ucm_has_openmp.restype = i32
-    return NativeLib(path, cdll, fn, write, bool(cdll.ucm_has_avx512()), bool(cdll.ucm_has_openmp()))
+    return NativeLib(
+        path, cdll, fn, write, norm, add_norm, silu, rope, bool(cdll.ucm_has_avx512()), bool(cdll.ucm_has_openmp())
+    )
 
 
 def build(cache_root: Path | None = None) -> NativeLib:
     """Compile (unless cached) and load the library; raises BuildError when that is impossible."""
     if cache_root is None:
-        # The one cache-dir rule of the project; model_source is torch-free and imports nothing of ours.
-        from engine.model_source import cache_dir
-
         cache_root = cache_dir()
     cc = compiler()
     path = library_path(cc, cache_root)

@@ -3,6 +3,12 @@
 from kernels.reference.block_ops import copy_blocks_torch, gather_blocks_torch, scatter_blocks_torch
 from kernels.reference.decode_attention import decode_attention_torch
 from kernels.reference.decode_attention_chunked import decode_attention_chunked_torch
+from kernels.reference.elementwise import (
+    fused_add_rms_norm_torch,
+    rms_norm_torch,
+    rotary_embedding_torch,
+    silu_and_mul_torch,
+)
 from kernels.reference.paged_gather import gather_context
 from kernels.reference.prefill_attention import prefill_attention_torch
 from kernels.reference.write_kv import write_kv_torch
@@ -11,9 +17,13 @@ __all__ = [
     "copy_blocks_torch",
     "decode_attention_chunked_torch",
     "decode_attention_torch",
+    "fused_add_rms_norm_torch",
     "gather_blocks_torch",
     "gather_context",
     "prefill_attention_torch",
+    "rms_norm_torch",
+    "rotary_embedding_torch",
     "scatter_blocks_torch",
+    "silu_and_mul_torch",
     "write_kv_torch",
 ]
