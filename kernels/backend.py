@@ -1,7 +1,8 @@
 """Which implementation a kernel call runs: the Triton kernels on CUDA, the CPU path elsewhere.
 
-On the CPU path, attention and write_kv run the native C library (`kernels/cpu/`) unless
-`UCM_CPU_ATTENTION=torch` asks for the pure-torch reference; block gather/scatter/copy are torch.
+On the CPU path, attention, write_kv and the fused elementwise ops (norms, SiLU-and-mul, RoPE; bf16 only) run
+the native C library (`kernels/cpu/`) unless `UCM_CPU_ATTENTION=torch` asks for the pure-torch reference;
+block gather/scatter/copy are torch.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def forced_backend() -> AttentionBackend | None:
 
 
 class CpuAttention(enum.Enum):
-    """Attention (and write_kv) on the CPU path: the C library reading the paged cache in place, or torch."""
+    """The native library's ops on the CPU path (attention reading the paged cache in place, write_kv, the fused
+    elementwise ops), or torch for all of them. The name predates the elementwise ops."""
 
     NATIVE = "native"
     TORCH = "torch"
