@@ -1,12 +1,14 @@
-"""Paged-KV kernels: Triton on CUDA, on CPU a native C attention kernel and the pure-torch reference for the rest
-(`UCM_ATTENTION_BACKEND=torch|triton` forces the device path, `UCM_CPU_ATTENTION=native|torch` the CPU attention).
+"""Paged-KV kernels: Triton on CUDA; on CPU native C kernels (attention, write_kv, fused norm/SiLU/RoPE) and the
+pure-torch reference for the rest (`UCM_ATTENTION_BACKEND=torch|triton` forces the device path,
+`UCM_CPU_ATTENTION=native|torch` the CPU kernels).
 
 Importing this package does not import triton; the Triton modules load on their first use.
 
 Map (caches are per layer `[num_blocks, block_size, num_kv_heads, head_dim]`):
   api.py                       the entry points below: validate, then pick a backend per call from the device
   backend.py                   AttentionBackend {TORCH, TRITON}, CpuAttention {NATIVE, TORCH} and the selection rules
-  cpu/                         native CPU paged attention: C source built on first use, ctypes wrapper
+  cpu/                         native CPU kernels (paged attention, write_kv, residual-add+RMSNorm, RMSNorm,
+                               silu_and_mul, in-place RoPE): C sources built on first use, ctypes wrappers
   reference/                   pure-torch implementations: the CPU fallback path and the test oracle
   triton_write_kv.py           reshape-and-cache (slot -1 skips)
   triton_decode_attention.py   one query per sequence, GQA, split-KV + merge kernel for long contexts
