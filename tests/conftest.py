@@ -2,6 +2,7 @@
 
 smollm2_fp32     engine.loader.LoadedModel of the embedded SmolLM2-135M in float32 on CPU
 hf_smollm2_fp32  transformers' LlamaForCausalLM loaded from the very same converted folder, float32, eval()
+native_lib       kernels.cpu.native.NativeLib, the C kernels built (or loaded from the cache) for this machine
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ def hf_smollm2_fp32(smollm2_fp32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(smollm2_fp32.path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def native_lib():
+    import shutil
+
+    from kernels.cpu import native
+
+    if shutil.which(native.compiler()) is None:
+        pytest.skip(f"no C compiler {native.compiler()!r} on this machine: the torch path serves")
+    built = native.load()
+    assert built is not None, f"the native library did not build: {native.load_error()}"
+    return built
 
 
 def pytest_report_header(config):
