@@ -1,8 +1,8 @@
 """The kernel entry points the engine and connector call; each picks Triton or the CPU path per call from the device.
 
-CPU attention runs the native C kernel (`kernels/cpu/`, K/V read in place from the paged cache) for decodes and
-prefill chunks over a cached prefix; whole prompts keep torch's causal SDPA (kernels/cpu/paged_attention.py says
-why); write_kv is a C copy loop. `UCM_CPU_ATTENTION=torch` forces the torch path for both, which also runs when
+CPU attention runs the native C kernel (`kernels/cpu/`, K/V read in place from the paged cache) for decodes,
+prefill chunks over a cached prefix and whole prompts (kernels/cpu/paged_attention.py says what that costs in
+bit-equality with HF's SDPA); write_kv is a C copy loop. `UCM_CPU_ATTENTION=torch` forces the torch path for both, which also runs when
 the library cannot be built or the dtype/layout is not one it takes.
 
 The Llama block's elementwise ops (RMSNorm with the residual add folded in, SiLU-and-mul, RoPE) run the same
@@ -22,7 +22,7 @@ from kernels.cpu import elementwise as native_elementwise
 from kernels.cpu import native
 from kernels.cpu.native import NativeLib
 from kernels.cpu import write_kv as native_write
-from kernels.cpu.paged_attention import decode_attention_native, prefill_attention_native, supports
+from kernels.cpu.paged_attention import paged_attention_native, prefill_attention_native, supports
 from kernels.reference import (
     copy_blocks_torch,
     decode_attention_chunked_torch,
@@ -62,9 +62,9 @@ def _check_query(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ValueError(f"num query heads {hq} must be a multiple of num kv heads {hkv}")
 
 
-def _native_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> NativeLib | None:
-    """The C kernel when the CPU path should and can run it here, else None (torch)."""
-    if cpu_attention() is CpuAttention.TORCH or not supports(q, k_cache, v_cache):
+def _native_lib(supported: bool) -> NativeLib | None:
+    """The C library when the CPU path should run it and it takes these tensors (`supported`), else None (torch)."""
+    if cpu_attention() is CpuAttention.TORCH or not supported:  # the env check first: a bad value always raises
         return None
     return native.load()
 
@@ -90,9 +90,7 @@ def write_kv(
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
         return
-    lib = None
-    if cpu_attention() is CpuAttention.NATIVE and native_write.supports(key, value, k_cache, v_cache):
-        lib = native.load()
+    lib = _native_lib(native_write.supports(key, value, k_cache, v_cache))
     if lib is not None:
         native_write.write_kv_native(lib, key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -123,9 +121,9 @@ def decode_attention(
         from kernels.triton_decode_attention import decode_attention_triton
 
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
-    lib = _native_cpu_attention(q, k_cache, v_cache)
+    lib = _native_lib(supports(q, k_cache, v_cache))
     if lib is not None:
-        return decode_attention_native(lib, q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_attention_native(lib, q, k_cache, v_cache, None, seq_lens, block_tables, scale)
     # Torch: the length-chunked path (same result as the plain reference, which stays the oracle).
     return decode_attention_chunked_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
 
@@ -155,7 +153,7 @@ def prefill_attention(
         return prefill_attention_triton(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len
         )
-    lib = _native_cpu_attention(q, k_cache, v_cache)
+    lib = _native_lib(supports(q, k_cache, v_cache))
     if lib is not None:
         return prefill_attention_native(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     return prefill_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len)
@@ -231,13 +229,6 @@ def copy_blocks(
         copy_blocks_torch(kv_caches, src_block_ids, dst_block_ids)
 
 
-def _native_elementwise(supported: bool) -> NativeLib | None:
-    """The C library when the CPU path should and can run an elementwise kernel on these tensors, else None."""
-    if not supported or cpu_attention() is CpuAttention.TORCH:
-        return None
-    return native.load()
-
-
 def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() < 1 or weight.shape != (x.shape[-1],):
         raise ValueError(f"weight {tuple(weight.shape)} must be [hidden] for x {tuple(x.shape)}")
@@ -246,7 +237,7 @@ def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF Llama RMSNorm of x [..., hidden]: weight * (x * rsqrt(mean(x^2) + eps)) with x's dtype's roundings."""
     _check_norm_weight(x, weight)
-    lib = _native_elementwise(native_elementwise.supports_rows(x, weight))
+    lib = _native_lib(native_elementwise.supports_rows(x, weight))
     if lib is not None:
         return native_elementwise.rms_norm_native(lib, x, weight, eps)
     return rms_norm_torch(x, weight, eps)
@@ -260,7 +251,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         raise ValueError(
             f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
         )
-    lib = _native_elementwise(native_elementwise.supports_rows(x, residual, weight))
+    lib = _native_lib(native_elementwise.supports_rows(x, residual, weight))
     if lib is not None:
         return native_elementwise.fused_add_rms_norm_native(lib, x, residual, weight, eps)
     return fused_add_rms_norm_torch(x, residual, weight, eps)
@@ -270,7 +261,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: x [..., 2I] = (gate | up) -> silu(gate) * up [..., I]."""
     if x.dim() < 1 or x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dimension (gate | up), got {tuple(x.shape)}")
-    lib = _native_elementwise(native_elementwise.supports_rows(x))
+    lib = _native_lib(native_elementwise.supports_rows(x))
     if lib is not None:
         return native_elementwise.silu_and_mul_native(lib, x)
     return silu_and_mul_torch(x)
@@ -284,7 +275,7 @@ def rotary_embedding_(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Ten
     want = (qk.shape[0], 1, qk.shape[2])
     if cos.shape != want or signed_sin.shape != want:
         raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(signed_sin.shape)} must be {want}")
-    lib = _native_elementwise(native_elementwise.supports_rope(qk, cos, signed_sin))
+    lib = _native_lib(native_elementwise.supports_rope(qk, cos, signed_sin))
     if lib is not None:
         native_elementwise.rotary_embedding_native(lib, qk, cos, signed_sin)
     else:

@@ -98,21 +98,9 @@ def paged_attention_native(
     block_tables: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The kernel alone on every sequence, whole prompts included (tests, benchmarks); None: decode."""
+    """The kernel alone on every sequence, whole prompts included; query_start_loc None: one query per
+    sequence, row b (`kernels.decode_attention`'s contract; the caller checked `supports`)."""
     return _call(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, False)[0]
-
-
-def decode_attention_native(
-    lib: NativeLib,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """`kernels.decode_attention`'s contract (one query per sequence, row b); the caller checked `supports`."""
-    return _call(lib, q, k_cache, v_cache, None, seq_lens, block_tables, scale, False)[0]
 
 
 def prefill_attention_native(
