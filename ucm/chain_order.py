@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ucm.keys import BlockKey
+from ucm.record import BlockRecord
 
 T = TypeVar("T")
 
@@ -34,3 +35,16 @@ def deepest_first(items: Sequence[T], key: Callable[[T], BlockKey], parent: Call
             depth[k] = base
     order = sorted(range(len(items)), key=lambda i: -depth[i])
     return [items[i] for i in order]
+
+
+def records_deepest_first(records: Sequence[BlockRecord]) -> list[BlockRecord]:
+    """`deepest_first` for stored records, chained through their headers' parent keys (what both tiers insert)."""
+    return deepest_first(records, _record_key, _record_parent)
+
+
+def _record_key(record: BlockRecord) -> BlockKey:
+    return record.key
+
+
+def _record_parent(record: BlockRecord) -> BlockKey:
+    return record.header.parent

@@ -18,7 +18,7 @@ from typing import NamedTuple, TypeVar
 import lmdb
 
 from ucm.api import TierStats
-from ucm.chain_order import deepest_first
+from ucm.chain_order import deepest_first, records_deepest_first
 from ucm.eviction import EvictionPolicy
 from ucm.keys import BlockKey
 from ucm.read_snapshot import SnapshotHolder, StoredRecord
@@ -41,14 +41,6 @@ def _indexed_key(item: _Indexed) -> BlockKey:
 
 def _indexed_parent(item: _Indexed) -> BlockKey | None:
     return item.parent
-
-
-def _record_key(record: BlockRecord) -> BlockKey:
-    return record.key
-
-
-def _record_parent(record: BlockRecord) -> BlockKey:
-    return record.header.parent
 
 
 class DiskTier:
@@ -124,7 +116,7 @@ class DiskTier:
         victims: list[BlockKey] = []
         accepted: list[BlockRecord] = []
         with self._lock:
-            for record in deepest_first(records, _record_key, _record_parent):
+            for record in records_deepest_first(records):
                 key, size = record.key, record.nbytes
                 if key in self._sizes or size > self.capacity_bytes or not self._policy.admit(key, size):
                     continue

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 
 from ucm.api import TierStats
-from ucm.chain_order import deepest_first
+from ucm.chain_order import records_deepest_first
 from ucm.eviction import EvictionPolicy
 from ucm.keys import BlockKey
 from ucm.record import BlockRecord
@@ -71,7 +71,7 @@ class DramTier:
 
     def put_many(self, records: list[BlockRecord], reason: str) -> list[bool]:
         """`put` each record, deepest first; per record (in the given order), whether it was stored."""
-        placed = {record.key: self.put(record, reason) for record in deepest_first(records, _key, _parent)}
+        placed = {record.key: self.put(record, reason) for record in records_deepest_first(records)}
         return [placed[record.key] for record in records]
 
     def put(self, record: BlockRecord, reason: str) -> bool:
@@ -116,11 +116,3 @@ class DramTier:
         self.stats.bytes_used -= record.nbytes
         self.stats.blocks = len(self._blocks)
         return True
-
-
-def _key(record: BlockRecord) -> BlockKey:
-    return record.key
-
-
-def _parent(record: BlockRecord) -> BlockKey:
-    return record.header.parent
