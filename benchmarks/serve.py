@@ -108,8 +108,9 @@ def trace_workload(rng: random.Random, n: int, scale: int, max_prompt: int, max_
 # ---------------------------------------------------------------------------------------------- the client
 
 
-async def one_request(client: httpx.AsyncClient, prompt: list[int] | str, max_tokens: int) -> Result:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+async def one_request(client: httpx.AsyncClient, prompt: list[int] | str, max_tokens: int,
+                      model: str = MODEL) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     last = None
@@ -143,7 +144,8 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int] | str, max_to
     return res
 
 
-async def run_workload(url: str, reqs: list[Req], concurrency: int, rate: float, seed: int) -> tuple[list[Result], float]:
+async def run_workload(url: str, reqs: list[Req], concurrency: int, rate: float, seed: int,
+                       model: str = MODEL) -> tuple[list[Result], float]:
     limits = httpx.Limits(max_connections=concurrency + 4)
     sem = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
@@ -151,14 +153,14 @@ async def run_workload(url: str, reqs: list[Req], concurrency: int, rate: float,
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def fire(req: Req) -> None:
             async with sem:
-                results.append(await one_request(client, req.prompt, req.max_tokens))
+                results.append(await one_request(client, req.prompt, req.max_tokens, model))
 
         async def session(turns: list[Req]) -> None:
             history = ""
             for req in turns:
                 history += f"User: {req.turn_text}\nAssistant:"
                 async with sem:
-                    res = await one_request(client, history, req.max_tokens)
+                    res = await one_request(client, history, req.max_tokens, model)
                 results.append(res)
                 history += res.text + "\n"
 

@@ -1,4 +1,9 @@
-"""`ucm-serve up`: store daemon + N prefill + M decode nodes + router on this machine, until Ctrl-C / SIGTERM."""
+"""`ucm-serve up`: store daemon + nodes + router on this machine, until Ctrl-C / SIGTERM.
+
+Which nodes: `--topology auto` (the default) picks by the host (router/topology.py says what and why, and `up`
+prints its choice): on a small CPU host one engine with every core plus the store; from 8 cores (or with a GPU)
+1 prefill + 1 decode node with the cores split. `--prefill/--decode N` ask for a disaggregated cluster.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,25 @@ import signal
 import threading
 
 from router.cluster import Cluster, ClusterSpec, StoreMode
+from router.topology import DISAGG_MIN_CORES, Topology, choose_topology
+
+
+def _auto_here() -> str:
+    choice = choose_topology(Topology.AUTO, None, None, cuda=_cuda_available())
+    return f"{choice.topology.value} ({choice.reason})"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ucm-serve up", description=__doc__)
-    p.add_argument("--prefill", type=int, default=1, help="prefill nodes")
-    p.add_argument("--decode", type=int, default=1, help="decode nodes")
+    p = argparse.ArgumentParser(prog="ucm-serve up", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--topology", type=Topology, default=Topology.AUTO, choices=list(Topology),
+                   metavar="{" + ",".join(t.value for t in Topology) + "}",
+                   help=f"auto: colocated (one engine, all cores, + store) below {DISAGG_MIN_CORES} CPU cores, where "
+                        "a prefill/decode split leaves one core idle while the other works (measured: "
+                        "docs/benchmarks.md); disagg from there or with a GPU. On this host auto picks "
+                        f"{_auto_here()}")
+    p.add_argument("--prefill", type=int, default=None, help="prefill nodes (implies --topology disagg; default 1)")
+    p.add_argument("--decode", type=int, default=None, help="decode nodes (implies --topology disagg; default 1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the router")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--api-key", default=None)
@@ -23,15 +41,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto = bf16 on CPUs with native bf16 (and on CUDA), else fp32")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--kv-cache-memory", default="512MiB", help="each node's paged KV cache")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="each node's paged KV cache (the device tier)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cluster to be healthy")
     return p
 
 
+def _cuda_available() -> bool:
+    # The launcher stays torch-free: ask nvidia-smi's device nodes instead of torch.cuda.
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cuda = args.device == "cuda" or (args.device is None and _cuda_available())
+    try:
+        choice = choose_topology(args.topology, args.prefill, args.decode, cuda=cuda)
+    except ValueError as e:
+        print(f"[up] {e}", flush=True)
+        return 2
+    print(f"[up] topology {choice.topology.value}: {choice.prefill} prefill, {choice.decode} decode, "
+          f"{choice.colocated} colocated node(s) ({choice.reason})", flush=True)
     spec = ClusterSpec(
-        model=args.model, prefill=args.prefill, decode=args.decode, port=args.port, api_key=args.api_key,
+        model=args.model, prefill=choice.prefill, decode=choice.decode, colocated=choice.colocated, port=args.port,
+        api_key=args.api_key,
         store=StoreMode.NONE if args.no_store else StoreMode.DAEMON, dram=args.dram, disk=args.disk,
         disk_path=args.disk_path, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
     )
