@@ -8,7 +8,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,13 +18,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import protocol as P
+from router.admission import AdmissionQueue, Rejected
 from router.config import RouterConfig
 from router.dispatcher import DECODE_ROLES, Dispatcher
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, bad_request
 from router.registry import Registry
-from router.serving import Choice, Chunk, OpenAIServing, sse, usage
+from router.serving import Choice, Chunk, OpenAIServing, requested_tokens, sse, usage
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +52,41 @@ def _validation_error(e: ValidationError | RequestValidationError) -> ApiError:
     return bad_request(f"{where}: {err.get('msg')}" if where else str(err.get("msg")), param)
 
 
+class _ReleasingStream(StreamingResponse):
+    """A StreamingResponse that always runs `on_close`, even when the body iterator never started (client gone
+    before the headers went out): an admitted request must give its admission ticket back."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:  # close the generators now (→ aborts on the nodes), not at GC time, before freeing the slots
+                with contextlib.suppress(Exception):
+                    await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                self._on_close()
+
+
 def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
-    registry = Registry(config.model_name, config.node_timeout_s)
-    metrics = RouterMetrics(registry)
+    registry = Registry(config.model_name, config.node_timeout_s, config.stall_timeout_s)
+    admission = AdmissionQueue(registry.capacity, config.max_queued_requests, config.max_queue_wait_s)
+    metrics = RouterMetrics(registry, admission)
     state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = NodeClient(config.bind_nodes, registry)
         client.on_node_event.append(metrics.node_event)
+        client.on_node_event.append(lambda node_id, event: admission.pump())  # capacity may have grown
         await client.start()
-        dispatcher = Dispatcher(client, config.prefill_timeout_s, config.decode_timeout_s)
+        dispatcher = Dispatcher(client)
         state["client"] = client
-        state["serving"] = OpenAIServing(dispatcher, tokenizer, metrics, config.model_name, config.max_model_len)
+        state["serving"] = OpenAIServing(dispatcher, admission, tokenizer, metrics, config.model_name,
+                                         config.max_model_len)
         app.state.nodes_address = client.address
         print(f"ucm-serve router: nodes connect to {client.address}", flush=True)
         try:
@@ -77,7 +100,7 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _fastapi_422(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -125,11 +148,26 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": serving.model_name}
-        stream = serving.run(choices, prompt_tokens)
+        try:
+            ticket = serving.admission.admit(len(choices), requested_tokens(choices))
+        except Rejected as e:
+            metrics.rejected.inc()
+            # OpenAI's shape for a rate limit; Retry-After is what the openai client's backoff honours.
+            raise ApiError(429, str(e), "requests", None, "rate_limit_exceeded",
+                           {"Retry-After": e.retry_after_header}) from e
+
+        def release() -> None:
+            completion = sum(c.num_tokens for c in choices)
+            serving.admission.release(ticket, completion + (prompt_tokens if completion else 0))
+
+        stream = serving.run(choices, prompt_tokens, ticket)
         if body.stream:
-            return StreamingResponse(_sse(serving, body, choices, prompt_tokens, stream, head, chat),
-                                     media_type="text/event-stream")
-        await _collect(request, stream)
+            return _ReleasingStream(_sse(serving, body, choices, prompt_tokens, stream, head, chat), release,
+                                    media_type="text/event-stream")
+        try:
+            await _collect(request, stream)
+        finally:
+            release()
         out = []
         for c in choices:
             lp = _logprobs_json(serving.tok, c.logprobs, chat) if c.num_logprobs is not None else None

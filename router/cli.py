@@ -39,9 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="model spec (for the tokenizer) and default served name")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--node-timeout", type=float, default=3.0, help="drop a node after this many silent seconds")
-    p.add_argument("--prefill-timeout", type=float, default=60.0)
-    p.add_argument("--decode-timeout", type=float, default=120.0)
+    d = RouterConfig
+    p.add_argument("--node-timeout", type=float, default=d.node_timeout_s,
+                   help="drop a node after this many silent seconds (missed heartbeats)")
+    p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                   help="drop a node that holds requests but completed no engine step for this many seconds "
+                        "(requests never time out while their node makes progress)")
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests always accepted into the router's queue beyond the nodes' capacity")
+    p.add_argument("--max-queue-wait-s", type=float, default=d.max_queue_wait_s,
+                   help="also queue requests while the measured service rate serves them within this many seconds; "
+                        "beyond both bounds: 429 with Retry-After")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--log-level", default="info")
     return p
@@ -53,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     config = RouterConfig(
         bind_nodes=args.bind_nodes, host=args.host, port=args.port, model=args.model,
         served_model_name=args.served_model_name, api_key=args.api_key, node_timeout_s=args.node_timeout,
-        prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout, max_model_len=args.max_model_len,
+        stall_timeout_s=args.stall_timeout, max_queued_requests=args.max_queued_requests,
+        max_queue_wait_s=args.max_queue_wait_s, max_model_len=args.max_model_len,
     )
     import uvicorn
 

@@ -47,6 +47,7 @@ class ClusterSpec:
     heartbeat_interval_s: float = 0.5
     router_args: tuple[str, ...] = ()
     node_args: tuple[str, ...] = field(default=())
+    node_env: dict[str, dict[str, str]] = field(default_factory=dict)  # extra environment by node name (test hooks)
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -147,10 +148,10 @@ class Cluster:
             args += ["--threads", str(max(1, (os.cpu_count() or 1) // nodes))]
         if kind == "colocated":
             args.append("--colocated")
-        return self._spawn(name, _cmd(*args))
+        return self._spawn(name, _cmd(*args), self.spec.node_env.get(name))
 
-    def _spawn(self, name: str, argv: list[str]) -> Child:
-        child = Child(name, argv, sink=self.sink)
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        child = Child(name, argv, sink=self.sink, env=env)
         self.children[name] = child
         return child
 

@@ -14,14 +14,22 @@ class RouterConfig:
     served_model_name: str | None = None  # the name clients send; defaults to `model`
     api_key: str | None = None
     node_timeout_s: float = 3.0  # a node silent this long is dropped
-    prefill_timeout_s: float = 60.0  # a prefill job slower than this is retried elsewhere
-    decode_timeout_s: float = 120.0  # longest silence tolerated from a decode node mid-request
+    # A node holding our requests whose engine has not completed a step for this long is dropped and its requests
+    # go elsewhere. Not a request timeout: queued requests on a node that keeps stepping wait as long as it takes.
+    stall_timeout_s: float = 120.0
+    # Admission (router/admission.py): sequences beyond the nodes' capacity wait in the router's queue. The queue
+    # always takes this many requests, and more while their tokens fit in max_queue_wait_s of the measured
+    # service rate; beyond that: 429 with Retry-After.
+    max_queued_requests: int = 64
+    max_queue_wait_s: float = 60.0
     max_model_len: int | None = None  # cap below the nodes' own limit
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("node_timeout_s", "prefill_timeout_s", "decode_timeout_s"):
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("node_timeout_s", "stall_timeout_s", "max_queue_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:

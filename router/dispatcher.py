@@ -1,14 +1,17 @@
-"""One sequence's trip through the cluster: prefill on P (retry elsewhere on failure), then decode on D.
+"""One sequence's trip through the cluster: prefill on P (elsewhere only if P dies), then decode on D.
 
     pick P (prefix-aware) → PrefillJob → PrefillDone(first token, kv_transfer_params)
-        P dead / timed out / failed → next P; none left → D prefills locally (DecodeJob without first token)
+        P lost (missed heartbeats, no progress while busy, restarted, unreachable) or the job failed
+            → Abort to P (it may still be alive), then the next P; none left → D prefills locally
     pick D (least loaded) → DecodeJob → TokenBatch* until finished
     caller stops early (client gone, stop string) → Abort to whichever node holds the request
+
+No per-request timeout: a request queued behind others on a live node that keeps stepping is waiting, not lost,
+and computing its prompt a second time elsewhere would only add load (router/progress.py decides "stuck").
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -59,10 +62,8 @@ class SeqTrace:
 
 
 class Dispatcher:
-    def __init__(self, client: NodeClient, prefill_timeout_s: float = 60.0, decode_timeout_s: float = 120.0):
+    def __init__(self, client: NodeClient):
         self.client = client
-        self.prefill_timeout_s = prefill_timeout_s
-        self.decode_timeout_s = decode_timeout_s
 
     @property
     def registry(self):
@@ -101,22 +102,19 @@ class Dispatcher:
             trace.prefill_attempts += 1
             trace.prefill_node = node.node_id
             job = P.PrefillJob(req.request_id, req.prompt_token_ids, req.params, req.cache_salt)
-            reply = await self._ask(node, req.request_id, job, self.prefill_timeout_s)
+            reply = await self._ask(node, req.request_id, job)
             if isinstance(reply, P.PrefillDone):
                 trace.caches.append((P.NodeRole.PREFILL, reply.cache))
                 return reply
             log.warning("%s: prefill on %s failed (%s); retrying", req.request_id, node.node_id, reply)
 
-    async def _ask(self, node: NodeState, request_id: str, job: P.Message, timeout: float) -> P.PrefillDone | str:
+    async def _ask(self, node: NodeState, request_id: str, job: P.Message) -> P.PrefillDone | str:
         queue = self.client.open(request_id, node)
         try:
             await self.client.send(node.node_id, job)
-            reply = await asyncio.wait_for(queue.get(), timeout)
+            reply = await queue.get()
         except NodeUnavailable as e:
-            return str(e)
-        except TimeoutError:
-            await self.client.abort(node.node_id, [request_id])
-            return f"timed out after {timeout:.0f}s"
+            reply = NodeLost(node.node_id, str(e))
         except BaseException:
             await self.client.abort(node.node_id, [request_id])
             raise
@@ -124,6 +122,8 @@ class Dispatcher:
             self.client.close_stream(request_id)
         if isinstance(reply, P.PrefillDone):
             return reply
+        # Before the prompt goes elsewhere: a node dropped for silence may be merely paused and would resume it.
+        await self.client.abort(node.node_id, [request_id])
         if isinstance(reply, NodeLost):
             return f"node lost: {reply.reason}"
         if isinstance(reply, P.JobFailed):
@@ -168,24 +168,20 @@ class Dispatcher:
         try:
             await self.client.send(node.node_id, job)
             while not done:
-                reply = await asyncio.wait_for(queue.get(), self.decode_timeout_s)
+                reply = await queue.get()
                 if isinstance(reply, P.TokenBatch):
                     if reply.cache is not None:
                         trace.caches.append((node.role, reply.cache))
                     done = reply.finished
                     yield SeqEvent(reply.token_ids, reply.logprobs, reply.finished, reply.finish_reason)
-                elif isinstance(reply, NodeLost):
-                    done = True
+                elif isinstance(reply, NodeLost):  # not `done`: the finally aborts it on a node that may resume
                     raise _DecodeNodeFailed(f"decode node {node.node_id} lost: {reply.reason}")
                 elif isinstance(reply, P.JobFailed):
                     done = True
                     raise ApiError(500, f"decode failed on {node.node_id}: {reply.message}", "server_error")
         except NodeUnavailable as e:
-            done = True
             raise _DecodeNodeFailed(str(e)) from e
-        except TimeoutError as e:
-            raise ApiError(504, f"decode node {node.node_id} timed out", "server_error") from e
         finally:
             self.client.close_stream(job.request_id)
-            if not done:  # the caller stopped early (client gone, stop string) or we timed out
+            if not done:  # the caller stopped early (client gone, stop string) or the node was lost
                 await self.client.abort(node.node_id, [job.request_id])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from router import protocol as P
+from router.admission import AdmissionQueue
 from router.registry import Registry
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -16,8 +17,9 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
 
 
 class RouterMetrics:
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, admission: AdmissionQueue) -> None:
         self._nodes = registry
+        self._admission = admission
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ucm_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r)
@@ -34,6 +36,14 @@ class RouterMetrics:
         self.prefill_retries = Counter("ucm_prefill_retries", "prefill jobs retried on another node", registry=r)
         self.local_prefills = Counter("ucm_local_prefills", "sequences prefilled on the decode node (no prefill node)",
                                       registry=r)
+        self.rejected = Counter("ucm_requests_rejected", "requests refused with 429: the admission queue was full",
+                                registry=r)
+        self.queue_depth = Gauge("ucm_queue_depth_requests", "requests waiting in the router for room on the nodes",
+                                 registry=r)
+        self.queue_tokens = Gauge("ucm_queue_tokens", "prompt + max new tokens of the requests waiting", registry=r)
+        self.queue_bound_tokens = Gauge("ucm_queue_bound_tokens", "queued tokens the measured service rate serves "
+                                        "within --max-queue-wait-s (beyond --max-queued-requests)", registry=r)
+        self.running_seqs = Gauge("ucm_running_sequences", "sequences admitted to the nodes", registry=r)
         self.node_events = Counter("ucm_node_events", "node registrations / drops", ["node", "event"], registry=r)
         self.node_up = Gauge("ucm_node_up", "1 while a node is registered and heartbeating", ["node", "role"], registry=r)
         self.node_running = Gauge("ucm_node_running_requests", "running requests per node", ["node"], registry=r)
@@ -63,6 +73,10 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         self._refresh_nodes()
+        self.queue_depth.set(self._admission.depth)
+        self.queue_tokens.set(self._admission.queued_tokens)
+        self.queue_bound_tokens.set(self._admission.bound_tokens())
+        self.running_seqs.set(self._admission.running)
         return generate_latest(self.registry)
 
     def _refresh_nodes(self) -> None:

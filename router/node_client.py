@@ -1,8 +1,9 @@
 """The router's ZeroMQ side: one ROUTER socket that nodes connect to, on the uvicorn event loop.
 
 Registration and heartbeats update the Registry; job replies (PrefillDone, TokenBatch, JobFailed) are routed
-to a per-request asyncio.Queue. When a node is dropped (missed heartbeats, or restarted as a new incarnation)
-every request outstanding on it receives a `NodeLost` so the caller can fail over at once instead of timing out.
+to a per-request asyncio.Queue. When a node is dropped (missed heartbeats, no progress while it holds work, or
+restarted as a new incarnation) every request outstanding on it receives a `NodeLost`: that, not a per-request
+timeout, is the only way a caller stops waiting on a node.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class NodeClient:
         queue: asyncio.Queue[Reply] = asyncio.Queue()
         self._streams[request_id] = (node.node_id, queue)
         node.inflight.add(request_id)
+        node.progress.work_started(time.monotonic())
         return queue
 
     def close_stream(self, request_id: str) -> None:
@@ -78,6 +80,8 @@ class NodeClient:
             node = self.registry.nodes.get(entry[0])
             if node is not None:
                 node.inflight.discard(request_id)
+                if not node.inflight:
+                    node.progress.work_ended()
 
     async def send(self, node_id: str, msg: P.Message) -> None:
         try:
@@ -143,12 +147,18 @@ class NodeClient:
             if entry is not None and entry[0] == node.node_id:
                 entry[1].put_nowait(NodeLost(node.node_id, reason))
         node.inflight.clear()
+        node.progress.work_ended()
 
     async def _expire_loop(self) -> None:
         period = max(0.05, self.registry.timeout_s / 4)
         while True:
             await asyncio.sleep(period)
-            for node in self.registry.expire(time.monotonic()):
+            now = time.monotonic()
+            for node in self.registry.expire(now):
                 self._fail_node(node, "missed heartbeats")
                 for callback in self.on_node_event:
                     callback(node.node_id, "dropped")
+            for node in self.registry.drop_stalled(now):
+                self._fail_node(node, f"no progress for {node.progress.stalled_for(now):.0f}s")
+                for callback in self.on_node_event:
+                    callback(node.node_id, "stalled")

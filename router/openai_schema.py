@@ -14,9 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class ApiError(Exception):
     """An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

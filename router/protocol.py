@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Heartbeat.steps (the router's progress watch relies on it)
 # A 128k-token prompt is ~0.7 MB of msgpack; anything far bigger is a bug or an attack.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -91,6 +91,9 @@ class Heartbeat(_Msg, tag="heartbeat"):
     running: int
     waiting: int
     free_blocks: int
+    # Engine steps that did work, monotone per process: the router gives up on a node only when this stops
+    # moving while it holds the router's requests (a busy node's queue is slow, not stuck).
+    steps: int = 0
     # Keys (16 bytes each) of the blocks most recently computed or hit on this node, newest last, capped:
     # a summary of its device prefix cache for prefix-aware pairing. None = unchanged since the last one.
     cached_keys: list[bytes] | None = None

@@ -1,7 +1,8 @@
-"""The router's view of its nodes: who registered, their load and prefix-cache summary, who went silent.
+"""The router's view of its nodes: who registered, their load and prefix-cache summary, who went silent or stuck.
 
-A node that misses heartbeats for `timeout_s` is dropped (its in-flight jobs fail over, see NodeClient);
-when its heartbeats come back it is told to register again and is re-added.
+A node that misses heartbeats for `timeout_s`, or holds the router's requests without its step counter moving
+for `stall_timeout_s` (router/progress.py), is dropped (its in-flight jobs fail over, see NodeClient); when its
+heartbeats come back it is told to register again and is re-added.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from router import protocol as P
+from router.config import RouterConfig
+from router.progress import ProgressWatch
 from ucm.keys import BlockKey, KeyNamespace, block_keys, root_key
 
 log = logging.getLogger(__name__)
@@ -20,6 +23,7 @@ log = logging.getLogger(__name__)
 class NodeState:
     info: P.Register
     last_seen: float
+    progress: ProgressWatch
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0
@@ -55,11 +59,15 @@ class NodeState:
 
 
 class Registry:
-    def __init__(self, model_name: str, timeout_s: float = 3.0) -> None:
+    def __init__(self, model_name: str, timeout_s: float = RouterConfig.node_timeout_s,
+                 stall_timeout_s: float = RouterConfig.stall_timeout_s) -> None:
         if timeout_s <= 0:
             raise ValueError(f"node timeout must be positive, got {timeout_s}")
+        if stall_timeout_s <= 0:
+            raise ValueError(f"stall timeout must be positive, got {stall_timeout_s}")
         self.model_name = model_name
         self.timeout_s = timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.nodes: dict[str, NodeState] = {}
 
     def register(self, msg: P.Register, now: float | None = None) -> tuple[P.Welcome, NodeState | None]:
@@ -77,10 +85,13 @@ class Registry:
             reason = "model fingerprint / dtype / block size differ from other nodes"
             return P.Welcome(msg.node_id, False, reason), None
         old = self.nodes.get(msg.node_id)
-        state = NodeState(info=msg, last_seen=now or time.monotonic(), free_blocks=msg.num_blocks)
+        now = now or time.monotonic()
+        state = NodeState(info=msg, last_seen=now, progress=ProgressWatch(self.stall_timeout_s),
+                          free_blocks=msg.num_blocks)
         lost = None
         if old is not None and old.info.instance == msg.instance:
             state.inflight = old.inflight  # the same process registering again: its jobs are still running
+            state.progress = old.progress
         else:
             lost = old
         self.nodes[msg.node_id] = state
@@ -93,6 +104,7 @@ class Registry:
         if node is None:
             return P.Welcome(msg.node_id, False, "unknown node; register again")
         node.last_seen = now or time.monotonic()
+        node.progress.reported(msg.steps, node.last_seen)
         node.running, node.waiting, node.free_blocks = msg.running, msg.waiting, msg.free_blocks
         node.stats = msg.stats
         if msg.cached_keys is not None:
@@ -108,11 +120,26 @@ class Registry:
             del self.nodes[node.node_id]
         return dead
 
+    def drop_stalled(self, now: float | None = None) -> list[NodeState]:
+        """Drop nodes that hold our requests but made no step for the stall window; returns them."""
+        now = now or time.monotonic()
+        stuck = [n for n in self.nodes.values() if n.progress.stalled(now)]
+        for node in stuck:
+            log.warning("node %s made no progress for %.1fs with %d requests: dropped", node.node_id,
+                        node.progress.stalled_for(now), len(node.inflight))
+            del self.nodes[node.node_id]
+        return stuck
+
     def drop(self, node_id: str) -> NodeState | None:
         return self.nodes.pop(node_id, None)
 
     def alive(self, *roles: P.NodeRole) -> list[NodeState]:
         return [n for n in self.nodes.values() if n.role in roles]
+
+    def capacity(self) -> int:
+        """Sequences the nodes hold at once: each request passes a prefill slot, then a decode slot, so the sum
+        over all nodes keeps both stages fed."""
+        return sum(n.info.capacity for n in self.nodes.values())
 
     def any_node(self) -> NodeState | None:
         return next(iter(self.nodes.values()), None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router import protocol as P
+from router.admission import AdmissionQueue, Ticket
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatcher import Dispatcher, SeqRequest, SeqTrace
 from router.metrics import RouterMetrics
@@ -43,9 +44,10 @@ class Chunk:
 
 
 class OpenAIServing:
-    def __init__(self, dispatcher: Dispatcher, tokenizer: Any, metrics: RouterMetrics, model_name: str,
-                 max_model_len: int | None) -> None:
+    def __init__(self, dispatcher: Dispatcher, admission: AdmissionQueue, tokenizer: Any, metrics: RouterMetrics,
+                 model_name: str, max_model_len: int | None) -> None:
         self.dispatcher = dispatcher
+        self.admission = admission
         self.tok = tokenizer
         self.metrics = metrics
         self.model_name = model_name
@@ -155,10 +157,12 @@ class OpenAIServing:
                 if choice.num_tokens > 1:
                     self.metrics.tpot.observe((end - first_at) / (choice.num_tokens - 1))
 
-    async def run(self, choices: list[Choice], prompt_tokens: int) -> AsyncIterator[Chunk]:
-        """Chunks of all choices as they come; cancels every choice (→ aborts on the nodes) if stopped early."""
+    async def run(self, choices: list[Choice], prompt_tokens: int, ticket: Ticket) -> AsyncIterator[Chunk]:
+        """Chunks of all choices as they come, once admission lets them run; cancels every choice (→ aborts on
+        the nodes) if stopped early. The caller owns `ticket` and releases it."""
+        t0 = time.monotonic()  # TTFT counts the time queued here too: the client waited for it
+        await self.admission.wait(ticket)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        t0 = time.monotonic()
         out: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
         tasks = [asyncio.create_task(self._run_choice(c, t0, out)) for c in choices]
         pending = len(choices)
@@ -174,6 +178,11 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def requested_tokens(choices: list[Choice]) -> int:
+    """The work a request asks for (prompts + max new tokens), as admission counts it."""
+    return sum(len(c.seq.prompt_token_ids) + c.seq.params.max_tokens for c in choices)
 
 
 def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:

@@ -15,6 +15,8 @@ from router.protocol import NodeRole
 
 # Store addresses that mean "no store": the node then runs without a connector (always recomputes).
 NO_STORE = ("", "none", "off")
+# Test hook: seconds each engine step sleeps on this node, so tests can make a node slow but alive.
+STEP_DELAY_ENV = "UCM_TEST_STEP_DELAY_S"
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class NodeConfig:
     heartbeat_interval_s: float = 0.5
     num_threads: int | None = None  # torch intra-op threads (several nodes on one small machine: 1 each)
     cached_keys_cap: int = 4096  # how many recent block keys a heartbeat carries
+    step_delay_s: float = 0.0  # test hook (UCM_TEST_STEP_DELAY_S): extra seconds per engine step
 
     def __post_init__(self) -> None:
         if not self.router_addr:
@@ -42,6 +45,8 @@ class NodeConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat interval must be positive, got {self.heartbeat_interval_s}")
+        if self.step_delay_s < 0:
+            raise ValueError(f"{STEP_DELAY_ENV} must be >= 0, got {self.step_delay_s}")
 
     @property
     def model_name(self) -> str:
@@ -88,4 +93,5 @@ def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
         kv_cache_memory=args.kv_cache_memory,
         heartbeat_interval_s=args.heartbeat_interval,
         num_threads=args.threads,
+        step_delay_s=float(os.environ.get(STEP_DELAY_ENV) or 0.0),
     )

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import zmq
 
 from engine.node.key_cache import RecentKeys
@@ -66,11 +67,9 @@ class HeartbeatThread(threading.Thread):
         self._halt = threading.Event()
         self.registered = threading.Event()
 
-    def update_load(self, running: int, waiting: int, free_blocks: int, stats: dict[str, float]) -> None:
+    def update_load(self, load: P.Heartbeat) -> None:
         # One reference assignment: the thread always sees a complete snapshot.
-        self._load = P.Heartbeat(
-            node_id=self._register.node_id, running=running, waiting=waiting, free_blocks=free_blocks, stats=stats
-        )
+        self._load = load
 
     def stop(self) -> None:
         self._halt.set()
@@ -110,10 +109,7 @@ class HeartbeatThread(threading.Thread):
             changed = len(keys) != sent_keys_len or (keys[-1] if keys else None) != sent_keys_last
             hb = self._load
             if changed:
-                hb = P.Heartbeat(
-                    node_id=hb.node_id, running=hb.running, waiting=hb.waiting, free_blocks=hb.free_blocks,
-                    stats=hb.stats, cached_keys=keys,
-                )
+                hb = msgspec.structs.replace(hb, cached_keys=keys)
                 sent_keys_len, sent_keys_last = len(keys), (keys[-1] if keys else None)
             sock.send(P.encode(hb))
             self._halt.wait(self._interval_s)

@@ -10,6 +10,7 @@ only the tail (partial block + first token) is computed, and sampling continues 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,20 @@ from ucm.keys import KeyNamespace, block_keys, root_key
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": P.FinishReason.STOP, "length": P.FinishReason.LENGTH, "abort": P.FinishReason.ABORT}
+
+
+@dataclass
+class JobCounters:
+    """Jobs this node started, by kind: reported in heartbeats so tests and /metrics can tell that no prompt
+    was prefilled twice (a prefill retried elsewhere shows up as a second start on another node)."""
+
+    prefill_started: int = 0  # PrefillJob accepted
+    decode_started: int = 0  # DecodeJob accepted (with or without a first token)
+    local_prefill_started: int = 0  # DecodeJob without a first token: this node computes the whole prompt
+    aborted: int = 0  # jobs the router aborted while they were live here
+
+    def as_stats(self) -> dict[str, float]:
+        return {f"jobs_{k}": float(v) for k, v in vars(self).items()}
 
 
 @dataclass
@@ -44,11 +59,13 @@ def _to_logprobs(positions: list[dict[int, Any]] | None, want: int | None) -> li
 
 
 class JobRunner:
-    def __init__(self, engine: Any, namespace: KeyNamespace, recent_keys: RecentKeys) -> None:
+    def __init__(self, engine: Any, namespace: KeyNamespace, recent_keys: RecentKeys, step_delay_s: float = 0.0):
         self.engine = engine
         self.namespace = namespace
         self.recent_keys = recent_keys
         self.jobs: dict[str, _Job] = {}
+        self.counters = JobCounters()
+        self._step_delay_s = step_delay_s
 
     @property
     def busy(self) -> bool:
@@ -84,6 +101,11 @@ class JobRunner:
         except ValueError as e:
             return [P.JobFailed(rid, str(e))]
         self.jobs[rid] = _Job(type(job), len(job.prompt_token_ids), job.params.logprobs)
+        if isinstance(job, P.PrefillJob):
+            self.counters.prefill_started += 1
+        else:
+            self.counters.decode_started += 1
+            self.counters.local_prefill_started += job.first_token_id is None
         self.recent_keys.touch(block_keys(root_key(self.namespace, job.cache_salt), prompt, self.namespace.block_size))
         return []
 
@@ -91,12 +113,15 @@ class JobRunner:
         live = [r for r in request_ids if r in self.jobs]
         for rid in live:
             del self.jobs[rid]
+        self.counters.aborted += len(live)
         if live:
             self.engine.abort_request(live)
 
     def step(self) -> list[P.Message]:
         if not self.engine.has_unfinished_requests():
             return []
+        if self._step_delay_s:
+            time.sleep(self._step_delay_s)  # test hook only (NodeConfig.step_delay_s): a slow but live node
         messages: list[P.Message] = []
         for out in self.engine.step():
             job = self.jobs.get(out.request_id)

@@ -55,7 +55,7 @@ class NodeServer:
         self.node_id = config.resolved_node_id
         self.namespace: KeyNamespace = engine.namespace
         self.recent_keys = RecentKeys(config.cached_keys_cap)
-        self.runner = JobRunner(engine, self.namespace, self.recent_keys)
+        self.runner = JobRunner(engine, self.namespace, self.recent_keys, config.step_delay_s)
         self.register_msg = P.Register(
             node_id=self.node_id, role=config.role, model=config.model_name,
             model_fingerprint=self.namespace.model_fingerprint, dtype=self.namespace.dtype,
@@ -91,7 +91,7 @@ class NodeServer:
                 self._drain(sock, 0 if self.runner.busy else _IDLE_POLL_MS)
                 for msg in self.runner.step():
                     sock.send(P.encode(msg))
-                heartbeat.update_load(*self._load())
+                heartbeat.update_load(self._load())
         finally:
             if poller is not None:
                 poller.stop()
@@ -120,9 +120,11 @@ class NodeServer:
             else:
                 log.warning("unexpected %s from the router", type(msg).__name__)
 
-    def _load(self) -> tuple[int, int, int, dict[str, float]]:
+    def _load(self) -> P.Heartbeat:
         sched = self.engine.scheduler
-        stats = {k: float(v) for k, v in vars(self.engine.stats()).items() if isinstance(v, (int, float))}
+        engine_stats = self.engine.stats()
+        stats = {k: float(v) for k, v in vars(engine_stats).items() if isinstance(v, (int, float))}
+        stats.update(self.runner.counters.as_stats())
         worker = self.engine.kv_connector[1] if self.engine.kv_connector else None
         conn_stats = getattr(worker, "stats", None)
         if conn_stats is not None:
@@ -130,7 +132,9 @@ class NodeServer:
                           if isinstance(v, (int, float))})
         if self._store_stats is not None:
             stats.update(self._store_stats.latest)
-        return len(sched.running), len(sched.waiting), self.engine.kv_manager.pool.num_free_blocks, stats
+        return P.Heartbeat(node_id=self.node_id, running=len(sched.running), waiting=len(sched.waiting),
+                           free_blocks=self.engine.kv_manager.pool.num_free_blocks, steps=engine_stats.steps,
+                           stats=stats)
 
 
 def run_node(config: NodeConfig) -> int:
