@@ -62,6 +62,7 @@ class NativeLib:
     rotary_embedding: ctypes._CFuncPtr  # ucm_rotary_embedding
     has_avx512: bool
     has_openmp: bool
+    vector_path: str  # what head_dims that are multiples of 16 run: "avx512", "avx2", "neon" or "scalar"
 
 
 class _State:
@@ -164,8 +165,10 @@ def _bind(path: Path) -> NativeLib:
     rope.restype = None
     cdll.ucm_has_avx512.restype = i32
     cdll.ucm_has_openmp.restype = i32
+    cdll.ucm_vector_path.restype = ctypes.c_char_p
     return NativeLib(
-        path, cdll, fn, write, norm, add_norm, silu, rope, bool(cdll.ucm_has_avx512()), bool(cdll.ucm_has_openmp())
+        path, cdll, fn, write, norm, add_norm, silu, rope, bool(cdll.ucm_has_avx512()), bool(cdll.ucm_has_openmp()),
+        cdll.ucm_vector_path().decode(),
     )
 
 
