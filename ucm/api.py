@@ -78,6 +78,11 @@ class StoreStats:
     lookup_blocks: int = 0
     corrupt_dropped: int = 0
     pending_blocks: int = 0
+    # The daemon's own counters (always 0 in process): frames it could not decode or answer (malformed,
+    # unknown type, over a limit, wrong frame count, or any error while receiving), and well-formed requests
+    # it refused (sizes not matching the namespace's layout, forged keys, another client's keys...).
+    bad_frames: int = 0
+    refused_requests: int = 0
 
 
 class KVStore(Protocol):

@@ -4,6 +4,12 @@ Never hangs on a dead store: every call polls with a timeout. An unreachable sto
 `lookup` returns 0, `contains` all False, dump/load tasks fail every block, `commit`/`remove`/`prefetch`
 are dropped (logged) — and `ping`/`stats` raise `StoreUnavailable`. After a timeout the client fails fast
 for `retry_after_s` instead of waiting out every call. Thread-safe: one DEALER socket per thread.
+
+`auth=ClientAuth(...)` (or `ClientAuth.from_dir(DIR)` for a folder from `ucm.auth.generate_keys`) makes every
+socket a CURVE client; without the right keys a CURVE daemon never answers (calls time out as above).
+Dumps go into a namespace whose layout the daemon checks: `layout=` declares it up front; otherwise the first
+dump declares (num_layers, payload bytes, tokens per block) of what it sends, under `namespace` or a name
+derived from that layout. The namespace is (re)opened on the first dump and after a daemon restart.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import zmq
 
 from ucm import protocol as p
 from ucm.api import BlockRef, StoreStats, StoreUnavailable
+from ucm.auth import ClientAuth
 from ucm.keys import BlockKey
 from ucm.record import as_bytes_view
 from ucm.task import Task
@@ -38,9 +45,25 @@ class StoreRequestError(RuntimeError):
 
 
 class StoreClient:
-    def __init__(self, address: str, timeout_s: float = 5.0, retry_after_s: float = 1.0, io_threads: int = 2) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 5.0,
+        retry_after_s: float = 1.0,
+        io_threads: int = 2,
+        *,
+        auth: ClientAuth | None = None,
+        namespace: str | None = None,
+        layout: p.Layout | None = None,
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if namespace is not None and not namespace:
+            raise ValueError("namespace must be a non-empty name (or None to derive one from the layout)")
+        self._curve = auth.load() if auth is not None else None  # key files read once, here
+        self._namespace = namespace
+        self._layout = layout
+        self._opened: set[tuple[str, p.Layout]] = set()
         self.address = address
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
@@ -62,6 +85,8 @@ class StoreClient:
                     raise StoreUnavailable("client is closed")
                 sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                self._curve.apply(sock)
             sock.connect(self.address)
             self._local.sock = sock
         return sock
@@ -138,12 +163,34 @@ class StoreClient:
             raise ValueError(f"dump: {len(blocks)} blocks but {len(data)} payloads")
         if not 0 <= layer < num_layers:
             raise ValueError(f"dump: layer {layer} outside 0..{num_layers - 1}")
+        if not blocks:
+            return Task.completed(0)
         wire = [p.WireBlock.of(ref) for ref in blocks]
         views = [as_bytes_view(buf) for buf in data]
-        return self._run_task(len(blocks), self._dump, wire, layer, num_layers, views)
+        layout = self._layout or p.Layout(num_layers, len(views[0]), len(wire[0].token_ids))
+        name = self._namespace or f"auto-{layout.num_layers}x{layout.layer_nbytes}x{layout.block_tokens}"
+        return self._run_task(len(blocks), self._dump, name, layout, wire, layer, num_layers, views)
 
-    def _dump(self, wire: list[p.WireBlock], layer: int, num_layers: int, views: list[memoryview]) -> list[int]:
-        return self._call(p.Dump, wire, layer, num_layers, frames=views)[0].failed
+    def open_namespace(self, name: str, layout: p.Layout) -> None:
+        """Declare `name`'s layout to the daemon (idempotent); raises StoreRequestError if it refuses it."""
+        self._call(p.OpenNamespace, name, layout)
+        with self._lock:
+            self._opened.add((name, layout))
+
+    def _dump(self, name: str, layout: p.Layout, wire: list[p.WireBlock], layer: int, num_layers: int,
+              views: list[memoryview]) -> list[int]:
+        with self._lock:
+            opened = (name, layout) in self._opened
+        if not opened:
+            self.open_namespace(name, layout)
+        try:
+            return self._call(p.Dump, wire, layer, num_layers, name, frames=views)[0].failed
+        except StoreRequestError as exc:
+            if exc.code is not p.ErrorCode.NO_NAMESPACE:
+                raise
+        # The daemon restarted since this client opened the namespace: reopen once, resend once.
+        self.open_namespace(name, layout)
+        return self._call(p.Dump, wire, layer, num_layers, name, frames=views)[0].failed
 
     def load(
         self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]

@@ -2,8 +2,16 @@
 
 The main thread owns the ROUTER: it checks limits, decodes the control frame and hands the request to a
 worker pool; workers send replies back through an inproc PUSH/PULL pair (ZeroMQ sockets are single-thread)
-which the main thread forwards to the client. Anything malformed, oversized or unknown gets an `ErrorReply`
-and the loop goes on.
+which the main thread forwards to the client. No frame can end the loop: whatever goes wrong with one
+message (malformed, oversized, unknown, or an unexpected error) gets an `ErrorReply` where it can, is counted
+(`bad_frames` in the stats), logged (rate-limited) and dropped.
+
+What a client may do (docs/security.md):
+- With `DaemonConfig.auth` the socket is a CURVE server: only clients whose public key is in the authorized
+  folder complete the handshake; each request is attributed to that key (ZAP User-Id).
+- A dump names a namespace the client opened with its layout; the blocks are admitted only if every size
+  matches it and every key chains from its parent and token ids (`ucm.dump_check`).
+- A client commits only what it dumped and (with CURVE) removes only what it owns (`ucm.ownership`).
 """
 
 from __future__ import annotations
@@ -13,15 +21,22 @@ import threading
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import msgspec
 import zmq
 
 from ucm import protocol as p
+from ucm.auth import INSECURE_WARNING, ServerAuth
+from ucm.dump_check import checked_dump
+from ucm.log_limit import LogLimiter
+from ucm.namespaces import NamespaceRegistry
+from ucm.ownership import OwnerTable
+from ucm.refusal import Refused
 from ucm.store import Store
+from ucm.wire_limits import MAX_LOAD_FRAMES, LayoutCaps
 
 log = logging.getLogger("ucm.daemon")
+ANONYMOUS = ""  # the one identity of every peer of a daemon without CURVE
 
 
 @dataclass(frozen=True)
@@ -31,6 +46,8 @@ class DaemonConfig:
     max_frames: int = 1 + 65536
     max_request_bytes: int = 1 << 30
     max_control_bytes: int = 16 << 20
+    caps: LayoutCaps = field(default_factory=LayoutCaps)
+    auth: ServerAuth | None = None  # None: no authentication (logs INSECURE_WARNING)
 
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
@@ -39,8 +56,9 @@ class DaemonConfig:
             raise ValueError("workers and limits must be positive (max_frames >= 2)")
 
 
-class BadRequest(ValueError):
-    pass
+class BadRequest(Refused):
+    def __init__(self, message: str) -> None:
+        super().__init__(p.ErrorCode.BAD_REQUEST, message)
 
 
 class StoreDaemon:
@@ -54,6 +72,11 @@ class StoreDaemon:
         # Hard cap per frame, far above the soft per-request limit (which gets a TOO_LARGE reply): a frame over
         # it makes ZeroMQ drop the peer's connection without reading it into memory; the daemon serves on.
         self._router.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_request_bytes)
+        self._authenticator = None
+        if config.auth is not None:
+            self._authenticator = config.auth.apply(self._ctx, self._router)
+        else:
+            log.warning(INSECURE_WARNING)
         bind = config.bind[:-2] + ":*" if config.bind.startswith("tcp://") and config.bind.endswith(":0") else config.bind
         self._router.bind(bind)
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -65,6 +88,16 @@ class StoreDaemon:
         self._pushers_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="ucm-daemon")
         self._stop = threading.Event()
+        self._namespaces = NamespaceRegistry(config.caps)
+        self._owners = OwnerTable(store.config.pending_timeout_s)
+        self._counts_lock = threading.Lock()
+        self._bad_frames = 0
+        self._refused = 0
+        self._bad_log = LogLimiter(log)
+
+    @property
+    def authenticated(self) -> bool:
+        return self.config.auth is not None
 
     def stop(self) -> None:
         """Ask `serve_forever` to return (safe from a signal handler or another thread)."""
@@ -78,9 +111,9 @@ class StoreDaemon:
             while not self._stop.is_set():
                 for sock, _ in poller.poll(100):
                     if sock is self._router:
-                        self._receive(self._router.recv_multipart(copy=False))
+                        self._receive_guarded(self._router.recv_multipart(copy=False))
                     else:
-                        self._router.send_multipart(self._replies.recv_multipart(copy=False), copy=False)
+                        self._forward_reply(self._replies.recv_multipart(copy=False))
         finally:
             self._shutdown()
 
@@ -88,20 +121,34 @@ class StoreDaemon:
         log.info("daemon: stopping; finishing requests, flushing the write-behind queue, closing LMDB")
         self._pool.shutdown(wait=True)
         while self._replies.poll(0):  # deliver replies of requests that finished during shutdown
-            self._router.send_multipart(self._replies.recv_multipart(copy=False), copy=False)
+            self._forward_reply(self._replies.recv_multipart(copy=False))
         self.store.close()
         for sock in self._pushers:
             sock.close(linger=0)
         self._replies.close(linger=0)
         self._router.close(linger=500)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._ctx.term()
 
     # --- main thread ----------------------------------------------------------------------------------
 
+    def _receive_guarded(self, frames: list[zmq.Frame]) -> None:
+        try:
+            self._receive(frames)
+        except Exception as exc:  # noqa: BLE001 - one message, whatever it holds, must never end the loop
+            self._count_bad(f"{type(exc).__name__} while receiving: {str(exc)[:200]}")
+
+    def _forward_reply(self, frames: list[zmq.Frame]) -> None:
+        try:
+            self._router.send_multipart(frames, copy=False)
+        except zmq.ZMQError as exc:  # e.g. the peer's queue is full: its reply is lost, the loop goes on
+            self._bad_log.warning("daemon: reply dropped: %s", exc)
+
     def _receive(self, frames: list[zmq.Frame]) -> None:
         identity, parts = frames[0], frames[1:]
         if not parts:
-            return  # an empty message carries nothing to answer
+            return self._count_bad("empty message")
         if len(parts) > self.config.max_frames:
             return self._send_error(identity, 0, p.ErrorCode.TOO_LARGE, f"{len(parts)} frames > {self.config.max_frames}")
         total = sum(len(f.buffer) for f in parts)
@@ -109,14 +156,21 @@ class StoreDaemon:
             return self._send_error(identity, 0, p.ErrorCode.TOO_LARGE, f"request of {total} bytes over the limit")
         try:
             request = p.request_decoder.decode(parts[0].buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except Exception as exc:  # noqa: BLE001 - msgspec errors, and anything else hostile bytes can raise
             code, req_id = p.classify_undecodable(parts[0].buffer)
             return self._send_error(identity, req_id, code, str(exc)[:200])
-        self._pool.submit(self._handle, identity, request, parts[1:])
+        # With CURVE, ZAP stamped every frame with the peer's public key (z85): the identity ownership uses.
+        client = parts[0].get("User-Id") if self.authenticated else ANONYMOUS
+        self._pool.submit(self._handle, identity, client, request, parts[1:])
+
+    def _count_bad(self, why: str) -> None:
+        with self._counts_lock:
+            self._bad_frames += 1
+        self._bad_log.warning("daemon: bad frame: %s", why)
 
     def _send_error(self, identity: zmq.Frame, req_id: int, code: p.ErrorCode, message: str) -> None:
-        log.warning("daemon: rejecting request %d: %s (%s)", req_id, code.value, message)
-        self._router.send_multipart([identity, p.encode(p.ErrorReply(req_id, code, message))], copy=False)
+        self._count_bad(f"request {req_id}: {code.value} ({message})")
+        self._forward_reply([identity, p.encode(p.ErrorReply(req_id, code, message))])
 
     # --- worker threads -------------------------------------------------------------------------------
 
@@ -130,19 +184,25 @@ class StoreDaemon:
                 self._pushers.append(sock)
         return sock
 
-    def _handle(self, identity: zmq.Frame, request: p.Request, frames: Sequence[zmq.Frame]) -> None:
+    def _handle(self, identity: zmq.Frame, client: str, request: p.Request, frames: Sequence[zmq.Frame]) -> None:
         try:
-            reply, out = self._dispatch(request, frames)
-        except BadRequest as exc:
-            reply, out = p.ErrorReply(request.req_id, p.ErrorCode.BAD_REQUEST, str(exc)), []
+            reply, out = self._dispatch(client, request, frames)
+        except Refused as exc:
+            reply, out = self._refuse(request, exc.code, str(exc))
         except ValueError as exc:  # the store refused the arguments
-            reply, out = p.ErrorReply(request.req_id, p.ErrorCode.BAD_REQUEST, str(exc)), []
+            reply, out = self._refuse(request, p.ErrorCode.BAD_REQUEST, str(exc))
         except Exception as exc:
             log.exception("daemon: request %r failed", type(request).__name__)
             reply, out = p.ErrorReply(request.req_id, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), []
         self._pusher().send_multipart([identity, p.encode(reply), *out], copy=False)
 
-    def _dispatch(self, req: p.Request, frames: Sequence[zmq.Frame]) -> tuple[p.Reply, list]:
+    def _refuse(self, request: p.Request, code: p.ErrorCode, message: str) -> tuple[p.Reply, list]:
+        with self._counts_lock:
+            self._refused += 1
+        self._bad_log.warning("daemon: refused %s %d: %s (%s)", type(request).__name__, request.req_id, code.value, message[:200])
+        return p.ErrorReply(request.req_id, code, message), []
+
+    def _dispatch(self, client: str, req: p.Request, frames: Sequence[zmq.Frame]) -> tuple[p.Reply, list]:
         store = self.store
         if not isinstance(req, p.Dump) and frames:
             raise BadRequest(f"{type(req).__name__} takes no data frames, got {len(frames)}")
@@ -153,16 +213,19 @@ class StoreDaemon:
                 return p.LookupReply(req.req_id, store.lookup(keys)), []
             case p.Contains(keys=keys):
                 return p.ContainsReply(req.req_id, store.contains(keys)), []
-            case p.Dump(blocks=blocks, layer=layer, num_layers=num_layers):
-                if len(frames) != len(blocks):
-                    raise BadRequest(f"dump of {len(blocks)} blocks came with {len(frames)} data frames")
-                task = store.dump([b.ref() for b in blocks], layer, num_layers, [f.buffer for f in frames])
-                task.wait()
-                return p.DumpReply(req.req_id, task.failed_blocks), []
+            case p.OpenNamespace(name=name, layout=layout, protocol=version):
+                if version != p.PROTOCOL_VERSION:
+                    raise Refused(p.ErrorCode.VERSION, f"protocol {version} != the daemon's {p.PROTOCOL_VERSION}")
+                self._namespaces.open(client, name, layout)
+                return p.OkReply(req.req_id), []
+            case p.Dump():
+                return p.DumpReply(req.req_id, self._dump(client, req, frames)), []
             case p.Commit(keys=keys, ok=ok):
-                store.commit(keys, ok)
+                store.commit(self._owners.settle(keys, client, ok), ok)  # only what this client dumped
                 return p.OkReply(req.req_id), []
             case p.Load(blocks=blocks, layers=layers):
+                if len(blocks) * len(layers) > MAX_LOAD_FRAMES:
+                    raise BadRequest(f"load of {len(blocks)} blocks x {len(layers)} layers: reply over {MAX_LOAD_FRAMES} frames")
                 rows = store.read_payloads([b.ref() for b in blocks], layers)
                 failed = [i for i, row in enumerate(rows) if row is None]
                 return p.LoadReply(req.req_id, failed), [buf for row in rows if row is not None for buf in row]
@@ -170,8 +233,35 @@ class StoreDaemon:
                 store.prefetch(keys)
                 return p.OkReply(req.req_id), []
             case p.Remove(keys=keys):
+                if self.authenticated:
+                    foreign = self._owners.foreign(keys, client, store.contains)
+                    if foreign:
+                        raise Refused(p.ErrorCode.FORBIDDEN, f"{len(foreign)} of {len(keys)} keys belong to another client "
+                                      f"(first {foreign[0].hex()}); nothing removed")
                 store.remove(keys)
+                self._owners.forget(keys)
                 return p.OkReply(req.req_id), []
             case p.GetStats():
-                return p.StatsReply(req.req_id, store.stats()), []
+                stats = store.stats()
+                with self._counts_lock:
+                    stats.bad_frames, stats.refused_requests = self._bad_frames, self._refused
+                return p.StatsReply(req.req_id, stats), []
         raise BadRequest(f"unhandled request {type(req).__name__}")
+
+    def _dump(self, client: str, req: p.Dump, frames: Sequence[zmq.Frame]) -> list[int]:
+        """Indices of the blocks not stored; Refused (nothing stored) if the request is inconsistent."""
+        sizes = [len(f.buffer) for f in frames]
+        refs = checked_dump(req, sizes, lambda name: self._namespaces.get(client, name))
+        present = self.store.contains([r.key for r in refs])
+        new = [i for i, have in enumerate(present) if not have]  # stored blocks are skipped by the store anyway
+        cap = self.config.caps.max_pending_blocks
+        # Soft cap (one request may go over it): the same blocks come once per layer, so "new" ones may
+        # already be pending; pending memory stays under about cap x the largest declared block.
+        if new and self.store.pending_count() >= cap:
+            raise Refused(p.ErrorCode.BUSY, f"{cap} blocks already pending; commit or retry later")
+        allowed = self._owners.claim_pending([refs[i].key for i in new], client)
+        taken = [i for i, ok in zip(new, allowed) if not ok]  # being dumped by another client
+        keep = sorted(set(range(len(refs))) - set(taken))
+        task = self.store.dump([refs[i] for i in keep], req.layer, req.num_layers, [frames[i].buffer for i in keep])
+        task.wait()
+        return sorted(taken + [keep[j] for j in task.failed_blocks])

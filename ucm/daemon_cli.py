@@ -1,4 +1,9 @@
-"""`ucm-serve store ...` (run the daemon) and `ucm-serve store-stats --connect ADDR` (print its live stats).
+"""`ucm-serve store ...` (run the daemon), `ucm-serve store keys DIR` (write CURVE key pairs) and
+`ucm-serve store-stats --connect ADDR` (print its live stats).
+
+Authentication: `--curve-keys DIR` (a folder from `ucm-serve store keys DIR`), or `--server-key FILE` with
+`--authorized DIR`, makes the socket a CURVE server. Without either the daemon runs unauthenticated and says so
+with a warning; `--insecure` states that on purpose (and is refused together with key options).
 
 On start the daemon prints exactly one line `ucm-store ready <address>` (flushed) once it serves; the
 launcher and the tests wait for it. SIGTERM/SIGINT stop it cleanly: in-flight requests finish, the
@@ -12,9 +17,11 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 
+from ucm.auth import ClientAuth, KeyPaths, ServerAuth, generate_keys
 from ucm.client import StoreClient, StoreUnavailable
 from ucm.daemon import DaemonConfig, StoreDaemon
 from ucm.eviction import PolicyName
@@ -46,10 +53,48 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-request-bytes", type=_size, default=parse_size("1GiB"))
     ap.add_argument("--max-frames", type=int, default=1 + 65536)
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    auth = ap.add_argument_group("authentication (ZeroMQ CURVE)")
+    auth.add_argument("--curve-keys", metavar="DIR", default=None,
+                      help="folder written by `ucm-serve store keys DIR`: server.key_secret + authorized/")
+    auth.add_argument("--server-key", metavar="FILE", default=None, help="the server's .key_secret file")
+    auth.add_argument("--authorized", metavar="DIR", default=None, help="folder of accepted client public .key files")
+    auth.add_argument("--insecure", action="store_true", help="no authentication: anyone who reaches the port may use the store")
     return ap
 
 
+def _server_auth(args: argparse.Namespace) -> ServerAuth | None:
+    if args.insecure and (args.curve_keys or args.server_key or args.authorized):
+        raise ValueError("--insecure contradicts --curve-keys/--server-key/--authorized")
+    if args.curve_keys:
+        if args.server_key or args.authorized:
+            raise ValueError("--curve-keys replaces --server-key and --authorized; give one or the other")
+        return KeyPaths.of(args.curve_keys).server_auth()
+    if bool(args.server_key) != bool(args.authorized):
+        raise ValueError("--server-key and --authorized go together")
+    if args.server_key:
+        return ServerAuth(Path(args.server_key), Path(args.authorized))
+    return None  # the daemon logs that it runs without authentication
+
+
+def keys_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="ucm-serve store keys", description="Write CURVE key pairs for the store daemon "
+                                 "and its clients (z85 files, as zmq.auth.create_certificates writes them).")
+    ap.add_argument("dir", help="folder to write server.key[_secret], CLIENT.key[_secret] and authorized/")
+    ap.add_argument("--clients", default="client", help="comma-separated client names (one key pair each)")
+    args = ap.parse_args(argv)
+    try:
+        paths = generate_keys(args.dir, tuple(n for n in args.clients.split(",") if n))
+    except ValueError as exc:
+        print(f"ucm-serve store keys: {exc}", file=sys.stderr)
+        return 2
+    print(f"daemon: ucm-serve store --curve-keys {paths.dir}")
+    print(f"client: StoreClient(addr, auth=ClientAuth.from_dir({str(paths.dir)!r}))")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["keys"]:
+        return keys_main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -62,7 +107,8 @@ def main(argv: list[str]) -> int:
             disk_policy=PolicyName(args.disk_policy or args.policy),
         )
         daemon_config = DaemonConfig(
-            bind=args.bind, workers=args.workers, max_frames=args.max_frames, max_request_bytes=args.max_request_bytes
+            bind=args.bind, workers=args.workers, max_frames=args.max_frames, max_request_bytes=args.max_request_bytes,
+            auth=_server_auth(args),
         )
     except ValueError as exc:
         print(f"ucm-serve store: {exc}", file=sys.stderr)
@@ -86,8 +132,10 @@ def stats_main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds (0: print once)")
+    ap.add_argument("--curve-keys", metavar="DIR", default=None, help="client keys for a CURVE daemon (see `store keys`)")
     args = ap.parse_args(argv)
-    with StoreClient(args.connect, timeout_s=args.timeout, retry_after_s=0.0) as client:
+    auth = ClientAuth.from_dir(args.curve_keys) if args.curve_keys else None
+    with StoreClient(args.connect, timeout_s=args.timeout, retry_after_s=0.0, auth=auth) as client:
         while True:
             try:
                 stats = client.stats()
@@ -114,6 +162,7 @@ def _table(stats) -> str:
         )
     lines.append(
         f"lookups {stats.lookups}: {stats.lookup_hit_blocks}/{stats.lookup_blocks} blocks hit; "
-        f"corrupt dropped {stats.corrupt_dropped}; pending {stats.pending_blocks}"
+        f"corrupt dropped {stats.corrupt_dropped}; pending {stats.pending_blocks}; "
+        f"bad frames {stats.bad_frames}; refused {stats.refused_requests}"
     )
     return "\n".join(lines)

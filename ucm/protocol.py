@@ -1,4 +1,4 @@
-"""Wire messages between `StoreClient` and the store daemon (ZeroMQ DEALER ↔ ROUTER).
+"""Wire messages between `StoreClient` and the store daemon (ZeroMQ DEALER ↔ ROUTER), protocol version 2.
 
 A request is one msgpack frame holding a tagged msgspec Struct, followed by raw KV frames where the message
 says so (never pickle). Every request carries a `req_id` echoed by its reply so a client can skip a late
@@ -6,21 +6,31 @@ reply to a request it already gave up on.
 
     Dump     + one frame per block: that block's payload for `layer`
     LoadReply + len(layers) frames for each block not in `failed`, in block order
+
+Version 2 adds `OpenNamespace` (a client declares its KV layout once; each `Dump` names it and is refused
+unless every size matches) and the error codes a refusal carries. Every list has a fixed maximum length
+(`ucm.wire_limits`) so that decoding one frame can never allocate without bound.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
 from ucm.api import BlockRef, StoreStats
+from ucm.wire_limits import MAX_BLOCK_TOKENS, MAX_KEYS_PER_REQUEST, MAX_LAYERS, MAX_NAME_CHARS
+
+PROTOCOL_VERSION = 2
+DEFAULT_NAMESPACE = "default"
+KeyList = Annotated[list[bytes], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 
 
 class WireBlock(msgspec.Struct, array_like=True, frozen=True):
     key: bytes
     parent: bytes
-    token_ids: list[int]
+    token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCK_TOKENS)]
 
     @classmethod
     def of(cls, ref: BlockRef) -> WireBlock:
@@ -28,6 +38,18 @@ class WireBlock(msgspec.Struct, array_like=True, frozen=True):
 
     def ref(self) -> BlockRef:
         return BlockRef(self.key, self.parent, tuple(self.token_ids))
+
+
+class Layout(msgspec.Struct, array_like=True, frozen=True):
+    """The shape every block of one namespace has: checked against each dumped payload before it is stored."""
+
+    num_layers: int
+    layer_nbytes: int  # payload bytes of one layer of one block (its K then V)
+    block_tokens: int  # token ids per block (the engine's block size)
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.num_layers * self.layer_nbytes
 
 
 class _Msg(msgspec.Struct, tag_field="type", frozen=True):
@@ -42,42 +64,51 @@ class Ping(_Msg, tag="ping"):
 
 
 class Lookup(_Msg, tag="lookup"):
-    keys: list[bytes]
+    keys: KeyList
 
 
 class Contains(_Msg, tag="contains"):
-    keys: list[bytes]
+    keys: KeyList
+
+
+class OpenNamespace(_Msg, tag="open_namespace"):
+    """Declare (or re-declare, idempotently) the layout of a namespace this client will dump into."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    layout: Layout
+    protocol: int = PROTOCOL_VERSION
 
 
 class Dump(_Msg, tag="dump"):
-    blocks: list[WireBlock]
+    blocks: Annotated[list[WireBlock], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
     layer: int
     num_layers: int
+    namespace: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)] = DEFAULT_NAMESPACE
 
 
 class Commit(_Msg, tag="commit"):
-    keys: list[bytes]
+    keys: KeyList
     ok: bool
 
 
 class Load(_Msg, tag="load"):
-    blocks: list[WireBlock]
-    layers: list[int]
+    blocks: Annotated[list[WireBlock], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+    layers: Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)]
 
 
 class Prefetch(_Msg, tag="prefetch"):
-    keys: list[bytes]
+    keys: KeyList
 
 
 class Remove(_Msg, tag="remove"):
-    keys: list[bytes]
+    keys: KeyList
 
 
 class GetStats(_Msg, tag="stats"):
     pass
 
 
-Request = Ping | Lookup | Contains | Dump | Commit | Load | Prefetch | Remove | GetStats
+Request = Ping | Lookup | Contains | OpenNamespace | Dump | Commit | Load | Prefetch | Remove | GetStats
 REQUEST_TYPES = frozenset(t.__struct_config__.tag for t in Request.__args__)  # type: ignore[attr-defined]
 
 # --- replies ------------------------------------------------------------------------------------------
@@ -87,7 +118,11 @@ class ErrorCode(enum.Enum):
     MALFORMED = "malformed"  # not msgpack, or fields of the wrong type
     UNKNOWN_TYPE = "unknown_type"
     TOO_LARGE = "too_large"  # over the daemon's frame or byte limits
-    BAD_REQUEST = "bad_request"  # well-formed but invalid (frame count, layer range...)
+    BAD_REQUEST = "bad_request"  # well-formed but invalid (frame count, layer range, sizes, a key that does not chain)
+    NO_NAMESPACE = "no_namespace"  # a dump into a namespace this client has not opened (e.g. the daemon restarted)
+    FORBIDDEN = "forbidden"  # the keys belong to another client
+    VERSION = "version"  # the client speaks another protocol version
+    BUSY = "busy"  # a fixed cap on pending state is reached; retry later
     INTERNAL = "internal"
 
 
@@ -131,16 +166,31 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+_envelope_decoder = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_type_decoder = msgspec.msgpack.Decoder(str)
+_req_id_decoder = msgspec.msgpack.Decoder(int)
+
+
 def classify_undecodable(frame: bytes | memoryview) -> tuple[ErrorCode, int]:
-    """Why a request frame failed to decode, and its req_id if one can be read (else 0)."""
+    """Why a request frame failed to decode, and its req_id if one can be read (else 0).
+
+    Runs on bytes from anyone: it decodes only the top-level map, each field typed, and treats *any* error
+    (invalid UTF-8, unhashable values, nesting deep enough to hit the recursion limit) as MALFORMED.
+    """
     try:
-        raw = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
+        raw = _envelope_decoder.decode(frame)
+    except Exception:  # noqa: BLE001 - hostile bytes may raise anything; none of it may escape
         return ErrorCode.MALFORMED, 0
-    if not isinstance(raw, dict):
-        return ErrorCode.MALFORMED, 0
-    req_id = raw.get("req_id")
-    req_id = req_id if isinstance(req_id, int) and not isinstance(req_id, bool) else 0
-    if raw.get("type") not in REQUEST_TYPES:
+    req_id = 0
+    try:
+        if "req_id" in raw:
+            req_id = _req_id_decoder.decode(raw["req_id"])
+    except Exception:  # noqa: BLE001
+        req_id = 0
+    try:
+        kind = _type_decoder.decode(raw["type"]) if "type" in raw else None
+    except Exception:  # noqa: BLE001
+        return ErrorCode.MALFORMED, req_id
+    if kind not in REQUEST_TYPES:
         return ErrorCode.UNKNOWN_TYPE, req_id
     return ErrorCode.MALFORMED, req_id

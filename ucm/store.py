@@ -278,6 +278,11 @@ class Store:
             stats.tiers[Tier.DISK] = self._disk.snapshot()
         return stats
 
+    def pending_count(self) -> int:
+        """Blocks dumped and not yet committed (the daemon caps it; cheaper than `stats`)."""
+        with self._lock:
+            return len(self._pending)
+
     def flush(self) -> None:
         """Wait until every committed block has reached the disk tier (no-op without one)."""
         if self._writer is not None:
