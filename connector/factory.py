@@ -44,12 +44,14 @@ atexit.register(_close_embedded)
 def open_store(spec: StoreSpec) -> KVStore:
     """The process's embedded store for `spec`, or a new client of the daemon at `spec.address`."""
     if spec.kind is StoreKind.DAEMON:
+        from ucm.auth import ClientAuth
         from ucm.client import StoreClient
 
         assert spec.address is not None, "a daemon spec has an address"
+        auth = ClientAuth.from_dir(spec.curve_keys, spec.curve_client) if spec.curve_keys else None
         if spec.timeout_s is not None:
-            return StoreClient(spec.address, timeout_s=spec.timeout_s, retry_after_s=max(1.0, 4 * spec.timeout_s))
-        return StoreClient(spec.address)
+            return StoreClient(spec.address, timeout_s=spec.timeout_s, retry_after_s=max(1.0, 4 * spec.timeout_s), auth=auth)
+        return StoreClient(spec.address, auth=auth)
     from ucm.store import Store
     from ucm.store_config import StoreConfig
 

@@ -4,6 +4,8 @@
     embedded?disk_path=DIR&dram=2GiB&disk=8GiB in-process store with an LMDB tier at DIR
     tcp://127.0.0.1:5555 | ipc:///tmp/ucm.sock a running `ucm-serve store` daemon
     tcp://127.0.0.1:5555?timeout_s=0.5         ... with the client's per-call timeout
+    tcp://HOST:PORT?curve_keys=DIR&curve_client=NAME   ... over CURVE with DIR/NAME.key_secret and
+                                               DIR/server.key (`ucm-serve store keys DIR`; NAME defaults to client)
 
 Options after `?` for embedded: dram, disk (sizes), disk_path, policy, disk_policy.
 """
@@ -32,6 +34,8 @@ class StoreSpec:
     kind: StoreKind
     address: str | None = None  # daemon only
     timeout_s: float | None = None  # daemon only: per-call timeout (None: the client's default)
+    curve_keys: str | None = None  # daemon only: folder of CURVE keys (None: unauthenticated)
+    curve_client: str = "client"  # daemon only: which client pair in curve_keys
     dram_bytes: int = 0  # embedded only
     disk_path: str | None = None
     disk_bytes: int = 0
@@ -45,12 +49,16 @@ class StoreSpec:
         if text.startswith(("tcp://", "ipc://")):
             address, _, query = text.partition("?")
             opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
-            if set(opts) - {"timeout_s"}:
-                raise ValueError(f"unknown daemon option(s) {sorted(set(opts) - {'timeout_s'})} in {text!r}; known: timeout_s")
+            known = {"timeout_s", "curve_keys", "curve_client"}
+            if set(opts) - known:
+                raise ValueError(f"unknown daemon option(s) {sorted(set(opts) - known)} in {text!r}; known: {sorted(known)}")
             timeout = float(opts["timeout_s"]) if "timeout_s" in opts else None
             if timeout is not None and not timeout > 0:
                 raise ValueError(f"timeout_s must be positive in {text!r}")
-            return cls(StoreKind.DAEMON, address=address, timeout_s=timeout)
+            if "curve_client" in opts and not opts.get("curve_keys"):
+                raise ValueError(f"curve_client needs curve_keys in {text!r}")
+            return cls(StoreKind.DAEMON, address=address, timeout_s=timeout, curve_keys=opts.get("curve_keys") or None,
+                       curve_client=opts.get("curve_client") or "client")
         head, _, query = text.partition("?")
         if head != "embedded":
             raise ValueError(f"kv_store must be 'embedded[?options]', 'tcp://HOST:PORT' or 'ipc://PATH', got {text!r}")

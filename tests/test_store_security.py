@@ -194,3 +194,11 @@ def test_curve_only_authorized_clients_and_owners(tmp_path) -> None:
         alice.remove(keys[3:4])  # the owner may
         assert bob.lookup(keys) == 3
         assert bob.stats().refused_requests >= 1
+
+        # What a node gets from its `kv_store` string (the way cluster launchers will pass the keys).
+        from connector.factory import open_store
+        from connector.store_spec import StoreSpec
+
+        spec = StoreSpec.parse(f"{d.address}?timeout_s=5&curve_keys={tmp_path / 'keys'}&curve_client=alice")
+        with open_store(spec) as node_client:
+            assert node_client.lookup(keys) == 3
