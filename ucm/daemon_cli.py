@@ -40,7 +40,8 @@ def _size(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ucm-serve store", description="Run the standalone UCM KV-store daemon.")
+    ap = argparse.ArgumentParser(prog="ucm-serve store", description="Run the standalone UCM KV-store daemon. "
+                                 "`ucm-serve store keys DIR` writes CURVE key pairs for --curve-keys (docs/security.md).")
     ap.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ address; port 0 picks a free port")
     ap.add_argument("--dram", type=_size, default=parse_size("4GiB"), help="DRAM tier capacity (e.g. 4GiB)")
     ap.add_argument("--disk-path", default=None, help="LMDB directory; omit for a DRAM-only store")
@@ -83,12 +84,15 @@ def keys_main(argv: list[str]) -> int:
     ap.add_argument("--clients", default="client", help="comma-separated client names (one key pair each)")
     args = ap.parse_args(argv)
     try:
-        paths = generate_keys(args.dir, tuple(n for n in args.clients.split(",") if n))
+        names = tuple(n for n in args.clients.split(",") if n)
+        paths = generate_keys(args.dir, names)
     except ValueError as exc:
         print(f"ucm-serve store keys: {exc}", file=sys.stderr)
         return 2
     print(f"daemon: ucm-serve store --curve-keys {paths.dir}")
-    print(f"client: StoreClient(addr, auth=ClientAuth.from_dir({str(paths.dir)!r}))")
+    for name in names:
+        print(f"client {name}: kv_store 'tcp://HOST:PORT?curve_keys={paths.dir}&curve_client={name}', "
+              f"or StoreClient(addr, auth=ClientAuth.from_dir({str(paths.dir)!r}, {name!r}))")
     return 0
 
 
