@@ -3,7 +3,10 @@
 One token budget per step covers both decodes and (chunked) prefills. Running sequences go first, best
 (priority, arrival) first; when blocks run out the worst running sequence is preempted by recompute (its blocks
 are freed and it later recomputes prompt + output, sampling exactly as before). Then waiting sequences are
-admitted in (priority, arrival) order. Connector call sites follow connector/base.py's documented order."""
+admitted in (priority, arrival) order, except one whose next uncached block a running sequence is computing right
+now: it waits (keeping its place) until that block is cached and then loads it, instead of computing the same
+prefix a second time in parallel (a burst of prompts sharing a system prompt would otherwise compute it once per
+prompt admitted before the first finished). Connector call sites follow connector/base.py's documented order."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from engine.kv_cache_manager import KVCacheManager, PrefixMatch
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.stats import EngineStats
+from ucm.keys import BlockKey
 
 logger = logging.getLogger(__name__)
 
@@ -140,14 +144,32 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
+    def _blocks_in_flight(self) -> set[BlockKey]:
+        """Keys of the full prompt blocks running sequences have yet to compute (cached once they are)."""
+        keys: set[BlockKey] = set()
+        for req in self.running:
+            keys.update(self._prompt_blocks_to_compute(req))
+        return keys
+
+    def _prompt_blocks_to_compute(self, req: Request) -> list[BlockKey]:
+        bs = self.kv.block_size
+        return req.block_keys[req.num_computed_tokens // bs : req.num_prompt_tokens // bs]
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        in_flight = self._blocks_in_flight() if self.kv.enable_caching else set()
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            req = self.waiting[i]
             seats = 1 if req.forked else req.sampling_params.n
             if self.running and len(self.running) + seats > self.max_num_seqs:
                 break
             prefix = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else PrefixMatch()
             num_computed = req.num_computed_tokens + prefix.num_tokens
+            next_block = num_computed // self.kv.block_size
+            if next_block < len(req.block_keys) and req.block_keys[next_block] in in_flight:
+                self.stats.prefix_deferrals += 1
+                i += 1  # its prefix is being computed: it hits the cache in a step or two
+                continue
             num_external = 0
             if self.connector is not None:
                 num_external, _load_async = self.connector.get_num_new_matched_tokens(req, num_computed)
@@ -163,7 +185,7 @@ class Scheduler:
                 break
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, block_ids, num_external)
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed + num_external
             if req.num_cached_tokens < 0:
@@ -172,6 +194,8 @@ class Scheduler:
             self.stats.prefix_cache_hit_tokens += prefix.num_tokens
             self.stats.external_hit_tokens += num_external
             self.running.append(req)
+            if self.kv.enable_caching:
+                in_flight.update(self._prompt_blocks_to_compute(req))
             sched = ScheduledRequest(req, block_ids, req.num_computed_tokens, num_new, num_external)
             out.scheduled_new_reqs.append(sched)
             budget -= num_new

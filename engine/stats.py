@@ -14,5 +14,6 @@ class EngineStats:
     external_hit_tokens: int = 0  # tokens loaded by the KV connector (failed loads are subtracted)
     load_error_tokens: int = 0  # tokens recomputed because their blocks failed to load
     preemptions: int = 0
+    prefix_deferrals: int = 0  # (step, sequence) pairs held back while a running sequence computed their prefix
     generated_tokens: int = 0  # tokens sampled and kept
     steps: int = 0

@@ -206,3 +206,38 @@ def test_preemption_victim_is_lowest_priority():
         preempted |= step(sched).preempted_req_ids
     assert preempted == {"low"}
     assert low.output_token_ids == high.output_token_ids == [7] * 8
+
+
+def test_a_prompt_whose_prefix_is_being_computed_waits_for_it_instead_of_computing_it_again():
+    # a and c share a 12-token (3-block) prefix; b shares nothing. All arrive at once.
+    sched = make_scheduler(budget=24, num_blocks=64)
+    shared = list(range(1, 13))
+    a = Request("a", shared + [50, 51, 52, 53, 54, 55, 56, 57], SamplingParams(max_tokens=2, ignore_eos=True),
+                root_key=ROOT, block_size=BS, arrival=next(_arrival), seed=0)
+    c = Request("c", shared + [90, 91, 92, 93, 94], SamplingParams(max_tokens=2, ignore_eos=True),
+                root_key=ROOT, block_size=BS, arrival=next(_arrival), seed=0)
+    b = make_request("b", 6, max_tokens=2, start=200)
+    for req in (a, c, b):
+        sched.add_request(req)
+    out = step(sched)
+    # c would compute a's prefix a second time, so it is held back; b, behind it, has nothing to wait for.
+    assert out.num_scheduled_tokens == {"a": 20, "b": 4}, out.num_scheduled_tokens
+    out = step(sched)
+    # a's prompt (5 full blocks) is cached now: c computes only its own 5 tokens.
+    assert out.num_scheduled_tokens["c"] == 5, out.num_scheduled_tokens
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert c.num_cached_tokens == 12, c.num_cached_tokens
+    assert sched.stats.computed_tokens == 20 + 5 + 6, "every prompt token was computed exactly once"
+    assert sched.stats.prefix_deferrals >= 1
+
+
+def test_no_deferral_without_prefix_caching():
+    sched = Scheduler(KVCacheManager(64, BS, enable_caching=False), max_num_seqs=8, max_num_batched_tokens=32,
+                      max_model_len=64, eos_token_ids=frozenset([EOS]))
+    a, c = make_request("a", 12, max_tokens=1), make_request("c", 12, max_tokens=1)
+    sched.add_request(a)
+    sched.add_request(c)
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 12, "c": 12}
+    assert sched.stats.prefix_deferrals == 0
