@@ -5,9 +5,12 @@ Torch-free: `import engine.config` must stay cheap (the router and CLIs import i
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 
 from ucm.size import parse_size
+
+logger = logging.getLogger(__name__)
 
 
 def parse_memory_size(value: int | float | str) -> int:
@@ -70,26 +73,60 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
-def cpu_supports_bf16() -> bool:
-    """AVX-512 BF16 (or AMX) makes bf16 matmuls fast on CPU; without it bf16 is emulated and slower than fp32."""
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return "avx512_bf16" in flags or "amx_bf16" in flags
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_supports_bf16() -> bool:
+    """AVX-512 BF16 (or AMX) makes bf16 matmuls fast on CPU; without it bf16 is emulated and slower than fp32."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _vector_isa(flags: frozenset[str]) -> str:
+    """The widest vector extension among the flags, for the log line."""
+    for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "avx", "sve", "asimd"):
+        if isa in flags:
+            return isa
+    return "no vector flags found"
+
+
+@functools.lru_cache(maxsize=1)
+def auto_cpu_dtype() -> str:
+    """dtype "auto" on CPU: bf16 only where the flags say it is native AND a measured matmul agrees (cached per
+    CPU, kernels/cpu/calibration.py); else fp32. Decided and logged once per process."""
+    flags = cpu_flags()
+    if not cpu_supports_bf16():
+        logger.info("dtype auto -> float32: CPU has no native bf16 (%s)", _vector_isa(flags))
+        return "float32"
+    # torch only here, on CPUs that could pick bf16: `import engine.config` stays torch-free.
+    from kernels.cpu.calibration import bf16_matmul_faster
+
+    faster, ms = bf16_matmul_faster()
+    pick = "bfloat16" if faster else "float32"
+    logger.info(
+        "dtype auto -> %s: CPU has native bf16 (%s); matmul %s bf16 %.2f ms vs fp32 %.2f ms",
+        pick, _vector_isa(flags), "confirms" if faster else "says fp32 is faster:", ms["bfloat16"], ms["float32"],
+    )  # fmt: skip
+    return pick
 
 
 def resolve_dtype_name(dtype: str, device: str) -> str:
-    """'auto' → bf16 on CUDA and on CPUs with native bf16, else fp32."""
+    """'auto' → bf16 on CUDA; on CPU `auto_cpu_dtype()` (bf16 where native and measured faster, else fp32)."""
     if dtype != "auto":
         return dtype
     if device.startswith("cuda"):
         return "bfloat16"
-    return "bfloat16" if cpu_supports_bf16() else "float32"
+    return auto_cpu_dtype()
 
 
 @dataclass(frozen=True)

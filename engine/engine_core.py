@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+import kernels
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
@@ -78,6 +79,9 @@ class EngineCore:
         num_blocks = num_blocks_for_budget(config.cache.kv_cache_bytes, self.model_config, bs, self.dtype)
         self.max_model_len = self._resolve_max_model_len(num_blocks * bs)
         self.kv_caches = allocate_kv_caches(num_blocks, self.model_config, bs, self.dtype, config.device)
+        if config.device == "cpu":  # measure (or read) which CPU attention path is faster now, not on the first step
+            mc = self.model_config
+            kernels.calibrate_cpu_attention(self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim, bs)
         self.namespace = KeyNamespace(loaded_model.fingerprint, self.dtype_name, bs)
         if kv_connector is None and config.kv_store is not None:
             from connector.base import KVConnectorRole

@@ -1,14 +1,16 @@
 """Paged-KV kernels: Triton on CUDA; on CPU native C kernels (attention, write_kv, fused norm/SiLU/RoPE) and the
 pure-torch reference for the rest (`UCM_ATTENTION_BACKEND=torch|triton` forces the device path,
-`UCM_CPU_ATTENTION=native|torch` the CPU kernels).
+`UCM_CPU_ATTENTION=auto|native|torch` the CPU kernels; auto, the default, runs the attention path measured faster on
+this machine).
 
 Importing this package does not import triton; the Triton modules load on their first use.
 
 Map (caches are per layer `[num_blocks, block_size, num_kv_heads, head_dim]`):
   api.py                       the entry points below: validate, then pick a backend per call from the device
-  backend.py                   AttentionBackend {TORCH, TRITON}, CpuAttention {NATIVE, TORCH} and the selection rules
+  backend.py                   AttentionBackend {TORCH, TRITON}, CpuAttention {AUTO, NATIVE, TORCH}, the selection rules
   cpu/                         native CPU kernels (paged attention, write_kv, residual-add+RMSNorm, RMSNorm,
-                               silu_and_mul, in-place RoPE): C sources built on first use, ctypes wrappers
+                               silu_and_mul, in-place RoPE): C sources built on first use, ctypes wrappers;
+                               calibration.py times native vs torch attention once per machine (auto dispatch)
   reference/                   pure-torch implementations: the CPU fallback path and the test oracle
   triton_write_kv.py           reshape-and-cache (slot -1 skips)
   triton_decode_attention.py   one query per sequence, GQA, split-KV + merge kernel for long contexts
@@ -22,6 +24,7 @@ Map (caches are per layer `[num_blocks, block_size, num_kv_heads, head_dim]`):
 """
 
 from kernels.api import (
+    calibrate_cpu_attention,
     copy_blocks,
     decode_attention,
     gather_blocks,
@@ -34,6 +37,7 @@ from kernels.backend import AttentionBackend, select_backend
 
 __all__ = [
     "AttentionBackend",
+    "calibrate_cpu_attention",
     "copy_blocks",
     "decode_attention",
     "gather_blocks",

@@ -1,9 +1,11 @@
 """The kernel entry points the engine and connector call; each picks Triton or the CPU path per call from the device.
 
-CPU attention runs the native C kernel (`kernels/cpu/`, K/V read in place from the paged cache) for decodes,
-prefill chunks over a cached prefix and whole prompts (kernels/cpu/paged_attention.py says what that costs in
-bit-equality with HF's SDPA); write_kv is a C copy loop. `UCM_CPU_ATTENTION=torch` forces the torch path for both, which also runs when
-the library cannot be built or the dtype/layout is not one it takes.
+CPU attention runs, per shape class (decode, prefill chunk over a cached prefix, whole prompt), whichever of the
+native C kernel (`kernels/cpu/`, K/V read in place from the paged cache) and the torch path measured faster on
+this machine (`kernels/cpu/calibration.py`: once per machine, geometry and thread count, cached on disk);
+kernels/cpu/paged_attention.py says what native whole prompts cost in bit-equality with HF's SDPA. write_kv is a
+C copy loop. `UCM_CPU_ATTENTION=native|torch` forces one path; torch also runs when the library cannot be built
+or the dtype/layout is not one it takes.
 
 The Llama block's elementwise ops (RMSNorm with the residual add folded in, SiLU-and-mul, RoPE) run the same
 library's fused kernels for contiguous bf16 CPU tensors under the same switch, bit-identical to torch's bf16
@@ -19,9 +21,11 @@ import torch
 
 from kernels.backend import AttentionBackend, CpuAttention, cpu_attention, select_backend
 from kernels.cpu import elementwise as native_elementwise
-from kernels.cpu import native
+from kernels.cpu import calibration, native
+from kernels.cpu.calibration import Geometry, Plan, ShapeClass
 from kernels.cpu.native import NativeLib
 from kernels.cpu import write_kv as native_write
+from kernels.cpu.paged_attention import DTYPE_CODES as NATIVE_DTYPES
 from kernels.cpu.paged_attention import paged_attention_native, prefill_attention_native, supports
 from kernels.reference import (
     copy_blocks_torch,
@@ -67,6 +71,35 @@ def _native_lib(supported: bool) -> NativeLib | None:
     if cpu_attention() is CpuAttention.TORCH or not supported:  # the env check first: a bad value always raises
         return None
     return native.load()
+
+
+def _geometry(q: torch.Tensor, k_cache: torch.Tensor) -> Geometry:
+    dtype = str(q.dtype).removeprefix("torch.")
+    return Geometry(dtype, q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1])
+
+
+def _auto_plan(lib: NativeLib, q: torch.Tensor, k_cache: torch.Tensor) -> Plan | None:
+    """The calibrated plan when UCM_CPU_ATTENTION is auto (measured on the first call per geometry), else None."""
+    return calibration.plan(lib, _geometry(q, k_cache)) if cpu_attention() is CpuAttention.AUTO else None
+
+
+def calibrate_cpu_attention(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> Plan | None:
+    """Run (or read) the CPU attention calibration now, e.g. at engine start-up rather than on the first step.
+    None when it does not apply: a forced UCM_CPU_ATTENTION, no native library, a dtype the kernel does not take."""
+    if cpu_attention() is not CpuAttention.AUTO or dtype not in NATIVE_DTYPES:
+        return None
+    lib = native.load()
+    if lib is None:
+        return None
+    return calibration.plan(lib, Geometry(str(dtype).removeprefix("torch."), num_q_heads, num_kv_heads, head_dim,
+                                          block_size))  # fmt: skip
+
+
+def _all_whole_prompts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+    n = query_start_loc[1:] - query_start_loc[:-1]
+    return bool(((n == seq_lens) | (n == 0)).all())
 
 
 def write_kv(
@@ -123,7 +156,9 @@ def decode_attention(
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
     lib = _native_lib(supports(q, k_cache, v_cache))
     if lib is not None:
-        return paged_attention_native(lib, q, k_cache, v_cache, None, seq_lens, block_tables, scale)
+        plan = _auto_plan(lib, q, k_cache)
+        if plan is None or plan[ShapeClass.DECODE].impl == calibration.NATIVE:
+            return paged_attention_native(lib, q, k_cache, v_cache, None, seq_lens, block_tables, scale)
     # Torch: the length-chunked path (same result as the plain reference, which stays the oracle).
     return decode_attention_chunked_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
 
@@ -154,6 +189,19 @@ def prefill_attention(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len
         )
     lib = _native_lib(supports(q, k_cache, v_cache))
+    plan = _auto_plan(lib, q, k_cache) if lib is not None else None
+    if plan is not None:
+        chunks_native = plan[ShapeClass.CHUNK].impl == calibration.NATIVE
+        prompts_native = plan[ShapeClass.PROMPT].impl == calibration.NATIVE
+        # Chunks on native: the kernel leaves whole prompts to torch when they measured faster there. Chunks on
+        # torch: a batch of whole prompts only may still go native; a mixed one runs torch whole (splitting it
+        # would copy q and the output).
+        if chunks_native or (prompts_native and _all_whole_prompts(query_start_loc, seq_lens)):
+            return prefill_attention_native(
+                lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                whole_prompts_on_torch=not prompts_native,
+            )  # fmt: skip
+        lib = None
     if lib is not None:
         return prefill_attention_native(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     return prefill_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len)
@@ -168,7 +216,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention for a packed step (new K/V already written): decode kernel when every sequence has one new token.
 
-    On CPU both branches reach the same native varlen kernel; the decode one just skips query_start_loc.
+    On CPU both branches may reach the same native varlen kernel; the decode one just skips query_start_loc.
     """
     md = attn_metadata
     if md.is_decode_only and q.shape[0] == md.num_seqs:

@@ -1,8 +1,9 @@
 """Which implementation a kernel call runs: the Triton kernels on CUDA, the CPU path elsewhere.
 
-On the CPU path, attention, write_kv and the fused elementwise ops (norms, SiLU-and-mul, RoPE; bf16 only) run
-the native C library (`kernels/cpu/`) unless `UCM_CPU_ATTENTION=torch` asks for the pure-torch reference;
-block gather/scatter/copy are torch.
+On the CPU path, write_kv and the fused elementwise ops (norms, SiLU-and-mul, RoPE; bf16 only) run the native C
+library (`kernels/cpu/`) unless `UCM_CPU_ATTENTION=torch` asks for the pure-torch reference; attention runs
+whichever of the two measured faster on this machine (`auto`, kernels/cpu/calibration.py) unless
+`UCM_CPU_ATTENTION=native|torch` forces one. Block gather/scatter/copy are torch.
 """
 
 from __future__ import annotations
@@ -35,18 +36,20 @@ def forced_backend() -> AttentionBackend | None:
 
 class CpuAttention(enum.Enum):
     """The native library's ops on the CPU path (attention reading the paged cache in place, write_kv, the fused
-    elementwise ops), or torch for all of them. The name predates the elementwise ops."""
+    elementwise ops), or torch for all of them, or AUTO: attention by calibration (the faster of the two per
+    shape class, measured once per machine), the other ops native. The name predates the elementwise ops."""
 
+    AUTO = "auto"
     NATIVE = "native"
     TORCH = "torch"
 
 
 def cpu_attention() -> CpuAttention:
-    """`UCM_CPU_ATTENTION` (default native; read per call: tests flip it). Native still falls back to torch
+    """`UCM_CPU_ATTENTION` (default auto; read per call: tests flip it). Native and auto still fall back to torch
     where the C kernel cannot run: no compiler, an unsupported dtype or layout."""
     raw = os.environ.get(CPU_ENV_VAR, "").strip().lower()
     if not raw:
-        return CpuAttention.NATIVE
+        return CpuAttention.AUTO
     try:
         return CpuAttention(raw)
     except ValueError:

@@ -183,10 +183,10 @@ def test_dispatch_and_switch(lib, monkeypatch):
     case = make_paged_case(ctx, new, 9, 3, 64, dtype=torch.bfloat16, seed=11)
     decode_args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125)
     calls = _spy(monkeypatch, lib)
-    monkeypatch.delenv("UCM_CPU_ATTENTION", raising=False)
+    monkeypatch.setenv("UCM_CPU_ATTENTION", "native")  # the default (auto) is tests/test_kernel_dispatch.py's
     assert kernels.select_backend(torch.device("cpu")) is kernels.AttentionBackend.TORCH  # the CPU path
     native_out = kernels.decode_attention(*decode_args)
-    assert len(calls) == 1, "native is the CPU default"
+    assert len(calls) == 1, "UCM_CPU_ATTENTION=native runs the library"
     kernels.write_kv(case.keys[0][:2], case.values[0][:2], case.k_cache, case.v_cache, torch.tensor([-1, -1]))
     assert calls == [1, 2]
     monkeypatch.setenv("UCM_CPU_ATTENTION", "torch")
@@ -201,7 +201,7 @@ def test_dispatch_and_switch(lib, monkeypatch):
     )
     assert calls == [1, 2, 1]
     monkeypatch.setenv("UCM_CPU_ATTENTION", "fast")
-    with pytest.raises(ValueError, match="UCM_CPU_ATTENTION='fast' is not one of: native, torch"):
+    with pytest.raises(ValueError, match="UCM_CPU_ATTENTION='fast' is not one of: auto, native, torch"):
         kernels.decode_attention(*decode_args)
 
 

@@ -11,7 +11,11 @@ another order, and over 30 bf16 layers that grows to ~0.7 logits. It is not less
 tests/test_model_hf.py asserts (ours within HF's own bf16 error, not bit-equal). `WHOLE_PROMPTS_ON_TORCH = True`
 sends them to SDPA again (tests use it to check the two agree).
 
-Threads: the kernel splits its work items (a sequence's query rows, 32 (token, head) pairs at a time) over
+Whether a call comes here at all is measured per machine (kernels/cpu/calibration.py); the figures above are
+from an AVX-512 host.
+
+Threads: the kernel splits its work items (a sequence's query rows, 32 (token, head) pairs at a time on the
+AVX-512 path, 64 on the AVX2/NEON one) over
 `torch.get_num_threads()` OpenMP threads (the libgomp thread pool torch uses); with one torch thread it runs
 on the calling thread. Measured on the 2-core box, DRAM-resident decode (32 sequences, SmolLM2 shapes):
 777 us a layer on 1 thread, 499 on 2.
@@ -112,11 +116,12 @@ def prefill_attention_native(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    whole_prompts_on_torch: bool = False,
 ) -> torch.Tensor:
-    """`kernels.prefill_attention`'s contract (packed varlen, causal); whole prompts go to torch (module doc)."""
-    out, skipped = _call(
-        lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, WHOLE_PROMPTS_ON_TORCH
-    )
+    """`kernels.prefill_attention`'s contract (packed varlen, causal); whole prompts go to torch's SDPA when
+    `whole_prompts_on_torch` (the calibration measured it faster) or WHOLE_PROMPTS_ON_TORCH (module doc)."""
+    skip = whole_prompts_on_torch or WHOLE_PROMPTS_ON_TORCH
+    out, skipped = _call(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, skip)
     if not skipped:
         return out
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()

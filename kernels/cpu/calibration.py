@@ -1,0 +1,284 @@
+"""Which CPU attention path runs, decided by measuring both on this machine (`UCM_CPU_ATTENTION=auto`, the default).
+
+Neither path wins everywhere: the C kernel's speed depends on the vector path the build got (AVX-512, AVX2,
+NEON or scalar) and the torch path's on its GEMMs and thread count. So on the first CPU attention call for a new
+(dtype, head geometry, block size) at the current torch thread count, `plan()` times the native kernel and the
+torch path on one small problem per shape class (`PROBLEMS`: a decode batch, a prefill chunk over a cached
+prefix, a whole prompt), picks the faster of each, logs the numbers once, and stores them in
+`<cache dir>/kernels/calibration-<key hash>.json`. The key (`calibration_key`) is the CPU model and flags, the
+native library's file name (a hash of its sources, flags and compiler), torch's version and the thread count:
+when any of them changes the hash names another file, so a stale choice is never read. A later process with
+the same key reads the file instead of measuring. `plan()` runs at most once per key and geometry per process;
+calls after that are a dict lookup.
+
+`bf16_matmul_faster()` is the same idea for `dtype="auto"` (engine/config.py): on a CPU whose flags say bf16 is
+native, a model-shaped matmul in bf16 and in fp32, cached the same way.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu.native import NativeLib
+from kernels.cpu.paged_attention import paged_attention_native
+from kernels.reference import decode_attention_chunked_torch, prefill_attention_torch
+from ucm.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+NATIVE, TORCH = "native", "torch"
+REPS = 5  # timed calls per path and class after one warm-up; the best counts (other processes only add time)
+MAX_S_PER_RUN = 0.15  # stop repeating a path once it has taken this long (keeps the whole plan well under 2 s)
+FILE_VERSION = 1
+
+
+class ShapeClass(str, enum.Enum):
+    DECODE = "decode"  # one query per sequence (`kernels.decode_attention`)
+    CHUNK = "chunk"  # prefill rows over a cached prefix: every prefill call that is not all whole prompts
+    PROMPT = "prompt"  # sequences whose new tokens are their whole context
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The measured problem of a class: `batch` sequences of `ctx` context tokens, `new` of them queries."""
+
+    batch: int
+    ctx: int
+    new: int
+
+
+# Small but past the per-call overheads: the engine's decode batches, a 256-token chunk of a longer prompt.
+PROBLEMS = {
+    ShapeClass.DECODE: Problem(batch=8, ctx=1024, new=1),
+    ShapeClass.CHUNK: Problem(batch=1, ctx=1024, new=256),
+    ShapeClass.PROMPT: Problem(batch=1, ctx=256, new=256),
+}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the choice may depend on besides the machine: the tensors' dtype and the attention's shape."""
+
+    dtype: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    def label(self) -> str:
+        return f"{self.dtype} {self.num_q_heads}/{self.num_kv_heads} heads x {self.head_dim} bs{self.block_size}"
+
+
+@dataclass(frozen=True)
+class Pick:
+    impl: str  # NATIVE or TORCH
+    native_ms: float
+    torch_ms: float
+
+
+Plan = dict[ShapeClass, Pick]
+
+
+@lru_cache(maxsize=1)
+def cpu_info() -> tuple[str, str]:
+    """(model name, the flags line) from /proc/cpuinfo; platform's answer where there is none."""
+    model, flags = "", ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in ("model name", "Model", "CPU part") and not model:
+                    model = value.strip()
+                elif name in ("flags", "Features") and not flags:
+                    flags = value.strip()
+    except OSError:
+        pass
+    return model or platform.processor() or platform.machine(), flags
+
+
+def vector_flags() -> list[str]:
+    """The CPU flags that decide the kernels' speed, for logs and benchmark headers."""
+    have = set(cpu_info()[1].split())
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve")
+    return [f for f in wanted if f in have]
+
+
+def calibration_key(lib: NativeLib, threads: int) -> dict[str, object]:
+    model, flags = cpu_info()
+    return {"cpu": model, "flags": flags, "machine": platform.machine(), "library": lib.path.name,
+            "torch": torch.__version__, "threads": threads}  # fmt: skip
+
+
+def _key_file(kind: str, key: dict[str, object], root: Path | None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return (root if root is not None else cache_dir()) / "kernels" / f"{kind}-{digest}.json"
+
+
+def _read_entries(path: Path, key: dict[str, object]) -> dict[str, dict]:
+    """The file's entries if it is ours (same version and key); else none (absent, stale or damaged)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != FILE_VERSION or data.get("key") != key:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_entry(path: Path, key: dict[str, object], name: str, entry: dict) -> None:
+    """Add one entry; written to a temporary file and renamed, so concurrent readers see an old or a new file."""
+    entries = _read_entries(path, key)
+    entries[name] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": FILE_VERSION, "key": key, "entries": entries}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache costs a measurement per process, nothing else
+        log.warning("could not store the CPU calibration in %s: %s", path, e)
+
+
+def best_ms(fn: Callable[[], object]) -> float:
+    fn()  # warm-up: first-touch of the output, torch's lazy initialisation
+    best, spent = float("inf"), 0.0
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+        if spent > MAX_S_PER_RUN:
+            break
+    return best * 1000
+
+
+def _runs(lib: NativeLib, g: Geometry, shape_class: ShapeClass) -> dict[str, Callable[[], object]]:
+    """The native and torch calls on `PROBLEMS[shape_class]`, random data, blocks in shuffled order."""
+    pb = PROBLEMS[shape_class]
+    dtype = getattr(torch, g.dtype)
+    gen = torch.Generator().manual_seed(0)
+    per_seq = -(-pb.ctx // g.block_size)
+    shape = (pb.batch * per_seq, g.block_size, g.num_kv_heads, g.head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    tables = torch.randperm(shape[0], generator=gen).view(pb.batch, per_seq).to(torch.int32)
+    lens = torch.full((pb.batch,), pb.ctx, dtype=torch.int32)
+    q = torch.randn(pb.batch * pb.new, g.num_q_heads, g.head_dim, generator=gen).to(dtype)
+    scale = g.head_dim**-0.5
+    if shape_class is ShapeClass.DECODE:
+        return {
+            NATIVE: lambda: paged_attention_native(lib, q, k_cache, v_cache, None, lens, tables, scale),
+            TORCH: lambda: decode_attention_chunked_torch(q, k_cache, v_cache, tables, lens, scale, pb.ctx),
+        }
+    qsl = torch.arange(0, pb.batch * pb.new + 1, pb.new, dtype=torch.int32)
+    return {
+        NATIVE: lambda: paged_attention_native(lib, q, k_cache, v_cache, qsl, lens, tables, scale),
+        TORCH: lambda: prefill_attention_torch(q, k_cache, v_cache, qsl, lens, tables, scale, pb.new),
+    }
+
+
+def measure(lib: NativeLib, g: Geometry, shape_class: ShapeClass) -> dict[str, float]:
+    """Best-of-REPS milliseconds of each path on the class's problem (tests replace this to force a result)."""
+    return {impl: best_ms(fn) for impl, fn in _runs(lib, g, shape_class).items()}
+
+
+def _pick(times: dict[str, float]) -> Pick:
+    native_ms, torch_ms = times[NATIVE], times[TORCH]
+    return Pick(NATIVE if native_ms <= torch_ms else TORCH, native_ms, torch_ms)
+
+
+def _describe(g: Geometry, threads: int, plan: Plan, source: str) -> str:
+    cls = "; ".join(f"{c.value} {p.impl} ({p.native_ms:.2f} ms native vs {p.torch_ms:.2f} torch)" for c, p in plan.items())
+    return (f"CPU attention {source} for {cpu_info()[0]} [{' '.join(vector_flags())}], {threads} thread(s), "
+            f"{g.label()}: {cls}")  # fmt: skip
+
+
+class _Memo:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.plans: dict[tuple[str, Geometry], Plan] = {}
+
+
+_memo = _Memo()
+
+
+def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
+    """The path per shape class for this geometry on this machine: memoised, else read from the cache file,
+    else measured (and stored). `root` overrides the cache dir (tests)."""
+    threads = torch.get_num_threads()
+    key = calibration_key(lib, threads)
+    path = _key_file("calibration", key, root)
+    memo_key = (str(path), g)
+    found = _memo.plans.get(memo_key)
+    if found is not None:
+        return found
+    with _memo.lock:
+        found = _memo.plans.get(memo_key)
+        if found is not None:
+            return found
+        name = g.label()
+        stored = _read_entries(path, key).get(name)
+        try:
+            result = {ShapeClass(c): Pick(**p) for c, p in stored.items()} if stored else None
+        except (TypeError, ValueError):  # written by another version of this code: measure again
+            result = None
+        if result is None or set(result) != set(ShapeClass):
+            t0 = time.perf_counter()
+            result = {c: _pick(measure(lib, g, c)) for c in ShapeClass}
+            _write_entry(path, key, name, {c.value: asdict(p) for c, p in result.items()})
+            log.info("%s (measured in %.2f s; %s)", _describe(g, threads, result, "calibrated"),
+                     time.perf_counter() - t0, path)  # fmt: skip
+        else:
+            log.info("%s (from %s)", _describe(g, threads, result, "calibration"), path)
+        _memo.plans[memo_key] = result
+        return result
+
+
+def forget() -> None:
+    """Drop this process's memoised plans (tests)."""
+    with _memo.lock:
+        _memo.plans.clear()
+
+
+# ---------------------------------------------------------------- dtype="auto": is bf16 actually faster here?
+
+# One projection of a small Llama (hidden 2048, MLP 5632) on a 64-token step: big enough for the GEMM to dominate.
+MATMUL_SHAPE = (64, 2048, 5632)  # tokens, in features, out features
+
+
+def measure_matmul() -> dict[str, float]:
+    """Best-of-REPS milliseconds of F.linear in bf16 and fp32 on MATMUL_SHAPE (tests replace this)."""
+    t, k, n = MATMUL_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(t, k, generator=gen), torch.randn(n, k, generator=gen)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    return {"bfloat16": best_ms(lambda: F.linear(xb, wb)), "float32": best_ms(lambda: F.linear(x, w))}
+
+
+def bf16_matmul_faster(root: Path | None = None) -> tuple[bool, dict[str, float]]:
+    """Whether a bf16 matmul beats fp32 here, with the milliseconds; cached per CPU, torch version and threads."""
+    model, flags = cpu_info()
+    key = {"cpu": model, "flags": flags, "machine": platform.machine(), "torch": torch.__version__,
+           "threads": torch.get_num_threads()}  # fmt: skip
+    path = _key_file("dtype", key, root)
+    times = _read_entries(path, key).get("matmul")
+    if not (isinstance(times, dict) and set(times) == {"bfloat16", "float32"}):
+        times = measure_matmul()
+        _write_entry(path, key, "matmul", times)
+    return times["bfloat16"] < times["float32"], times
