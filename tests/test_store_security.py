@@ -4,6 +4,7 @@ process (real ZeroMQ sockets, real LMDB). No sleeps: every wait is a socket poll
 from __future__ import annotations
 
 import random
+import time
 
 import msgspec
 import pytest
@@ -35,6 +36,15 @@ def _exchange(address: str, messages: list[list[bytes]], timeout_ms: int = 5000)
         return replies
     finally:
         sock.close()
+
+
+def _settled_stats(client: StoreClient, timeout_s: float = 20.0):
+    """Stats once earlier commits have reached LMDB (`pending_blocks` counts those still being written behind)."""
+    deadline = time.monotonic() + timeout_s
+    while (stats := client.stats()).pending_blocks and time.monotonic() < deadline:
+        pass  # each round trip is the wait; the write-behind thread drains meanwhile
+    assert stats.pending_blocks == 0, f"write-behind did not drain in {timeout_s} s: {stats}"
+    return stats
 
 
 def _error_codes(replies: list[p.Reply]) -> list[p.ErrorCode]:
@@ -90,7 +100,7 @@ def test_sizes_checked_before_anything_is_allocated(daemon) -> None:
     block = p.WireBlock.of(ref)
     with StoreClient(daemon.address) as client:
         client.open_namespace("sizes", LAYOUT)
-        before = client.stats()
+        before = _settled_stats(client)
         replies = _exchange(daemon.address, [
             [p.encode(p.Dump(1, [block], 0, 10**8, "sizes")), b"x" * PAYLOAD],  # the issue's 1.6 GB request
             [p.encode(p.Dump(2, [block], 0, NUM_LAYERS, "sizes")), b"x" * (PAYLOAD - 1)],
