@@ -88,7 +88,8 @@ class NodeServer:
               f"store {self.config.store_addr or 'none'}", flush=True)
         try:
             while not self._stop.is_set():
-                self._drain(sock, 0 if self.runner.busy else _IDLE_POLL_MS)
+                if self._drain(sock, 0 if self.runner.busy else _IDLE_POLL_MS):
+                    heartbeat.update_load(self._load())  # new jobs are visible before a long step, not after it
                 for msg in self.runner.step():
                     sock.send(P.encode(msg))
                 heartbeat.update_load(self._load())
@@ -100,11 +101,14 @@ class NodeServer:
             sock.close(0)
             ctx.term()
 
-    def _drain(self, sock: zmq.Socket, timeout_ms: int) -> None:
+    def _drain(self, sock: zmq.Socket, timeout_ms: int) -> int:
+        """Take up to _MAX_DRAIN queued messages; how many were taken."""
+        taken = 0
         for _ in range(_MAX_DRAIN):
             if not sock.poll(timeout_ms):
-                return
+                return taken
             timeout_ms = 0
+            taken += 1
             try:
                 msg = P.decode(sock.recv())
             except ValueError as e:
@@ -119,6 +123,7 @@ class NodeServer:
                 self.runner.abort(msg.request_ids)
             else:
                 log.warning("unexpected %s from the router", type(msg).__name__)
+        return taken
 
     def _load(self) -> P.Heartbeat:
         sched = self.engine.scheduler
