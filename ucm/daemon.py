@@ -11,7 +11,8 @@ What a client may do (docs/security.md):
   folder complete the handshake; each request is attributed to that key (ZAP User-Id).
 - A dump names a namespace the client opened with its layout; the blocks are admitted only if every size
   matches it and every key chains from its parent and token ids (`ucm.dump_check`).
-- A client commits only what it dumped and (with CURVE) removes only what it owns (`ucm.ownership`).
+- With CURVE, a client commits only what it dumped and removes only what it owns (`ucm.ownership`); without,
+  all peers are one identity and no ownership is tracked.
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ class StoreDaemon:
             case p.Dump():
                 return p.DumpReply(req.req_id, self._dump(client, req, frames)), []
             case p.Commit(keys=keys, ok=ok):
-                store.commit(self._owners.settle(keys, client, ok), ok)  # only what this client dumped
+                # With CURVE, only what this client dumped; without, one identity owns everything (no table).
+                store.commit(self._owners.settle(keys, client, ok) if self.authenticated else keys, ok)
                 return p.OkReply(req.req_id), []
             case p.Load(blocks=blocks, layers=layers):
                 if len(blocks) * len(layers) > MAX_LOAD_FRAMES:
@@ -239,7 +241,8 @@ class StoreDaemon:
                         raise Refused(p.ErrorCode.FORBIDDEN, f"{len(foreign)} of {len(keys)} keys belong to another client "
                                       f"(first {foreign[0].hex()}); nothing removed")
                 store.remove(keys)
-                self._owners.forget(keys)
+                if self.authenticated:
+                    self._owners.forget(keys)
                 return p.OkReply(req.req_id), []
             case p.GetStats():
                 stats = store.stats()
@@ -259,8 +262,10 @@ class StoreDaemon:
         # already be pending; pending memory stays under about cap x the largest declared block.
         if new and self.store.pending_count() >= cap:
             raise Refused(p.ErrorCode.BUSY, f"{cap} blocks already pending; commit or retry later")
-        allowed = self._owners.claim_pending([refs[i].key for i in new], client)
-        taken = [i for i, ok in zip(new, allowed) if not ok]  # being dumped by another client
+        taken: list[int] = []
+        if self.authenticated:
+            allowed = self._owners.claim_pending([refs[i].key for i in new], client)
+            taken = [i for i, ok in zip(new, allowed) if not ok]  # being dumped by another client
         keep = sorted(set(range(len(refs))) - set(taken))
         task = self.store.dump([refs[i] for i in keep], req.layer, req.num_layers, [frames[i].buffer for i in keep])
         task.wait()

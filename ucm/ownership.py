@@ -1,8 +1,8 @@
 """`OwnerTable`: which client dumped (pending) or committed each block, so that no client can overwrite or
 remove another's entries.
 
-The owner is the client's identity: its CURVE public key (z85), or "" for every peer of an unauthenticated
-daemon (where, with one owner, nothing is refused). Rules:
+The owner is the client's CURVE public key (z85); a daemon without CURVE has one identity and keeps no table.
+Rules:
 
 - dump: a key pending for another client (and not older than the pending timeout) is refused for this one;
   a committed block is never overwritten anyway (the store skips keys it holds: same key, same bytes).
@@ -30,7 +30,7 @@ class ClaimState(enum.Enum):
     COMMITTED = "committed"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Claim:
     owner: str
     state: ClaimState
@@ -38,7 +38,7 @@ class _Claim:
 
 
 class OwnerTable:
-    def __init__(self, pending_timeout_s: float, max_entries: int = 1 << 21) -> None:
+    def __init__(self, pending_timeout_s: float, max_entries: int = 1 << 20) -> None:
         if pending_timeout_s <= 0 or max_entries <= 0:
             raise ValueError("pending_timeout_s and max_entries must be positive")
         self._timeout = pending_timeout_s
