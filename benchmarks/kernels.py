@@ -3,11 +3,13 @@
 CUDA: achieved memory bandwidth (bytes the kernel must move / time) as a fraction of the device's peak HBM
 bandwidth (from a table by device name, else a measured large copy), with torch SDPA on already-gathered dense
 K/V (and torch index_select / index_copy_ for blocks) as the baseline.
-CPU: tokens/s of the dispatch path (the native C kernel, kernels/cpu/) next to the torch path
-(`UCM_CPU_ATTENTION=torch`) and SDPA on pre-gathered K/V, in the same run. The "cold" shape cycles through one
-cache per layer (30, > the last-level cache) as the engine does, so K/V come from DRAM.
+CPU: tokens/s of what `kernels` dispatches to ("dispatched (native|torch)": the path the start-up calibration,
+kernels/cpu/calibration.py, measured faster for that shape class) next to the native C kernel (kernels/cpu/), the
+torch path (`UCM_CPU_ATTENTION=torch`) and SDPA on pre-gathered K/V, in the same run; a last table puts each
+dispatched time beside the best of native and torch. The "cold" shape cycles through one cache per layer (30,
+> the last-level cache) as the engine does, so K/V come from DRAM.
 
-    .venv/bin/python -m benchmarks.kernels [--json out.json] [--quick]
+    .venv/bin/python -m benchmarks.kernels [--json out.json] [--quick] [--threads N]
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ if not __package__:  # run as a file, this folder is sys.path[0] and `import ker
     raise SystemExit("run it as a module from the repository root: python -m benchmarks.kernels")
 
 import kernels  # noqa: E402
-from kernels.cpu import native  # noqa: E402
+from kernels.backend import cpu_attention  # noqa: E402
+from kernels.cpu import calibration, native  # noqa: E402
+from kernels.cpu.calibration import ShapeClass  # noqa: E402
 from kernels.cpu.paged_attention import paged_attention_native  # noqa: E402
 from kernels.reference import decode_attention_chunked_torch, prefill_attention_torch  # noqa: E402
 from kernels.reference.paged_gather import gather_context  # noqa: E402
@@ -124,6 +128,13 @@ def paged_setup(s: Shape, dtype: torch.dtype, device: torch.device):
     return q, k_cache, v_cache, tables, seq_lens
 
 
+def dispatched(shape_class: ShapeClass, s: Shape, dtype: torch.dtype) -> str:
+    """The row name of `kernels`' own call: which CPU path it takes for this class (calibrating if it must)."""
+    plan = kernels.calibrate_cpu_attention(dtype, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size)
+    # None: UCM_CPU_ATTENTION forces a path (or the library did not build: torch)
+    return f"dispatched ({plan[shape_class].impl if plan is not None else cpu_attention().value})"
+
+
 def decode_attention_triton(*args, **kwargs):
     from kernels.triton_decode_attention import decode_attention_triton as fn  # CUDA only: imports triton
 
@@ -140,8 +151,11 @@ def cpu_paged_runs(
 ) -> dict[str, Callable[[], object]]:
     """The CPU decode paths over the paged caches, each call on the next cache in turn."""
     layer = itertools.cycle(caches)
+    s = Shape("", q.shape[0], max_seq_len, q.shape[1], caches[0][0].shape[2], q.shape[2], caches[0][0].shape[1])
     runs = {
-        "paged (dispatch)": lambda: kernels.decode_attention(q, *next(layer), tables, seq_lens, scale, max_seq_len),
+        dispatched(ShapeClass.DECODE, s, q.dtype): lambda: kernels.decode_attention(
+            q, *next(layer), tables, seq_lens, scale, max_seq_len
+        ),
         "torch path": lambda: decode_attention_chunked_torch(q, *next(layer), tables, seq_lens, scale, max_seq_len),
     }
     lib = native.load()
@@ -170,7 +184,9 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
     gqa = s.num_q_heads != s.num_kv_heads
     kv_bytes = 2 * k_dense.numel() * k_dense.element_size() + 2 * q.numel() * q.element_size()
     runs = {
-        "paged (dispatch)": lambda: kernels.decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, s.ctx),
+        ("paged (dispatch)" if device.type == "cuda" else dispatched(ShapeClass.DECODE, s, dtype)): lambda: (
+            kernels.decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, s.ctx)
+        ),
         "SDPA pre-gathered": lambda: F.scaled_dot_product_attention(
             q.unsqueeze(2), k_dense, v_dense, scale=scale, enable_gqa=gqa
         ),
@@ -210,10 +226,10 @@ def bench_prefill_cpu(s: Shape, dtype: torch.dtype, min_s: float) -> list[Row]:
     scale = s.head_dim**-0.5
     lib = native.load()
     rows = []
-    for ctx, what in ((s.ctx, f"{new} new/{s.ctx}"), (new, f"{new} whole prompt")):
+    for ctx, what, cls in ((s.ctx, f"{new} new/{s.ctx}", ShapeClass.CHUNK), (new, f"{new} whole prompt", ShapeClass.PROMPT)):
         lens = torch.tensor([ctx], dtype=torch.int32)
         runs = {
-            "paged (dispatch)": lambda: kernels.prefill_attention(q, k_cache, v_cache, qsl, lens, tables, scale, new),
+            dispatched(cls, one, dtype): lambda: kernels.prefill_attention(q, k_cache, v_cache, qsl, lens, tables, scale, new),
             "torch path": lambda: prefill_attention_torch(q, k_cache, v_cache, qsl, lens, tables, scale, new),
         }
         if lib is not None:
@@ -257,6 +273,19 @@ def print_table(rows: list[Row]) -> None:
         print(f"{r.bench:8} {r.shape:40} {r.impl:24} {r.ms:9.3f} {gb} {fr} {tk}")
 
 
+def dispatch_check(rows: list[Row]) -> list[dict]:
+    """Per CPU shape: the dispatched time beside the best of the native kernel and the torch path."""
+    out = []
+    for shape in dict.fromkeys(r.shape for r in rows if r.impl.startswith("dispatched")):
+        by = {r.impl: r.ms for r in rows if r.shape == shape}
+        disp = next(ms for impl, ms in by.items() if impl.startswith("dispatched"))
+        alts = {impl: by[impl] for impl in ("native (in place)", "torch path") if impl in by}
+        best = min(alts, key=alts.get)
+        out.append({"shape": shape, "dispatched_ms": disp, "best": best, "best_ms": alts[best],
+                    "ratio": disp / alts[best]})  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -277,9 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         ctx = 512 if args.quick else 2048
         shapes = [Shape(f"smollm2 b8x{ctx}", 8, ctx, 9, 3, 64), Shape("smollm2 b32x512 cold", 32, 512, 9, 3, 64, layers=30)]
         dtypes = [torch.float32, torch.bfloat16]
+    lib = native.load()
+    cpu = {"model": calibration.cpu_info()[0], "flags": calibration.vector_flags(),
+           "kernel_path": lib.vector_path if lib is not None else "not built"}  # fmt: skip
     what = torch.cuda.get_device_name(device) if cuda else f"cpu, {torch.get_num_threads()} threads"
     peak_txt = f"{peak_src} = {peak:.0f} GB/s" if peak else peak_src
     print(f"device: {device} ({what}); backend: {kernels.select_backend(device).value}; peak: {peak_txt}", flush=True)
+    print(f"cpu: {cpu['model']}; flags: {' '.join(cpu['flags']) or '-'}; native kernel path: {cpu['kernel_path']}")
     rows: list[Row] = []
     for dtype in dtypes:
         for s in shapes:
@@ -288,9 +321,16 @@ def main(argv: list[str] | None = None) -> int:
                 rows += bench_prefill_cpu(s, dtype, min_s)
         rows += bench_blocks(shapes[0], 4096 if cuda else 256, dtype, device, peak, min_s)
     print_table(rows)
+    check = [] if cuda else dispatch_check(rows)
+    if check:
+        print(f"\n{'shape':40} {'dispatched ms':>13} {'best alternative':>28} {'ratio':>6}")
+        for c in check:
+            best = f"{c['best']} {c['best_ms']:.3f}"
+            print(f"{c['shape']:40} {c['dispatched_ms']:13.3f} {best:>28} {c['ratio']:6.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"device": str(device), "peak_source": peak_src, "peak_gbps": peak,
-                                         "rows": [asdict(r) for r in rows]}, indent=2))
+        args.json.write_text(json.dumps({"device": str(device), "cpu": cpu, "threads": torch.get_num_threads(),
+                                         "peak_source": peak_src, "peak_gbps": peak, "rows": [asdict(r) for r in rows],
+                                         "dispatch_check": check}, indent=2))  # fmt: skip
     return 0
 
 

@@ -212,7 +212,7 @@ def _describe(g: Geometry, threads: int, plan: Plan, source: str) -> str:
 class _Memo:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.plans: dict[tuple[str, Geometry], Plan] = {}
+        self.plans: dict[tuple[str, str, int, Geometry], Plan] = {}
 
 
 _memo = _Memo()
@@ -222,9 +222,8 @@ def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
     """The path per shape class for this geometry on this machine: memoised, else read from the cache file,
     else measured (and stored). `root` overrides the cache dir (tests)."""
     threads = torch.get_num_threads()
-    key = calibration_key(lib, threads)
-    path = _key_file("calibration", key, root)
-    memo_key = (str(path), g)
+    # The memo's key stands for the file's (same CPU and torch within a process): no hashing per call.
+    memo_key = (str(root), lib.path.name, threads, g)
     found = _memo.plans.get(memo_key)
     if found is not None:
         return found
@@ -232,6 +231,8 @@ def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
         found = _memo.plans.get(memo_key)
         if found is not None:
             return found
+        key = calibration_key(lib, threads)
+        path = _key_file("calibration", key, root)
         name = g.label()
         stored = _read_entries(path, key).get(name)
         try:

@@ -473,9 +473,14 @@ ALWAYS_INLINE vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((v
 /* VW consecutive elements from base[i] as fp32 (bf16: the 16 bits become the high half). */
 ALWAYS_INLINE vf vload(const void *base, int64_t i, int dtype) {
     if (dtype == UCM_DTYPE_BF16) {
+#if defined(__AVX2__) /* GCC widens a generic convert as two 128-bit halves plus an insert */
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+        return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
         vh h;
         memcpy(&h, (const uint16_t *)base + i, sizeof h);
         return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
     }
     vf v;
     memcpy(&v, (const float *)base + i, sizeof v);
@@ -497,15 +502,23 @@ ALWAYS_INLINE void vstore(void *base, int64_t i, vf y, int dtype) {
 }
 
 ALWAYS_INLINE float vmax_lanes(vf v) {
-    float r = v[0];
-    for (int i = 1; i < VW; i++) r = v[i] > r ? v[i] : r;
-    return r;
+#if defined(__AVX2__)
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+#else
+    return vmaxvq_f32(v);
+#endif
 }
 
 ALWAYS_INLINE float vsum_lanes(vf v) {
-    float r = v[0];
-    for (int i = 1; i < VW; i++) r += v[i];
-    return r;
+#if defined(__AVX2__)
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+#else
+    return vaddvq_f32(v);
+#endif
 }
 
 /* 2^x for x <= 0, as exp2_ps above: round to nearest with the 1.5 * 2^23 trick (exact for |x| < 2^22), degree-7
@@ -691,6 +704,7 @@ ALWAYS_INLINE void attend_item_vec(const Problem *p, const Item *it, int d, int 
     _Alignas(64) float o[MAX_ROWS * MAX_D];
     _Alignas(64) float w[MAX_ROWS][CHUNK];
     _Alignas(64) float kT[MAX_D * CHUNK];
+    _Alignas(64) float vf32[CHUNK * MAX_D];
     float m[MAX_ROWS], l[MAX_ROWS], alpha[MAX_ROWS];
     const vf scale = vsplat(p->scale_log2);
     for (int32_t s = 0; s < nrows; s++) {
@@ -743,10 +757,21 @@ ALWAYS_INLINE void attend_item_vec(const Problem *p, const Item *it, int d, int 
                 const int vis = pos[s] - start + 1 < nk ? pos[s] - start + 1 : nk; /* keys row s may see */
                 softmax_row(w[s], &m[s], &l[s], &alpha[s], vis);
             }
+            /* bf16 V read by several register blocks: widen it to fp32 once (as the keys above). */
+            const void *vrows = vc + head_off;
+            int64_t vstride = kstride;
+            int vtype = dtype;
+            if (dtype == UCM_DTYPE_BF16 && hi - lo > RB) {
+                for (int j = 0; j < nk; j++)
+                    for (int c = 0; c < d; c += VW) {
+                        const vf x = vload(vrows, j * kstride + c, dtype);
+                        memcpy(vf32 + j * d + c, &x, sizeof x);
+                    }
+                vrows = vf32, vstride = d, vtype = UCM_DTYPE_F32;
+            }
             for (int32_t s = lo; s < hi; s += RB) {
 #define PV(R)                                                                                                        \
-    pv_rows_vec(o + s * d, (const float (*)[CHUNK])(w + s), alpha + s, R, vc + head_off, kstride, nk, d, dtype, &pf,   \
-                pf_step)
+    pv_rows_vec(o + s * d, (const float (*)[CHUNK])(w + s), alpha + s, R, vrows, vstride, nk, d, vtype, &pf, pf_step)
                 RB_SWITCH(hi - s, PV)
 #undef PV
             }
