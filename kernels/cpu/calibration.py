@@ -4,7 +4,8 @@ Neither path wins everywhere: the C kernel's speed depends on the vector path th
 NEON or scalar) and the torch path's on its GEMMs and thread count. So on the first CPU attention call for a new
 (dtype, head geometry, block size) at the current torch thread count, `plan()` times the native kernel and the
 torch path on one small problem per shape class (`PROBLEMS`: a decode batch, a prefill chunk over a cached
-prefix, a whole prompt), picks the faster of each, logs the numbers once, and stores them in
+prefix, a whole prompt), picks the faster of each, logs the numbers once, and, when its two rounds of timing
+agree (a busy machine can flip a round: one such pick is used but measured again next time), stores them in
 `<cache dir>/kernels/calibration-<key hash>.json`. The key (`calibration_key`) is the CPU model and flags, the
 native library's file name (a hash of its sources, flags and compiler), torch's version and the thread count:
 when any of them changes the hash names another file, so a stale choice is never read. A later process with
@@ -42,9 +43,10 @@ from ucm.paths import cache_dir
 log = logging.getLogger(__name__)
 
 NATIVE, TORCH = "native", "torch"
-REPS = 5  # timed calls per path and class after one warm-up; the best counts (other processes only add time)
-MAX_S_PER_RUN = 0.15  # stop repeating a path once it has taken this long (keeps the whole plan well under 2 s)
-FILE_VERSION = 1
+ROUNDS = 2  # independent rounds per class; a winner they disagree on is used but not stored (see `plan`)
+REPS = 3  # timed calls of each path per round, the two paths alternating so a burst of other load hits both
+MAX_S_PER_ROUND = 0.15  # stop a round early once it has taken this long (keeps a whole plan near 1 s)
+FILE_VERSION = 2  # 2: stored only when the rounds agree (1 stored every pick)
 
 
 class ShapeClass(str, enum.Enum):
@@ -156,16 +158,14 @@ def _write_entry(path: Path, key: dict[str, object], name: str, entry: dict) -> 
         log.warning("could not store the CPU calibration in %s: %s", path, e)
 
 
-def best_ms(fn: Callable[[], object]) -> float:
-    fn()  # warm-up: first-touch of the output, torch's lazy initialisation
-    best, spent = float("inf"), 0.0
-    for _ in range(REPS):
+def best_ms(fn: Callable[[], object], reps: int = REPS) -> float:
+    """Fastest of `reps` calls after a warm-up (first-touch of the output, torch's lazy initialisation), in ms."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-        if spent > MAX_S_PER_RUN:
-            break
+        best = min(best, time.perf_counter() - t0)
     return best * 1000
 
 
@@ -193,14 +193,33 @@ def _runs(lib: NativeLib, g: Geometry, shape_class: ShapeClass) -> dict[str, Cal
     }
 
 
-def measure(lib: NativeLib, g: Geometry, shape_class: ShapeClass) -> dict[str, float]:
-    """Best-of-REPS milliseconds of each path on the class's problem (tests replace this to force a result)."""
-    return {impl: best_ms(fn) for impl, fn in _runs(lib, g, shape_class).items()}
+def measure(lib: NativeLib, g: Geometry, shape_class: ShapeClass) -> list[dict[str, float]]:
+    """Per round, the fastest milliseconds of each path on the class's problem (tests replace this to force a
+    result). The best of several calls, since other processes only ever add time; the paths alternate call by
+    call, so load that comes and goes slows both rather than the one measured at the time."""
+    runs = _runs(lib, g, shape_class)
+    for fn in runs.values():
+        fn()  # warm-up
+    rounds = []
+    for _ in range(ROUNDS):
+        best, t_end = dict.fromkeys(runs, float("inf")), time.perf_counter() + MAX_S_PER_ROUND
+        for _ in range(REPS):
+            for impl, fn in runs.items():
+                t0 = time.perf_counter()
+                fn()
+                best[impl] = min(best[impl], (time.perf_counter() - t0) * 1000)
+            if time.perf_counter() > t_end:
+                break
+        rounds.append(best)
+    return rounds
 
 
-def _pick(times: dict[str, float]) -> Pick:
-    native_ms, torch_ms = times[NATIVE], times[TORCH]
-    return Pick(NATIVE if native_ms <= torch_ms else TORCH, native_ms, torch_ms)
+def _pick(rounds: list[dict[str, float]]) -> tuple[Pick, bool]:
+    """The faster path over all rounds, and whether every round agreed on it."""
+    native_ms = min(r[NATIVE] for r in rounds)
+    torch_ms = min(r[TORCH] for r in rounds)
+    winners = {NATIVE if r[NATIVE] <= r[TORCH] else TORCH for r in rounds}
+    return Pick(NATIVE if native_ms <= torch_ms else TORCH, native_ms, torch_ms), len(winners) == 1
 
 
 def _describe(g: Geometry, threads: int, plan: Plan, source: str) -> str:
@@ -241,10 +260,16 @@ def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
             result = None
         if result is None or set(result) != set(ShapeClass):
             t0 = time.perf_counter()
-            result = {c: _pick(measure(lib, g, c)) for c in ShapeClass}
-            _write_entry(path, key, name, {c.value: asdict(p) for c, p in result.items()})
+            picked = {c: _pick(measure(lib, g, c)) for c in ShapeClass}
+            result = {c: pick for c, (pick, _) in picked.items()}
+            unsure = [c.value for c, (_, agreed) in picked.items() if not agreed]
+            if unsure:  # the machine's load changed the answer: use it now, measure again in the next process
+                where = f"not stored: rounds disagreed on {', '.join(unsure)} (other load on the CPU?)"
+            else:
+                _write_entry(path, key, name, {c.value: asdict(p) for c, p in result.items()})
+                where = f"stored in {path}"
             log.info("%s (measured in %.2f s; %s)", _describe(g, threads, result, "calibrated"),
-                     time.perf_counter() - t0, path)  # fmt: skip
+                     time.perf_counter() - t0, where)  # fmt: skip
         else:
             log.info("%s (from %s)", _describe(g, threads, result, "calibration"), path)
         _memo.plans[memo_key] = result
@@ -269,7 +294,7 @@ def measure_matmul() -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(t, k, generator=gen), torch.randn(n, k, generator=gen)
     xb, wb = x.bfloat16(), w.bfloat16()
-    return {"bfloat16": best_ms(lambda: F.linear(xb, wb)), "float32": best_ms(lambda: F.linear(x, w))}
+    return {"bfloat16": best_ms(lambda: F.linear(xb, wb), 5), "float32": best_ms(lambda: F.linear(x, w), 5)}
 
 
 def bf16_matmul_faster(root: Path | None = None) -> tuple[bool, dict[str, float]]:
