@@ -9,8 +9,9 @@ agree (a busy machine can flip a round: one such pick is used but measured again
 `<cache dir>/kernels/calibration-<key hash>.json`. The key (`calibration_key`) is the CPU model and flags, the
 native library's file name (a hash of its sources, flags and compiler), torch's version and the thread count:
 when any of them changes the hash names another file, so a stale choice is never read. A later process with
-the same key reads the file instead of measuring. `plan()` runs at most once per key and geometry per process;
-calls after that are a dict lookup.
+the same key reads the file instead of measuring. `plan()` runs at most once per key and geometry per process
+(engine start-up calls it through `kernels.calibrate_cpu_attention`, so no request waits on it); calls after
+that are a dict lookup.
 
 `bf16_matmul_faster()` is the same idea for `dtype="auto"` (engine/config.py): on a CPU whose flags say bf16 is
 native, a model-shaped matmul in bf16 and in fp32, cached the same way.

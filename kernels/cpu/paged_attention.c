@@ -18,6 +18,11 @@
  * measured 1.25x slower with DRAM-resident caches (SmolLM2 shapes, 32 sequences, 30 layers' caches: 1015 vs
  * 808 us a layer). Rows of one GQA group share each V row they read.
  * Keys are streamed in chunks of up to 16 (never crossing a block) with an online softmax in fp32, base 2.
+ *
+ * Three bodies, picked at compile time by what -march=native enables: AVX-512 (head_dim % 32 == 0), AVX2+FMA or
+ * NEON (head_dim % 16 == 0; one source in GCC vector extensions, see "vector path") and a scalar loop for the
+ * rest. Whether the engine calls this kernel or the torch path at all is measured per machine
+ * (kernels/cpu/calibration.py).
  */
 
 #include <math.h>
