@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 
 RECORDING_PREFIX = "recording"
 
+# A node's daemon client: KV transfers may take a while on a loaded box, a lookup never should; the first
+# lookup to a dead store is what a request pays before the breaker opens.
+DAEMON_TIMEOUT_S = 5.0
+CONTROL_TIMEOUT_S = 1.0
+
 _embedded_lock = threading.Lock()
 _embedded: dict[StoreSpec, KVStore] = {}
 
@@ -41,17 +46,21 @@ def _close_embedded() -> None:
 atexit.register(_close_embedded)
 
 
-def open_store(spec: StoreSpec) -> KVStore:
-    """The process's embedded store for `spec`, or a new client of the daemon at `spec.address`."""
+def open_store(spec: StoreSpec, stats: ConnectorStats | None = None) -> KVStore:
+    """The process's embedded store for `spec`, or a new client of the daemon at `spec.address` behind a circuit
+    breaker (a dead daemon costs one short timeout, then is skipped until it answers a probe), whose counters
+    go into `stats`."""
     if spec.kind is StoreKind.DAEMON:
         from ucm.auth import ClientAuth
+        from ucm.circuit_breaker import BreakerConfig
         from ucm.client import StoreClient
 
         assert spec.address is not None, "a daemon spec has an address"
         auth = ClientAuth.from_dir(spec.curve_keys, spec.curve_client) if spec.curve_keys else None
-        if spec.timeout_s is not None:
-            return StoreClient(spec.address, timeout_s=spec.timeout_s, retry_after_s=max(1.0, 4 * spec.timeout_s), auth=auth)
-        return StoreClient(spec.address, auth=auth)
+        data_timeout = spec.timeout_s if spec.timeout_s is not None else DAEMON_TIMEOUT_S
+        return StoreClient(spec.address, timeout_s=data_timeout, control_timeout_s=min(data_timeout, CONTROL_TIMEOUT_S),
+                           auth=auth, breaker=BreakerConfig(),
+                           on_breaker_change=stats.absorb_breaker if stats is not None else None)
     from ucm.store import Store
     from ucm.store_config import StoreConfig
 
@@ -96,8 +105,8 @@ class UCMDirectConnector:
                save_decode_blocks: bool = True, recompute_last_token_only: bool = True) -> UCMDirectConnector:
         spec = StoreSpec.parse(kv_store)
         kv_role = parse_role(role)
-        store = open_store(spec)
         stats = ConnectorStats()
+        store = open_store(spec, stats)
         scheduler = UCMSchedulerConnector(store, kv_role, block_size, stats, save_decode_blocks=save_decode_blocks,
                                           recompute_last_token_only=recompute_last_token_only,
                                           store_address=spec.display)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from connector.base import ConnectorMetadata
 from ucm.api import BlockRef
+from ucm.circuit_breaker import BreakerStats
 
 log = logging.getLogger("connector")
 # A store that stays down is reported again at most this often; every failure is counted.
@@ -69,6 +70,20 @@ class ConnectorStats:
     save_seconds: float = 0.0  # time spent in save_kv_layer + wait_for_save
     store_errors: int = 0  # calls that raised (store unreachable and the like)
     key_mismatches: int = 0  # requests whose producer computed other block keys than this engine
+    # The daemon client's circuit breaker (ucm/circuit_breaker.py); an embedded store is always reachable.
+    store_reachable: int = 1  # 0 while the breaker is open: the store is skipped, every prompt recomputed
+    store_breaker_trips: int = 0
+    store_timeouts: int = 0  # store calls that waited out their whole timeout
+    store_skipped_calls: int = 0  # store calls the open breaker refused (or cut short) instead
+    store_probes: int = 0
+
+    def absorb_breaker(self, breaker: BreakerStats) -> None:
+        """The breaker's counters, copied in so heartbeats carry them with the rest (`connector_store_*`)."""
+        self.store_reachable = breaker.reachable
+        self.store_breaker_trips = breaker.trips
+        self.store_timeouts = breaker.timeouts
+        self.store_skipped_calls = breaker.skipped
+        self.store_probes = breaker.probes
 
 
 def warn_limited(last_warned: float, msg: str, *args: object) -> float:

@@ -146,6 +146,9 @@ class UCMSchedulerConnector(KVConnectorScheduler):
                 keys.extend(req.block_keys[first:stop])
         if not keys:
             return []
+        if self._store_skipped():  # saves would only be packed into staging to be dropped
+            self.stats.blocks_save_failed += len(keys)
+            return []
         try:
             held = self.store.contains(keys)
         except Exception as exc:
@@ -204,6 +207,11 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             self.stats.key_mismatches += 1
             log.warning("request %s: the producer's block keys differ from this engine's (model, dtype, block "
                         "size or cache_salt differ?); its KV cannot be reused", request.request_id)
+
+    def _store_skipped(self) -> bool:
+        """A daemon client's circuit breaker is open: the store did not answer and is being probed."""
+        breaker = getattr(self.store, "breaker", None)
+        return breaker is not None and breaker.is_open
 
     def _store_failed(self, what: str, exc: Exception) -> None:
         self._warn_at = store_failed(self.stats, what, exc, self._warn_at)

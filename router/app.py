@@ -26,6 +26,7 @@ from router.node_client import NodeClient
 from router.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, bad_request
 from router.registry import Registry
 from router.serving import Choice, Chunk, OpenAIServing, requested_tokens, sse, usage
+from router.store_health import store_health
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         client.on_node_event.append(metrics.node_event)
         client.on_node_event.append(lambda node_id, event: admission.pump())  # capacity may have grown
         await client.start()
-        dispatcher = Dispatcher(client)
+        dispatcher = Dispatcher(client, config.decode_wait_s)
         state["client"] = client
         state["serving"] = OpenAIServing(dispatcher, admission, tokenizer, metrics, config.model_name,
                                          config.max_model_len)
@@ -242,7 +243,9 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         nodes = {n.node_id: {"role": n.role.value, "running": n.running, "waiting": n.waiting, "load": n.load}
                  for n in registry.nodes.values()}
         ok = bool(registry.alive(*DECODE_ROLES))
-        return JSONResponse({"status": "ok" if ok else "no_decode_node", "nodes": nodes}, status_code=200 if ok else 503)
+        # A dead store degrades hit rates, not answers: it shows here but does not make the router unhealthy.
+        return JSONResponse({"status": "ok" if ok else "no_decode_node", "nodes": nodes,
+                             "store": store_health(registry.nodes.values())}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prom() -> Response:

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also queue requests while the measured service rate serves them within this many seconds; "
                         "beyond both bounds: 429 with Retry-After")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--decode-wait", type=float, default=d.decode_wait_s,
+                   help="seconds a request whose decode node died waits for another decode node to register "
+                        "before it fails (it then resumes where it stopped)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -63,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=args.served_model_name, api_key=args.api_key, node_timeout_s=args.node_timeout,
         stall_timeout_s=args.stall_timeout, max_queued_requests=args.max_queued_requests,
         max_queue_wait_s=args.max_queue_wait_s, max_model_len=args.max_model_len,
+        decode_wait_s=args.decode_wait,
     )
     import uvicorn
 

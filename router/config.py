@@ -23,12 +23,17 @@ class RouterConfig:
     max_queued_requests: int = 64
     max_queue_wait_s: float = 60.0
     max_model_len: int | None = None  # cap below the nodes' own limit
+    # A request whose decode node died resumes on another one; with none alive it waits this long for one to
+    # (re)register (e.g. restarted by `ucm-serve up`), then fails with a clear error.
+    decode_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.decode_wait_s < 0:
+            raise ValueError(f"decode_wait_s must be >= 0, got {self.decode_wait_s}")
         for name in ("node_timeout_s", "stall_timeout_s", "max_queue_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

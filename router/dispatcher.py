@@ -4,22 +4,31 @@
         P lost (missed heartbeats, no progress while busy, restarted, unreachable) or the job failed
             → Abort to P (it may still be alive), then the next P; none left → D prefills locally
     pick D (least loaded) → DecodeJob → TokenBatch* until finished
+        D lost, before or after tokens reached the client → Abort to D, then resume on another D (or on a
+            restarted one: with none alive the request waits up to `decode_wait_s` for a registration) from
+            what was already sent: prompt + tokens so far, the last of them as the job's first token,
+            max_tokens reduced; the caller sees one unbroken stream
     caller stops early (client gone, stop string) → Abort to whichever node holds the request
 
 No per-request timeout: a request queued behind others on a live node that keeps stepping is waiting, not lost,
 and computing its prompt a second time elsewhere would only add load (router/progress.py decides "stuck").
+Greedy output is the same after a resume: the resumed node recomputes the KV of prompt + tokens so far (the
+prompt's blocks from the store) and samples on from there. A seeded non-greedy stream stays deterministic but
+not equal to an unbroken one: the sampler's noise is keyed by the position within the job's own output.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgspec
 
 from router import protocol as P
+from router.arrivals import NodeArrivals
 from router.node_client import NodeClient, NodeLost, NodeUnavailable
 from router.openai_schema import ApiError
 from router.pairing import pick_decode, pick_prefill
@@ -28,10 +37,12 @@ from router.registry import NodeState
 log = logging.getLogger(__name__)
 
 DECODE_ROLES = (P.NodeRole.DECODE, P.NodeRole.BOTH)
+# How long a request whose decode node died waits for another one to register before it fails.
+DEFAULT_DECODE_WAIT_S = 60.0
 
 
 class _DecodeNodeFailed(Exception):
-    """The decode node vanished; retried elsewhere if nothing was streamed from it yet."""
+    """The decode node vanished; the request resumes elsewhere from the tokens already produced."""
 
 
 @dataclass(frozen=True)
@@ -58,12 +69,48 @@ class SeqTrace:
     decode_node: str | None = None
     prefill_attempts: int = 0
     local_prefill: bool = False
+    decode_resumes: int = 0  # decode jobs sent again after a decode node was lost
     caches: list[tuple[P.NodeRole, P.CacheInfo]] = field(default_factory=list)
 
 
+@dataclass
+class _DecodeState:
+    """A sequence's decode so far: enough to send the job again to another node from where it stopped."""
+
+    req: SeqRequest
+    first: P.PrefillDone | None
+    generated: list[int] = field(default_factory=list)  # every token the caller got, the prefill's first included
+    attempts: int = 0
+    failed: set[tuple[str, str]] = field(default_factory=set)  # (node id, incarnation) that lost this request
+
+    def next_job(self) -> P.DecodeJob:
+        """The job for the next attempt. The last token produced becomes the job's first token, so the node
+        samples its successor; the prompt's KV still comes from the store (a prefix of the new prompt)."""
+        req, first = self.req, self.first
+        request_id = req.request_id if self.attempts == 0 else f"{req.request_id}/r{self.attempts}"
+        self.attempts += 1
+        left = req.params.max_tokens - len(self.generated)
+        assert left >= 1, f"{req.request_id}: resuming with {left} tokens left"
+        params = msgspec.structs.replace(req.params, max_tokens=left)
+        if not self.generated:  # nothing produced yet: the decode node prefills the prompt itself
+            return P.DecodeJob(request_id, req.prompt_token_ids, params, cache_salt=req.cache_salt)
+        transfer = first.kv_transfer_params if first is not None else None
+        return P.DecodeJob(request_id, req.prompt_token_ids + self.generated[:-1], params,
+                           first_token_id=self.generated[-1], kv_transfer_params=transfer, cache_salt=req.cache_salt)
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.req.params.max_tokens
+
+
 class Dispatcher:
-    def __init__(self, client: NodeClient):
+    def __init__(self, client: NodeClient, decode_wait_s: float = DEFAULT_DECODE_WAIT_S):
+        if decode_wait_s < 0:
+            raise ValueError(f"decode_wait_s must be >= 0, got {decode_wait_s}")
         self.client = client
+        self.decode_wait_s = decode_wait_s
+        self.arrivals = NodeArrivals()
+        client.on_node_event.append(self.arrivals.node_event)
 
     @property
     def registry(self):
@@ -74,7 +121,6 @@ class Dispatcher:
             raise ApiError(503, "no decode node is alive", "service_unavailable", None, "no_decode_node")
 
     async def generate(self, req: SeqRequest, trace: SeqTrace) -> AsyncIterator[SeqEvent]:
-        self.check_available()
         first = await self._prefill(req, trace)
         if first is not None:
             yield SeqEvent([first.first_token_id], [first.logprob] if first.logprob else None, first.finished,
@@ -131,38 +177,45 @@ class Dispatcher:
         return f"unexpected reply {type(reply).__name__}"
 
     async def _decode(self, req: SeqRequest, first: P.PrefillDone | None, trace: SeqTrace) -> AsyncIterator[SeqEvent]:
-        params = req.params
-        if first is not None:  # the first token came from the prefill node
-            params = msgspec.structs.replace(params, max_tokens=params.max_tokens - 1)
-        job = P.DecodeJob(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            params=params,
-            first_token_id=first.first_token_id if first else None,
-            kv_transfer_params=first.kv_transfer_params if first else None,
-            cache_salt=req.cache_salt,
-        )
-        tried: set[str] = set()
+        state = _DecodeState(req, first, [first.first_token_id] if first is not None else [])
         while True:
-            node = pick_decode(self.registry.alive(*DECODE_ROLES), exclude=tried)
-            if node is None:
-                raise ApiError(503, "no decode node is alive", "service_unavailable", None, "no_decode_node")
-            tried.add(node.node_id)
+            node = await self._decode_node(state)
+            job = state.next_job()
             trace.decode_node = node.node_id
-            streamed = False
             try:
                 # aclosing: if our caller stops early, the node's request is aborted now, not at GC time
-                async with contextlib.aclosing(self._decode_on(node, job, trace)) as events:
+                events = self._decode_on(node, job, trace, record_cache=state.attempts == 1)
+                async with contextlib.aclosing(events):
                     async for event in events:
-                        streamed = True
+                        state.generated.extend(event.token_ids)
                         yield event
                 return
             except _DecodeNodeFailed as e:
-                if streamed:  # tokens already reached the client: cannot replay them elsewhere
-                    raise ApiError(502, str(e), "server_error") from e
-                log.warning("%s: %s; retrying on another decode node", req.request_id, e)
+                state.failed.add((node.node_id, node.info.instance))
+                if state.done:  # the node died right after its last token: nothing left to produce
+                    yield SeqEvent([], None, True, P.FinishReason.LENGTH)
+                    return
+                trace.decode_resumes += 1
+                log.warning("%s: %s after %d tokens; resuming on another decode node", req.request_id, e,
+                            len(state.generated))
 
-    async def _decode_on(self, node: NodeState, job: P.DecodeJob, trace: SeqTrace) -> AsyncIterator[SeqEvent]:
+    async def _decode_node(self, state: _DecodeState) -> NodeState:
+        """The least-loaded decode node that has not lost this request; with none, wait for a registration."""
+        deadline = time.monotonic() + self.decode_wait_s
+        while True:
+            alive = [n for n in self.registry.alive(*DECODE_ROLES) if (n.node_id, n.info.instance) not in state.failed]
+            node = pick_decode(alive)
+            if node is not None:
+                return node
+            if not await self.arrivals.wait(deadline):
+                raise ApiError(503, f"no decode node available for {self.decode_wait_s:.0f}s (request "
+                               f"{state.req.request_id} had {len(state.generated)} tokens)", "service_unavailable",
+                               None, "no_decode_node")
+
+    async def _decode_on(self, node: NodeState, job: P.DecodeJob, trace: SeqTrace,
+                         record_cache: bool) -> AsyncIterator[SeqEvent]:
+        """`record_cache`: only the first attempt's prompt counts in the cache metrics (a resumed job's prompt
+        holds the generated tokens too)."""
         queue = self.client.open(job.request_id, node)
         done = False
         try:
@@ -170,7 +223,7 @@ class Dispatcher:
             while not done:
                 reply = await queue.get()
                 if isinstance(reply, P.TokenBatch):
-                    if reply.cache is not None:
+                    if reply.cache is not None and record_cache:
                         trace.caches.append((node.role, reply.cache))
                     done = reply.finished
                     yield SeqEvent(reply.token_ids, reply.logprobs, reply.finished, reply.finish_reason)

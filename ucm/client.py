@@ -1,9 +1,12 @@
 """`StoreClient`: the `KVStore` interface over ZeroMQ to a store daemon.
 
-Never hangs on a dead store: every call polls with a timeout. An unreachable store reads as a miss —
+Never hangs on a dead store: every call polls with a timeout (`control_timeout_s` for the small calls,
+`timeout_s` for dump/load). An unreachable store reads as a miss —
 `lookup` returns 0, `contains` all False, dump/load tasks fail every block, `commit`/`remove`/`prefetch`
 are dropped (logged) — and `ping`/`stats` raise `StoreUnavailable`. After a timeout the client fails fast
-for `retry_after_s` instead of waiting out every call. Thread-safe: one DEALER socket per thread.
+for `retry_after_s` instead of waiting out every call; with `breaker=BreakerConfig()` it fails fast until the
+store answers a background probe instead (ucm/circuit_breaker.py), and calls in flight give up at once.
+Thread-safe: one DEALER socket per thread.
 
 `auth=ClientAuth(...)` (or `ClientAuth.from_dir(DIR)` for a folder from `ucm.auth.generate_keys`) makes every
 socket a CURVE client; without the right keys a CURVE daemon never answers (calls time out as above).
@@ -18,7 +21,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -28,11 +31,14 @@ import zmq
 from ucm import protocol as p
 from ucm.api import BlockRef, StoreStats, StoreUnavailable
 from ucm.auth import ClientAuth
+from ucm.circuit_breaker import BreakerConfig, BreakerStats, CircuitBreaker, CircuitOpen
 from ucm.keys import BlockKey
 from ucm.record import as_bytes_view
 from ucm.task import Task
 
 log = logging.getLogger("ucm.client")
+_DATA_CALLS = (p.Dump, p.Load)  # the calls that move KV bytes get `timeout_s`; the rest `control_timeout_s`
+_BREAKER_POLL_S = 0.05  # with a breaker, a waiting call looks this often whether another call tripped it
 __all__ = ["StoreClient", "StoreRequestError", "StoreUnavailable"]
 
 
@@ -55,9 +61,12 @@ class StoreClient:
         auth: ClientAuth | None = None,
         namespace: str | None = None,
         layout: p.Layout | None = None,
+        control_timeout_s: float | None = None,
+        breaker: BreakerConfig | None = None,
+        on_breaker_change: Callable[[BreakerStats], None] | None = None,
     ) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if timeout_s <= 0 or (control_timeout_s is not None and control_timeout_s <= 0):
+            raise ValueError(f"timeouts must be positive, got {timeout_s}, {control_timeout_s}")
         if namespace is not None and not namespace:
             raise ValueError("namespace must be a non-empty name (or None to derive one from the layout)")
         self._curve = auth.load() if auth is not None else None  # key files read once, here
@@ -66,7 +75,9 @@ class StoreClient:
         self._opened: set[tuple[str, p.Layout]] = set()
         self.address = address
         self.timeout_s = timeout_s
+        self.control_timeout_s = timeout_s if control_timeout_s is None else control_timeout_s
         self.retry_after_s = retry_after_s
+        self.breaker = CircuitBreaker(self._probe, breaker, on_breaker_change) if breaker is not None else None
         self._ctx = zmq.Context()
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -97,28 +108,42 @@ class StoreClient:
             sock.close(linger=0)  # stale replies die with it
             self._local.sock = None
 
-    def _call(self, make: type, *fields: object, frames: Sequence[object] = (), timeout_s: float | None = None):
-        """Send one request and return (reply, data frames); raises StoreUnavailable / StoreRequestError."""
+    def _call(self, make: type, *fields: object, frames: Sequence[object] = (), timeout_s: float | None = None,
+              probe: bool = False):
+        """Send one request and return (reply, data frames); raises StoreUnavailable / StoreRequestError.
+        `probe`: the breaker's own ping, which goes through while the breaker is open."""
         with self._lock:
             req_id = next(self._req_ids)
             if self._closed:
                 raise StoreUnavailable("client is closed")
             if time.monotonic() < self._down_until:
                 raise StoreUnavailable(f"store at {self.address} did not answer recently; retrying later")
+        breaker = None if probe else self.breaker
+        if breaker is not None:
+            breaker.check(make.__name__)
+        if timeout_s is None:
+            timeout_s = self.timeout_s if make in _DATA_CALLS else self.control_timeout_s
         sock = self._socket()
         try:
             sock.send_multipart([p.encode(make(req_id, *fields)), *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again as exc:
-            self._mark_down()
+            self._timed_out(breaker, probe)
             raise StoreUnavailable(f"cannot queue a request to {self.address}") from exc
         except zmq.ZMQError as exc:  # the client was closed by another thread
             raise StoreUnavailable(f"client socket unusable: {exc}") from exc
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
-                self._mark_down()
-                raise StoreUnavailable(f"store at {self.address} did not answer within {self.timeout_s} s")
+            wait = min(remaining, _BREAKER_POLL_S) if breaker is not None else remaining
+            if remaining <= 0 or not sock.poll(int(wait * 1000) + 1):
+                if breaker is not None and breaker.is_open:  # another call found the store dead meanwhile
+                    self._drop_socket()
+                    breaker.cut_short()
+                    raise CircuitOpen(f"{make.__name__} given up: the store did not answer another call")
+                if time.monotonic() < deadline:
+                    continue
+                self._timed_out(breaker, probe)
+                raise StoreUnavailable(f"store at {self.address} did not answer within {timeout_s} s")
             parts = sock.recv_multipart(copy=False)
             try:
                 reply = p.reply_decoder.decode(parts[0].buffer)
@@ -130,6 +155,22 @@ class StoreClient:
             if isinstance(reply, p.ErrorReply):
                 raise StoreRequestError(reply.code, reply.message)
             return reply, parts[1:]
+
+    def _timed_out(self, breaker: CircuitBreaker | None, probe: bool) -> None:
+        if probe:
+            self._drop_socket()
+        elif breaker is not None:
+            self._drop_socket()
+            breaker.timed_out()
+        else:
+            self._mark_down()
+
+    def _probe(self, timeout_s: float) -> None:
+        """The breaker's probe: any answer, even an error reply, means the store is back."""
+        try:
+            self._call(p.Ping, timeout_s=timeout_s, probe=True)
+        except StoreRequestError:
+            pass
 
     def _mark_down(self) -> None:
         self._drop_socket()
@@ -145,14 +186,14 @@ class StoreClient:
         try:
             return self._call(p.Lookup, list(keys))[0].hit
         except StoreUnavailable as exc:
-            log.warning("lookup treated as a miss: %s", exc)
+            _log_unavailable("lookup treated as a miss: %s", exc)
             return 0
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         try:
             return self._call(p.Contains, list(keys))[0].present
         except StoreUnavailable as exc:
-            log.warning("contains treated as a miss: %s", exc)
+            _log_unavailable("contains treated as a miss: %s", exc)
             return [False] * len(keys)
 
     def dump(
@@ -225,7 +266,7 @@ class StoreClient:
             try:
                 task.finish(fn(*args))
             except (StoreUnavailable, StoreRequestError) as exc:
-                log.warning("store task failed: %s", exc)
+                _log_unavailable("store task failed: %s", exc)
                 task.finish(range(num_blocks), str(exc))
             except Exception as exc:
                 log.exception("store task failed")
@@ -250,7 +291,7 @@ class StoreClient:
         try:
             self._call(make, *fields)
         except StoreUnavailable as exc:
-            log.warning("%s dropped: %s", make.__name__.lower(), exc)
+            _log_unavailable(f"{make.__name__.lower()} dropped: %s", exc)
 
     def stats(self) -> StoreStats:
         return self._call(p.GetStats)[0].stats
@@ -260,6 +301,8 @@ class StoreClient:
             if self._closed:
                 return
             self._closed = True
+        if self.breaker is not None:
+            self.breaker.stop()
         self._pool.shutdown(wait=True)
         self._ctx.destroy(linger=0)
 
@@ -268,3 +311,8 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _log_unavailable(msg: str, exc: Exception) -> None:
+    # A skipped call is the breaker working as meant: one warning at the trip, not one per call.
+    (log.debug if isinstance(exc, CircuitOpen) else log.warning)(msg, exc)

@@ -45,6 +45,7 @@ class StoreStatsPoller(threading.Thread):
             out = {f"store_{tier.value}_{name}": float(value) for tier, ts in stats.tiers.items()
                    for name, value in vars(ts).items() if isinstance(value, (int, float))}
             out["store_lookup_hit_blocks"] = float(stats.lookup_hit_blocks)
+            out["store_corrupt_dropped"] = float(stats.corrupt_dropped)  # blocks whose checksum failed on read
             self.latest = out
 
 
