@@ -34,7 +34,7 @@ class CircuitOpen(StoreUnavailable):
 @dataclass(frozen=True)
 class BreakerConfig:
     probe_initial_s: float = 0.25  # first probe this long after the trip
-    probe_max_s: float = 8.0  # backoff cap between probes
+    probe_max_s: float = 4.0  # backoff cap between probes
     probe_timeout_s: float = 1.0  # how long one probe waits for the answer
 
     def __post_init__(self) -> None:

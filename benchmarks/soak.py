@@ -1,0 +1,239 @@
+"""Soak: mixed load on a whole cluster for a long time, watching for leaks (issue 11, "nothing lost").
+
+Starts store daemon + prefill + decode + router (router/cluster.py), warms up, takes a baseline at idle, then runs
+`--concurrency` clients for `--minutes`: streaming and non-streaming completions, clients that hang up
+mid-stream, and prompts sharing a few long prefixes (store and prefix-cache hits). Every `--sample-s` it records
+each process's RSS and each node's free KV blocks. After the load it waits for the cluster to go idle and
+compares with the baseline: free blocks must be back exactly, RSS within a tolerance (the store may grow by its
+DRAM tier and a node by its KV cache, whose pages are touched on first use; beyond that, growth is a leak).
+
+    .venv/bin/python -m benchmarks.soak --minutes 30 --out bench_out/soak     # JSON + PNG in --out
+    .venv/bin/python -m benchmarks.soak --minutes 2 --sample-s 10 --out /tmp/soak
+
+Exit status 0 when every check passed. Not part of CI by default (tests/test_soak.py runs a short one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.prom_text import metric  # noqa: E402
+from benchmarks.sse_client import StreamResult, stream_completion  # noqa: E402
+from router.cluster import Cluster, ClusterSpec  # noqa: E402
+from ucm.size import parse_size  # noqa: E402
+
+MODEL = "smollm2-135m"
+PREFIXES = [("You are a careful assistant for a museum. Visitors ask about exhibits, tickets, the cafe, the garden, "
+             "accessibility and the gift shop; answer briefly and politely. ") * 3,
+            ("This is the maintenance log of a wind farm: turbine ids, blade inspections, gearbox temperatures, "
+             "wind speeds, downtime and spare parts ordered, one line per event. ") * 3]
+WORDS = "amber basil cedar delta ember fjord grove harbor iris jade kelp lotus maple nectar opal pine quartz reed".split()
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    minutes: float = 30.0
+    sample_s: float = 30.0
+    concurrency: int = 4
+    dram: str = "64MiB"
+    kv_cache_memory: str = "64MiB"
+    rss_rel_tol: float = 0.10  # growth allowed beyond the cache allowances, relative ...
+    rss_abs_tol_mib: float = 64.0  # ... plus absolute (allocator slack, lazily imported modules)
+    seed: int = 0
+
+
+@dataclass
+class Sample:
+    t: float
+    phase: str  # baseline, load, final
+    rss_mib: dict[str, float]
+    free_blocks: dict[str, float]
+
+
+@dataclass
+class Report:
+    config: SoakConfig
+    samples: list[Sample] = field(default_factory=list)
+    requests: dict[str, int] = field(default_factory=dict)  # kind -> count
+    failures: dict[str, int] = field(default_factory=dict)  # kind -> requests that did not complete as asked
+    restarts: dict[str, int] = field(default_factory=dict)  # children the supervisor had to restart
+    checks: dict[str, dict] = field(default_factory=dict)  # what -> {baseline, final, limit, ok}
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and not self.restarts and all(c["ok"] for c in self.checks.values())
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def snapshot(cluster: Cluster, t0: float, phase: str) -> Sample:
+    rss = {name: rss_mib(child.proc.pid) for name, child in dict(cluster.children).items() if child.alive}
+    free: dict[str, float] = {}
+    for line in httpx.get(cluster.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("ucm_node_free_kv_blocks{"):
+            free[line.split('node="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return Sample(round(time.monotonic() - t0, 1), phase, rss, free)
+
+
+def one_request(url: str, rng: random.Random) -> tuple[str, bool]:
+    """Send one request of a random kind; (kind, completed as asked)."""
+    kind = rng.choice(["stream", "plain", "disconnect", "prefix", "prefix"])
+    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24)))
+    prompt = (rng.choice(PREFIXES) + "Question: " + words) if kind == "prefix" else f"Tell me about {words}."
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": rng.randint(8, 32), "temperature": 0}
+    if kind == "plain":
+        r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+        return kind, r.status_code == 200 and bool(r.json()["choices"][0]["finish_reason"])
+    result = stream_completion(url, body, StreamResult(), stop_after_chunks=2 if kind == "disconnect" else None)
+    if kind == "disconnect":
+        return kind, result.status == 200 and not result.errors and result.exception is None
+    return kind, result.ok
+
+
+def wait_idle(cluster: Cluster, timeout_s: float = 300.0) -> None:
+    """Until no node runs or queues anything and the router holds no sequence."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        nodes = httpx.get(cluster.url + "/health", timeout=10).json()["nodes"]
+        if all(n["running"] == 0 and n["waiting"] == 0 for n in nodes.values()) and \
+                metric(cluster.url, "ucm_running_sequences") == 0:
+            time.sleep(1.0)  # one more heartbeat round, so free-block counts are the idle ones
+            return
+        time.sleep(0.5)
+    raise RuntimeError("the cluster did not go idle")
+
+
+def run(config: SoakConfig, log=print) -> Report:
+    report = Report(config)
+    spec = ClusterSpec(prefill=1, decode=1, dtype="float32", dram=config.dram, kv_cache_memory=config.kv_cache_memory,
+                       node_args=("--threads", "1"))
+    with Cluster(spec, log=lambda s: None) as cluster:
+        t0 = time.monotonic()
+        rng = random.Random(config.seed)
+        for _ in range(2):  # warm-up: every kind of request once, twice (prefixes stored, code paths touched)
+            for _ in range(8):
+                one_request(cluster.url, rng)
+        wait_idle(cluster)
+        baseline = snapshot(cluster, t0, "baseline")
+        report.samples.append(baseline)
+        log(f"[soak] baseline RSS MiB {baseline.rss_mib}, free blocks {baseline.free_blocks}")
+        counts, failures = Counter(), Counter()
+        lock = threading.Lock()
+        stop_at = time.monotonic() + config.minutes * 60
+
+        def client(seed: int) -> None:
+            crng = random.Random(seed)
+            while time.monotonic() < stop_at:
+                try:
+                    kind, ok = one_request(cluster.url, crng)
+                except (httpx.HTTPError, ValueError, KeyError) as e:
+                    kind, ok = f"transport ({type(e).__name__})", False
+                with lock:
+                    counts[kind] += 1
+                    failures[kind] += not ok
+
+        clients = [threading.Thread(target=client, args=(config.seed + 1 + i,), daemon=True)
+                   for i in range(config.concurrency)]
+        for c in clients:
+            c.start()
+        while (left := stop_at - time.monotonic()) > 0:
+            time.sleep(min(config.sample_s, left))  # the sampling period itself
+            if time.monotonic() < stop_at:
+                sample = snapshot(cluster, t0, "load")
+                report.samples.append(sample)
+                log(f"[soak] t={sample.t:.0f}s requests {sum(counts.values())} RSS MiB "
+                    f"{ {k: round(v) for k, v in sample.rss_mib.items()} } free {sample.free_blocks}")
+        for c in clients:
+            c.join()
+        wait_idle(cluster)
+        final = snapshot(cluster, t0, "final")
+        report.samples.append(final)
+        report.requests = dict(counts)
+        report.failures = {k: v for k, v in failures.items() if v}
+        supervisor = getattr(cluster, "supervisor", None)
+        report.restarts = {k: v for k, v in getattr(supervisor, "restarts", {}).items() if v}
+        allowances = {"store": parse_size(config.dram) / 2**20}
+        for name in cluster.node_names():
+            allowances[name] = parse_size(config.kv_cache_memory) / 2**20
+        for name, base in baseline.rss_mib.items():
+            limit = base * (1 + config.rss_rel_tol) + config.rss_abs_tol_mib + allowances.get(name, 0.0)
+            end = final.rss_mib.get(name, float("nan"))
+            report.checks[f"rss {name}"] = {"baseline": round(base, 1), "final": round(end, 1),
+                                            "limit": round(limit, 1), "ok": end <= limit}
+        for node, base in baseline.free_blocks.items():
+            end = final.free_blocks.get(node, float("nan"))
+            report.checks[f"free blocks {node}"] = {"baseline": base, "final": end, "limit": base, "ok": end == base}
+    return report
+
+
+def plot(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    names = sorted({n for s in report.samples for n in s.rss_mib})
+    for name in names:
+        pts = [(s.t, s.rss_mib[name]) for s in report.samples if name in s.rss_mib]
+        top.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=name)
+    top.set_ylabel("RSS (MiB)")
+    top.legend(fontsize=8)
+    top.set_title(f"soak: {report.config.minutes:g} min, {sum(report.requests.values())} requests, "
+                  f"{'OK' if report.ok else 'FAILED'}")
+    nodes = sorted({n for s in report.samples for n in s.free_blocks})
+    for node in nodes:
+        pts = [(s.t, s.free_blocks[node]) for s in report.samples if node in s.free_blocks]
+        bottom.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=node)
+    bottom.set_ylabel("free KV blocks")
+    bottom.set_xlabel("seconds since start")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = SoakConfig()
+    ap.add_argument("--minutes", type=float, default=d.minutes)
+    ap.add_argument("--sample-s", type=float, default=d.sample_s)
+    ap.add_argument("--concurrency", type=int, default=d.concurrency)
+    ap.add_argument("--dram", default=d.dram, help="store DRAM tier (the store's RSS may grow by this)")
+    ap.add_argument("--kv-cache-memory", default=d.kv_cache_memory)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--out", type=Path, default=Path("bench_out/soak"), help="folder for soak.json and soak.png")
+    args = ap.parse_args(argv)
+    config = SoakConfig(minutes=args.minutes, sample_s=args.sample_s, concurrency=args.concurrency, dram=args.dram,
+                        kv_cache_memory=args.kv_cache_memory, seed=args.seed)
+    report = run(config)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "soak.json").write_text(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
+    plot(report, args.out / "soak.png")
+    print(f"requests {report.requests}; failures {report.failures or 'none'}; restarts {report.restarts or 'none'}")
+    for what, check in report.checks.items():
+        print(f"{'ok  ' if check['ok'] else 'FAIL'} {what}: baseline {check['baseline']} -> final {check['final']} "
+              f"(limit {check['limit']})")
+    print(f"wrote {args.out / 'soak.json'} and {args.out / 'soak.png'}")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
