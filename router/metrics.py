@@ -36,6 +36,8 @@ class RouterMetrics:
         self.prefill_retries = Counter("ucm_prefill_retries", "prefill jobs retried on another node", registry=r)
         self.local_prefills = Counter("ucm_local_prefills", "sequences prefilled on the decode node (no prefill node)",
                                       registry=r)
+        self.decode_resumes = Counter("ucm_decode_resumes", "sequences resumed on another decode node after theirs "
+                                      "was lost mid-stream", registry=r)
         self.rejected = Counter("ucm_requests_rejected", "requests refused with 429: the admission queue was full",
                                 registry=r)
         self.queue_depth = Gauge("ucm_queue_depth_requests", "requests waiting in the router for room on the nodes",

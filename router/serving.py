@@ -152,6 +152,7 @@ class OpenAIServing:
             self.metrics.prefill_retries.inc(max(0, trace.prefill_attempts - 1))
             if trace.local_prefill:
                 self.metrics.local_prefills.inc()
+            self.metrics.decode_resumes.inc(trace.decode_resumes)
             if first_at is not None:
                 self.metrics.e2e.observe(end - t0)
                 if choice.num_tokens > 1:
