@@ -51,6 +51,7 @@ LONG = ("A ship's log, kept by the navigator: wind from the north-west, seas mod
 class FaultRound:
     name: str
     faults: int  # processes killed or paused
+    resumed: int = 0  # sequences the router resumed on another decode node
     admitted: int = 0
     completed: int = 0
     identical: int = 0
@@ -140,6 +141,7 @@ class Bench:
     def fault_round(self, name: str, victims: list[str], action: str = "kill") -> FaultRound:
         round_ = FaultRound(name, len(victims))
         before = {v: self.registrations(v) for v in victims if v != "store"}
+        resumes = metric(self.cluster.url, "ucm_decode_resumes_total")
         threads = self.run_streams(self.prompts)
         wait_until("the streams to flow", lambda: sum(t.result.chunks > 1 for t in threads) >= len(threads) // 2)
         for victim in victims:
@@ -154,6 +156,7 @@ class Bench:
             for victim in victims:
                 self.cluster.children[victim].proc.send_signal(signal.SIGCONT)
         self.judge(round_, threads)
+        round_.resumed = int(metric(self.cluster.url, "ucm_decode_resumes_total") - resumes)
         if action == "kill":
             for victim, count in before.items():
                 wait_until(f"{victim} to be restarted", lambda v=victim, c=count: self.registrations(v) > c)
@@ -256,7 +259,8 @@ def print_compass(compass: Compass) -> None:
     print(f"bit flips {f['bit flips']:>4} | detected {f['detected']:>4} (output identical: "
           f"{compass.flipped_output_identical})")
     for r in compass.rounds:
-        print(f"  {r.name:<42} admitted {r.admitted:>3} completed {r.completed:>3} identical {r.identical:>3}")
+        print(f"  {r.name:<42} admitted {r.admitted:>3} completed {r.completed:>3} identical {r.identical:>3} "
+              f"(resumed {r.resumed})")
         for problem in r.problems:
             print(f"      {problem}")
     if compass.bad_inputs_other:

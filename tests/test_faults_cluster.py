@@ -121,8 +121,8 @@ def detach(cluster: Cluster, name: str) -> Child:
         return cluster.children.pop(name)
 
 
-def router_log_count(cluster: Cluster, text: str) -> int:
-    return cluster.children["router"].output().count(text)
+def resumes(cluster: Cluster) -> float:
+    return metric(cluster.url, "ucm_decode_resumes_total")
 
 
 def test_prompts_reach_the_store(cluster, offline, token_blocks) -> None:
@@ -134,26 +134,26 @@ def test_prompts_reach_the_store(cluster, offline, token_blocks) -> None:
 
 
 def test_decode_node_killed_mid_stream_resumes_on_the_other(cluster, offline) -> None:
-    resumed = router_log_count(cluster, "resuming on another decode node")
+    resumed = resumes(cluster)
     before = registrations(cluster, "decode-0")
     streams = start(cluster, PROMPTS)
     wait_until("decode-0 to stream", lambda: health(cluster)["nodes"].get("decode-0", {}).get("running", 0) > 0
                and sum(s.result.chunks > 1 for s in streams) >= 3)
     kill(cluster, "decode-0")
     check(streams, offline)
-    assert router_log_count(cluster, "resuming on another decode node") > resumed, "no request was resumed"
+    wait_until("the router to count a resumed request", lambda: resumes(cluster) > resumed, 10)
     wait_until("decode-0 to be restarted", lambda: registrations(cluster, "decode-0") > before)
 
 
 def test_every_decode_node_killed_requests_wait_for_the_restart(cluster, offline) -> None:
-    resumed = router_log_count(cluster, "resuming on another decode node")
+    resumed = resumes(cluster)
     before = {n: registrations(cluster, n) for n in ("decode-0", "decode-1")}
     streams = start(cluster, PROMPTS[:4])
     wait_until("every request to stream", lambda: all(s.result.chunks > 1 for s in streams))
     kill(cluster, "decode-0")
     kill(cluster, "decode-1")
     check(streams, offline)
-    assert router_log_count(cluster, "resuming on another decode node") > resumed, "no request was resumed"
+    wait_until("the router to count a resumed request", lambda: resumes(cluster) > resumed, 10)
     wait_until("both decode nodes to be back", lambda: all(registrations(cluster, n) > v for n, v in before.items()))
 
 
@@ -169,6 +169,7 @@ def test_prefill_node_killed_under_load(cluster, offline) -> None:
 
 def test_store_killed_under_load_costs_one_timeout_then_is_skipped(cluster, offline) -> None:
     store = detach(cluster, "store")  # stays dead: the breaker must carry the load
+    before = node_stats(cluster.url, "connector_store_timeouts")  # a slow answer on this busy box may count too
     streams = start(cluster, PROMPTS)
     wait_until("the requests to stream", lambda: sum(s.result.chunks > 0 for s in streams) >= 3)
     store.kill()
@@ -176,8 +177,9 @@ def test_store_killed_under_load_costs_one_timeout_then_is_skipped(cluster, offl
     wait_until("every node to find the store unreachable", lambda: health(cluster)["store"]["state"] == "unreachable")
     timeouts = node_stats(cluster.url, "connector_store_timeouts")
     skipped = node_stats(cluster.url, "connector_store_skipped_calls")
-    assert set(timeouts) == {"prefill-0", "decode-0", "decode-1"} and all(1 <= t <= 4 for t in timeouts.values()), \
-        timeouts
+    paid = {node: t - before.get(node, 0.0) for node, t in timeouts.items()}
+    # One call per node waited out its timeout, give or take the few already in flight on other threads.
+    assert set(paid) == {"prefill-0", "decode-0", "decode-1"} and all(1 <= t <= 4 for t in paid.values()), paid
     check(start(cluster, PROMPTS[:6]), offline)
     wait_until("the nodes to report the calls skipped since",
                lambda: all(v > skipped[n] for n, v in node_stats(cluster.url, "connector_store_skipped_calls").items()))
