@@ -156,13 +156,13 @@ class Bench:
             for victim in victims:
                 self.cluster.children[victim].proc.send_signal(signal.SIGCONT)
         self.judge(round_, threads)
-        round_.resumed = int(metric(self.cluster.url, "ucm_decode_resumes_total") - resumes)
         if action == "kill":
             for victim, count in before.items():
                 wait_until(f"{victim} to be restarted", lambda v=victim, c=count: self.registrations(v) > c)
         if "store" in victims:
             wait_until("the store to be reachable again", lambda: health(self.cluster)["store"]["state"] == "reachable")
         wait_until("every node to be registered", lambda: len(health(self.cluster)["nodes"]) == 3)
+        round_.resumed = int(metric(self.cluster.url, "ucm_decode_resumes_total") - resumes)
         return round_
 
     def bad_inputs(self, compass: Compass) -> None:
