@@ -10,16 +10,20 @@ One cluster for the module, supervised (`Cluster` restarts dead children on the 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from benchmarks.lmdb_flip import flip_blocks
-from benchmarks.prom_text import metric, node_stats
-from benchmarks.sse_client import StreamThread
-from router.child import Child
-from router.cluster import Cluster, ClusterSpec
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
+
+from benchmarks.lmdb_flip import flip_blocks  # noqa: E402
+from benchmarks.prom_text import metric, node_stats  # noqa: E402
+from benchmarks.sse_client import StreamThread  # noqa: E402
+from router.child import Child  # noqa: E402
+from router.cluster import Cluster, ClusterSpec  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

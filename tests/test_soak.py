@@ -5,10 +5,14 @@ RSS within the soak's tolerance; nothing failed, nothing was restarted. The long
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
+
+from benchmarks.soak import main  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
