@@ -208,7 +208,7 @@ class Dispatcher:
             if node is not None:
                 return node
             if not await self.arrivals.wait(deadline):
-                raise ApiError(503, f"no decode node available for {self.decode_wait_s:.0f}s (request "
+                raise ApiError(503, f"no decode node available for {self.decode_wait_s:g}s (request "
                                f"{state.req.request_id} had {len(state.generated)} tokens)", "service_unavailable",
                                None, "no_decode_node")
 
