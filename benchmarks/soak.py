@@ -120,39 +120,56 @@ def wait_idle(cluster: Cluster, timeout_s: float = 300.0) -> None:
     raise RuntimeError("the cluster did not go idle")
 
 
+@dataclass
+class _Clients:
+    threads: list[threading.Thread]
+
+    def join_all(self) -> None:
+        for t in self.threads:
+            t.join()
+
+
+def _run_clients(url: str, config: SoakConfig, counts: Counter[str], failures: Counter[str],
+                 stop_at: float | None = None, requests_each: int | None = None) -> _Clients:
+    """`config.concurrency` clients sending requests back to back, until `stop_at` or `requests_each` each."""
+    lock = threading.Lock()
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        sent = 0
+        while (stop_at is None or time.monotonic() < stop_at) and (requests_each is None or sent < requests_each):
+            sent += 1
+            try:
+                kind, ok = one_request(url, rng)
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                kind, ok = f"transport ({type(e).__name__})", False
+            with lock:
+                counts[kind] += 1
+                failures[kind] += not ok
+
+    threads = [threading.Thread(target=client, args=(config.seed + 1 + i,), daemon=True)
+               for i in range(config.concurrency)]
+    for t in threads:
+        t.start()
+    return _Clients(threads)
+
+
 def run(config: SoakConfig, log=print) -> Report:
     report = Report(config)
     spec = ClusterSpec(prefill=1, decode=1, dtype="float32", dram=config.dram, kv_cache_memory=config.kv_cache_memory,
                        node_args=("--threads", "1"))
     with Cluster(spec, log=lambda s: None) as cluster:
         t0 = time.monotonic()
-        rng = random.Random(config.seed)
-        for _ in range(2):  # warm-up: every kind of request once, twice (prefixes stored, code paths touched)
-            for _ in range(8):
-                one_request(cluster.url, rng)
+        # Warm-up, as concurrent as the load: prefixes reach the store, allocator pools and code paths settle.
+        _run_clients(cluster.url, config, Counter(), Counter(), requests_each=3).join_all()
         wait_idle(cluster)
         baseline = snapshot(cluster, t0, "baseline")
         report.samples.append(baseline)
         log(f"[soak] baseline RSS MiB {baseline.rss_mib}, free blocks {baseline.free_blocks}")
-        counts, failures = Counter(), Counter()
-        lock = threading.Lock()
+        counts: Counter[str] = Counter()
+        failures: Counter[str] = Counter()
         stop_at = time.monotonic() + config.minutes * 60
-
-        def client(seed: int) -> None:
-            crng = random.Random(seed)
-            while time.monotonic() < stop_at:
-                try:
-                    kind, ok = one_request(cluster.url, crng)
-                except (httpx.HTTPError, ValueError, KeyError) as e:
-                    kind, ok = f"transport ({type(e).__name__})", False
-                with lock:
-                    counts[kind] += 1
-                    failures[kind] += not ok
-
-        clients = [threading.Thread(target=client, args=(config.seed + 1 + i,), daemon=True)
-                   for i in range(config.concurrency)]
-        for c in clients:
-            c.start()
+        clients = _run_clients(cluster.url, config, counts, failures, stop_at=stop_at)
         while (left := stop_at - time.monotonic()) > 0:
             time.sleep(min(config.sample_s, left))  # the sampling period itself
             if time.monotonic() < stop_at:
@@ -160,8 +177,7 @@ def run(config: SoakConfig, log=print) -> Report:
                 report.samples.append(sample)
                 log(f"[soak] t={sample.t:.0f}s requests {sum(counts.values())} RSS MiB "
                     f"{ {k: round(v) for k, v in sample.rss_mib.items()} } free {sample.free_blocks}")
-        for c in clients:
-            c.join()
+        clients.join_all()
         wait_idle(cluster)
         final = snapshot(cluster, t0, "final")
         report.samples.append(final)
