@@ -14,6 +14,7 @@ from connector.base import KVConnectorRole, KVConnectorScheduler
 from connector.metadata import ConnectorStats, LoadSpec, SaveSpec, UCMConnectorMetadata, store_failed
 from connector.request_view import ScheduledView, iter_scheduled, token_ids_of
 from ucm.api import BlockRef, KVStore
+from ucm.circuit_breaker import CircuitBreaker
 from ucm.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
     def _store_skipped(self) -> bool:
         """A daemon client's circuit breaker is open: the store did not answer and is being probed."""
         breaker = getattr(self.store, "breaker", None)
-        return breaker is not None and breaker.is_open
+        return isinstance(breaker, CircuitBreaker) and breaker.is_open
 
     def _store_failed(self, what: str, exc: Exception) -> None:
         self._warn_at = store_failed(self.stats, what, exc, self._warn_at)
