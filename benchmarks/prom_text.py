@@ -5,10 +5,10 @@ from __future__ import annotations
 import httpx
 
 
-def metric(url: str, name: str, **labels: str) -> float:
+def metric(url: str, metric_name: str, /, **labels: str) -> float:
     total = 0.0
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
+        if (line.startswith(metric_name + "{") or line.startswith(metric_name + " ")) and all(
                 f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
