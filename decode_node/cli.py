@@ -19,4 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--colocated", action="store_true", help="prefill and decode in this one engine")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_node(config_from_args(args, NodeRole.BOTH if args.colocated else NodeRole.DECODE))
+    try:
+        config = config_from_args(args, NodeRole.BOTH if args.colocated else NodeRole.DECODE)
+    except ValueError as e:
+        parser.error(str(e))
+    return run_node(config)

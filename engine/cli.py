@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "generate": ("engine.generate_cli", "main", "generate text offline on one engine, streaming to stdout"),
     "store": ("ucm.daemon_cli", "main", "run the standalone KV-store daemon"),
     "store-stats": ("ucm.daemon_cli", "stats_main", "print a running store daemon's live stats"),
+    "keys": ("ucm.daemon_cli", "keys_main", "write CURVE keys for the router, the store and each node (one folder)"),
     "prefill": ("prefill_node.cli", "main", "run a prefill node (KV producer)"),
     "decode": ("decode_node.cli", "main", "run a decode node (KV consumer)"),
     "router": ("router.cli", "main", "run the OpenAI-compatible HTTP router"),

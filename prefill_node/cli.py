@@ -17,4 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     add_node_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_node(config_from_args(args, NodeRole.PREFILL))
+    try:
+        config = config_from_args(args, NodeRole.PREFILL)
+    except ValueError as e:
+        parser.error(str(e))
+    return run_node(config)

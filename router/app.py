@@ -80,7 +80,7 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = NodeClient(config.bind_nodes, registry)
+        client = NodeClient(config.bind_nodes, registry, config.node_auth)
         client.on_node_event.append(metrics.node_event)
         client.on_node_event.append(lambda node_id, event: admission.pump())  # capacity may have grown
         await client.start()

@@ -28,6 +28,8 @@ class Child:
     def __init__(self, name: str, argv: list[str], sink: TextIO | None = None, env: dict[str, str] | None = None):
         self.name = name
         self.argv = argv
+        self.env = env  # the extra environment, kept so a restart gets the same
+        self.started_at = time.monotonic()
         self._sink = sink if sink is not None else sys.stdout
         self._lines: deque[str] = deque(maxlen=2000)
         self._cond = threading.Condition()
@@ -74,6 +76,11 @@ class Child:
                 if left <= 0:
                     raise RuntimeError(f"{self.name}: no line matching {pattern!r} within {timeout:.0f}s")
                 self._cond.wait(min(left, 0.5))
+
+    def respawn(self) -> Child:
+        """A new process with the same command, environment and output sink (this one must have exited)."""
+        assert not self.alive, f"{self.name} is still running"
+        return Child(self.name, self.argv, sink=self._sink, env=self.env)
 
     def output(self) -> str:
         with self._cond:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from router.config import RouterConfig
+from ucm.auth import KeyPaths, ServerAuth
 
 log = logging.getLogger("router")
 
@@ -55,17 +56,56 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request whose decode node died waits for another decode node to register "
                         "before it fails (it then resumes where it stopped)")
     p.add_argument("--log-level", default="info")
+    auth = p.add_argument_group("node authentication (ZeroMQ CURVE, docs/security.md)")
+    auth.add_argument("--curve-keys", metavar="DIR", default=None,
+                      help="folder from `ucm-serve keys DIR --nodes ...`: router.key_secret + authorized/NODE.key "
+                           "(a node registers only as the node id its key file is named for)")
+    auth.add_argument("--server-key", metavar="FILE", default=None, help="the router's .key_secret file")
+    auth.add_argument("--authorized", metavar="DIR", default=None,
+                      help="folder of accepted node public keys, one NODE_ID.key per node")
+    auth.add_argument("--insecure", action="store_true",
+                      help="no authentication on the node socket: anyone who reaches it can register as a node")
     return p
+
+
+def node_auth_from_args(args: argparse.Namespace) -> ServerAuth | None:
+    """The node socket's CURVE keys; None only with --insecure. ValueError for contradicting or missing flags."""
+    if args.insecure and (args.curve_keys or args.server_key or args.authorized):
+        raise ValueError("--insecure contradicts --curve-keys/--server-key/--authorized")
+    auth = None
+    if args.curve_keys:
+        if args.server_key or args.authorized:
+            raise ValueError("--curve-keys replaces --server-key and --authorized; give one or the other")
+        auth = KeyPaths.of(args.curve_keys).router_auth()
+    elif bool(args.server_key) != bool(args.authorized):
+        raise ValueError("--server-key and --authorized go together")
+    elif args.server_key:
+        auth = ServerAuth(Path(args.server_key), Path(args.authorized))
+    if auth is not None:
+        if not Path(auth.secret_file).is_file():
+            raise ValueError(f"router secret key {auth.secret_file} does not exist (`ucm-serve keys DIR` writes it)")
+        if not auth.peer_names():
+            raise ValueError(f"no node keys in {auth.authorized_dir}: no node could register")
+        return auth
+    if not args.insecure:
+        raise ValueError("the node socket needs keys (--curve-keys DIR, from `ucm-serve keys DIR --nodes ...`) "
+                         "or an explicit --insecure")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        node_auth = node_auth_from_args(args)
+    except ValueError as e:
+        print(f"ucm-serve router: {e}", file=sys.stderr)
+        return 2
     config = RouterConfig(
         bind_nodes=args.bind_nodes, host=args.host, port=args.port, model=args.model,
         served_model_name=args.served_model_name, api_key=args.api_key, node_timeout_s=args.node_timeout,
         stall_timeout_s=args.stall_timeout, max_queued_requests=args.max_queued_requests,
-        max_queue_wait_s=args.max_queue_wait_s, max_model_len=args.max_model_len,
+        max_queue_wait_s=args.max_queue_wait_s, max_model_len=args.max_model_len, node_auth=node_auth,
         decode_wait_s=args.decode_wait,
     )
     import uvicorn

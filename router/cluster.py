@@ -2,6 +2,11 @@
 
 Used by `ucm-serve up`, by the serving tests and by benchmarks/serve.py, so all three start the same thing.
 Torch-free: the model is converted once by a child process before any node starts (so nodes don't race).
+
+Secure by default: CURVE keys for every link are generated into a private temporary folder (mode 0700) — the
+router's and the store's server pairs and one client pair per node, named for the node id (ucm/auth.py). Ports
+are picked once (store, router HTTP and node socket), and a `Supervisor` restarts any child that exits on the
+same address, so nodes find a restarted store or router and a restarted node registers again.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -20,6 +26,8 @@ from typing import TextIO
 import httpx
 
 from router.child import Child
+from router.supervisor import RestartPolicy, Supervisor
+from ucm.auth import KeyPaths, generate_keys
 
 
 class StoreMode(enum.Enum):
@@ -48,12 +56,20 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()
     node_args: tuple[str, ...] = field(default=())
     node_env: dict[str, dict[str, str]] = field(default_factory=dict)  # extra environment by node name (test hooks)
+    secure: bool = True  # False: every child runs with --insecure (no CURVE)
+    extra_keys: tuple[str, ...] = ()  # more authorized node names (nodes started by hand, tests)
+    supervise: bool = True  # restart children that exit (False: fault tests that want a node to stay dead)
+    restart: RestartPolicy = RestartPolicy()
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
             raise ValueError("node counts must be >= 0")
         if self.decode + self.colocated == 0:
             raise ValueError("a cluster needs at least one decode (or colocated) node")
+
+    def node_names(self) -> list[str]:
+        return ([f"prefill-{i}" for i in range(self.prefill)] + [f"decode-{i}" for i in range(self.decode)]
+                + [f"colocated-{i}" for i in range(self.colocated)])
 
 
 def free_port() -> int:
@@ -72,17 +88,23 @@ class Cluster:
         self.sink = sink
         self.log = log
         self.children: dict[str, Child] = {}
+        self._lock = threading.Lock()  # children: the supervisor thread replaces entries
+        # Fixed for the cluster's life, so a restarted store or router is found where its clients look.
         self.port = spec.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.nodes_addr = f"tcp://127.0.0.1:{free_port()}"
-        self.store_addr: str | None = None
+        self.store_addr: str | None = f"tcp://127.0.0.1:{free_port()}" if spec.store is StoreMode.DAEMON else None
         self._tmp: str | None = None
+        self.keys: KeyPaths | None = None
+        self.supervisor: Supervisor | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, timeout: float = 300.0) -> Cluster:
         try:
             self._prepare_model()
+            if self.spec.secure:
+                self._make_keys()
             if self.spec.store is StoreMode.DAEMON:
                 self.start_store()
             self._start_router()
@@ -93,10 +115,32 @@ class Cluster:
             for i in range(self.spec.colocated):
                 self.start_node("colocated", i)
             self.wait_healthy(timeout)
+            if self.spec.supervise:
+                self.supervisor = Supervisor(self._snapshot, self._restart, self.spec.restart, self.log)
+                self.supervisor.start()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _make_keys(self) -> None:
+        # mkdtemp makes the folder 0700; generate_keys makes the secret files 0600.
+        folder = tempfile.mkdtemp(prefix="ucm-keys-")
+        self.keys = generate_keys(folder, tuple(self.spec.node_names()) + self.spec.extra_keys)
+        self.log(f"[up] CURVE keys for router, store and {len(self.spec.node_names())} node(s) in {folder}")
+
+    def _auth_args(self) -> list[str]:
+        return ["--curve-keys", str(self.keys.dir)] if self.keys is not None else ["--insecure"]
+
+    def _snapshot(self) -> dict[str, Child]:
+        with self._lock:
+            return dict(self.children)
+
+    def _restart(self, name: str, dead: Child) -> None:
+        with self._lock:
+            if self.children.get(name) is not dead:
+                return  # replaced meanwhile (start_node) or stopped
+            self.children[name] = dead.respawn()
 
     def __enter__(self) -> Cluster:
         return self.start()
@@ -115,14 +159,17 @@ class Cluster:
         if path is None:
             self._tmp = self._tmp or tempfile.mkdtemp(prefix="ucm-store-")
             path = self._tmp
-        store = self._spawn("store", _cmd("store", "--bind", "tcp://127.0.0.1:0", "--dram", self.spec.dram,
-                                          "--disk-path", path, "--disk", self.spec.disk))
-        self.store_addr = store.wait_for(r"ucm-store ready (\S+)", 60).group(1)
+        assert self.store_addr is not None, "start_store needs StoreMode.DAEMON"
+        store = self._spawn("store", _cmd("store", "--bind", self.store_addr, "--dram", self.spec.dram,
+                                          "--disk-path", path, "--disk", self.spec.disk, *self._auth_args()))
+        ready = store.wait_for(r"ucm-store ready (\S+)", 60).group(1)
+        assert ready == self.store_addr, f"store bound {ready}, asked for {self.store_addr}"
         self.log(f"[up] store ready at {self.store_addr}")
 
     def _start_router(self) -> None:
         args = ["router", "--host", "127.0.0.1", "--port", str(self.port), "--bind-nodes", self.nodes_addr,
-                "--model", self.spec.model, "--node-timeout", str(self.spec.node_timeout_s), *self.spec.router_args]
+                "--model", self.spec.model, "--node-timeout", str(self.spec.node_timeout_s), *self._auth_args(),
+                *self.spec.router_args]
         if self.spec.api_key:
             args += ["--api-key", self.spec.api_key]
         self._spawn("router", _cmd(*args)).wait_for(r"nodes connect to", 120)
@@ -131,11 +178,19 @@ class Cluster:
     def start_node(self, kind: str, index: int) -> Child:
         """Start (or restart) node `<kind>-<index>`; kind is prefill, decode or colocated."""
         name = f"{kind}-{index}"
-        old = self.children.pop(name, None)
+        with self._lock:
+            old = self.children.pop(name, None)
         if old is not None:
             old.stop()
         sub = "prefill" if kind == "prefill" else "decode"
-        args = [sub, "--router", self.nodes_addr, "--store", self.store_addr or "none", "--model", self.spec.model,
+        store = self.store_addr or "none"
+        if self.keys is not None:
+            if not (self.keys.authorized / f"{name}.key").is_file():
+                raise ValueError(f"no key for node {name!r}: the cluster's keys name {self.spec.node_names()} and "
+                                 f"extra_keys {list(self.spec.extra_keys)}")
+            if self.store_addr is not None:
+                store = f"{self.store_addr}?curve_keys={self.keys.dir}&curve_client={name}"
+        args = [sub, "--router", self.nodes_addr, "--store", store, "--model", self.spec.model, *self._auth_args(),
                 "--node-id", name, "--dtype", self.spec.dtype, "--kv-cache-memory", self.spec.kv_cache_memory,
                 "--max-num-seqs", str(self.spec.max_num_seqs),
                 "--heartbeat-interval", str(self.spec.heartbeat_interval_s), *self.spec.node_args]
@@ -152,11 +207,21 @@ class Cluster:
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         child = Child(name, argv, sink=self.sink, env=env)
-        self.children[name] = child
+        with self._lock:
+            self.children[name] = child
         return child
 
     def node_names(self) -> list[str]:
-        return [n for n in self.children if n not in ("store", "router")]
+        return [n for n in self._snapshot() if n not in ("store", "router")]
+
+    def halt_supervision(self) -> None:
+        """Stop restarting children (a shutdown is starting); safe in a signal handler."""
+        if self.supervisor is not None:
+            self.supervisor.halt()
+
+    def given_up(self) -> set[str]:
+        """Children the supervisor stopped restarting (they kept failing right after starting)."""
+        return self.supervisor.given_up() if self.supervisor is not None else set()
 
     def wait_healthy(self, timeout: float, expect: set[str] | None = None) -> None:
         """Until every node child (or `expect`) is registered with the router; prints progress."""
@@ -164,7 +229,10 @@ class Cluster:
         deadline = time.monotonic() + timeout
         last = None
         while True:
-            for name, child in self.children.items():
+            supervised = self.supervisor is not None and self.supervisor.is_alive()
+            for name, child in self._snapshot().items():
+                if supervised and name not in self.given_up():
+                    continue  # a dead child is being restarted
                 if not child.alive and (name in want or name in ("store", "router")):
                     raise RuntimeError(f"{name} exited ({child.proc.returncode}):\n{child.output()[-3000:]}")
             try:
@@ -183,13 +251,21 @@ class Cluster:
             time.sleep(0.2)
 
     def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()  # before any child stops: a stopped child must stay stopped
+            self.supervisor = None
         # Router first (no new work), then nodes, then the store they write to.
         order = ["router", *self.node_names(), "store"]
+        children = self._snapshot()
         for name in order:
-            child = self.children.get(name)
+            child = children.get(name)
             if child is not None:
                 child.stop()
-        self.children.clear()
+        with self._lock:
+            self.children.clear()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        if self.keys is not None:
+            shutil.rmtree(self.keys.dir, ignore_errors=True)
+            self.keys = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ucm.auth import ServerAuth
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -23,6 +25,9 @@ class RouterConfig:
     max_queued_requests: int = 64
     max_queue_wait_s: float = 60.0
     max_model_len: int | None = None  # cap below the nodes' own limit
+    # CURVE on the node socket (router/node_client.py): the router's secret key and the folder of node keys, each
+    # named for the node id it may register as. None: unauthenticated (the CLI requires --insecure for that).
+    node_auth: ServerAuth | None = None
     # A request whose decode node died resumes on another one; with none alive it waits this long for one to
     # (re)register (e.g. restarted by `ucm-serve up`), then fails with a clear error.
     decode_wait_s: float = 60.0

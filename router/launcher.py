@@ -3,6 +3,9 @@
 Which nodes: `--topology auto` (the default) picks by the host (router/topology.py says what and why, and `up`
 prints its choice): on a small CPU host one engine with every core plus the store; from 8 cores (or with a GPU)
 1 prefill + 1 decode node with the cores split. `--prefill/--decode N` ask for a disaggregated cluster.
+
+Every link is authenticated (ZeroMQ CURVE, keys generated per run in a private temporary folder) unless
+`--insecure`; a child that exits is restarted on the same address with backoff (router/supervisor.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="each node's paged KV cache (the device tier)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cluster to be healthy")
+    p.add_argument("--insecure", action="store_true",
+                   help="no CURVE keys on the router and store sockets: anyone who reaches the ports can register "
+                        "nodes or use the store (default: keys generated per run in a private temporary folder)")
     return p
 
 
@@ -68,11 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         api_key=args.api_key,
         store=StoreMode.NONE if args.no_store else StoreMode.DAEMON, dram=args.dram, disk=args.disk,
         disk_path=args.disk_path, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+        secure=not args.insecure,
     )
+    if args.insecure:
+        print("[up] WARNING: --insecure: router and store sockets accept anyone who can reach them", flush=True)
     done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
     cluster = Cluster(spec)
+
+    def shutdown(*_: object) -> None:
+        # Ctrl-C reaches the children too: they must not be restarted while everything stops.
+        cluster.halt_supervision()
+        done.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, shutdown)
     try:
         cluster.start(args.timeout)
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
@@ -81,9 +96,8 @@ def main(argv: list[str] | None = None) -> int:
               f"    -d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"What is a KV cache?\"}}], \"max_tokens\": 64}}'\nCtrl-C stops everything.\n", flush=True)
         while not done.wait(0.5):
-            router = cluster.children.get("router")
-            if router is None or not router.alive:
-                print("[up] the router exited; shutting down", flush=True)
+            if "router" in cluster.given_up():
+                print("[up] the router keeps exiting; shutting down", flush=True)
                 return 1
         print("[up] shutting down", flush=True)
         return 0

@@ -4,6 +4,11 @@ Registration and heartbeats update the Registry; job replies (PrefillDone, Token
 to a per-request asyncio.Queue. When a node is dropped (missed heartbeats, no progress while it holds work, or
 restarted as a new incarnation) every request outstanding on it receives a `NodeLost`: that, not a per-request
 timeout, is the only way a caller stops waiting on a node.
+
+Authentication: with a `ServerAuth` the socket is a CURVE server; ZAP refuses unknown keys at the handshake and
+`NodeGate` drops (and counts) any message whose key, socket identity and node id do not agree. Jobs go to the job
+socket identity learnt from the node's own authenticated Register (router/peer_identity.py), never to an identity
+a peer merely claims.
 """
 
 from __future__ import annotations
@@ -18,9 +23,15 @@ import zmq
 import zmq.asyncio
 
 from router import protocol as P
+from router.node_gate import DropReason, NodeGate
+from router.peer_identity import Channel, PeerIdentity
 from router.registry import NodeState, Registry
+from ucm.auth import ServerAuth
+from ucm.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
+INSECURE_WARNING = "router node socket running without authentication (--insecure): anyone who reaches it can " \
+                   "register as a node"
 
 
 @dataclass(frozen=True)
@@ -36,20 +47,48 @@ class NodeUnavailable(Exception):
 Reply = P.PrefillDone | P.TokenBatch | P.JobFailed | NodeLost
 
 
+def _user_id(frame: zmq.Frame) -> str | None:
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:  # no such property: not a frame ZAP authenticated (the gate drops it as an unknown key)
+        return None
+
+
 class NodeClient:
-    def __init__(self, bind_addr: str, registry: Registry) -> None:
+    def __init__(self, bind_addr: str, registry: Registry, auth: ServerAuth | None = None) -> None:
         self.registry = registry
         self._bind_addr = bind_addr
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished node raises instead of dropping
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted node may reuse its identity
+        # No handover: a second connection presenting an identity already connected is ignored, so even a peer that
+        # learnt a node's identity cannot take its jobs over. A restarted node has a new identity (new instance),
+        # and ZMTP heartbeats free the identity of a connection that died without closing.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        self._authenticator = None
+        if auth is not None:
+            self.gate = NodeGate(auth.peer_names())
+            self._authenticator = auth.apply(self._ctx, self._sock)
+        else:
+            self.gate = NodeGate(None)
+            log.warning(INSECURE_WARNING)
         self._sock.bind(bind_addr)
         self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._streams: dict[str, tuple[str, asyncio.Queue[Reply]]] = {}
+        # node id -> job socket identities of its current and previous incarnation (an Abort may be for either)
+        self._routes: dict[str, tuple[bytes, bytes | None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._drop_log = LogLimiter(log)
+        self._undecodable = 0
         self.on_node_event: list = []  # callables(node_id, event) for metrics
+
+    @property
+    def bad_messages(self) -> int:
+        """Messages dropped unread: undecodable, or refused by the gate (wrong key, identity or node id)."""
+        return self._undecodable + sum(self.gate.dropped.values())
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._expire_loop())]
@@ -61,6 +100,8 @@ class NodeClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._sock.close(0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._ctx.term()
 
     # ------------------------------------------------------------------ requests
@@ -84,14 +125,18 @@ class NodeClient:
                     node.progress.work_ended()
 
     async def send(self, node_id: str, msg: P.Message) -> None:
+        route = self._routes.get(node_id)
+        if route is None:
+            raise NodeUnavailable(f"node {node_id} never registered")
         try:
-            await self._sock.send_multipart([node_id.encode(), P.encode(msg)])
+            await self._sock.send_multipart([route[0], P.encode(msg)])
         except zmq.ZMQError as e:
             raise NodeUnavailable(f"node {node_id} unreachable: {e}") from e
 
     async def abort(self, node_id: str, request_ids: list[str]) -> None:
-        with contextlib.suppress(NodeUnavailable):
-            await self.send(node_id, P.Abort(request_ids=request_ids))
+        for identity in self._routes.get(node_id, ()):
+            if identity is not None:
+                await self._reply(identity, P.Abort(request_ids=request_ids))
 
     # ------------------------------------------------------------------ loops
 
@@ -106,31 +151,58 @@ class NodeClient:
                 log.warning("dropping a %d-frame message", len(frames))
                 continue
             identity, payload = frames[0].bytes, frames[1].buffer
+            # ZAP's User-Id: the z85 public key the peer authenticated with (only a CURVE socket has one).
+            user_id = _user_id(frames[1]) if self.gate.secure else None
+            peer = self.gate.peer(identity, user_id)
+            if isinstance(peer, DropReason):
+                self._dropped(peer, identity, user_id)
+                continue
             try:
                 msg = P.decode(payload)
             except ValueError as e:
-                log.warning("dropping a bad message from %r: %s", identity, e)
+                self._undecodable += 1
+                self._drop_log.warning("dropping a bad message from %r: %s", identity[:64], e)
+                continue
+            refused = self.gate.check(peer, msg)
+            if refused is not None:
+                self._dropped(refused, identity, user_id)
                 continue
             try:
-                await self._dispatch(identity, msg)
+                await self._dispatch(identity, peer, msg)
             except Exception:  # one bad message must not kill the router
                 log.exception("failed to handle %s", type(msg).__name__)
 
-    async def _dispatch(self, identity: bytes, msg: P.Message) -> None:
+    def _dropped(self, reason: DropReason, identity: bytes, user_id: str | None) -> None:
+        name = self.gate.key_name(user_id)
+        self._drop_log.warning("dropped a message from %r (key %s): %s", identity[:64], name or "unknown",
+                               reason.value)
+        if name is not None:  # a metric label only from an authorized key's name: bounded by the key folder
+            for callback in self.on_node_event:
+                callback(name, "unauthorized")
+
+    async def _dispatch(self, identity: bytes, peer: PeerIdentity, msg: P.Message) -> None:
         if isinstance(msg, P.Register):
             welcome, lost = self.registry.register(msg)
             if lost is not None:
                 self._fail_node(lost, "node restarted")
+            if welcome.accepted:
+                job = PeerIdentity(peer.node_id, Channel.JOB, peer.instance).encode()
+                current = self._routes.get(peer.node_id)
+                if current is None or current[0] != job:
+                    self._routes[peer.node_id] = (job, current[0] if current is not None else None)
             for callback in self.on_node_event:
                 callback(msg.node_id, "registered" if welcome.accepted else "refused")
             await self._reply(identity, welcome)
         elif isinstance(msg, P.Heartbeat):
+            node = self.registry.nodes.get(msg.node_id)
+            if node is not None and node.info.instance != peer.instance:
+                return  # a previous incarnation (paused, then resumed) must not keep the new one's entry alive
             answer = self.registry.heartbeat(msg)
             if answer is not None:
                 await self._reply(identity, answer)
         elif isinstance(msg, (P.PrefillDone, P.TokenBatch, P.JobFailed)):
             entry = self._streams.get(msg.request_id)
-            sender = identity.decode(errors="replace")
+            sender = peer.node_id
             if entry is None or entry[0] != sender:
                 # A reply for a request the router gave up on: make sure the node frees its blocks.
                 finished = isinstance(msg, P.JobFailed) or getattr(msg, "finished", False)

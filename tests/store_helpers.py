@@ -127,6 +127,8 @@ def run_daemon(disk_path: Path | None = None, *extra: str, dram: str = "64MiB") 
     cmd = [sys.executable, "-c", "import sys; from ucm.daemon_cli import main; sys.exit(main(sys.argv[1:]))", "--bind", "tcp://127.0.0.1:0", "--dram", dram, "--log-level", "WARNING"]
     if disk_path is not None:
         cmd += ["--disk-path", str(disk_path), "--disk", "64MiB"]
+    if not {"--curve-keys", "--server-key", "--insecure"} & set(extra):
+        cmd.append("--insecure")  # these tests are about the store itself; test_store_security covers CURVE
     proc = subprocess.Popen(cmd + list(extra), stdout=subprocess.PIPE, stderr=None, text=True, env=dict(os.environ))
     try:
         address = _wait_ready(proc, timeout=30.0)

@@ -28,8 +28,9 @@ LONG = ("You are a meticulous assistant for a library. The catalogue lists books
 
 @pytest.fixture(scope="module")
 def cluster():
+    # supervise=False: the fault tests below want killed nodes to stay dead (test_cluster_links covers restarts)
     spec = ClusterSpec(prefill=2, decode=1, api_key=KEY, node_timeout_s=3.0, kv_cache_memory="128MiB", dtype="float32",
-                       max_num_seqs=16, node_args=("--threads", "1"))
+                       max_num_seqs=16, node_args=("--threads", "1"), supervise=False)
     with Cluster(spec, log=lambda s: None) as c:
         yield c
 

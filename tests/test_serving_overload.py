@@ -45,6 +45,7 @@ def cluster(offline):  # offline first: its CPU time must not starve the nodes' 
         heartbeat_interval_s=0.2, node_args=("--threads", "1"),
         node_env={"prefill-0": {"UCM_TEST_STEP_DELAY_S": "1.5"}},
         router_args=("--stall-timeout", "2.5", "--max-queued-requests", str(QUEUED), "--max-queue-wait-s", "0.01"),
+        supervise=False,  # the killed prefill node must stay dead: the decode node prefills instead, exactly once
     )
     with Cluster(spec, log=lambda s: None) as c:
         yield c

@@ -1,15 +1,19 @@
-"""CURVE authentication for the store daemon's socket: key files, and applying them to ZeroMQ sockets.
+"""CURVE authentication for the store daemon's and the router's sockets: key files, and applying them to ZeroMQ
+sockets.
 
 Key files are the z85 certificates `zmq.auth.create_certificates` writes (`NAME.key` public only,
-`NAME.key_secret` both halves). `generate_keys(DIR)` lays out one server and one client pair:
+`NAME.key_secret` both halves). `generate_keys(DIR, clients)` lays out one folder serving both links:
 
-    DIR/server.key  DIR/server.key_secret       the daemon:  --curve-keys DIR  (or --server-key + --authorized)
-    DIR/client.key  DIR/client.key_secret       a client:    StoreClient(addr, auth=ClientAuth.from_dir(DIR))
-    DIR/authorized/client.key                   public keys the daemon accepts (add more .key files here)
+    DIR/server.key  DIR/server.key_secret       the store daemon: --curve-keys DIR (or --server-key + --authorized)
+    DIR/router.key  DIR/router.key_secret       the router's node socket: ucm-serve router --curve-keys DIR
+    DIR/NAME.key    DIR/NAME.key_secret         client NAME (a node: NAME is its node id), e.g.
+                                                StoreClient(addr, auth=ClientAuth.from_dir(DIR, NAME))
+    DIR/authorized/NAME.key                     public keys both servers accept (add more .key files here)
 
-Handing a client `DIR` gives it the server's public key and its own pair; the server's secret is only read
-by the daemon. The daemon's ZAP handler (`zmq.auth.thread.ThreadAuthenticator`) refuses any peer whose
-public key is not in the authorized folder: the handshake fails, nothing it sends reaches the daemon.
+Handing a client `DIR` gives it the servers' public keys and its own pair; a server's secret is only read
+by that server. The ZAP handler (`zmq.auth.thread.ThreadAuthenticator`) refuses any peer whose public key is
+not in the authorized folder: the handshake fails, nothing it sends reaches the server. The router also binds
+each key to its file name (`ServerAuth.peer_names`): key NAME may speak only as node NAME.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-SERVER = "server"
+SERVER = "server"  # the store daemon's pair
+ROUTER = "router"  # the router's node-socket pair
 CLIENT = "client"
 AUTHORIZED = "authorized"
 INSECURE_WARNING = "store daemon running without authentication (--insecure)"
@@ -38,35 +43,57 @@ class KeyPaths:
     client_public: Path
     client_secret: Path
     authorized: Path  # folder of client public keys the daemon accepts
+    router_public: Path
+    router_secret: Path
 
     @classmethod
     def of(cls, directory: str | os.PathLike[str], client: str = CLIENT) -> KeyPaths:
         d = Path(directory)
         return cls(d, d / f"{SERVER}.key", d / f"{SERVER}.key_secret", d / f"{client}.key",
-                   d / f"{client}.key_secret", d / AUTHORIZED)
+                   d / f"{client}.key_secret", d / AUTHORIZED, d / f"{ROUTER}.key", d / f"{ROUTER}.key_secret")
 
     def server_auth(self) -> ServerAuth:
+        """The store daemon's side."""
         return ServerAuth(self.server_secret, self.authorized)
 
     def client_auth(self) -> ClientAuth:
+        """The client's side of the store link."""
         return ClientAuth(self.client_secret, self.server_public)
+
+    def router_auth(self) -> ServerAuth:
+        """The router's node socket."""
+        return ServerAuth(self.router_secret, self.authorized)
+
+    def router_client_auth(self) -> ClientAuth:
+        """A node's side of the router link (the same client pair as for the store)."""
+        return ClientAuth(self.client_secret, self.router_public)
+
+
+def check_client_name(name: str) -> str:
+    """A client key's name is also a node id on the router link: no '/' (it separates socket identity parts)."""
+    if not name or "/" in name or name in (SERVER, ROUTER) or name != name.strip() or len(name) > 128:
+        raise ValueError(f"bad client key name {name!r} (non-empty, no '/', at most 128 characters, "
+                         f"not {SERVER!r} or {ROUTER!r})")
+    return name
 
 
 def generate_keys(directory: str | os.PathLike[str], clients: tuple[str, ...] = (CLIENT,)) -> KeyPaths:
-    """Write a server pair and one pair per client name into `directory` (created, mode 0700); authorize the clients.
+    """Write the store's and the router's server pairs and one pair per client name into `directory` (created,
+    mode 0700); authorize the clients.
 
     Existing files are overwritten: regenerating is how keys are rotated. Returns the paths of the first client.
     """
     if not clients:
         raise ValueError("generate_keys: name at least one client")
+    for name in clients:
+        check_client_name(name)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)  # secret keys inside: owner only
     (d / AUTHORIZED).mkdir(exist_ok=True)
     zmq.auth.create_certificates(d, SERVER)
+    zmq.auth.create_certificates(d, ROUTER)
     for name in clients:
-        if not name or "/" in name or name == SERVER:
-            raise ValueError(f"generate_keys: bad client name {name!r}")
         public, _ = zmq.auth.create_certificates(d, name)
         (d / AUTHORIZED / f"{name}.key").write_bytes(Path(public).read_bytes())
     for secret in d.glob("*.key_secret"):
@@ -106,6 +133,19 @@ class ServerAuth:
         sock.curve_server = True
         return authenticator
 
+    def peer_names(self) -> dict[str, str]:
+        """z85 public key (ZAP's User-Id) -> the name of its file in the authorized folder, read now.
+
+        The router lets key NAME speak only as node NAME, so one key must not appear under two names."""
+        names: dict[str, str] = {}
+        for path in sorted(Path(self.authorized_dir).glob("*.key")):
+            public, _ = zmq.auth.load_certificate(path)
+            user_id = public.decode("ascii")
+            if user_id in names and names[user_id] != path.stem:
+                raise ValueError(f"the key in {path} is also authorized as {names[user_id]!r}: one name per key")
+            names[user_id] = path.stem
+        return names
+
 
 @dataclass(frozen=True)
 class ClientAuth:
@@ -116,7 +156,13 @@ class ClientAuth:
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike[str], client: str = CLIENT) -> ClientAuth:
+        """The store link's client side."""
         return KeyPaths.of(directory, client).client_auth()
+
+    @classmethod
+    def for_router(cls, directory: str | os.PathLike[str], client: str) -> ClientAuth:
+        """The router link's client side: client `client`'s pair and the router's public key."""
+        return KeyPaths.of(directory, client).router_client_auth()
 
     def load(self) -> CurveClientKeys:
         """Read the key files (once per client, not once per socket); ValueError naming a missing file."""

@@ -1,9 +1,9 @@
 """`ucm-serve store ...` (run the daemon), `ucm-serve store keys DIR` (write CURVE key pairs) and
 `ucm-serve store-stats --connect ADDR` (print its live stats).
 
-Authentication: `--curve-keys DIR` (a folder from `ucm-serve store keys DIR`), or `--server-key FILE` with
-`--authorized DIR`, makes the socket a CURVE server. Without either the daemon runs unauthenticated and says so
-with a warning; `--insecure` states that on purpose (and is refused together with key options).
+Authentication: `--curve-keys DIR` (a folder from `ucm-serve keys DIR` = `ucm-serve store keys DIR`), or
+`--server-key FILE` with `--authorized DIR`, makes the socket a CURVE server. Without either the daemon refuses to
+start unless `--insecure` says so on purpose (it then logs a warning; refused together with key options).
 
 On start the daemon prints exactly one line `ucm-store ready <address>` (flushed) once it serves; the
 launcher and the tests wait for it. SIGTERM/SIGINT stop it cleanly: in-flight requests finish, the
@@ -74,25 +74,36 @@ def _server_auth(args: argparse.Namespace) -> ServerAuth | None:
         raise ValueError("--server-key and --authorized go together")
     if args.server_key:
         return ServerAuth(Path(args.server_key), Path(args.authorized))
+    if not args.insecure:
+        raise ValueError("the daemon needs keys (--curve-keys DIR, from `ucm-serve keys DIR`) or an explicit --insecure")
     return None  # the daemon logs that it runs without authentication
 
 
 def keys_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="ucm-serve store keys", description="Write CURVE key pairs for the store daemon "
-                                 "and its clients (z85 files, as zmq.auth.create_certificates writes them).")
-    ap.add_argument("dir", help="folder to write server.key[_secret], CLIENT.key[_secret] and authorized/")
-    ap.add_argument("--clients", default="client", help="comma-separated client names (one key pair each)")
+    """`ucm-serve keys DIR --nodes a,b` (= `ucm-serve store keys DIR --clients a,b`): one folder for both links."""
+    ap = argparse.ArgumentParser(prog="ucm-serve keys", description="Write CURVE key pairs (z85 files, as "
+                                 "zmq.auth.create_certificates writes them) for the store daemon, the router and "
+                                 "each node or client: one folder serves the node-router and node-store links.")
+    ap.add_argument("dir", help="folder to write server.key[_secret] (store), router.key[_secret], NAME.key[_secret] "
+                                "and authorized/")
+    ap.add_argument("--nodes", "--clients", dest="clients", default="client",
+                    help="comma-separated node ids / client names, one key pair each (a node registers with the "
+                         "router only under the id its key is named for)")
     args = ap.parse_args(argv)
     try:
-        names = tuple(n for n in args.clients.split(",") if n)
+        names = tuple(n.strip() for n in args.clients.split(",") if n.strip())
         paths = generate_keys(args.dir, names)
     except ValueError as exc:
-        print(f"ucm-serve store keys: {exc}", file=sys.stderr)
+        print(f"ucm-serve keys: {exc}", file=sys.stderr)
         return 2
-    print(f"daemon: ucm-serve store --curve-keys {paths.dir}")
+    print(f"store:  ucm-serve store --curve-keys {paths.dir}")
+    print(f"router: ucm-serve router --curve-keys {paths.dir}")
     for name in names:
-        print(f"client {name}: kv_store 'tcp://HOST:PORT?curve_keys={paths.dir}&curve_client={name}', "
-              f"or StoreClient(addr, auth=ClientAuth.from_dir({str(paths.dir)!r}, {name!r}))")
+        print(f"node {name}: ucm-serve prefill|decode --curve-keys {paths.dir} --node-id {name} "
+              f"--store tcp://HOST:PORT  (the store link uses the same folder); or as a store client: "
+              f"kv_store 'tcp://HOST:PORT?curve_keys={paths.dir}&curve_client={name}'")
+    print("copy the folder (or, per host, its public .key files plus that host's NAME.key_secret) to each host; "
+          "keep it private (mode 0700)")
     return 0
 
 

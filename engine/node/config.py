@@ -10,8 +10,11 @@ import argparse
 import os
 import socket
 from dataclasses import dataclass
+from urllib.parse import urlencode
 
+from router.peer_identity import check_node_id
 from router.protocol import NodeRole
+from ucm.auth import ClientAuth
 
 # Store addresses that mean "no store": the node then runs without a connector (always recomputes).
 NO_STORE = ("", "none", "off")
@@ -37,10 +40,14 @@ class NodeConfig:
     num_threads: int | None = None  # torch intra-op threads (several nodes on one small machine: 1 each)
     cached_keys_cap: int = 4096  # how many recent block keys a heartbeat carries
     step_delay_s: float = 0.0  # test hook (UCM_TEST_STEP_DELAY_S): extra seconds per engine step
+    # CURVE keys for the router link (this node's pair, named for its node id, and the router's public key).
+    # None: unauthenticated (the CLI requires --insecure for that).
+    router_auth: ClientAuth | None = None
 
     def __post_init__(self) -> None:
         if not self.router_addr:
             raise ValueError("a node needs --router ADDR (the router's --bind-nodes address)")
+        check_node_id(self.resolved_node_id)
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.heartbeat_interval_s <= 0:
@@ -70,10 +77,42 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default="512MiB", help="paged KV cache size, e.g. 512MiB, 4GiB")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
+    auth = parser.add_argument_group("authentication (ZeroMQ CURVE, docs/security.md)")
+    auth.add_argument("--curve-keys", metavar="DIR", default=None,
+                      help="folder from `ucm-serve keys DIR --nodes NODE_ID,...`: this node's pair DIR/NODE_ID.key_secret "
+                           "and the router's DIR/router.key; also used for a tcp:// --store without ?curve_keys=")
+    auth.add_argument("--insecure", action="store_true",
+                      help="no authentication to the router (and to a --store without ?curve_keys=)")
+
+
+def _authenticated_store(store: str, keys: str, node_id: str) -> str:
+    """A daemon address without its own CURVE options uses the node's key folder (one folder for both links)."""
+    if not store.startswith(("tcp://", "ipc://")):
+        return store
+    address, _, query = store.partition("?")
+    if "curve_keys=" in query:
+        return store
+    extra = urlencode({"curve_keys": keys, "curve_client": node_id})
+    return f"{address}?{query}&{extra}" if query else f"{address}?{extra}"
 
 
 def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
+    """ValueError for a bad combination (keys without a node id, neither keys nor --insecure)."""
     store = None if args.store.strip().lower() in NO_STORE else args.store.strip()
+    router_auth = None
+    if args.insecure and args.curve_keys:
+        raise ValueError("--insecure contradicts --curve-keys")
+    if args.curve_keys:
+        if not args.node_id:
+            raise ValueError("with --curve-keys give --node-id: the router accepts a node only under the id its key "
+                             "file is named for (DIR/NODE_ID.key_secret)")
+        router_auth = ClientAuth.for_router(args.curve_keys, args.node_id)
+        router_auth.load()  # a missing file fails here, not in the heartbeat thread
+        if store is not None:
+            store = _authenticated_store(store, args.curve_keys, args.node_id)
+    elif not args.insecure:
+        raise ValueError("a node needs keys (--curve-keys DIR --node-id ID, from `ucm-serve keys DIR --nodes ID`) "
+                         "or an explicit --insecure")
     device = args.device
     if device is None:
         import torch  # nodes may import torch; only the router must not
@@ -94,4 +133,5 @@ def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
         heartbeat_interval_s=args.heartbeat_interval,
         num_threads=args.threads,
         step_delay_s=float(os.environ.get(STEP_DELAY_ENV) or 0.0),
+        router_auth=router_auth,
     )

@@ -1,8 +1,9 @@
 """Registration and heartbeats on their own thread and socket, so a node stays visibly alive while one long
 engine step (a big prefill chunk on CPU) holds the serving loop.
 
-The thread's DEALER has identity `<node_id>/hb`; jobs go to the loop's DEALER (identity `<node_id>`), which the
-router addresses by the node id it learnt from Register. A router that restarted (or dropped us after missed
+The thread's DEALER has identity `<node_id>/hb/<instance>`; jobs go to the loop's DEALER (`<node_id>/job/<instance>`),
+which the router addresses by what it learnt from our Register (router/peer_identity.py). With CURVE both sockets
+use the node's key pair, the one the router binds to this node id. A router that restarted (or dropped us after missed
 heartbeats) answers a heartbeat with Welcome(accepted=False) and we register again.
 """
 
@@ -18,6 +19,8 @@ import zmq
 
 from engine.node.key_cache import RecentKeys
 from router import protocol as P
+from router.peer_identity import Channel, PeerIdentity
+from ucm.auth import CurveClientKeys
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class HeartbeatThread(threading.Thread):
         register: P.Register,
         interval_s: float,
         recent_keys: RecentKeys,
+        keys: CurveClientKeys | None = None,
     ) -> None:
         super().__init__(name="ucm-heartbeat", daemon=True)
         self._ctx = ctx
@@ -64,6 +68,7 @@ class HeartbeatThread(threading.Thread):
         self._register = register
         self._interval_s = interval_s
         self._recent_keys = recent_keys
+        self._keys = keys
         self._load = P.Heartbeat(node_id=register.node_id, running=0, waiting=0, free_blocks=register.num_blocks)
         self._halt = threading.Event()
         self.registered = threading.Event()
@@ -77,8 +82,11 @@ class HeartbeatThread(threading.Thread):
 
     def run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self._register.node_id}/hb".encode())
+        identity = PeerIdentity(self._register.node_id, Channel.HEARTBEAT, self._register.instance)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
+        if self._keys is not None:
+            self._keys.apply(sock)
         sock.connect(self._router_addr)
         try:
             self._loop(sock)

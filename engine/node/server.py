@@ -21,6 +21,7 @@ from engine.node.heartbeat import HeartbeatThread, StoreStatsPoller
 from engine.node.key_cache import RecentKeys
 from engine.node.runner import JobRunner
 from router import protocol as P
+from router.peer_identity import Channel, PeerIdentity
 from ucm.keys import KeyNamespace
 
 log = logging.getLogger(__name__)
@@ -72,12 +73,18 @@ class NodeServer:
 
     def serve(self) -> None:
         ctx = zmq.Context()
+        keys = self.config.router_auth.load() if self.config.router_auth is not None else None
+        if keys is None:
+            log.warning("node %s: router link without authentication (--insecure)", self.node_id)
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.node_id.encode())
+        # The instance in the identity is what keeps other peers from taking over our jobs (router/peer_identity.py).
+        sock.setsockopt(zmq.IDENTITY, PeerIdentity(self.node_id, Channel.JOB, self.register_msg.instance).encode())
         sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            keys.apply(sock)
         sock.connect(self.config.router_addr)
         heartbeat = HeartbeatThread(ctx, self.config.router_addr, self.register_msg,
-                                    self.config.heartbeat_interval_s, self.recent_keys)
+                                    self.config.heartbeat_interval_s, self.recent_keys, keys)
         heartbeat.start()
         worker = self.engine.kv_connector[1] if self.engine.kv_connector else None
         poller = StoreStatsPoller(worker.store) if getattr(worker, "store", None) is not None else None
