@@ -127,7 +127,8 @@ class Sampler:
     def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         vocab = probs.shape[1]
-        ks = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+        # Clamped so any top_k (however large) is a small tensor value: beyond the vocabulary it keeps every token.
+        ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k]).unsqueeze(1)
         ranks = torch.arange(vocab).unsqueeze(0)
         keep = ranks < ks
         sorted_probs = sorted_probs * keep
@@ -143,7 +144,7 @@ class Sampler:
     def _gather_logprobs(
         logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
     ) -> list[TokenLogprobs | None]:
-        k_max = max(k for k in num_logprobs if k is not None)
+        k_max = min(max(k for k in num_logprobs if k is not None), logprobs.shape[1])
         top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None)
         sampled_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         # Rank = 1 + number of tokens strictly more likely than the sampled one.

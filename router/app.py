@@ -1,4 +1,9 @@
-"""The router's FastAPI app: OpenAI routes, /health, /metrics, OpenAI-style JSON errors. Never imports torch."""
+"""The router's FastAPI app: OpenAI routes, /health, /metrics, OpenAI-style JSON errors. Never imports torch.
+
+Hostile input (docs/security.md): bodies are capped before they are read (router/http_gate.py), parsed and
+validated on a worker thread (router/json_body.py: big ints, NaN, deep nesting, lone surrogates are 400s), and
+tokenized on that thread after the prompt size and fan-out were checked (router/serving.py).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +26,8 @@ from router import protocol as P
 from router.admission import AdmissionQueue, Rejected
 from router.config import RouterConfig
 from router.dispatcher import DECODE_ROLES, Dispatcher
+from router.http_gate import HttpGate
+from router.json_body import HugeInt, parse_json_object
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, bad_request
@@ -50,7 +57,16 @@ def _validation_error(e: ValidationError | RequestValidationError) -> ApiError:
     loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
     param = loc[0] if loc else None
     where = ".".join(loc)
-    return bad_request(f"{where}: {err.get('msg')}" if where else str(err.get("msg")), param)
+    msg = "integer out of range" if isinstance(err.get("input"), HugeInt) else err.get("msg")
+    return bad_request(f"{where}: {msg}" if where else str(msg), param)
+
+
+def _validate(raw: bytes, model: type[BaseModel]) -> Any:
+    """Body bytes -> the request model, or ApiError(400); CPU-bound, so it runs on the worker thread."""
+    try:
+        return model.model_validate(parse_json_object(raw))
+    except ValidationError as e:
+        raise _validation_error(e) from None
 
 
 class _ReleasingStream(StreamingResponse):
@@ -77,6 +93,8 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     admission = AdmissionQueue(registry.capacity, config.max_queued_requests, config.max_queue_wait_s)
     metrics = RouterMetrics(registry, admission)
     state: dict[str, Any] = {}
+    # One thread for parsing and tokenizing: bounded CPU per request (the caps), never the event loop's.
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-parse")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -87,21 +105,27 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         dispatcher = Dispatcher(client, config.decode_wait_s)
         state["client"] = client
         state["serving"] = OpenAIServing(dispatcher, admission, tokenizer, metrics, config.model_name,
-                                         config.max_model_len)
+                                         config.max_model_len, pool=pool, max_prompt_chars=config.max_prompt_chars,
+                                         max_sequences=config.max_sequences_per_request)
+        metrics.node_messages_dropped.set_function(
+            lambda: getattr(client, "bad_messages", 0) + getattr(client, "loop_errors", 0))
         app.state.nodes_address = client.address
+        app.state.node_client = client  # tests talk to nodes through it (jobs the HTTP layer would refuse)
         print(f"ucm-serve router: nodes connect to {client.address}", flush=True)
         try:
             yield
         finally:
             await client.close()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ucm-serve router", lifespan=lifespan)
     app.state.registry = registry
     app.state.metrics = metrics
 
     @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    async def _api_error(request: Request, e: ApiError) -> Response:
+        # json.dumps escapes non-ASCII: a message quoting client input can never fail to encode
+        return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers, media_type="application/json")
 
     @app.exception_handler(RequestValidationError)
     async def _fastapi_422(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -113,38 +137,14 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
 
-    @app.middleware("http")
-    async def _auth_and_count(request: Request, call_next):
-        path = request.url.path
-        if config.api_key and path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not secrets.compare_digest(token.encode(), config.api_key.encode()):
-                err = ApiError(401, "Incorrect or missing API key.", "authentication_error", None, "invalid_api_key")
-                metrics.requests.labels(path, "401").inc()
-                return JSONResponse(err.body(), status_code=401)
-        response = await call_next(request)
-        if path.startswith("/v1/"):
-            metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
-
     async def parse(request: Request, model: type[BaseModel]) -> Any:
-        raw = await request.body()
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"invalid JSON body: {e}") from e
-        if not isinstance(obj, dict):
-            raise bad_request("the request body must be a JSON object")
-        try:
-            return model.model_validate(obj)
-        except ValidationError as e:
-            raise _validation_error(e) from e
+        raw = await request.body()  # at most config.max_body_bytes: HttpGate answered 413 beyond
+        return await asyncio.get_running_loop().run_in_executor(pool, _validate, raw, model)
 
     async def respond(request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
         serving: OpenAIServing = state["serving"]
         chat = isinstance(body, ChatCompletionRequest)
-        choices, prompt_tokens = serving.build_choices(body)
+        choices, prompt_tokens = await serving.build_choices(body)
         rid = ("chatcmpl-" if chat else "cmpl-") + choices[0].seq.request_id.split("-")[0]
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
@@ -181,23 +181,30 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         return JSONResponse({**head, "object": obj, "choices": out, "usage": usage(prompt_tokens, choices)})
 
     async def _collect(request: Request, stream: AsyncIterator[Chunk]) -> None:
-        """Drain the choices, aborting everything if the client disconnects first."""
+        """Drain the choices, aborting everything (cancelled choices send Abort to their nodes) if the client
+        disconnects first."""
         async def drain() -> None:
             async with contextlib.aclosing(stream):
                 async for _ in stream:
                     pass
+
+        async def disconnected() -> None:
+            # The body was read already, so the server's next message is the disconnect (HttpGate passes the
+            # server's own `receive` through: nothing in between swallows it).
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
         task = asyncio.create_task(drain())
+        watch = asyncio.create_task(disconnected())
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.25)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    raise ApiError(499, "client disconnected", "invalid_request_error")
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise ApiError(499, "client disconnected", "invalid_request_error")
             task.result()
         finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            for t in (task, watch):
+                t.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
 
     async def _sse(serving: OpenAIServing, body: Any, choices: list[Choice], prompt_tokens: int,
                    stream: AsyncIterator[Chunk], head: dict[str, Any], chat: bool) -> AsyncIterator[str]:
@@ -225,11 +232,12 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 yield sse({**head, "choices": [], "usage": usage(prompt_tokens, choices)})
         yield sse("[DONE]")
 
-    @app.post("/v1/completions")
+    # The body is parsed by hand (size-capped, on the worker thread); the schema is declared for OpenAPI.
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await respond(request, await parse(request, CompletionRequest))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await respond(request, await parse(request, ChatCompletionRequest))
 
@@ -251,4 +259,25 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     async def prom() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            components = base_openapi().setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                components.update(_json_schema(model).get("$defs", {}))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(HttpGate, routes=frozenset(r.path for r in app.routes), count=metrics.count_request,
+                       max_body_bytes=config.max_body_bytes, api_key=config.api_key)
     return app
+
+
+def _json_schema(model: type[BaseModel]) -> dict[str, Any]:
+    return model.model_json_schema(ref_template="#/components/schemas/{model}")
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    schema = {k: v for k, v in _json_schema(model).items() if k != "$defs"}  # $defs go to components
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

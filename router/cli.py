@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also queue requests while the measured service rate serves them within this many seconds; "
                         "beyond both bounds: 429 with Retry-After")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="refuse request bodies larger than this with 413, before parsing them")
+    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                   help="refuse prompts (all prompts / messages of a request together) longer than this with 400, "
+                        "before tokenizing")
+    p.add_argument("--max-seqs-per-request", type=int, default=d.max_sequences_per_request,
+                   help="refuse requests asking for more sequences (prompts x n) than this with 400")
     p.add_argument("--decode-wait", type=float, default=d.decode_wait_s,
                    help="seconds a request whose decode node died waits for another decode node to register "
                         "before it fails (it then resumes where it stopped)")
@@ -102,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ucm-serve router: {e}", file=sys.stderr)
         return 2
     config = RouterConfig(
+        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+        max_sequences_per_request=args.max_seqs_per_request,
         bind_nodes=args.bind_nodes, host=args.host, port=args.port, model=args.model,
         served_model_name=args.served_model_name, api_key=args.api_key, node_timeout_s=args.node_timeout,
         stall_timeout_s=args.stall_timeout, max_queued_requests=args.max_queued_requests,

@@ -25,6 +25,12 @@ class RouterConfig:
     max_queued_requests: int = 64
     max_queue_wait_s: float = 60.0
     max_model_len: int | None = None  # cap below the nodes' own limit
+    # Hostile-input bounds (docs/security.md). A body is refused with 413 before it is parsed; 4 MiB holds a
+    # 128k-token prompt as text or as token ids with room to spare. Prompt characters are counted before
+    # tokenizing (which runs on a worker thread), and one request's sequences (prompts x n) are capped.
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_chars: int = 1 << 20
+    max_sequences_per_request: int = 64
     # CURVE on the node socket (router/node_client.py): the router's secret key and the folder of node keys, each
     # named for the node id it may register as. None: unauthenticated (the CLI requires --insecure for that).
     node_auth: ServerAuth | None = None
@@ -42,6 +48,9 @@ class RouterConfig:
         for name in ("node_timeout_s", "stall_timeout_s", "max_queue_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_body_bytes", "max_prompt_chars", "max_sequences_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
 

@@ -2,9 +2,18 @@
 
 Names follow vLLM's where one exists (`…time_to_first_token_seconds`, `…time_per_output_token_seconds`,
 `…e2e_request_latency_seconds`, `…prompt_tokens_total`, `…generation_tokens_total`), prefixed `ucm_`.
+
+Every label set is bounded, since label values come from clients and nodes: endpoints are the app's routes (any
+other path is `other`, see router/http_gate.py), a node's series go when it leaves the registry, at most
+MAX_STATS_PER_NODE heartbeat stats are exported per node, and node events are kept for at most MAX_EVENT_NODES
+node ids (departed ones forgotten first).
 """
 
 from __future__ import annotations
+
+import contextlib
+import itertools
+from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -14,6 +23,9 @@ from router.registry import Registry
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+MAX_STATS_PER_NODE = 256
+MAX_EVENT_NODES = 64
+_MAX_LABEL_CHARS = 128
 
 
 class RouterMetrics:
@@ -55,10 +67,29 @@ class RouterMetrics:
                                ["node", "name"], registry=r)
         self.store_tier = Gauge("ucm_store_tier", "the KV store's per-tier counters (hits, misses, blocks, bytes_used, "
                                 "evictions…) as reported by its nodes", ["tier", "name"], registry=r)
-        self._known: dict[str, P.NodeRole] = {}
+        self.node_messages_dropped = Gauge(
+            "ucm_node_messages_dropped", "messages from nodes the router could not decode or handle (counted, "
+            "logged rate-limited, skipped)", registry=r)
+        self._known: dict[str, tuple[P.NodeRole, frozenset[str]]] = {}  # exported node -> (role, stat names)
+        self._tiers: set[tuple[str, str]] = set()
+        self._event_nodes: OrderedDict[str, set[str]] = OrderedDict()  # node -> its events, least recent first
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
 
     def node_event(self, node_id: str, event: str) -> None:
+        node_id = node_id[:_MAX_LABEL_CHARS]
+        events = self._event_nodes.pop(node_id, set())
+        events.add(event)
+        self._event_nodes[node_id] = events
         self.node_events.labels(node_id, event).inc()
+        while len(self._event_nodes) > MAX_EVENT_NODES:
+            victim = next((n for n in self._event_nodes if n not in self._nodes.nodes), None)
+            if victim is None:
+                break
+            for name in self._event_nodes.pop(victim):
+                with contextlib.suppress(KeyError):
+                    self.node_events.remove(victim, name)
 
     def record_cache(self, role: P.NodeRole, info: P.CacheInfo) -> None:
         """Prompt tokens not computed, by source: device (node prefix cache), store (loaded through the
@@ -81,18 +112,36 @@ class RouterMetrics:
         self.running_seqs.set(self._admission.running)
         return generate_latest(self.registry)
 
+    def _forget(self, node_id: str, role: P.NodeRole, names: frozenset[str]) -> None:
+        with contextlib.suppress(KeyError):
+            self.node_up.remove(node_id, role.value)
+        for gauge in (self.node_running, self.node_waiting, self.node_free_blocks):
+            with contextlib.suppress(KeyError):
+                gauge.remove(node_id)
+        for name in names:
+            with contextlib.suppress(KeyError):
+                self.node_stat.remove(node_id, name)
+
     def _refresh_nodes(self) -> None:
         alive = self._nodes.nodes
-        for node_id, role in list(self._known.items()):
-            if node_id not in alive:
-                self.node_up.labels(node_id, role.value).set(0)
+        for node_id, (role, names) in list(self._known.items()):
+            node = alive.get(node_id)
+            if node is None or node.role is not role:
+                self._forget(node_id, role, names)
+                del self._known[node_id]
         for node in alive.values():
-            self._known[node.node_id] = node.role
+            stats = dict(itertools.islice(
+                ((k, v) for k, v in node.stats.items() if len(k) <= _MAX_LABEL_CHARS), MAX_STATS_PER_NODE))
+            _, before = self._known.get(node.node_id, (node.role, frozenset()))
+            for name in before - stats.keys():
+                with contextlib.suppress(KeyError):
+                    self.node_stat.remove(node.node_id, name)
+            self._known[node.node_id] = (node.role, frozenset(stats))
             self.node_up.labels(node.node_id, node.role.value).set(1)
             self.node_running.labels(node.node_id).set(node.running)
             self.node_waiting.labels(node.node_id).set(node.waiting)
             self.node_free_blocks.labels(node.node_id).set(node.free_blocks)
-            for name, value in node.stats.items():
+            for name, value in stats.items():
                 self.node_stat.labels(node.node_id, name).set(value)
         # Every node of a deployment talks to the same store: show its tiers once (the freshest report).
         tiers: dict[tuple[str, str], float] = {}
@@ -102,5 +151,9 @@ class RouterMetrics:
                 if name.startswith("store_") and len(parts) == 3 and parts[1] in ("dram", "disk"):
                     key = (parts[1], parts[2])
                     tiers[key] = max(tiers.get(key, 0.0), value)
+        for tier, name in self._tiers - tiers.keys():
+            with contextlib.suppress(KeyError):
+                self.store_tier.remove(tier, name)
+        self._tiers = set(tiers)
         for (tier, name), value in tiers.items():
             self.store_tier.labels(tier, name).set(value)

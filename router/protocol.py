@@ -167,6 +167,22 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
+class _JobHeader(msgspec.Struct):
+    type: str
+    request_id: str
+
+
+def job_request_id(buf: bytes | memoryview) -> str | None:
+    """The request id of a frame that failed `decode` but is a job, so the node can answer JobFailed; else None."""
+    if len(buf) > MAX_MESSAGE_BYTES:
+        return None
+    try:
+        head = msgspec.msgpack.decode(buf, type=_JobHeader)
+    except Exception:  # anything else wrong with it (RecursionError included): no answer
+        return None
+    return head.request_id if head.type in ("prefill_job", "decode_job") else None
+
+
 def decode(buf: bytes | memoryview) -> Message:
     """Decode one frame; ValueError for anything oversized, malformed or not one of our messages."""
     if len(buf) > MAX_MESSAGE_BYTES:

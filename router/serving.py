@@ -1,17 +1,24 @@
 """OpenAI completions and chat completions on top of the Dispatcher: tokenization, length checks, n choices,
-stop strings, logprobs, SSE chunks or one JSON body, usage and latency metrics."""
+stop strings, logprobs, SSE chunks or one JSON body, usage and latency metrics.
+
+Tokenizing and chat templating run on one worker thread (`pool`), after the prompt's characters and the
+request's fan-out were checked: a huge prompt costs that thread, never the event loop (`/health`, streams).
+One thread also keeps the fast tokenizer single-user (it is not safe to share across threads).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from router import job_limits as L
 from router import protocol as P
 from router.admission import AdmissionQueue, Ticket
 from router.detokenizer import IncrementalDetokenizer
@@ -43,15 +50,24 @@ class Chunk:
     finish_reason: str | None
 
 
+def _choice_seed(seed: int, index: int) -> int:
+    """Choice i of a seeded request samples with seed + i, wrapped into int64 (the wire's range)."""
+    return (seed + index - L.INT64_MIN) % (1 << 64) + L.INT64_MIN
+
+
 class OpenAIServing:
     def __init__(self, dispatcher: Dispatcher, admission: AdmissionQueue, tokenizer: Any, metrics: RouterMetrics,
-                 model_name: str, max_model_len: int | None) -> None:
+                 model_name: str, max_model_len: int | None, *, pool: ThreadPoolExecutor | None = None,
+                 max_prompt_chars: int = 1 << 20, max_sequences: int = 64) -> None:
         self.dispatcher = dispatcher
         self.admission = admission
         self.tok = tokenizer
         self.metrics = metrics
         self.model_name = model_name
         self.max_model_len_cap = max_model_len
+        self.pool = pool
+        self.max_prompt_chars = max_prompt_chars
+        self.max_sequences = max_sequences
 
     # ------------------------------------------------------------------ request → choices
 
@@ -65,22 +81,40 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
                            "model_not_found")
 
-    def build_choices(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[Choice], int]:
-        self._check_model(body.model)
+    def check_size(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """Refuse, before any tokenizing, a request whose prompts are too long to be worth reading or that asks
+        for too many sequences."""
+        chat = isinstance(body, ChatCompletionRequest)
+        sequences = body.num_prompts * body.n
+        if sequences > self.max_sequences:
+            raise bad_request(f"this request asks for {sequences} sequences (prompts x n); the limit is "
+                              f"{self.max_sequences}", "n")
+        if body.prompt_chars > self.max_prompt_chars:
+            raise bad_request(f"the prompt has {body.prompt_chars} characters; the limit is {self.max_prompt_chars}",
+                              "messages" if chat else "prompt", "context_length_exceeded")
+
+    def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         if isinstance(body, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
-                prompts = [self.tok.apply_chat_template(messages)]
+                return [self.tok.apply_chat_template(messages)]
             except Exception as e:  # a template error is the client's messages' fault
                 raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
+        prompts = []
+        for p in body.prompts:
+            ids = self.tok.encode(p) if isinstance(p, str) else p
+            if any(t < 0 or t >= self.tok.vocab_size for t in ids):
+                raise bad_request("prompt token ids must be in [0, vocab_size)", "prompt")
+            prompts.append(ids)
+        return prompts
+
+    async def build_choices(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[Choice], int]:
+        self._check_model(body.model)
+        self.check_size(body)
+        prompts = await asyncio.get_running_loop().run_in_executor(self.pool, self._tokenize, body)
+        if isinstance(body, ChatCompletionRequest):
             limit, num_logprobs = body.limit_tokens, body.num_logprobs
         else:
-            prompts = []
-            for p in body.prompts:
-                ids = self.tok.encode(p) if isinstance(p, str) else p
-                if any(t < 0 or t >= self.tok.vocab_size for t in ids):
-                    raise bad_request("prompt token ids must be in [0, vocab_size)", "prompt")
-                prompts.append(ids)
             limit, num_logprobs = body.max_tokens or _DEFAULT_COMPLETION_TOKENS, body.logprobs
         max_len = self._max_model_len()
         self.dispatcher.check_available()
@@ -104,10 +138,18 @@ class OpenAIServing:
                 params = P.SamplingSpec(
                     max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                     top_k=max(0, body.top_k),
-                    seed=None if body.seed is None else body.seed + i,
+                    seed=None if body.seed is None else _choice_seed(body.seed, i),
                     stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=num_logprobs,
                 )
                 seq = SeqRequest(f"{base}-{pi}-{i}", list(ids), params, body.cache_salt)
+                try:  # the nodes check every job with the same bounds: a job they would refuse never leaves
+                    if i == 0:
+                        job = P.DecodeJob(seq.request_id, seq.prompt_token_ids, params, cache_salt=body.cache_salt)
+                        L.check_job(job, self.tok.vocab_size)
+                    else:  # same prompt: only the seed differs
+                        L.check_spec(params)
+                except L.OutOfBounds as e:
+                    raise bad_request(e.message, e.param) from e
                 choices.append(Choice(len(choices), seq, IncrementalDetokenizer(self.tok, body.stop_list),
                                       num_logprobs))
         return choices, sum(len(p) for p in prompts) * body.n

@@ -7,8 +7,10 @@ Order matters inside this module (one cluster for all tests, for speed): faults 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import re
 import signal
+import socket
 import time
 
 import httpx
@@ -183,6 +185,43 @@ def _wait_idle(cluster: Cluster, timeout: float = 20.0) -> dict:
         if all(n["running"] == 0 and n["waiting"] == 0 for n in nodes.values()) or time.monotonic() > deadline:
             return nodes
         time.sleep(0.2)
+
+
+def test_top_k_overflow_is_a_400_and_every_node_lives_on(cluster, client) -> None:
+    """Issue 11: this request killed both nodes (an overflow in the sampler, uncaught in the node loop)."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "top_k": 9223372036854775808,
+            "temperature": 1}
+    r = httpx.post(cluster.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+    ok = client.completions.create(model=MODEL, prompt=body["prompt"], max_tokens=4, temperature=1,
+                                   extra_body={"top_k": 40})
+    assert ok.usage.completion_tokens == 4
+    names = ("prefill-0", "prefill-1", "decode-0")
+    assert all(cluster.children[n].alive for n in names)
+    assert set(httpx.get(cluster.url + "/health").json()["nodes"]) == set(names)
+
+
+def test_non_streaming_disconnect_aborts_and_frees_blocks(cluster) -> None:
+    nodes = _wait_idle(cluster)
+    assert all(n["running"] == 0 for n in nodes.values()), nodes
+    free_before = metric(cluster, "ucm_node_free_kv_blocks", node="decode-0")
+    aborted_before = metric(cluster, "ucm_node_stat", name="jobs_aborted")
+    body = json.dumps({"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 400,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", cluster.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"authorization: Bearer %s\r\ncontent-length: %d\r\n\r\n%s" % (KEY.encode(), len(body), body))
+        deadline = time.monotonic() + 60
+        while httpx.get(cluster.url + "/health").json()["nodes"]["decode-0"]["running"] < 1:
+            assert time.monotonic() < deadline, "the request never reached the decode node"
+            time.sleep(0.1)
+    # Closing the connection of a non-streaming request must abort it on the nodes and free its blocks.
+    deadline = time.monotonic() + 60
+    while metric(cluster, "ucm_node_stat", name="jobs_aborted") < aborted_before + 1 or \
+            metric(cluster, "ucm_node_free_kv_blocks", node="decode-0") < free_before:
+        assert time.monotonic() < deadline, "the disconnected request was never aborted"
+        time.sleep(0.1)
+    assert all(n["running"] == 0 for n in _wait_idle(cluster).values())
 
 
 def test_client_disconnect_aborts_on_nodes(cluster) -> None:

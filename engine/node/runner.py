@@ -9,6 +9,7 @@ only the tail (partial block + first token) is computed, and sampling continues 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -16,9 +17,12 @@ from typing import Any
 
 from engine.node.key_cache import RecentKeys
 from router import protocol as P
+from router.job_limits import OutOfBounds, check_job
 from ucm.keys import KeyNamespace, block_keys, root_key
+from ucm.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
+_errors = LogLimiter(log)  # a client repeating a bad request must not flood the node's log
 
 _FINISH = {"stop": P.FinishReason.STOP, "length": P.FinishReason.LENGTH, "abort": P.FinishReason.ABORT}
 
@@ -32,6 +36,9 @@ class JobCounters:
     decode_started: int = 0  # DecodeJob accepted (with or without a first token)
     local_prefill_started: int = 0  # DecodeJob without a first token: this node computes the whole prompt
     aborted: int = 0  # jobs the router aborted while they were live here
+    refused: int = 0  # jobs answered JobFailed at once: out of bounds, or the engine would not take them
+    failed: int = 0  # jobs failed later: their engine step (or their output) raised
+    step_errors: int = 0  # engine steps that raised; the node kept serving
 
     def as_stats(self) -> dict[str, float]:
         return {f"jobs_{k}": float(v) for k, v in vars(self).items()}
@@ -66,6 +73,7 @@ class JobRunner:
         self.jobs: dict[str, _Job] = {}
         self.counters = JobCounters()
         self._step_delay_s = step_delay_s
+        self.vocab_size: int | None = getattr(getattr(engine, "model_config", None), "vocab_size", None)
 
     @property
     def busy(self) -> bool:
@@ -81,10 +89,30 @@ class JobRunner:
         )
 
     def submit(self, job: P.PrefillJob | P.DecodeJob) -> list[P.Message]:
-        """Queue a job in the engine; a JobFailed comes back at once if the engine refuses it."""
+        """Queue a job in the engine; a JobFailed comes back at once if it is out of bounds or the engine refuses
+        it. Never raises for a bad job: one request's fault must not end the node's loop."""
         rid = job.request_id
+        try:
+            check_job(job, self.vocab_size)
+        except OutOfBounds as e:
+            return self._refuse(rid, f"bad job: {e}")
         if rid in self.jobs:
-            return [P.JobFailed(rid, "duplicate request id")]
+            return self._refuse(rid, "duplicate request id")
+        try:
+            return self._submit(job)
+        except Exception as e:
+            _errors.warning("job %s refused: %r", rid, e)
+            self.jobs.pop(rid, None)
+            with contextlib.suppress(Exception):
+                self.engine.abort_request([rid])
+            return self._refuse(rid, f"the engine refused the job: {type(e).__name__}: {e}")
+
+    def _refuse(self, rid: str, message: str) -> list[P.Message]:
+        self.counters.refused += 1
+        return [P.JobFailed(rid, message)]
+
+    def _submit(self, job: P.PrefillJob | P.DecodeJob) -> list[P.Message]:
+        rid = job.request_id
         prompt = list(job.prompt_token_ids)
         transfer: dict[str, Any] | None = None
         if isinstance(job, P.PrefillJob):
@@ -93,13 +121,8 @@ class JobRunner:
             if job.first_token_id is not None:
                 prompt.append(job.first_token_id)
                 transfer = job.kv_transfer_params
-            if job.params.max_tokens < 1:
-                return [P.JobFailed(rid, "decode job with max_tokens < 1")]
             params = self._sampling(job.params, job.params.max_tokens)
-        try:
-            self.engine.add_request(rid, prompt, params, cache_salt=job.cache_salt, kv_transfer_params=transfer)
-        except ValueError as e:
-            return [P.JobFailed(rid, str(e))]
+        self.engine.add_request(rid, prompt, params, cache_salt=job.cache_salt, kv_transfer_params=transfer)
         self.jobs[rid] = _Job(type(job), len(job.prompt_token_ids), job.params.logprobs)
         if isinstance(job, P.PrefillJob):
             self.counters.prefill_started += 1
@@ -118,19 +141,51 @@ class JobRunner:
             self.engine.abort_request(live)
 
     def step(self) -> list[P.Message]:
+        """One engine step's messages. If the step raises, the requests it ran get JobFailed (and are aborted,
+        freeing their blocks); the others stay queued and the node keeps serving."""
         if not self.engine.has_unfinished_requests():
             return []
         if self._step_delay_s:
             time.sleep(self._step_delay_s)  # test hook only (NodeConfig.step_delay_s): a slow but live node
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self.counters.step_errors += 1
+            log.exception("engine step failed")
+            return self._fail_step(e)
         messages: list[P.Message] = []
-        for out in self.engine.step():
+        for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
                 continue  # aborted meanwhile
-            messages.extend(self._convert(out, job))
+            try:
+                messages.extend(self._convert(out, job))
+            except Exception as e:
+                _errors.warning("output of %s failed: %r", out.request_id, e)
+                messages.extend(self._fail([out.request_id], f"{type(e).__name__}: {e}"))
+                continue
             if out.finished:
                 self.jobs.pop(out.request_id, None)
         return messages
+
+    def _fail_step(self, error: Exception) -> list[P.Message]:
+        # The running requests are the ones the failed step computed; waiting ones were not touched. With none
+        # running (the step failed before scheduling), every job goes: retrying them would only fail again.
+        running = {seq.parent_id for seq in getattr(self.engine.scheduler, "running", ())}
+        victims = [rid for rid in self.jobs if rid in running] or list(self.jobs)
+        if not victims:  # nothing of the router's: drop what the engine holds, or it would fail every step
+            with contextlib.suppress(Exception):
+                self.engine.abort_request({seq.parent_id for seq in self.engine.scheduler.requests.values()})
+        return self._fail(victims, f"engine step failed: {type(error).__name__}: {error}")
+
+    def _fail(self, request_ids: list[str], message: str) -> list[P.Message]:
+        live = [rid for rid in request_ids if self.jobs.pop(rid, None) is not None]
+        self.counters.failed += len(live)
+        try:
+            self.engine.abort_request(live)
+        except Exception:
+            log.exception("aborting failed requests %s raised", live)
+        return [P.JobFailed(rid, message) for rid in live]
 
     def _cache_info(self, out: Any, job: _Job) -> P.CacheInfo:
         cached = max(0, int(getattr(out, "num_cached_tokens", 0) or 0))

@@ -23,11 +23,13 @@ from engine.node.runner import JobRunner
 from router import protocol as P
 from router.peer_identity import Channel, PeerIdentity
 from ucm.keys import KeyNamespace
+from ucm.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 50
 _MAX_DRAIN = 256  # messages taken per loop turn, so a flood of jobs cannot starve running requests
+_bad = LogLimiter(log)  # a peer sending garbage in a loop must not make logging the bottleneck
 
 
 def build_engine(config: NodeConfig) -> Any:
@@ -66,6 +68,7 @@ class NodeServer:
             instance=uuid.uuid4().hex,
         )
         self._stop = threading.Event()
+        self.bad_messages = 0  # messages from the router that could not be decoded or handled (heartbeat stat)
         self._store_stats: StoreStatsPoller | None = None
 
     def stop(self) -> None:
@@ -80,6 +83,7 @@ class NodeServer:
         # The instance in the identity is what keeps other peers from taking over our jobs (router/peer_identity.py).
         sock.setsockopt(zmq.IDENTITY, PeerIdentity(self.node_id, Channel.JOB, self.register_msg.instance).encode())
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)  # larger frames are refused by libzmq unread
         if keys is not None:
             keys.apply(sock)
         sock.connect(self.config.router_addr)
@@ -98,7 +102,7 @@ class NodeServer:
                 if self._drain(sock, 0 if self.runner.busy else _IDLE_POLL_MS):
                     heartbeat.update_load(self._load())  # new jobs are visible before a long step, not after it
                 for msg in self.runner.step():
-                    sock.send(P.encode(msg))
+                    self._send(sock, msg)
                 heartbeat.update_load(self._load())
         finally:
             if poller is not None:
@@ -116,27 +120,50 @@ class NodeServer:
                 return taken
             timeout_ms = 0
             taken += 1
+            raw = sock.recv()
             try:
-                msg = P.decode(sock.recv())
-            except ValueError as e:
-                log.warning("dropping a bad message from the router: %s", e)
-                continue
-            if isinstance(msg, (P.PrefillJob, P.DecodeJob)):
-                if msg.__class__ is P.PrefillJob and self.config.role is not P.NodeRole.PREFILL:
-                    log.warning("prefill job %s sent to a %s node", msg.request_id, self.config.role.value)
-                for reply in self.runner.submit(msg):
-                    sock.send(P.encode(reply))
-            elif isinstance(msg, P.Abort):
-                self.runner.abort(msg.request_ids)
-            else:
-                log.warning("unexpected %s from the router", type(msg).__name__)
+                self._handle(sock, raw)
+            except Exception as e:  # whatever is wrong with one message, the loop goes on (RecursionError too)
+                self.bad_messages += 1
+                _bad.warning("dropping a message from the router (%d bytes): %r", len(raw), e)
         return taken
+
+    def _handle(self, sock: zmq.Socket, raw: bytes) -> None:
+        try:
+            msg = P.decode(raw)
+        except ValueError:
+            rid = P.job_request_id(raw)
+            if rid is not None:  # a job we cannot read still gets an answer, so its request fails fast
+                self.runner.counters.refused += 1
+                self._send(sock, P.JobFailed(rid, "bad job: not a valid job message"))
+            raise
+        if isinstance(msg, (P.PrefillJob, P.DecodeJob)):
+            if msg.__class__ is P.PrefillJob and self.config.role is not P.NodeRole.PREFILL:
+                log.warning("prefill job %s sent to a %s node", msg.request_id, self.config.role.value)
+            for reply in self.runner.submit(msg):
+                self._send(sock, reply)
+        elif isinstance(msg, P.Abort):
+            self.runner.abort(msg.request_ids)
+        else:
+            _bad.warning("unexpected %s from the router", type(msg).__name__)
+
+    def _send(self, sock: zmq.Socket, msg: P.Message) -> None:
+        try:
+            frame = P.encode(msg)
+        except Exception as e:  # e.g. connector data msgpack cannot carry: fail that request, not the node
+            rid = getattr(msg, "request_id", None)
+            _bad.warning("cannot encode %s for %s: %r", type(msg).__name__, rid, e)
+            if rid is None:
+                return
+            frame = P.encode(P.JobFailed(rid, f"reply could not be encoded: {type(e).__name__}"))
+        sock.send(frame)
 
     def _load(self) -> P.Heartbeat:
         sched = self.engine.scheduler
         engine_stats = self.engine.stats()
         stats = {k: float(v) for k, v in vars(engine_stats).items() if isinstance(v, (int, float))}
         stats.update(self.runner.counters.as_stats())
+        stats["bad_messages"] = float(self.bad_messages)
         worker = self.engine.kv_connector[1] if self.engine.kv_connector else None
         conn_stats = getattr(worker, "stats", None)
         if conn_stats is not None:
