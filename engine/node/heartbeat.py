@@ -85,6 +85,7 @@ class HeartbeatThread(threading.Thread):
         identity = PeerIdentity(self._register.node_id, Channel.HEARTBEAT, self._register.instance)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
         if self._keys is not None:
             self._keys.apply(sock)
         sock.connect(self._router_addr)
@@ -100,7 +101,11 @@ class HeartbeatThread(threading.Thread):
         sent_keys_last: bytes | None = None
         while not self._halt.is_set():
             while sock.poll(0):
-                msg = P.decode(sock.recv())
+                try:
+                    msg = P.decode(sock.recv())
+                except (ValueError, RecursionError) as e:  # a frame we cannot read must not stop the heartbeats
+                    log.warning("dropping a bad message from the router: %s", str(e)[:200])
+                    continue
                 if isinstance(msg, P.Welcome):
                     if msg.accepted:
                         if not self.registered.is_set():
