@@ -192,8 +192,9 @@ class NodeClient:
                 continue
             try:
                 await self._dispatch(identity, peer, msg)
-            except Exception:  # one bad message must not kill the router
-                log.exception("failed to handle %s", type(msg).__name__)
+            except Exception as e:  # one bad message must not kill the router; counted, logged rate-limited
+                log.debug("handling %s raised", type(msg).__name__, exc_info=True)
+                self._bad_message(f"a {type(msg).__name__} whose handling raised {type(e).__name__}: {str(e)[:200]}")
 
     def _dropped(self, reason: DropReason, identity: bytes, user_id: str | None) -> None:
         name = self.gate.key_name(user_id)
