@@ -4,6 +4,7 @@ Torch-free: `import engine.config` must stay cheap (the router and CLIs import i
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -43,6 +44,16 @@ class CacheConfig:
         return parse_memory_size(self.kv_cache_memory)
 
 
+class SchedulingPolicy(enum.Enum):
+    """The order waiting sequences are admitted in (within one priority level)."""
+
+    FCFS = "fcfs"  # arrival order (vLLM's default)
+    # Fewest prompt tokens left to compute after the device prefix cache first (shortest job first, which is what
+    # minimises mean TTFT; with shared prefixes it serves cache hits first, like SGLang's longest-prefix-match),
+    # arrival order among equals, and any sequence waiting longer than `max_wait_s` goes first so none starves.
+    CACHE_AWARE = "cache_aware"
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -50,6 +61,8 @@ class SchedulerConfig:
     # None: the model's context length (clamped to what the KV cache can hold).
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    policy: SchedulingPolicy = SchedulingPolicy.CACHE_AWARE
+    max_wait_s: float = 30.0  # CACHE_AWARE: past this a waiting sequence is admitted in arrival order
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -58,6 +71,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if not isinstance(self.policy, SchedulingPolicy):
+            raise ValueError(f"policy must be a SchedulingPolicy, got {self.policy!r}")
+        if self.max_wait_s <= 0:
+            raise ValueError(f"max_wait_s must be positive, got {self.max_wait_s}")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

@@ -101,6 +101,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+            policy=config.scheduler.policy,
+            max_wait_s=config.scheduler.max_wait_s,
             connector=conn_sched,
             stats=self.stats_counters,
         )

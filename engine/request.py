@@ -69,6 +69,7 @@ class Request:
         self.sampling_params = sampling_params
         self.priority = priority
         self.arrival = arrival
+        self.arrival_time = 0.0  # the scheduler's clock when it was added (ages waiting sequences)
         # Every request samples from its own (seed, sample index, token position) streams, so a sample never
         # depends on the batch it ran in nor on being recomputed after preemption.
         self.seed = seed

@@ -3,8 +3,8 @@
 One token budget per step covers both decodes and (chunked) prefills. Running sequences go first, best
 (priority, arrival) first; when blocks run out the worst running sequence is preempted by recompute (its blocks
 are freed and it later recomputes prompt + output, sampling exactly as before). Then waiting sequences are
-admitted in (priority, arrival) order, except one whose next uncached block a running sequence is computing right
-now: it waits (keeping its place) until that block is cached and then loads it, instead of computing the same
+admitted by priority, then per `SchedulingPolicy` (arrival order, or fewest tokens left to compute with aging),
+except one whose next uncached block a running sequence is computing right now: it waits (keeping its place) until that block is cached and then loads it, instead of computing the same
 prefix a second time in parallel (a burst of prompts sharing a system prompt would otherwise compute it once per
 prompt admitted before the first finished). Connector call sites follow connector/base.py's documented order."""
 
@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
+from engine.config import SchedulerConfig, SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager, PrefixMatch
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -35,6 +38,9 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         connector: Any = None,
         stats: EngineStats | None = None,
+        policy: SchedulingPolicy = SchedulerConfig.policy,
+        max_wait_s: float = SchedulerConfig.max_wait_s,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
@@ -44,6 +50,9 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.connector = connector
         self.stats = stats if stats is not None else EngineStats()
+        self.policy = policy
+        self.max_wait_s = max_wait_s
+        self._clock = clock
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every live sequence by its own id
@@ -56,6 +65,7 @@ class Scheduler:
         if request.request_id in self.requests or request.request_id in self._delayed_free:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.validate_prompt_len(request.num_prompt_tokens)
+        request.arrival_time = self._clock()
         self.requests[request.request_id] = request
         self.stats.num_requests += 1
         self.stats.prompt_tokens += request.num_prompt_tokens
@@ -155,20 +165,37 @@ class Scheduler:
         bs = self.kv.block_size
         return req.block_keys[req.num_computed_tokens // bs : req.num_prompt_tokens // bs]
 
+    def _admission_order(self) -> list[tuple[Request, PrefixMatch]]:
+        """Waiting sequences in the order they may start, each with its device-cache prefix hit at this moment."""
+        if self.policy is SchedulingPolicy.FCFS:
+            return [(r, PrefixMatch()) for r in self.waiting]
+        matched = [(r, self.kv.get_computed_blocks(r) if r.num_computed_tokens == 0 else PrefixMatch())
+                   for r in self.waiting]
+        now = self._clock()
+        matched.sort(key=lambda m: (
+            m[0].priority,
+            now - m[0].arrival_time <= self.max_wait_s,  # the starving first, in arrival order
+            m[0].num_tokens - m[0].num_computed_tokens - m[1].num_tokens,
+            m[0].sort_key,
+        ))  # fmt: skip
+        return matched
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        if not self.waiting or budget <= 0 or (self.running and len(self.running) >= self.max_num_seqs):
+            return budget
         in_flight = self._blocks_in_flight() if self.kv.enable_caching else set()
-        i = 0
-        while i < len(self.waiting) and budget > 0:
-            req = self.waiting[i]
+        for req, _ in self._admission_order():
+            if budget <= 0:
+                break
             seats = 1 if req.forked else req.sampling_params.n
             if self.running and len(self.running) + seats > self.max_num_seqs:
                 break
+            # Matched again: an admission before this one in the loop may have evicted blocks of the order's match.
             prefix = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else PrefixMatch()
             num_computed = req.num_computed_tokens + prefix.num_tokens
             next_block = num_computed // self.kv.block_size
             if next_block < len(req.block_keys) and req.block_keys[next_block] in in_flight:
-                self.stats.prefix_deferrals += 1
-                i += 1  # its prefix is being computed: it hits the cache in a step or two
+                self.stats.prefix_deferrals += 1  # its prefix is being computed: it hits the cache in a step or two
                 continue
             num_external = 0
             if self.connector is not None:
@@ -185,7 +212,7 @@ class Scheduler:
                 break
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, block_ids, num_external)
-            self.waiting.pop(i)
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed + num_external
             if req.num_cached_tokens < 0:

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from engine.config import SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -26,10 +27,12 @@ def make_request(rid: str, num_tokens: int, max_tokens: int = 4, priority: int =
     )
 
 
-def make_scheduler(num_blocks=32, budget=16, max_seqs=8, max_model_len=64, chunked=True) -> Scheduler:
+def make_scheduler(num_blocks=32, budget=16, max_seqs=8, max_model_len=64, chunked=True,
+                   policy=SchedulingPolicy.FCFS, clock=None) -> Scheduler:
     return Scheduler(
         KVCacheManager(num_blocks, BS), max_num_seqs=max_seqs, max_num_batched_tokens=budget,
         max_model_len=max_model_len, eos_token_ids=frozenset([EOS]), enable_chunked_prefill=chunked,
+        policy=policy, **({"clock": clock} if clock else {}),
     )
 
 
@@ -241,3 +244,32 @@ def test_no_deferral_without_prefix_caching():
     out = step(sched)
     assert out.num_scheduled_tokens == {"a": 12, "c": 12}
     assert sched.stats.prefix_deferrals == 0
+
+
+def test_cache_aware_admits_the_fewest_tokens_to_compute_first_and_ages_the_rest():
+    now = [0.0]
+    sched = make_scheduler(budget=8, num_blocks=64, policy=SchedulingPolicy.CACHE_AWARE, clock=lambda: now[0])
+    shared = list(range(1, 13))
+    lead = Request("lead", shared + [40], SamplingParams(max_tokens=1, ignore_eos=True), root_key=ROOT,
+                   block_size=BS, arrival=next(_arrival), seed=0)
+    sched.add_request(lead)
+    while sched.has_unfinished_requests():
+        step(sched)  # lead's 3 shared blocks are now in the device cache
+    long_ = make_request("long", 20, max_tokens=1, start=300)
+    hit = Request("hit", shared + [41, 42], SamplingParams(max_tokens=1, ignore_eos=True), root_key=ROOT,
+                  block_size=BS, arrival=next(_arrival), seed=0)
+    for req in (long_, hit):
+        sched.add_request(req)
+    # "hit" arrived later but has 2 tokens left to compute, "long" 20: the cache hit goes first.
+    out = step(sched)
+    assert list(out.num_scheduled_tokens) == ["hit", "long"] and out.num_scheduled_tokens["hit"] == 2, out.num_scheduled_tokens
+    while sched.has_unfinished_requests():
+        step(sched)
+    # Aging: past max_wait_s the oldest goes first whatever its size.
+    old = make_request("old", 20, max_tokens=1, start=500)
+    sched.add_request(old)
+    now[0] += sched.max_wait_s + 1
+    short = make_request("short", 3, max_tokens=1, start=700)
+    sched.add_request(short)
+    out = step(sched)
+    assert list(out.num_scheduled_tokens)[0] == "old", out.num_scheduled_tokens
