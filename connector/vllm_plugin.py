@@ -32,7 +32,7 @@ from connector.vllm.key_scope import VllmKeyScope, layout_tag
 from connector.vllm.model_identity import model_identity
 from connector.vllm.plugin_config import PluginConfig
 from connector.vllm.scheduler_core import VllmSchedulerCore
-from connector.vllm.step import ScheduledRequest, StepDelta, StepPlan
+from connector.vllm.step import StepDelta, StepPlan
 from connector.vllm.worker_core import VllmWorkerCore
 from ucm.protocol import Layout
 
@@ -122,19 +122,6 @@ def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
                          f"{len(kv_cache_config.kv_cache_groups)} (hybrid/sliding-window models are not supported)")
 
 
-def step_delta(so: SchedulerOutput) -> StepDelta:
-    scheduled = [ScheduledRequest(r.req_id, tuple(r.block_ids[0]) if r.block_ids else (), True,
-                                  r.num_computed_tokens, so.num_scheduled_tokens.get(r.req_id, 0))
-                 for r in so.scheduled_new_reqs]
-    cached = so.scheduled_cached_reqs
-    for i, req_id in enumerate(cached.req_ids):
-        new_ids = cached.new_block_ids[i]
-        scheduled.append(ScheduledRequest(req_id, tuple(new_ids[0]) if new_ids else (),
-                                          req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
-                                          so.num_scheduled_tokens.get(req_id, 0)))
-    return StepDelta(tuple(scheduled), frozenset(so.preempted_req_ids or ()), frozenset(so.finished_req_ids))
-
-
 class UCMConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: VllmRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -200,7 +187,7 @@ class UCMConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         try:
-            plan = self._scheduler.build_plan(step_delta(scheduler_output))
+            plan = self._scheduler.build_plan(StepDelta.of(scheduler_output))
         except Exception:
             log.exception("planning this step's loads and saves failed; reporting its loads as failed")
             try:

@@ -214,6 +214,28 @@ def test_unreachable_store_is_a_miss():
         client.close()
 
 
+# ---- vLLM's per-step deltas -----------------------------------------------------------------------------------
+
+
+def test_step_delta_from_vllm_scheduler_output():
+    """The fields vLLM 0.32's SchedulerOutput / NewRequestData / CachedRequestData carry, as plain objects."""
+    from types import SimpleNamespace as NS
+
+    so = NS(scheduled_new_reqs=[NS(req_id="new", block_ids=([4, 5, 6],), num_computed_tokens=256)],
+            scheduled_cached_reqs=NS(req_ids=["running", "resumed", "decoding"], resumed_req_ids={"resumed"},
+                                     new_block_ids=[([9],), ([1, 2],), None], num_computed_tokens=[128, 0, 300]),
+            num_scheduled_tokens={"new": 100, "running": 128, "resumed": 256, "decoding": 1},
+            preempted_req_ids={"gone"}, finished_req_ids={"done"})
+    delta = StepDelta.of(so)
+    assert delta.scheduled == (ScheduledRequest("new", (4, 5, 6), True, 256, 100),
+                               ScheduledRequest("running", (9,), False, 128, 128),
+                               ScheduledRequest("resumed", (1, 2), True, 0, 256),
+                               ScheduledRequest("decoding", (), False, 300, 1))
+    assert delta.preempted == {"gone"} and delta.finished == {"done"}
+    so.preempted_req_ids = None  # vLLM may leave it unset
+    assert StepDelta.of(so).preempted == frozenset()
+
+
 # ---- namespaces, config, block bytes -------------------------------------------------------------------------
 
 
