@@ -26,6 +26,7 @@ from router import protocol as P
 from router.node_gate import DropReason, NodeGate
 from router.peer_identity import Channel, PeerIdentity
 from router.registry import NodeState, Registry
+from ucm import log_limit
 from ucm.auth import ServerAuth
 from ucm.log_limit import LogLimiter
 
@@ -62,6 +63,7 @@ class NodeClient:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished node raises instead of dropping
+        self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)  # larger frames: libzmq drops the peer unread
         # No handover: a second connection presenting an identity already connected is ignored, so even a peer that
         # learnt a node's identity cannot take its jobs over. A restarted node has a new identity (new instance),
         # and ZMTP heartbeats free the identity of a connection that died without closing.
@@ -82,6 +84,8 @@ class NodeClient:
         # node id -> job socket identities of its current and previous incarnation (an Abort may be for either)
         self._routes: dict[str, tuple[bytes, bytes | None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.loop_errors = 0  # messages whose handling raised out of the receive loop (/metrics)
+        self._bad_log = log_limit.LogLimiter(log)
         self._drop_log = LogLimiter(log)
         self._undecodable = 0
         self.on_node_event: list = []  # callables(node_id, event) for metrics
@@ -92,7 +96,7 @@ class NodeClient:
         return self._undecodable + sum(self.gate.dropped.values())
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._expire_loop())]
+        self._tasks = [asyncio.create_task(self._receive_forever()), asyncio.create_task(self._expire_loop())]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -144,6 +148,25 @@ class NodeClient:
     async def _reply(self, identity: bytes, msg: P.Message) -> None:
         with contextlib.suppress(zmq.ZMQError):
             await self._sock.send_multipart([identity, P.encode(msg)])
+
+    def _bad_message(self, what: str) -> None:
+        self.loop_errors += 1
+        self._bad_log.warning("dropping %s", what)
+
+    async def _receive_forever(self) -> None:
+        """The receive loop, restarted after any error one message raises outside its own handling
+        (RecursionError from deep nesting, a TypeError, UnicodeDecodeError...): that message is dropped and
+        counted, the next one is read. Only closing the socket ends it."""
+        while True:
+            try:
+                await self._recv_loop()
+            except zmq.ZMQError as e:
+                if self._sock.closed:
+                    return
+                self._bad_message(f"a message (socket error: {e})")
+            except Exception as e:
+                self._bad_message(f"a message ({type(e).__name__}: {str(e)[:200]})")
+            await asyncio.sleep(0)  # an error that repeats must not starve the event loop
 
     async def _recv_loop(self) -> None:
         while True:
