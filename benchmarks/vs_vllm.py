@@ -39,9 +39,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serve import Req, one_request, run_workload, summarize  # noqa: E402
+from benchmarks.vllm_plugin_ttft import DEFAULT_VENV  # noqa: E402  (one rule: $UCM_VLLM_VENV or the cache dir)
 from engine.model_source import resolve_model_dir  # noqa: E402
 
-DEFAULT_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ucm-peers" / "vllm-venv"
 UCM_NAME = "smollm2-135m"
 TOKEN_LO, TOKEN_HI = 1000, 40000  # plain word pieces: no special tokens in synthetic prompts
 TARGETS = {  # metric -> (direction, target ratio ucm/vLLM)
