@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.process_group import stop_group  # noqa: E402
 from engine.model_source import resolve_model_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,14 +162,7 @@ class VllmServer:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc)
 
     def __enter__(self) -> VllmServer:
         self.start()

@@ -40,6 +40,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serve import Req, one_request, run_workload, summarize  # noqa: E402
 from benchmarks.vllm_plugin_ttft import DEFAULT_VENV  # noqa: E402  (one rule: $UCM_VLLM_VENV or the cache dir)
+from benchmarks.process_group import stop_group  # noqa: E402
 from engine.model_source import resolve_model_dir  # noqa: E402
 
 UCM_NAME = "smollm2-135m"
@@ -88,14 +89,7 @@ class Server:
         return "ucm-serve is up" in (self.log_path.read_text() if self.log_path else "")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc)
 
 
 def cpu_description() -> dict[str, object]:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from connector.base import ConnectorMetadata
-from ucm.api import BlockRef
+from ucm.api import BlockRef, StoreTask, TaskStatus
 from ucm.circuit_breaker import BreakerStats
 
 log = logging.getLogger("connector")
@@ -100,3 +100,14 @@ def store_failed(stats: ConnectorStats, what: str, exc: Exception, last_warned: 
     """Count a store call that raised and log it (rate-limited); returns when it last warned."""
     stats.store_errors += 1
     return warn_limited(last_warned, "KV store %s failed (%s: %s); continuing without it", what, type(exc).__name__, exc)
+
+
+def failed_rows(task: StoreTask | None, n: int, timeout: float) -> tuple[set[int], bool]:
+    """A store task's failed rows of its `n`, and whether it is still running (then it may still touch its
+    buffers, so they must not be reused). A task that never started (its call raised) failed every row."""
+    if task is None:
+        return set(range(n)), False
+    task.wait(timeout)
+    if task.check() is TaskStatus.RUNNING:
+        return set(range(n)), True
+    return set(task.failed_blocks), False

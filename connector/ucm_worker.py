@@ -19,23 +19,14 @@ import torch
 
 from connector.base import KVConnectorRole, KVConnectorWorker
 from connector.kv_layout import KVLayout, StagingBuffer, pack_blocks, unpack_blocks
-from connector.metadata import ConnectorStats, LoadSpec, UCMConnectorMetadata, store_failed, warn_limited
-from ucm.api import BlockRef, KVStore, StoreTask, TaskStatus
+from connector.metadata import ConnectorStats, LoadSpec, UCMConnectorMetadata, failed_rows, store_failed, warn_limited
+from ucm.api import BlockRef, KVStore, StoreTask
 
 log = logging.getLogger(__name__)
 
 # A task still running after this long is treated as failed (a stuck daemon must not hang the engine).
 TASK_TIMEOUT_S = 60.0
 
-
-def _failed_indices(task: StoreTask | None, n: int, timeout: float) -> tuple[set[int], bool]:
-    """(failed block indices, whether the task is still running: it may still touch its buffers)."""
-    if task is None:  # the call itself raised
-        return set(range(n)), False
-    task.wait(timeout)
-    if task.check() is TaskStatus.RUNNING:
-        return set(range(n)), True
-    return set(task.failed_blocks), False
 
 
 @dataclass
@@ -136,7 +127,7 @@ class UCMWorkerConnector(KVConnectorWorker):
             return
         t0 = time.perf_counter()
         task = loads.tasks.pop(layer)
-        failed, stuck = _failed_indices(task, loads.num_rows, self.task_timeout_s)
+        failed, stuck = failed_rows(task, loads.num_rows, self.task_timeout_s)
         if stuck:  # leave the buffer to the straggler; later steps get a new one
             self._load_bufs[layer] = StagingBuffer(self.layout)
         loads.failed_rows |= failed
@@ -207,7 +198,7 @@ class UCMWorkerConnector(KVConnectorWorker):
         blocks = [ref for spec in saves for ref in spec.blocks]
         failed: set[int] = set()
         for layer, task in tasks:
-            bad_rows, stuck = _failed_indices(task, len(blocks), self.task_timeout_s)
+            bad_rows, stuck = failed_rows(task, len(blocks), self.task_timeout_s)
             failed |= bad_rows
             if stuck:
                 self._save_bufs[layer] = StagingBuffer(self.layout)

@@ -22,22 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from connector.base import KVConnectorRole
-from connector.metadata import ConnectorStats, store_failed, warn_limited
+from connector.metadata import ConnectorStats, failed_rows, store_failed, warn_limited
 from connector.vllm.block_bytes import StagingRows, block_rows
 from connector.vllm.step import BlockLoad, StepPlan
-from ucm.api import BlockRef, KVStore, StoreTask, TaskStatus
+from ucm.api import BlockRef, KVStore, StoreTask
 
 log = logging.getLogger(__name__)
 
-
-def _failed_rows(task: StoreTask | None, n: int, timeout: float) -> tuple[set[int], bool]:
-    """(failed row indices, whether the task still runs: then it may still write its buffers)."""
-    if task is None:  # the call itself raised
-        return set(range(n)), False
-    task.wait(timeout)
-    if task.check() is TaskStatus.RUNNING:
-        return set(range(n)), True
-    return set(task.failed_blocks), False
 
 
 @dataclass
@@ -148,7 +139,7 @@ class VllmWorkerCore:
             return
         t0 = time.perf_counter()
         task = loads.tasks.pop(layer)
-        failed, stuck = _failed_rows(task, loads.num_rows, self.task_timeout_s)
+        failed, stuck = failed_rows(task, loads.num_rows, self.task_timeout_s)
         if stuck:  # the straggler keeps its buffer; later steps get a new one
             self._load_bufs[layer] = StagingRows(self.page_bytes)
         loads.failed_rows |= failed
@@ -221,7 +212,7 @@ class VllmWorkerCore:
         blocks = [ref for save in saves for ref in save.blocks]
         failed: set[int] = set()
         for layer, task in tasks:
-            bad, stuck = _failed_rows(task, len(blocks), self.task_timeout_s)
+            bad, stuck = failed_rows(task, len(blocks), self.task_timeout_s)
             failed |= bad
             if stuck:
                 self._save_bufs[layer] = StagingRows(self.page_bytes)
