@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_soak_returns_to_baseline(tmp_path) -> None:
-    code = main(["--minutes", "1", "--sample-s", "10", "--concurrency", "3", "--out", str(tmp_path)])
+    code = main(["--minutes", "2", "--sample-s", "10", "--concurrency", "3", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "soak.json").read_text())
     assert (tmp_path / "soak.png").stat().st_size > 0
     assert not report["failures"] and not report["restarts"], report
