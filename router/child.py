@@ -4,6 +4,7 @@ name, a way to wait for a line it prints, and a clean stop. Linux children also 
 from __future__ import annotations
 
 import contextlib
+import functools
 import ctypes
 import os
 import re
@@ -24,10 +25,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _prepare_child(nice: int) -> None:
+    # Before exec, so every thread of the child inherits the niceness (renice on a pid reaches one thread only).
+    if nice:
+        os.nice(nice)
+    if sys.platform.startswith("linux"):
+        _die_with_parent()
+
+
 class Child:
-    def __init__(self, name: str, argv: list[str], sink: TextIO | None = None, env: dict[str, str] | None = None):
+    def __init__(self, name: str, argv: list[str], sink: TextIO | None = None, env: dict[str, str] | None = None,
+                 nice: int = 0):
         self.name = name
         self.argv = argv
+        self.nice = nice
         self.env = env  # the extra environment, kept so a restart gets the same
         self.started_at = time.monotonic()
         self._sink = sink if sink is not None else sys.stdout
@@ -36,7 +47,7 @@ class Child:
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
-            env=child_env, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            env=child_env, preexec_fn=functools.partial(_prepare_child, nice),
         )
         self._pump = threading.Thread(target=self._read, name=f"log-{name}", daemon=True)
         self._pump.start()
@@ -80,7 +91,7 @@ class Child:
     def respawn(self) -> Child:
         """A new process with the same command, environment and output sink (this one must have exited)."""
         assert not self.alive, f"{self.name} is still running"
-        return Child(self.name, self.argv, sink=self._sink, env=self.env)
+        return Child(self.name, self.argv, sink=self._sink, env=self.env, nice=self.nice)
 
     def output(self) -> str:
         with self._cond:

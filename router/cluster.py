@@ -58,6 +58,12 @@ class ClusterSpec:
     node_env: dict[str, dict[str, str]] = field(default_factory=dict)  # extra environment by node name (test hooks)
     secure: bool = True  # False: every child runs with --insecure (no CURVE)
     extra_keys: tuple[str, ...] = ()  # more authorized node names (nodes started by hand, tests)
+    # The store daemon's niceness (all its threads, set before exec). Its work is mostly background (every saved
+    # block copied in and written behind to LMDB); at the default priority it preempts the engines' OpenMP threads
+    # and each parallel region then waits for its preempted thread. benchmarks/served_overhead.py on 2 cores (one
+    # run each, noisy): served/offline 1.26 and 1.22 at 0, 1.09 at 10, 1.21 at 19 (I/O threads starved too).
+    # Loads are not starved by it: an engine waiting on a load leaves its cores idle.
+    store_nice: int = 10
     supervise: bool = True  # restart children that exit (False: fault tests that want a node to stay dead)
     restart: RestartPolicy = RestartPolicy()
 
@@ -161,7 +167,8 @@ class Cluster:
             path = self._tmp
         assert self.store_addr is not None, "start_store needs StoreMode.DAEMON"
         store = self._spawn("store", _cmd("store", "--bind", self.store_addr, "--dram", self.spec.dram,
-                                          "--disk-path", path, "--disk", self.spec.disk, *self._auth_args()))
+                                          "--disk-path", path, "--disk", self.spec.disk, *self._auth_args()),
+                            nice=self.spec.store_nice)
         ready = store.wait_for(r"ucm-store ready (\S+)", 60).group(1)
         assert ready == self.store_addr, f"store bound {ready}, asked for {self.store_addr}"
         self.log(f"[up] store ready at {self.store_addr}")
@@ -205,8 +212,8 @@ class Cluster:
             args.append("--colocated")
         return self._spawn(name, _cmd(*args), self.spec.node_env.get(name))
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
-        child = Child(name, argv, sink=self.sink, env=env)
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, nice: int = 0) -> Child:
+        child = Child(name, argv, sink=self.sink, env=env, nice=nice)
         with self._lock:
             self.children[name] = child
         return child
