@@ -17,7 +17,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
