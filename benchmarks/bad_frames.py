@@ -9,7 +9,7 @@ import random
 import msgspec
 import zmq
 
-from router import protocol as P
+from protocol import messages as P
 
 
 def _frames(rng: random.Random) -> list[list[bytes]]:

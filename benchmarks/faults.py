@@ -37,7 +37,7 @@ from benchmarks.bad_inputs import BAD_INPUTS, send  # noqa: E402
 from benchmarks.lmdb_flip import flip_blocks  # noqa: E402
 from benchmarks.prom_text import metric, node_stats  # noqa: E402
 from benchmarks.sse_client import StreamThread  # noqa: E402
-from router.cluster import Cluster, ClusterSpec  # noqa: E402
+from launch.cluster import Cluster, ClusterSpec  # noqa: E402
 
 MODEL = "smollm2-135m"
 BLOCK = 16

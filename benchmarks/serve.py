@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from router.cluster import Cluster, ClusterSpec, StoreMode  # noqa: E402
+from launch.cluster import Cluster, ClusterSpec, StoreMode  # noqa: E402
 
 MODEL = "smollm2-135m"
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "conversation_trace.jsonl"

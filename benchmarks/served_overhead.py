@@ -46,7 +46,7 @@ def offline(reqs: list[Req], args: argparse.Namespace) -> tuple[float, list[str]
 
 
 def served(reqs: list[Req], args: argparse.Namespace, out_dir: Path) -> tuple[float, list[str], dict]:
-    argv = [sys.executable, "-m", "engine.cli", "up", "--port", str(args.port), "--topology", args.topology,
+    argv = [sys.executable, "-m", "launch.cli", "up", "--port", str(args.port), "--topology", args.topology,
             "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory, *args.up_args.split()]
     srv = Server("ucm-up", argv, "smollm2-135m")
     url = f"http://127.0.0.1:{args.port}"

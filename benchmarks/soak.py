@@ -1,6 +1,6 @@
 """Soak: mixed load on a whole cluster for a long time, watching for leaks (issue 11, "nothing lost").
 
-Starts store daemon + prefill + decode + router (router/cluster.py), warms up, takes a baseline at idle, then runs
+Starts store daemon + prefill + decode + router (launch/cluster.py), warms up, takes a baseline at idle, then runs
 `--concurrency` clients for `--minutes`: streaming and non-streaming completions, clients that hang up
 mid-stream, and prompts sharing a few long prefixes (store and prefix-cache hits). Every `--sample-s` it records
 each process's RSS and each node's free KV blocks. After the load it waits for the cluster to go idle and
@@ -30,7 +30,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.prom_text import metric  # noqa: E402
 from benchmarks.sse_client import StreamResult, stream_completion  # noqa: E402
-from router.cluster import Cluster, ClusterSpec  # noqa: E402
+from launch.cluster import Cluster, ClusterSpec  # noqa: E402
 from ucm.size import parse_size  # noqa: E402
 
 MODEL = "smollm2-135m"

@@ -42,7 +42,7 @@ ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 class Daemon:
     def __init__(self, disk_path: Path) -> None:
-        cmd = [sys.executable, "-m", "engine.cli", "store", "--insecure", "--bind", "tcp://127.0.0.1:0", "--dram", "2GiB",
+        cmd = [sys.executable, "-m", "launch.cli", "store", "--insecure", "--bind", "tcp://127.0.0.1:0", "--dram", "2GiB",
                "--disk-path", str(disk_path), "--disk", "4GiB", "--log-level", "WARNING"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()

@@ -110,7 +110,7 @@ def vllm_dtype(cpu: dict[str, object]) -> str:
 
 
 def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object]) -> dict[str, Server]:
-    ucm = [sys.executable, "-m", "engine.cli", "up", "--port", str(args.port)]
+    ucm = [sys.executable, "-m", "launch.cli", "up", "--port", str(args.port)]
     venv = Path(args.vllm_venv)
     cores = os.cpu_count() or 1
     preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(venv / "lib" / "libiomp5.so"))

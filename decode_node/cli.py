@@ -1,16 +1,16 @@
 """`ucm-serve decode`: a KV consumer node (loads prompts' KV from the store, decodes, streams tokens).
 
 With `--colocated` it is one engine doing prefill and decode itself (saving and loading through the store when
-one is given): the router then sends it every request. The runtime is shared with prefill nodes: engine/node/."""
+one is given): the router then sends it every request. The runtime is shared with prefill nodes: node/."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
-from engine.node.config import add_node_args, config_from_args
-from engine.node.server import run_node
-from router.protocol import NodeRole
+from node.config import add_node_args, config_from_args
+from node.server import run_node
+from protocol.messages import NodeRole
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import kernels
-from engine.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 
 
 def paged_attention_forward(

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import xxhash
 
-# The cache-dir rule lives in ucm.paths so kernels/ can share it without importing engine; `cache_dir` and
+# The cache-dir rule lives in kernels.cache_dir so kernels/ can share it without importing engine; `cache_dir` and
 # `CACHE_DIR_ENV` stay importable from here for existing callers.
-from ucm.paths import CACHE_DIR_ENV, cache_dir  # noqa: F401
+from kernels.cache_dir import CACHE_DIR_ENV, cache_dir  # noqa: F401
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,6 @@ pure-torch reference for the rest (`UCM_ATTENTION_BACKEND=torch|triton` forces t
 `UCM_CPU_ATTENTION=auto|native|torch` the CPU kernels; auto, the default, runs the attention path measured faster on
 this machine).
 
-Importing this package does not import triton; the Triton modules load on their first use.
-
 Map (caches are per layer `[num_blocks, block_size, num_kv_heads, head_dim]`):
   api.py                       the entry points below: validate, then pick a backend per call from the device
   backend.py                   AttentionBackend {TORCH, TRITON}, CpuAttention {AUTO, NATIVE, TORCH}, the selection rules
@@ -21,29 +19,35 @@ Map (caches are per layer `[num_blocks, block_size, num_kv_heads, head_dim]`):
   triton_support.py            what the wrappers share: layout checks, launch arguments, interpreter facts
   compile_check.py             AOT-compile every kernel for sm_80/90 without a GPU
   testing.py                   random paged batches + a naive dense attention oracle for tests
+  attention_metadata.py        AttentionMetadata: the kernels' input contract for one packed step
+  cache_dir.py                 the project's on-disk cache root (stdlib-only; the built C kernels live under it)
+
+Importing this package imports neither torch nor triton: the names below load on first use, so torch-free code
+(the model cache, the launcher) can import `kernels.cache_dir`.
 """
 
-from kernels.api import (
-    calibrate_cpu_attention,
-    copy_blocks,
-    decode_attention,
-    gather_blocks,
-    paged_attention,
-    prefill_attention,
-    scatter_blocks,
-    write_kv,
-)
-from kernels.backend import AttentionBackend, select_backend
+from __future__ import annotations
 
-__all__ = [
-    "AttentionBackend",
-    "calibrate_cpu_attention",
-    "copy_blocks",
-    "decode_attention",
-    "gather_blocks",
-    "paged_attention",
-    "prefill_attention",
-    "scatter_blocks",
-    "select_backend",
-    "write_kv",
-]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "calibrate_cpu_attention": "kernels.api",
+    "copy_blocks": "kernels.api",
+    "decode_attention": "kernels.api",
+    "gather_blocks": "kernels.api",
+    "paged_attention": "kernels.api",
+    "prefill_attention": "kernels.api",
+    "scatter_blocks": "kernels.api",
+    "write_kv": "kernels.api",
+    "AttentionBackend": "kernels.backend",
+    "select_backend": "kernels.backend",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -41,7 +41,7 @@ from kernels.reference import (
 )
 
 if TYPE_CHECKING:
-    from engine.attention_metadata import AttentionMetadata
+    from kernels.attention_metadata import AttentionMetadata
 
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -1,15 +1,15 @@
 """`ucm-serve prefill`: a KV producer node (computes prompts' KV, saves it to the store, returns the first token).
 
-The runtime is shared with decode nodes: engine/node/."""
+The runtime is shared with decode nodes: node/."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
-from engine.node.config import add_node_args, config_from_args
-from engine.node.server import run_node
-from router.protocol import NodeRole
+from node.config import add_node_args, config_from_args
+from node.server import run_node
+from protocol.messages import NodeRole
 
 
 def main(argv: list[str] | None = None) -> int:

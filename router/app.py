@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router import protocol as P
+from protocol import messages as P
 from router.admission import AdmissionQueue, Rejected
 from router.config import RouterConfig
 from router.dispatcher import DECODE_ROLES, Dispatcher

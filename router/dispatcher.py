@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from router import protocol as P
+from protocol import messages as P
 from router.arrivals import NodeArrivals
 from router.node_client import NodeClient, NodeLost, NodeUnavailable
 from router.openai_schema import ApiError

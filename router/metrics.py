@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from router import protocol as P
+from protocol import messages as P
 from router.admission import AdmissionQueue
 from router.registry import Registry
 

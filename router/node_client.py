@@ -7,7 +7,7 @@ timeout, is the only way a caller stops waiting on a node.
 
 Authentication: with a `ServerAuth` the socket is a CURVE server; ZAP refuses unknown keys at the handshake and
 `NodeGate` drops (and counts) any message whose key, socket identity and node id do not agree. Jobs go to the job
-socket identity learnt from the node's own authenticated Register (router/peer_identity.py), never to an identity
+socket identity learnt from the node's own authenticated Register (protocol/peer_identity.py), never to an identity
 a peer merely claims.
 """
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from router import protocol as P
+from protocol import messages as P
 from router.node_gate import DropReason, NodeGate
-from router.peer_identity import Channel, PeerIdentity
+from protocol.peer_identity import Channel, PeerIdentity
 from router.registry import NodeState, Registry
 from ucm import log_limit
 from ucm.auth import ServerAuth

@@ -12,8 +12,8 @@ from __future__ import annotations
 import enum
 from collections import Counter
 
-from router import protocol as P
-from router.peer_identity import Channel, PeerIdentity
+from protocol import messages as P
+from protocol.peer_identity import Channel, PeerIdentity
 
 
 class DropReason(enum.Enum):

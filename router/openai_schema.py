@@ -2,7 +2,7 @@
 
 Unknown fields are ignored like OpenAI does; known ones are checked strictly ("5" is not an int) so a
 client bug surfaces as a 400 naming the field instead of a silently coerced value. Numeric bounds come from
-router/job_limits.py, the module nodes check their jobs with, so the two sides cannot drift.
+protocol/job_limits.py, the module nodes check their jobs with, so the two sides cannot drift.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from router import job_limits as L
+from protocol import job_limits as L
 
 
 class ApiError(Exception):

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from router import protocol as P
+from protocol import messages as P
 from router.config import RouterConfig
 from router.progress import ProgressWatch
 from ucm.keys import BlockKey, KeyNamespace, block_keys, root_key

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from router import job_limits as L
-from router import protocol as P
+from protocol import job_limits as L
+from protocol import messages as P
 from router.admission import AdmissionQueue, Ticket
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatcher import Dispatcher, SeqRequest, SeqTrace

@@ -114,9 +114,9 @@ class FakeNode:
     """A NodeServer around a FakeEngine, serving on a thread until `stop()`."""
 
     def __init__(self, router_addr: str, node_id: str, role: Any = None, heartbeat_interval_s: float = 0.1) -> None:
-        from engine.node.config import NodeConfig
-        from engine.node.server import NodeServer
-        from router import protocol as P
+        from node.config import NodeConfig
+        from node.server import NodeServer
+        from protocol import messages as P
 
         self.engine = FakeEngine()
         config = NodeConfig(role=role or P.NodeRole.DECODE, router_addr=router_addr, store_addr=None,

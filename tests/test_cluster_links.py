@@ -13,10 +13,10 @@ import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from router import protocol as P
-from router.child import Child
-from router.cluster import Cluster, ClusterSpec
-from router.peer_identity import Channel, PeerIdentity
+from protocol import messages as P
+from launch.child import Child
+from launch.cluster import Cluster, ClusterSpec
+from protocol.peer_identity import Channel, PeerIdentity
 from tests.cluster_helpers import health_nodes, metric, wait_until
 from ucm.auth import ClientAuth, CurveClientKeys, generate_keys
 

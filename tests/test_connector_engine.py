@@ -88,7 +88,7 @@ class Daemon:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "store", "--insecure", "--bind", "tcp://127.0.0.1:0", "--dram", "256MiB",
+            [sys.executable, "-m", "launch.cli", "store", "--insecure", "--bind", "tcp://127.0.0.1:0", "--dram", "256MiB",
              "--log-level", "WARNING"],
             stdout=subprocess.PIPE, text=True,
         )

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is n
 from benchmarks.lmdb_flip import flip_blocks  # noqa: E402
 from benchmarks.prom_text import metric, node_stats  # noqa: E402
 from benchmarks.sse_client import StreamThread  # noqa: E402
-from router.child import Child  # noqa: E402
-from router.cluster import Cluster, ClusterSpec  # noqa: E402
+from launch.child import Child  # noqa: E402
+from launch.cluster import Cluster, ClusterSpec  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

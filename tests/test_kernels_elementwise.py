@@ -251,7 +251,7 @@ def _unfused_forward(model, input_ids, positions, kv_caches, md) -> torch.Tensor
 def test_fused_residual_layout_matches_the_unfused_order(native_mode, dtype):
     """The vLLM-style loop is the same sums in the same order: bit-identical, in fp32 and in bf16 (where the
     norms use the same kernel either way)."""
-    from engine.attention_metadata import AttentionMetadata
+    from kernels.attention_metadata import AttentionMetadata
     from engine.model_config import ModelConfig
     from engine.models.llama import LlamaForCausalLM
 

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import kernels  # noqa: E402
-from engine.attention_metadata import AttentionMetadata  # noqa: E402
+from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.testing import make_paged_case, naive_attention  # noqa: E402
 from kernels.triton_block_copy import _block_copy_kernel, copy_blocks_torch, copy_blocks_triton  # noqa: E402
 from kernels.triton_block_transfer import (  # noqa: E402

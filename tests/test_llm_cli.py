@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.cli import main
+from launch.cli import main
 from tests.engine_helpers import single_thread
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 from engine.loader import LoadedModel, load_model
 
 ATOL = 2e-3

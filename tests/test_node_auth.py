@@ -12,12 +12,12 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from router import protocol as P
+from protocol import messages as P
 from router.node_client import NodeClient
 from router.node_gate import DropReason, NodeGate
-from router.peer_identity import Channel, PeerIdentity
+from protocol.peer_identity import Channel, PeerIdentity
 from router.registry import Registry
-from router.supervisor import RestartPolicy
+from launch.supervisor import RestartPolicy
 from ucm.auth import ClientAuth, CurveClientKeys, KeyPaths, generate_keys
 
 FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -77,7 +77,7 @@ def test_restart_backoff_doubles_up_to_the_cap() -> None:
 
 
 def _node_args(**kw: object) -> argparse.Namespace:
-    from engine.node.config import add_node_args
+    from node.config import add_node_args
 
     parser = argparse.ArgumentParser()
     add_node_args(parser)
@@ -89,7 +89,7 @@ def _node_args(**kw: object) -> argparse.Namespace:
 
 
 def test_node_flags_need_keys_or_insecure(tmp_path) -> None:
-    from engine.node.config import config_from_args
+    from node.config import config_from_args
 
     keys = generate_keys(tmp_path / "k", ("decode-0",))
     with pytest.raises(ValueError, match="--insecure"):

@@ -9,7 +9,7 @@ import sys
 import msgspec
 import pytest
 
-from router import protocol as P
+from protocol import messages as P
 
 SPEC = P.SamplingSpec(max_tokens=8, temperature=0.0, seed=3, stop_token_ids=[2], logprobs=2)
 MESSAGES: list[P.Message] = [
@@ -60,6 +60,6 @@ def test_oversized_frame_rejected_before_parsing() -> None:
 
 
 def test_protocol_imports_neither_torch_nor_pickle_users() -> None:
-    code = "import sys, router.protocol; print('torch' in sys.modules)"
+    code = "import sys, protocol.messages; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

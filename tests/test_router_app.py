@@ -12,7 +12,7 @@ SCRIPT = textwrap.dedent("""
     from engine.tokenizer import Tokenizer
     from router.app import create_app
     from router.cli import tokenizer_dir
-    from router.cluster import free_port
+    from launch.cluster import free_port
     from router.config import RouterConfig
 
     port = free_port()

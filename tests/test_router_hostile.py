@@ -30,8 +30,8 @@ import msgspec
 import pytest
 import zmq
 
-from router import job_limits as L
-from router import protocol as P
+from protocol import job_limits as L
+from protocol import messages as P
 from tests.node_helpers import EXPLODE, HOLD, VOCAB, FakeNode
 
 MODEL = "smollm2-135m"
@@ -63,7 +63,7 @@ def live() -> Iterator[Live]:
     from engine.tokenizer import Tokenizer
     from router.app import create_app
     from router.cli import tokenizer_dir
-    from router.cluster import free_port
+    from launch.cluster import free_port
     from router.config import RouterConfig
 
     config = RouterConfig(port=free_port(), node_timeout_s=5.0)

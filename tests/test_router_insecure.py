@@ -10,17 +10,17 @@ import httpx
 import pytest
 import zmq
 
-from router import protocol as P
-from router.child import Child
-from router.cluster import free_port
-from router.peer_identity import Channel, PeerIdentity
+from protocol import messages as P
+from launch.child import Child
+from launch.cluster import free_port
+from protocol.peer_identity import Channel, PeerIdentity
 
 pytestmark = pytest.mark.slow
 
 
 def test_insecure_router_serves_a_node_without_keys() -> None:
     port, nodes = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    router = Child("router", [sys.executable, "-m", "engine.cli", "router", "--port", str(port), "--bind-nodes", nodes,
+    router = Child("router", [sys.executable, "-m", "launch.cli", "router", "--port", str(port), "--bind-nodes", nodes,
                               "--insecure", "--node-timeout", "600"], sink=open("/dev/null", "w"))
     ctx = zmq.Context()
     hb, job = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)

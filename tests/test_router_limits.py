@@ -1,4 +1,4 @@
-"""The shared job bounds (router/job_limits.py), the hostile-JSON parser (router/json_body.py) and the wire's
+"""The shared job bounds (protocol/job_limits.py), the hostile-JSON parser (router/json_body.py) and the wire's
 job-header fallback, in process: the edges of every bound, on both sides of it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from router import job_limits as L
-from router import protocol as P
+from protocol import job_limits as L
+from protocol import messages as P
 from router.json_body import MAX_DEPTH, HugeInt, parse_json_object
 from router.openai_schema import ApiError, CompletionRequest
 

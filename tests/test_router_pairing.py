@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router import protocol as P
+from protocol import messages as P
 from router.pairing import pick_decode, pick_prefill
 from router.registry import Registry
 from ucm.keys import KeyNamespace, block_keys, root_key

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router import protocol as P
+from protocol import messages as P
 from router.node_client import NodeClient, NodeLost
 from router.progress import ProgressWatch
 from router.registry import Registry

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from router import protocol as P
+from protocol import messages as P
 from router.dispatcher import Dispatcher, SeqRequest, SeqTrace
 from router.node_client import NodeLost
 from router.openai_schema import ApiError

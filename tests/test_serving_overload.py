@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from router.cluster import Cluster, ClusterSpec
+from launch.cluster import Cluster, ClusterSpec
 
 openai = pytest.importorskip("openai")
 

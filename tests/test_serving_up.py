@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from router.child import Child
-from router.cluster import free_port
+from launch.child import Child
+from launch.cluster import free_port
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_up_serves_and_shuts_down_cleanly() -> None:
     port = free_port()
-    up = Child("up", [sys.executable, "-m", "engine.cli", "up", "--prefill", "1", "--decode", "1", "--port",
+    up = Child("up", [sys.executable, "-m", "launch.cli", "up", "--prefill", "1", "--decode", "1", "--port",
                       str(port), "--kv-cache-memory", "64MiB"], sink=open(os.devnull, "w"))
     try:
         url = up.wait_for(r"ucm-serve is up: (http://\S+)", 300).group(1)

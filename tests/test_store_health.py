@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from router import protocol as P
+from protocol import messages as P
 from router.registry import Registry
 from router.store_health import REACHABLE_STAT, store_health
 

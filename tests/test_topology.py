@@ -2,7 +2,7 @@
 
 import pytest
 
-from router.topology import DISAGG_MIN_CORES, Topology, choose_topology
+from launch.topology import DISAGG_MIN_CORES, Topology, choose_topology
 
 
 def test_auto_on_a_small_cpu_host_is_one_engine_with_every_core() -> None:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine.attention import paged_attention_forward
-from engine.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 from engine.model_config import ModelConfig
 from engine.models.dense import dense, pack_weight
 from kernels.api import rotary_embedding_

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 from engine.model_config import ModelConfig
 from engine.models.dense import dense, pack_weight
 from engine.models.attention_layer import PagedSelfAttention

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from kernels.cpu.native import NativeLib
 from kernels.cpu.paged_attention import paged_attention_native
 from kernels.reference import decode_attention_chunked_torch, prefill_attention_torch
-from ucm.paths import cache_dir
+from kernels.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 

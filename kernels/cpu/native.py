@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ucm.paths import cache_dir  # stdlib-only: kernels/ stays clear of engine/
+from kernels.cache_dir import cache_dir  # stdlib-only: kernels/ stays clear of engine/
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.node.key_cache import RecentKeys
-from router import protocol as P
-from router.job_limits import OutOfBounds, check_job
+from node.key_cache import RecentKeys
+from protocol import messages as P
+from protocol.job_limits import OutOfBounds, check_job
 from ucm.keys import KeyNamespace, block_keys, root_key
 from ucm.log_limit import LogLimiter
 

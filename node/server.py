@@ -16,12 +16,12 @@ from typing import Any
 
 import zmq
 
-from engine.node.config import NodeConfig
-from engine.node.heartbeat import HeartbeatThread, StoreStatsPoller
-from engine.node.key_cache import RecentKeys
-from engine.node.runner import JobRunner
-from router import protocol as P
-from router.peer_identity import Channel, PeerIdentity
+from node.config import NodeConfig
+from node.heartbeat import HeartbeatThread, StoreStatsPoller
+from node.key_cache import RecentKeys
+from node.runner import JobRunner
+from protocol import messages as P
+from protocol.peer_identity import Channel, PeerIdentity
 from ucm.keys import KeyNamespace
 from ucm.log_limit import LogLimiter
 
@@ -80,7 +80,7 @@ class NodeServer:
         if keys is None:
             log.warning("node %s: router link without authentication (--insecure)", self.node_id)
         sock = ctx.socket(zmq.DEALER)
-        # The instance in the identity is what keeps other peers from taking over our jobs (router/peer_identity.py).
+        # The instance in the identity is what keeps other peers from taking over our jobs (protocol/peer_identity.py).
         sock.setsockopt(zmq.IDENTITY, PeerIdentity(self.node_id, Channel.JOB, self.register_msg.instance).encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)  # larger frames are refused by libzmq unread

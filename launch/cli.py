@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "prefill": ("prefill_node.cli", "main", "run a prefill node (KV producer)"),
     "decode": ("decode_node.cli", "main", "run a decode node (KV consumer)"),
     "router": ("router.cli", "main", "run the OpenAI-compatible HTTP router"),
-    "up": ("router.launcher", "main", "start store, prefill and decode nodes and the router on this machine"),
+    "up": ("launch.launcher", "main", "start store, prefill and decode nodes and the router on this machine"),
 }
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.child import Child
+from launch.child import Child
 
 
 @dataclass(frozen=True)

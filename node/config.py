@@ -12,8 +12,8 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
-from router.peer_identity import check_node_id
-from router.protocol import NodeRole
+from protocol.peer_identity import check_node_id
+from protocol.messages import NodeRole
 from ucm.auth import ClientAuth
 
 # Store addresses that mean "no store": the node then runs without a connector (always recomputes).

@@ -2,7 +2,7 @@
 
 The router's request schema (router/openai_schema.py) uses these numbers for its 400s and checks the SamplingSpec
 it builds with `check_job`; a node checks every job it receives with the same function before the engine sees it
-(a job from a buggy or hostile peer gets JobFailed, never reaches a tensor). Torch-free, like router/protocol.py.
+(a job from a buggy or hostile peer gets JobFailed, never reaches a tensor). Torch-free, like protocol/messages.py.
 
 Why each bound matters: torch turns a Python int beyond int64 into an "Overflow when unpacking long" inside the
 sampler, msgpack cannot encode ints beyond 64 bits at all, `topk(k)` with k above the vocabulary raises, and a
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from router import protocol as P
+from protocol import messages as P
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1

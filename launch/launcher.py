@@ -1,11 +1,11 @@
 """`ucm-serve up`: store daemon + nodes + router on this machine, until Ctrl-C / SIGTERM.
 
-Which nodes: `--topology auto` (the default) picks by the host (router/topology.py says what and why, and `up`
+Which nodes: `--topology auto` (the default) picks by the host (launch/topology.py says what and why, and `up`
 prints its choice): on a small CPU host one engine with every core plus the store; from 8 cores (or with a GPU)
 1 prefill + 1 decode node with the cores split. `--prefill/--decode N` ask for a disaggregated cluster.
 
 Every link is authenticated (ZeroMQ CURVE, keys generated per run in a private temporary folder) unless
-`--insecure`; a child that exits is restarted on the same address with backoff (router/supervisor.py).
+`--insecure`; a child that exits is restarted on the same address with backoff (launch/supervisor.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import argparse
 import signal
 import threading
 
-from router.cluster import Cluster, ClusterSpec, StoreMode
-from router.topology import DISAGG_MIN_CORES, Topology, choose_topology
+from launch.cluster import Cluster, ClusterSpec, StoreMode
+from launch.topology import DISAGG_MIN_CORES, Topology, choose_topology
 
 
 def _auto_here() -> str:

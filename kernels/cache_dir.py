@@ -1,7 +1,7 @@
-"""The project's on-disk cache root, in the one place every layer may import it from.
+"""The project's on-disk cache root, in the lowest layer so every layer may import it.
 
-`kernels/` (which must not import `engine`) caches its compiled library here and `engine.model_source`
-(torch-free, used by the router) its converted models; both import this stdlib-only module (platformdirs
+`kernels/` (which imports nothing of ours) caches its compiled library here and `engine.model_source`
+(torch-free, used by the launcher) its converted models; both import this stdlib-only module (platformdirs
 aside), so the rule lives once.
 """
 

@@ -2,7 +2,7 @@
 engine step (a big prefill chunk on CPU) holds the serving loop.
 
 The thread's DEALER has identity `<node_id>/hb/<instance>`; jobs go to the loop's DEALER (`<node_id>/job/<instance>`),
-which the router addresses by what it learnt from our Register (router/peer_identity.py). With CURVE both sockets
+which the router addresses by what it learnt from our Register (protocol/peer_identity.py). With CURVE both sockets
 use the node's key pair, the one the router binds to this node id. A router that restarted (or dropped us after missed
 heartbeats) answers a heartbeat with Welcome(accepted=False) and we register again.
 """
@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.node.key_cache import RecentKeys
-from router import protocol as P
-from router.peer_identity import Channel, PeerIdentity
+from node.key_cache import RecentKeys
+from protocol import messages as P
+from protocol.peer_identity import Channel, PeerIdentity
 from ucm.auth import CurveClientKeys
 
 log = logging.getLogger(__name__)

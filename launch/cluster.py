@@ -25,8 +25,8 @@ from typing import TextIO
 
 import httpx
 
-from router.child import Child
-from router.supervisor import RestartPolicy, Supervisor
+from launch.child import Child
+from launch.supervisor import RestartPolicy, Supervisor
 from ucm.auth import KeyPaths, generate_keys
 
 
@@ -85,7 +85,7 @@ def free_port() -> int:
 
 
 def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "engine.cli", *args]
+    return [sys.executable, "-m", "launch.cli", *args]
 
 
 class Cluster:

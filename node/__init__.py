@@ -6,5 +6,5 @@ runner.py    protocol jobs → EngineCore requests, engine outputs → protocol 
 heartbeat.py a thread that keeps heartbeats flowing even while a long step runs
 server.py    the loop: poll the socket without blocking, step the engine, stream outputs back
 
-Wire messages come from router.protocol, the one torch-free module both sides import (DESIGN.md §1).
+Wire messages come from protocol.messages, the one torch-free module both sides import (DESIGN.md §1).
 """
