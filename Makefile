@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install vllm-plugin run test bench bench-vllm clean
+.PHONY: install lint vllm-plugin run test bench bench-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,7 +25,11 @@ vllm-plugin:
 run: install
 	$(BIN)/ucm-serve up
 
-test: install vllm-plugin
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install lint vllm-plugin
 	$(BIN)/python -m pytest -q tests
 
 bench: install

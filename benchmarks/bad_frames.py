@@ -22,8 +22,11 @@ def _frames(rng: random.Random) -> list[list[bytes]]:
         [deep],
         [msgspec.msgpack.encode({"type": []})],
         [msgspec.msgpack.encode({"type": "register", "node_id": 5})],
-        [msgspec.msgpack.encode({"type": "heartbeat", "node_id": "ghost", "running": -1, "waiting": 2**63 - 1,
-                                 "free_blocks": "x"})],
+        [
+            msgspec.msgpack.encode(
+                {"type": "heartbeat", "node_id": "ghost", "running": -1, "waiting": 2**63 - 1, "free_blocks": "x"}
+            )
+        ],
         [msgspec.msgpack.encode({"type": "tokens", "request_id": "nope", "token_ids": [1, 2, 3]})],
         [msgspec.msgpack.encode({"type": "lookup", "req_id": 1, "keys": [b"\x00" * 3] * 10})],
         [msgspec.msgpack.encode({"type": "load", "req_id": 2, "blocks": [{"key": 1}], "layers": list(range(10**4))})],

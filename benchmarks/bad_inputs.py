@@ -33,8 +33,11 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("invalid utf-8", "/v1/completions", b'{"model": "\xff\xfe"}'),
     BadInput("lone surrogate", "/v1/completions", b'{"model": "smollm2-135m", "prompt": "\\ud800"}'),
     BadInput("NaN temperature", "/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "temperature": NaN}'),
-    BadInput("5000-digit max_tokens", "/v1/completions",
-             b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"),
+    BadInput(
+        "5000-digit max_tokens",
+        "/v1/completions",
+        b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+    ),
     BadInput("nesting 10000 deep", "/v1/completions", b"[" * 10000 + b"]" * 10000),
     BadInput("max_tokens a string", "/v1/completions", _completion(max_tokens="five")),
     BadInput("negative max_tokens", "/v1/completions", _completion(max_tokens=-1)),
@@ -58,8 +61,12 @@ def send(url: str, bad: BadInput, headers: dict[str, str] | None = None) -> int:
     """The HTTP status the router answered `bad` with (0: no answer)."""
     try:
         if isinstance(bad.body, bytes):
-            r = httpx.post(url + bad.path, content=bad.body, timeout=60,
-                           headers={**(headers or {}), "Content-Type": bad.content_type})
+            r = httpx.post(
+                url + bad.path,
+                content=bad.body,
+                timeout=60,
+                headers={**(headers or {}), "Content-Type": bad.content_type},
+            )
         else:
             r = httpx.post(url + bad.path, json=bad.body, timeout=60, headers=headers)
     except httpx.HTTPError:

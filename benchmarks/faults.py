@@ -32,19 +32,33 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import bad_frames  # noqa: E402
-from benchmarks.bad_inputs import BAD_INPUTS, send  # noqa: E402
-from benchmarks.lmdb_flip import flip_blocks  # noqa: E402
-from benchmarks.prom_text import metric, node_stats  # noqa: E402
-from benchmarks.sse_client import StreamThread  # noqa: E402
-from launch.cluster import Cluster, ClusterSpec  # noqa: E402
+from benchmarks import bad_frames
+from benchmarks.bad_inputs import BAD_INPUTS, send
+from benchmarks.lmdb_flip import flip_blocks
+from benchmarks.prom_text import metric, node_stats
+from benchmarks.sse_client import StreamThread
+from launch.cluster import Cluster, ClusterSpec
 
 MODEL = "smollm2-135m"
 BLOCK = 16
-WORDS = ["river", "mountain", "library", "harbour", "orchard", "lighthouse", "market", "observatory", "bridge",
-         "garden", "canal", "meadow"]
-LONG = ("A ship's log, kept by the navigator: wind from the north-west, seas moderate, two sails reefed, the coast "
-        "in sight by noon, soundings of twelve fathoms near the headland. ") * 3
+WORDS = [
+    "river",
+    "mountain",
+    "library",
+    "harbour",
+    "orchard",
+    "lighthouse",
+    "market",
+    "observatory",
+    "bridge",
+    "garden",
+    "canal",
+    "meadow",
+]
+LONG = (
+    "A ship's log, kept by the navigator: wind from the north-west, seas moderate, two sails reefed, the coast "
+    "in sight by noon, soundings of twelve fathoms near the headland. "
+) * 3
 
 
 @dataclass
@@ -80,9 +94,13 @@ class Compass:
             "requests admitted": sum(r.admitted for r in self.rounds),
             "completed": sum(r.completed for r in self.rounds),
             "identical to fault-free": sum(r.identical for r in self.rounds),
-            "bad inputs sent": self.bad_inputs_sent, "4xx": self.bad_inputs_4xx, "5xx": self.bad_inputs_5xx,
-            "malformed frames sent": self.frames_sent, "processes alive": self.processes_alive,
-            "bit flips": self.bit_flips, "detected": self.flips_detected,
+            "bad inputs sent": self.bad_inputs_sent,
+            "4xx": self.bad_inputs_4xx,
+            "5xx": self.bad_inputs_5xx,
+            "malformed frames sent": self.frames_sent,
+            "processes alive": self.processes_alive,
+            "bit flips": self.bit_flips,
+            "detected": self.flips_detected,
         }
 
 
@@ -102,13 +120,22 @@ class Bench:
     def __init__(self, cluster: Cluster, streams: int, tokens: int) -> None:
         self.cluster = cluster
         self.tokens = tokens
-        self.prompts = [f"Note {i}: a short guide to the {WORDS[i % len(WORDS)]}. It explains where it is, who "
-                        f"built it, how old it is and why visitors like it. The guide begins:" for i in range(streams)]
+        self.prompts = [
+            f"Note {i}: a short guide to the {WORDS[i % len(WORDS)]}. It explains where it is, who "
+            f"built it, how old it is and why visitors like it. The guide begins:"
+            for i in range(streams)
+        ]
         self.reference: dict[str, str] = {}
 
     def body(self, prompt: str) -> dict:
-        return {"model": MODEL, "prompt": prompt, "max_tokens": self.tokens, "temperature": 0, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+        return {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": self.tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
 
     def run_streams(self, prompts: list[str]) -> list[StreamThread]:
         threads = [StreamThread(self.cluster.url, self.body(p)) for p in prompts]
@@ -132,8 +159,9 @@ class Bench:
             round_.completed += done
             round_.identical += done and r.text == self.reference[t.body["prompt"]]
             if not done:
-                round_.problems.append(f"{t.body['prompt'][:24]!r}: status {r.status}, errors {r.errors}, "
-                                       f"{r.exception or ''}")
+                round_.problems.append(
+                    f"{t.body['prompt'][:24]!r}: status {r.status}, errors {r.errors}, {r.exception or ''}"
+                )
 
     def registrations(self, node: str) -> float:
         return metric(self.cluster.url, "ucm_node_events_total", node=node, event="registered")
@@ -211,8 +239,13 @@ class Bench:
         self.judge(probe, threads)
         compass.flipped_output_identical = probe.identical == 1
         try:
-            wait_until("the store's corrupt count", lambda: max(
-                node_stats(self.cluster.url, "store_corrupt_dropped").values(), default=0) >= compass.bit_flips, 30)
+            wait_until(
+                "the store's corrupt count",
+                lambda: (
+                    max(node_stats(self.cluster.url, "store_corrupt_dropped").values(), default=0) >= compass.bit_flips
+                ),
+                30,
+            )
         except RuntimeError:
             pass  # reported as fewer detections
         dropped = max(node_stats(self.cluster.url, "store_corrupt_dropped").values(), default=0)
@@ -223,10 +256,20 @@ def run(streams: int, tokens: int, log=print) -> Compass:
     compass = Compass()
     disk = tempfile.mkdtemp(prefix="ucm-faults-")
     kwargs = {"secure": False} if "secure" in ClusterSpec.__dataclass_fields__ else {}  # frames must reach parsers
-    spec = ClusterSpec(prefill=1, decode=2, dtype="float32", kv_cache_memory="128MiB", max_num_seqs=16,
-                       node_timeout_s=2.0, heartbeat_interval_s=0.2, node_args=("--threads", "1"), disk_path=disk,
-                       router_args=("--decode-wait", "180"),
-                       node_env={f"decode-{i}": {"UCM_TEST_STEP_DELAY_S": "0.03"} for i in range(2)}, **kwargs)
+    spec = ClusterSpec(
+        prefill=1,
+        decode=2,
+        dtype="float32",
+        kv_cache_memory="128MiB",
+        max_num_seqs=16,
+        node_timeout_s=2.0,
+        heartbeat_interval_s=0.2,
+        node_args=("--threads", "1"),
+        disk_path=disk,
+        router_args=("--decode-wait", "180"),
+        node_env={f"decode-{i}": {"UCM_TEST_STEP_DELAY_S": "0.03"} for i in range(2)},
+        **kwargs,
+    )
     with Cluster(spec, log=lambda s: None) as cluster:
         bench = Bench(cluster, streams, tokens)
         log("[faults] fault-free reference run")
@@ -251,17 +294,25 @@ def run(streams: int, tokens: int, log=print) -> Compass:
 
 def print_compass(compass: Compass) -> None:
     f = compass.figures()
-    print(f"faults injected {f['faults injected']:>4} | requests admitted {f['requests admitted']:>4} | completed "
-          f"{f['completed']:>4} | identical to fault-free {f['identical to fault-free']:>4}")
+    print(
+        f"faults injected {f['faults injected']:>4} | requests admitted {f['requests admitted']:>4} | completed "
+        f"{f['completed']:>4} | identical to fault-free {f['identical to fault-free']:>4}"
+    )
     print(f"bad inputs sent {f['bad inputs sent']:>4} | 4xx {f['4xx']:>4} | 5xx {f['5xx']:>4}")
-    print(f"malformed frames sent {f['malformed frames sent']:>4} | processes alive "
-          f"{compass.processes_alive}/{compass.processes} (restarted {compass.restarted_by_frames}, served after: "
-          f"{compass.served_after_frames})")
-    print(f"bit flips {f['bit flips']:>4} | detected {f['detected']:>4} (output identical: "
-          f"{compass.flipped_output_identical})")
+    print(
+        f"malformed frames sent {f['malformed frames sent']:>4} | processes alive "
+        f"{compass.processes_alive}/{compass.processes} (restarted {compass.restarted_by_frames}, served after: "
+        f"{compass.served_after_frames})"
+    )
+    print(
+        f"bit flips {f['bit flips']:>4} | detected {f['detected']:>4} (output identical: "
+        f"{compass.flipped_output_identical})"
+    )
     for r in compass.rounds:
-        print(f"  {r.name:<42} admitted {r.admitted:>3} completed {r.completed:>3} identical {r.identical:>3} "
-              f"(resumed {r.resumed})")
+        print(
+            f"  {r.name:<42} admitted {r.admitted:>3} completed {r.completed:>3} identical {r.identical:>3} "
+            f"(resumed {r.resumed})"
+        )
         for problem in r.problems:
             print(f"      {problem}")
     if compass.bad_inputs_other:
@@ -279,8 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"figures": compass.figures(), **asdict(compass)}, indent=2))
     f = compass.figures()
-    perfect = (f["completed"] == f["identical to fault-free"] == f["requests admitted"] and f["5xx"] == 0
-               and compass.processes_alive == compass.processes and f["detected"] == f["bit flips"])
+    perfect = (
+        f["completed"] == f["identical to fault-free"] == f["requests admitted"]
+        and f["5xx"] == 0
+        and compass.processes_alive == compass.processes
+        and f["detected"] == f["bit flips"]
+    )
     return 0 if perfect else 1
 
 

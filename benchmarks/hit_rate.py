@@ -158,8 +158,18 @@ def run_point(
             dram_hits, disk_hits = replayer.replay(store, requests)
     accesses = sum(map(len, requests))
     return Point(
-        workload, sweep, policy_label(policy, disk_policy), frac, dram_blocks, disk_blocks, accesses, dram_hits, disk_hits,
-        belady(requests, dram_blocks + disk_blocks).prefix_hits, accesses - ws, time.perf_counter() - start,
+        workload,
+        sweep,
+        policy_label(policy, disk_policy),
+        frac,
+        dram_blocks,
+        disk_blocks,
+        accesses,
+        dram_hits,
+        disk_hits,
+        belady(requests, dram_blocks + disk_blocks).prefix_hits,
+        accesses - ws,
+        time.perf_counter() - start,
     )
 
 
@@ -204,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     q = args.quick
-    workloads = [Workload(w) for w in (args.workloads or ("mooncake,chat" if q else ",".join(w.value for w in Workload))).split(",")]
+    workloads = [
+        Workload(w)
+        for w in (args.workloads or ("mooncake,chat" if q else ",".join(w.value for w in Workload))).split(",")
+    ]
     policies = parse_policies(args.policies)
     tiered_policies = parse_policies(args.tiered_policies or "lru,s3fifo,density,adaptive,lru/tinylfu")
     fracs = [float(f) for f in (args.fracs or ("0.02,0.1" if q else "0.01,0.02,0.05,0.1,0.2")).split(",")]
@@ -219,11 +232,20 @@ def _run(args: argparse.Namespace) -> int:
     plan += [(Workload.MOONCAKE, "tiered", f) for f in tiered if Workload.MOONCAKE in workloads]
     data = {}
     for w in workloads:
-        reqs = make_workload(w, trace=args.trace, num_requests=max_req if w is Workload.MOONCAKE else n_syn, sample=sample)
+        reqs = make_workload(
+            w, trace=args.trace, num_requests=max_req if w is Workload.MOONCAKE else n_syn, sample=sample
+        )
         data[w] = (reqs, working_set(reqs))
         n = sum(map(len, reqs))
-        print(f"{w.value}: {len(reqs)} requests, {n} block accesses, working set {data[w][1]} blocks"
-              + (f" (lines read: {max_req or 'all'}, ~1/{sample} of the conversations kept)" if w is Workload.MOONCAKE else ""), flush=True)
+        print(
+            f"{w.value}: {len(reqs)} requests, {n} block accesses, working set {data[w][1]} blocks"
+            + (
+                f" (lines read: {max_req or 'all'}, ~1/{sample} of the conversations kept)"
+                if w is Workload.MOONCAKE
+                else ""
+            ),
+            flush=True,
+        )
     points: list[Point] = []
     total = sum(len(tiered_policies if sweep == "tiered" else policies) for _, sweep, _ in plan)
     t0 = time.perf_counter()
@@ -232,9 +254,13 @@ def _run(args: argparse.Namespace) -> int:
         for policy, disk_policy in tiered_policies if sweep == "tiered" else policies:
             p = run_point(w.value, sweep, policy, frac, reqs, ws, args.dram_frac, disk_policy)
             points.append(p)
-            print(f"[{len(points)}/{total}] {w.value} {sweep} cap={frac:g} {p.policy}: hit {100 * p.hit_rate:.2f}% "
-                  f"(dram {100 * p.dram_hits / p.accesses:.2f}%, disk {100 * p.disk_hits / p.accesses:.2f}%) "
-                  f"MIN {100 * p.belady_hits / p.accesses:.2f}% in {p.seconds:.1f}s", file=sys.stderr, flush=True)
+            print(
+                f"[{len(points)}/{total}] {w.value} {sweep} cap={frac:g} {p.policy}: hit {100 * p.hit_rate:.2f}% "
+                f"(dram {100 * p.dram_hits / p.accesses:.2f}%, disk {100 * p.disk_hits / p.accesses:.2f}%) "
+                f"MIN {100 * p.belady_hits / p.accesses:.2f}% in {p.seconds:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
     print_table(points)
     print(f"\n{len(points)} points in {time.perf_counter() - t0:.0f}s")
     args.png.parent.mkdir(parents=True, exist_ok=True)

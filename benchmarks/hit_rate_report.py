@@ -34,8 +34,10 @@ def print_table(points: list[Point]) -> None:
         best = max(p.hit_rate for p in row.values())
         lru = row[PolicyName.LRU.value].hit_rate if PolicyName.LRU.value in row else float("nan")
         mn, inf = any_p.belady_hits / any_p.accesses, any_p.infinite_hits / any_p.accesses
-        print(f"{workload:<10}{sweep:<7}{frac:>6.3f}{blocks:>14} {cells}"
-              f"{100 * (best - lru):>+9.2f}{100 * mn:>7.2f}{100 * inf:>7.2f}{100 * (mn - best):>9.2f}")
+        print(
+            f"{workload:<10}{sweep:<7}{frac:>6.3f}{blocks:>14} {cells}"
+            f"{100 * (best - lru):>+9.2f}{100 * mn:>7.2f}{100 * inf:>7.2f}{100 * (mn - best):>9.2f}"
+        )
 
 
 def plot(points: list[Point], path: Path) -> None:
@@ -66,13 +68,17 @@ def plot(points: list[Point], path: Path) -> None:
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xticks(fracs)
         ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
-        title = f"{workload}: DRAM only" if sweep == "dram" else f"{workload}: DRAM {ref[fracs[0]].dram_blocks} blocks + disk"
+        title = (
+            f"{workload}: DRAM only"
+            if sweep == "dram"
+            else f"{workload}: DRAM {ref[fracs[0]].dram_blocks} blocks + disk"
+        )
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("DRAM capacity / working set" if sweep == "dram" else "disk capacity / working set")
         ax.set_ylabel("block hit rate (prefix)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -29,13 +29,13 @@ import torch.nn.functional as F
 if not __package__:  # run as a file, this folder is sys.path[0] and `import kernels` would find this script
     raise SystemExit("run it as a module from the repository root: python -m benchmarks.kernels")
 
-import kernels  # noqa: E402
-from kernels.backend import cpu_attention  # noqa: E402
-from kernels.cpu import calibration, native  # noqa: E402
-from kernels.cpu.calibration import ShapeClass  # noqa: E402
-from kernels.cpu.paged_attention import paged_attention_native  # noqa: E402
-from kernels.reference import decode_attention_chunked_torch, prefill_attention_torch  # noqa: E402
-from kernels.reference.paged_gather import gather_context  # noqa: E402
+import kernels
+from kernels.backend import cpu_attention
+from kernels.cpu import calibration, native
+from kernels.cpu.calibration import ShapeClass
+from kernels.cpu.paged_attention import paged_attention_native
+from kernels.reference import decode_attention_chunked_torch, prefill_attention_torch
+from kernels.reference.paged_gather import gather_context
 
 # Peak HBM/DRAM bandwidth in GB/s (vendor datasheets), matched by substring of torch.cuda.get_device_name().
 PEAK_GBPS = {
@@ -175,8 +175,9 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
         rows = []
         for impl, fn in cpu_paged_runs(q, caches, tables, seq_lens, scale, s.ctx).items():
             ms = time_ms(fn, device, min_s)
-            rows.append(Row("decode", f"{s.name} {dtype_name(dtype)}", impl, ms, kv_bytes / ms / 1e6, None,
-                            s.batch / ms * 1e3))
+            rows.append(
+                Row("decode", f"{s.name} {dtype_name(dtype)}", impl, ms, kv_bytes / ms / 1e6, None, s.batch / ms * 1e3)
+            )
         return rows
     # clone: on CPU gather_context returns a scratch view that the paged path reuses.
     k_dense = gather_context(k_cache, tables, nb)[:, :, : s.ctx].clone(memory_format=torch.contiguous_format)
@@ -197,8 +198,17 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
         # Tuning sweep of the Triton kernel itself (the dispatch row above uses its defaults).
         for bn, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 8, 3), (128, 8, 2)):
             runs[f"triton bn{bn} w{warps} s{stages}"] = functools.partial(
-                decode_attention_triton, q, k_cache, v_cache, tables, seq_lens, scale, s.ctx,
-                block_n=bn, num_warps=warps, num_stages=stages,
+                decode_attention_triton,
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                seq_lens,
+                scale,
+                s.ctx,
+                block_n=bn,
+                num_warps=warps,
+                num_stages=stages,
             )
     if device.type == "cpu" and dtype != torch.float32:
         k32, v32 = k_dense.float(), v_dense.float()
@@ -219,21 +229,28 @@ def bench_prefill_cpu(s: Shape, dtype: torch.dtype, min_s: float) -> list[Row]:
     of s.ctx // 2 tokens (dispatch sends whole prompts to torch's SDPA: kernels/cpu/paged_attention.py)."""
     device = torch.device("cpu")
     one = Shape(s.name, 1, s.ctx, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size)
-    _, k_cache, v_cache, tables, seq_lens = paged_setup(one, dtype, device)
+    _, k_cache, v_cache, tables, _seq_lens = paged_setup(one, dtype, device)
     new = s.ctx // 2
     q = torch.randn(new, s.num_q_heads, s.head_dim, dtype=dtype)
     qsl = torch.tensor([0, new], dtype=torch.int32)
     scale = s.head_dim**-0.5
     lib = native.load()
     rows = []
-    for ctx, what, cls in ((s.ctx, f"{new} new/{s.ctx}", ShapeClass.CHUNK), (new, f"{new} whole prompt", ShapeClass.PROMPT)):
+    for ctx, what, cls in (
+        (s.ctx, f"{new} new/{s.ctx}", ShapeClass.CHUNK),
+        (new, f"{new} whole prompt", ShapeClass.PROMPT),
+    ):
         lens = torch.tensor([ctx], dtype=torch.int32)
         runs = {
-            dispatched(cls, one, dtype): lambda: kernels.prefill_attention(q, k_cache, v_cache, qsl, lens, tables, scale, new),
+            dispatched(cls, one, dtype): lambda: kernels.prefill_attention(
+                q, k_cache, v_cache, qsl, lens, tables, scale, new
+            ),
             "torch path": lambda: prefill_attention_torch(q, k_cache, v_cache, qsl, lens, tables, scale, new),
         }
         if lib is not None:
-            runs["native (in place)"] = lambda: paged_attention_native(lib, q, k_cache, v_cache, qsl, lens, tables, scale)
+            runs["native (in place)"] = lambda: paged_attention_native(
+                lib, q, k_cache, v_cache, qsl, lens, tables, scale
+            )
         for impl, fn in runs.items():
             ms = time_ms(fn, device, min_s)
             rows.append(Row("prefill", f"{s.name} {dtype_name(dtype)} {what}", impl, ms, None, None, new / ms * 1e3))
@@ -299,12 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     min_s = 0.2 if args.quick else 1.0
     peak, peak_src = peak_gbps(device) if cuda else (None, "n/a (CPU)")
     if cuda:
-        shapes = [Shape("llama8b b64x2k", 64, 2048, 32, 8, 128), Shape("smollm2 b64x2k", 64, 2048, 9, 3, 64),
-                  Shape("llama8b b4x32k", 4, 32768, 32, 8, 128)]
+        shapes = [
+            Shape("llama8b b64x2k", 64, 2048, 32, 8, 128),
+            Shape("smollm2 b64x2k", 64, 2048, 9, 3, 64),
+            Shape("llama8b b4x32k", 4, 32768, 32, 8, 128),
+        ]
         dtypes = [torch.bfloat16]
     else:
         ctx = 512 if args.quick else 2048
-        shapes = [Shape(f"smollm2 b8x{ctx}", 8, ctx, 9, 3, 64), Shape("smollm2 b32x512 cold", 32, 512, 9, 3, 64, layers=30)]
+        shapes = [
+            Shape(f"smollm2 b8x{ctx}", 8, ctx, 9, 3, 64),
+            Shape("smollm2 b32x512 cold", 32, 512, 9, 3, 64, layers=30),
+        ]
         dtypes = [torch.float32, torch.bfloat16]
     lib = native.load()
     cpu = {"model": calibration.cpu_info()[0], "flags": calibration.vector_flags(),

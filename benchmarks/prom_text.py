@@ -9,7 +9,8 @@ def metric(url: str, metric_name: str, /, **labels: str) -> float:
     total = 0.0
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if (line.startswith(metric_name + "{") or line.startswith(metric_name + " ")) and all(
-                f'{k}="{v}"' in line for k, v in labels.items()):
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
             total += float(line.rsplit(" ", 1)[1])
     return total
 

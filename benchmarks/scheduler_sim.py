@@ -19,23 +19,36 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.config import SchedulingPolicy  # noqa: E402
-from engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.scheduler_output import ModelRunnerOutput  # noqa: E402
-from ucm.keys import KeyNamespace, root_key  # noqa: E402
+from engine.config import SchedulingPolicy
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput
+from ucm.keys import KeyNamespace, root_key
 
 BLOCK = 16
 ROOT = root_key(KeyNamespace("sim", "float32", BLOCK))
 
 
-def simulate(policy: SchedulingPolicy, budget: int, prompts: list[list[int]], out_len: int, floor_s: float,
-             tok_s: float, concurrency: int | None = None) -> dict[str, float]:
+def simulate(
+    policy: SchedulingPolicy,
+    budget: int,
+    prompts: list[list[int]],
+    out_len: int,
+    floor_s: float,
+    tok_s: float,
+    concurrency: int | None = None,
+) -> dict[str, float]:
     now = [0.0]
-    sched = Scheduler(KVCacheManager(40_000, BLOCK), max_num_seqs=64, max_num_batched_tokens=budget,
-                      max_model_len=4096, policy=policy, clock=lambda: now[0])
+    sched = Scheduler(
+        KVCacheManager(40_000, BLOCK),
+        max_num_seqs=64,
+        max_num_batched_tokens=budget,
+        max_model_len=4096,
+        policy=policy,
+        clock=lambda: now[0],
+    )
     pending = list(enumerate(prompts))
     live: dict[str, Request] = {}
     start: dict[str, float] = {}
@@ -44,8 +57,15 @@ def simulate(policy: SchedulingPolicy, budget: int, prompts: list[list[int]], ou
     def submit() -> None:
         while pending and (concurrency is None or len(live) < concurrency):
             i, prompt = pending.pop(0)
-            req = Request(str(i), prompt, SamplingParams(max_tokens=out_len, ignore_eos=True), root_key=ROOT,
-                          block_size=BLOCK, arrival=i, seed=0)
+            req = Request(
+                str(i),
+                prompt,
+                SamplingParams(max_tokens=out_len, ignore_eos=True),
+                root_key=ROOT,
+                block_size=BLOCK,
+                arrival=i,
+                seed=0,
+            )
             sched.add_request(req)
             live[req.request_id], start[req.request_id] = req, now[0]
 
@@ -65,8 +85,11 @@ def simulate(policy: SchedulingPolicy, budget: int, prompts: list[list[int]], ou
             if req is not None and req.is_finished:
                 del live[s.request_id]
         submit()
-    return {"mean_ttft_s": sum(ttft.values()) / len(prompts), "out_tok_s": len(prompts) * out_len / now[0],
-            "computed_tokens": sched.stats.computed_tokens}
+    return {
+        "mean_ttft_s": sum(ttft.values()) / len(prompts),
+        "out_tok_s": len(prompts) * out_len / now[0],
+        "computed_tokens": sched.stats.computed_tokens,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,14 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     rep = [heads[rng.randrange(4)] + [rng.randrange(1000, 40000) for _ in range(128)] for _ in range(32)]
     rnd = [[rng.randrange(1000, 40000) for _ in range(512)] for _ in range(32)]
     rows = []
-    print(f"{'budget':>6} {'policy':<12} {'prefix-rep TTFT s':>18} {'computed':>9} {'random@8 TTFT s':>16} {'tok/s':>7}")
+    print(
+        f"{'budget':>6} {'policy':<12} {'prefix-rep TTFT s':>18} {'computed':>9} {'random@8 TTFT s':>16} {'tok/s':>7}"
+    )
     for budget in args.budgets:
         for policy in SchedulingPolicy:
             a = simulate(policy, budget, rep, 64, args.step_floor_s, args.prefill_tok_s)
             b = simulate(policy, budget, rnd, 64, args.step_floor_s, args.prefill_tok_s, concurrency=8)
             rows.append({"budget": budget, "policy": policy.value, "prefix_rep": a, "random_c8": b})
-            print(f"{budget:>6} {policy.value:<12} {a['mean_ttft_s']:>18.1f} {a['computed_tokens']:>9} "
-                  f"{b['mean_ttft_s']:>16.1f} {b['out_tok_s']:>7.1f}")
+            print(
+                f"{budget:>6} {policy.value:<12} {a['mean_ttft_s']:>18.1f} {a['computed_tokens']:>9} "
+                f"{b['mean_ttft_s']:>16.1f} {b['out_tok_s']:>7.1f}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     return 0

@@ -24,13 +24,13 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launch.cluster import Cluster, ClusterSpec, StoreMode  # noqa: E402
+from launch.cluster import Cluster, ClusterSpec, StoreMode
 
 MODEL = "smollm2-135m"
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "conversation_trace.jsonl"
@@ -68,8 +68,9 @@ def random_workload(rng: random.Random, n: int, prompt_len: int, out_len: int) -
     return [Req(_rand_ids(rng, prompt_len), out_len) for _ in range(n)]
 
 
-def shared_prefix_workload(rng: random.Random, n: int, num_prefixes: int, prefix_len: int, question_len: int,
-                           out_len: int) -> list[Req]:
+def shared_prefix_workload(
+    rng: random.Random, n: int, num_prefixes: int, prefix_len: int, question_len: int, out_len: int
+) -> list[Req]:
     prefixes = [_rand_ids(rng, prefix_len) for _ in range(num_prefixes)]
     # Round-robin over the system prompts so consecutive requests do not share one (worst case for a device cache).
     return [Req(prefixes[i % num_prefixes] + _rand_ids(rng, question_len), out_len) for i in range(n)]
@@ -85,7 +86,9 @@ def multi_turn_workload(rng: random.Random, sessions: int, turns: int, out_len: 
     return reqs
 
 
-def trace_workload(rng: random.Random, n: int, scale: int, max_prompt: int, max_out: int, time_scale: float) -> list[Req]:
+def trace_workload(
+    rng: random.Random, n: int, scale: int, max_prompt: int, max_out: int, time_scale: float
+) -> list[Req]:
     block = max(1, 512 // scale)  # Mooncake hash ids cover 512-token blocks
     blocks: dict[int, list[int]] = {}
     reqs = []
@@ -108,10 +111,18 @@ def trace_workload(rng: random.Random, n: int, scale: int, max_prompt: int, max_
 # ---------------------------------------------------------------------------------------------- the client
 
 
-async def one_request(client: httpx.AsyncClient, prompt: list[int] | str, max_tokens: int,
-                      model: str = MODEL) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(
+    client: httpx.AsyncClient, prompt: list[int] | str, max_tokens: int, model: str = MODEL
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     last = None
     res = Result(ok=False)
@@ -144,13 +155,15 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int] | str, max_to
     return res
 
 
-async def run_workload(url: str, reqs: list[Req], concurrency: int, rate: float, seed: int,
-                       model: str = MODEL) -> tuple[list[Result], float]:
+async def run_workload(
+    url: str, reqs: list[Req], concurrency: int, rate: float, seed: int, model: str = MODEL
+) -> tuple[list[Result], float]:
     limits = httpx.Limits(max_connections=concurrency + 4)
     sem = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
     results: list[Result] = []
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
         async def fire(req: Req) -> None:
             async with sem:
                 results.append(await one_request(client, req.prompt, req.max_tokens, model))
@@ -193,19 +206,26 @@ def _stats(xs: list[float]) -> dict[str, float]:
     if not xs:
         return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
     s = sorted(xs)
-    return {"mean": statistics.fmean(s) * 1000, "median": statistics.median(s) * 1000,
-            "p99": s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))] * 1000}
+    return {
+        "mean": statistics.fmean(s) * 1000,
+        "median": statistics.median(s) * 1000,
+        "p99": s[min(len(s) - 1, round(0.99 * (len(s) - 1)))] * 1000,
+    }
 
 
 def summarize(results: list[Result], duration: float) -> dict:
     ok = [r for r in results if r.ok]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
         "req_per_s": len(ok) / duration if duration else 0.0,
         "output_tok_per_s": sum(r.output_tokens for r in ok) / duration if duration else 0.0,
-        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpot),
-        "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_ms": _stats([r.e2e for r in ok]),
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats(tpot),
+        "itl_ms": _stats([x for r in ok for x in r.itl]),
+        "e2e_ms": _stats([r.e2e for r in ok]),
         "errors": sorted({r.error for r in results if not r.ok})[:3],
     }
 
@@ -241,11 +261,13 @@ def build_workloads(args: argparse.Namespace) -> dict[str, list[Req]]:
     all_ = {
         "random": lambda: random_workload(rng, n, 128 if q else 512, 4 if q else 32),
         # 4+ requests per system prompt, so most requests are repeats (the first of each is a cold miss)
-        "shared-prefix": lambda: shared_prefix_workload(rng, max(n, 4 * args.num_prefixes), args.num_prefixes,
-                                                        prefix_len, 16, 4 if q else 16),
+        "shared-prefix": lambda: shared_prefix_workload(
+            rng, max(n, 4 * args.num_prefixes), args.num_prefixes, prefix_len, 16, 4 if q else 16
+        ),
         "multi-turn": lambda: multi_turn_workload(rng, 2, 3 if q else 4, 6 if q else 32),
-        "trace": lambda: trace_workload(rng, n, args.trace_scale, 512 if q else 1024, 4 if q else 32,
-                                        args.trace_time_scale),
+        "trace": lambda: trace_workload(
+            rng, n, args.trace_scale, 512 if q else 1024, 4 if q else 32, args.trace_time_scale
+        ),
     }
     return {name: all_[name]() for name in args.workloads}
 
@@ -253,23 +275,35 @@ def build_workloads(args: argparse.Namespace) -> dict[str, list[Req]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small workloads (a few minutes on 2 CPU cores)")
-    ap.add_argument("--workloads", nargs="+", default=["random", "shared-prefix", "multi-turn", "trace"],
-                    choices=["random", "shared-prefix", "multi-turn", "trace"])
+    ap.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["random", "shared-prefix", "multi-turn", "trace"],
+        choices=["random", "shared-prefix", "multi-turn", "trace"],
+    )
     ap.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=list(DEPLOYMENTS))
     ap.add_argument("--num-prompts", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=2, help="max requests in flight")
-    ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: "
-                                                                                "fixed concurrency)")
+    ap.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: fixed concurrency)"
+    )
     ap.add_argument("--num-prefixes", type=int, default=3, help="shared-prefix: distinct system prompts")
     ap.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: system prompt tokens (0: 1024)")
     ap.add_argument("--trace-scale", type=int, default=16, help="divide the trace's token lengths by this")
     ap.add_argument("--trace-time-scale", type=float, default=0.05, help="multiply the trace's timestamps by this")
-    ap.add_argument("--kv-cache-memory", default="128MiB",
-                    help="each node's device KV cache (small on purpose: the prefixes must not all fit on the device)")
+    ap.add_argument(
+        "--kv-cache-memory",
+        default="128MiB",
+        help="each node's device KV cache (small on purpose: the prefixes must not all fit on the device)",
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per node (0: torch's default)")
-    ap.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=True,
-                    help="shared-prefix: send each system prompt once, untimed, before measuring")
+    ap.add_argument(
+        "--prewarm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="shared-prefix: send each system prompt once, untimed, before measuring",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results here")
     args = ap.parse_args(argv)
@@ -278,9 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     workloads = build_workloads(args)
     rows = []
     for dep in args.deployments:
-        spec = ClusterSpec(kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, max_num_seqs=32,
-                           dram="4GiB", disk="8GiB", node_args=("--threads", str(args.threads)) if args.threads else (),
-                           **DEPLOYMENTS[dep])
+        spec = ClusterSpec(
+            kv_cache_memory=args.kv_cache_memory,
+            dtype=args.dtype,
+            max_num_seqs=32,
+            dram="4GiB",
+            disk="8GiB",
+            node_args=("--threads", str(args.threads)) if args.threads else (),
+            **DEPLOYMENTS[dep],
+        )
         print(f"== {dep}: starting", flush=True)
         with Cluster(spec, sink=open("/dev/null", "w"), log=lambda s: None) as cluster:
             # Warm-up: first-step costs (allocation, kernel selection) are not what we measure.
@@ -292,23 +332,28 @@ def main(argv: list[str] | None = None) -> int:
                     seen = {tuple(r.prompt[: args.prefix_len or 1024]): r for r in reqs}
                     warm = [Req(r.prompt, 1) for r in seen.values()]
                     asyncio.run(run_workload(cluster.url, warm, 1, float("inf"), 0))
-                results, duration = asyncio.run(run_workload(cluster.url, reqs, args.concurrency, args.request_rate,
-                                                             args.seed))
+                results, duration = asyncio.run(
+                    run_workload(cluster.url, reqs, args.concurrency, args.request_rate, args.seed)
+                )
                 summary = summarize(results, duration)
                 rows.append({"deployment": dep, "workload": name, "summary": summary})
-                print(f"   {name}: {summary['completed']} ok, {summary['failed']} failed, "
-                      f"TTFT mean {summary['ttft_ms']['mean']:.0f} ms, {summary['duration_s']:.1f}s", flush=True)
+                print(
+                    f"   {name}: {summary['completed']} ok, {summary['failed']} failed, "
+                    f"TTFT mean {summary['ttft_ms']['mean']:.0f} ms, {summary['duration_s']:.1f}s",
+                    flush=True,
+                )
     print()
     print_table(rows)
     by = {(r["deployment"], r["workload"]): r["summary"] for r in rows}
     if ("disagg+store", "shared-prefix") in by and ("disagg-nostore", "shared-prefix") in by:
         a, b = by[("disagg+store", "shared-prefix")], by[("disagg-nostore", "shared-prefix")]
         ratio = b["ttft_ms"]["mean"] / a["ttft_ms"]["mean"] if a["ttft_ms"]["mean"] else float("nan")
-        print(f"\nshared-prefix mean TTFT: store {a['ttft_ms']['mean']:.0f} ms vs no store {b['ttft_ms']['mean']:.0f} ms "
-              f"= {ratio:.1f}x lower with the store (target >= 5x)")
+        print(
+            f"\nshared-prefix mean TTFT: store {a['ttft_ms']['mean']:.0f} ms vs no store {b['ttft_ms']['mean']:.0f} ms "
+            f"= {ratio:.1f}x lower with the store (target >= 5x)"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "rows": rows},
-                                              indent=2, default=str))
+        Path(args.json).write_text(json.dumps({"args": dict(vars(args).items()), "rows": rows}, indent=2, default=str))
     return 0
 
 

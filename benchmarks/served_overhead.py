@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.serve import Req, run_workload, summarize  # noqa: E402
-from benchmarks.vs_vllm import Server, cpu_description  # noqa: E402
+from benchmarks.serve import Req, run_workload, summarize
+from benchmarks.vs_vllm import Server, cpu_description
 
 TOKEN_LO, TOKEN_HI = 1000, 40000
 
@@ -34,8 +34,9 @@ def offline(reqs: list[Req], args: argparse.Namespace) -> tuple[float, list[str]
     from engine import LLM, SamplingParams
 
     torch.set_num_threads(os.cpu_count() or 1)
-    llm = LLM(model="smollm2-135m", dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-              max_num_seqs=args.max_num_seqs)
+    llm = LLM(
+        model="smollm2-135m", dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs
+    )
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": r.prompt} for r in reqs[:2]], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -46,8 +47,21 @@ def offline(reqs: list[Req], args: argparse.Namespace) -> tuple[float, list[str]
 
 
 def served(reqs: list[Req], args: argparse.Namespace, out_dir: Path) -> tuple[float, list[str], dict]:
-    argv = [sys.executable, "-m", "launch.cli", "up", "--port", str(args.port), "--topology", args.topology,
-            "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory, *args.up_args.split()]
+    argv = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "up",
+        "--port",
+        str(args.port),
+        "--topology",
+        args.topology,
+        "--dtype",
+        args.dtype,
+        "--kv-cache-memory",
+        args.kv_cache_memory,
+        *args.up_args.split(),
+    ]
     srv = Server("ucm-up", argv, "smollm2-135m")
     url = f"http://127.0.0.1:{args.port}"
     srv.start(url, out_dir, 600)
@@ -76,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rng = random.Random(0)
-    reqs = [Req([rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(args.input_len)], args.output_len)
-            for _ in range(args.num_prompts)]
+    reqs = [
+        Req([rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(args.input_len)], args.output_len)
+        for _ in range(args.num_prompts)
+    ]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Served first: the offline engine's threads would otherwise still hold the cores' caches warm for it.
@@ -97,12 +113,25 @@ def main(argv: list[str] | None = None) -> int:
     n_out = args.num_prompts * args.output_len
     print(f"{'LLM.generate (in process)':<34}{offline_wall:>8.2f}{n_out / offline_wall:>11.1f}")
     print(f"{'ucm-serve up --topology ' + args.topology:<34}{served_wall:>8.2f}{n_out / served_wall:>11.1f}")
-    print(f"served / offline = {ratio:.3f} (target <= 1.10); {summary['completed']}/{args.num_prompts} completed; "
-          f"greedy texts identical: {same}")
+    print(
+        f"served / offline = {ratio:.3f} (target <= 1.10); {summary['completed']}/{args.num_prompts} completed; "
+        f"greedy texts identical: {same}"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "cpu": cpu, "args": vars(args), "offline_wall_s": offline_wall, "served_wall_s": served_wall,
-            "ratio": ratio, "identical": same, "served_summary": summary}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "cpu": cpu,
+                    "args": vars(args),
+                    "offline_wall_s": offline_wall,
+                    "served_wall_s": served_wall,
+                    "ratio": ratio,
+                    "identical": same,
+                    "served_summary": summary,
+                },
+                indent=2,
+            )
+        )
     return 0 if summary["completed"] == args.num_prompts else 1
 
 

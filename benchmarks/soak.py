@@ -10,7 +10,7 @@ DRAM tier and a node by its KV cache, whose pages are touched on first use; beyo
     .venv/bin/python -m benchmarks.soak --minutes 30 --out bench_out/soak     # JSON + PNG in --out
     .venv/bin/python -m benchmarks.soak --minutes 2 --sample-s 10 --out /tmp/soak
 
-Exit status 0 when every check passed. Not part of CI by default (tests/test_soak.py runs a short one).
+Exit status 0 when every check passed. Not part of CI by default (tests/cluster/test_soak.py runs a short one).
 """
 
 from __future__ import annotations
@@ -28,17 +28,44 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.prom_text import metric  # noqa: E402
-from benchmarks.sse_client import StreamResult, stream_completion  # noqa: E402
-from launch.cluster import Cluster, ClusterSpec  # noqa: E402
-from ucm.size import parse_size  # noqa: E402
+from benchmarks.prom_text import metric
+from benchmarks.sse_client import StreamResult, stream_completion
+from launch.cluster import Cluster, ClusterSpec
+from ucm.size import parse_size
 
 MODEL = "smollm2-135m"
-PREFIXES = [("You are a careful assistant for a museum. Visitors ask about exhibits, tickets, the cafe, the garden, "
-             "accessibility and the gift shop; answer briefly and politely. ") * 3,
-            ("This is the maintenance log of a wind farm: turbine ids, blade inspections, gearbox temperatures, "
-             "wind speeds, downtime and spare parts ordered, one line per event. ") * 3]
-WORDS = "amber basil cedar delta ember fjord grove harbor iris jade kelp lotus maple nectar opal pine quartz reed".split()
+PREFIXES = [
+    (
+        "You are a careful assistant for a museum. Visitors ask about exhibits, tickets, the cafe, the garden, "
+        "accessibility and the gift shop; answer briefly and politely. "
+    )
+    * 3,
+    (
+        "This is the maintenance log of a wind farm: turbine ids, blade inspections, gearbox temperatures, "
+        "wind speeds, downtime and spare parts ordered, one line per event. "
+    )
+    * 3,
+]
+WORDS = [
+    "amber",
+    "basil",
+    "cedar",
+    "delta",
+    "ember",
+    "fjord",
+    "grove",
+    "harbor",
+    "iris",
+    "jade",
+    "kelp",
+    "lotus",
+    "maple",
+    "nectar",
+    "opal",
+    "pine",
+    "quartz",
+    "reed",
+]
 
 
 @dataclass(frozen=True)
@@ -112,8 +139,10 @@ def wait_idle(cluster: Cluster, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         nodes = httpx.get(cluster.url + "/health", timeout=10).json()["nodes"]
-        if all(n["running"] == 0 and n["waiting"] == 0 for n in nodes.values()) and \
-                metric(cluster.url, "ucm_running_sequences") == 0:
+        if (
+            all(n["running"] == 0 and n["waiting"] == 0 for n in nodes.values())
+            and metric(cluster.url, "ucm_running_sequences") == 0
+        ):
             time.sleep(1.0)  # one more heartbeat round, so free-block counts are the idle ones
             return
         time.sleep(0.5)
@@ -129,8 +158,14 @@ class _Clients:
             t.join()
 
 
-def _run_clients(url: str, config: SoakConfig, counts: Counter[str], failures: Counter[str],
-                 stop_at: float | None = None, requests_each: int | None = None) -> _Clients:
+def _run_clients(
+    url: str,
+    config: SoakConfig,
+    counts: Counter[str],
+    failures: Counter[str],
+    stop_at: float | None = None,
+    requests_each: int | None = None,
+) -> _Clients:
     """`config.concurrency` clients sending requests back to back, until `stop_at` or `requests_each` each."""
     lock = threading.Lock()
 
@@ -147,8 +182,9 @@ def _run_clients(url: str, config: SoakConfig, counts: Counter[str], failures: C
                 counts[kind] += 1
                 failures[kind] += not ok
 
-    threads = [threading.Thread(target=client, args=(config.seed + 1 + i,), daemon=True)
-               for i in range(config.concurrency)]
+    threads = [
+        threading.Thread(target=client, args=(config.seed + 1 + i,), daemon=True) for i in range(config.concurrency)
+    ]
     for t in threads:
         t.start()
     return _Clients(threads)
@@ -156,8 +192,14 @@ def _run_clients(url: str, config: SoakConfig, counts: Counter[str], failures: C
 
 def run(config: SoakConfig, log=print) -> Report:
     report = Report(config)
-    spec = ClusterSpec(prefill=1, decode=1, dtype="float32", dram=config.dram, kv_cache_memory=config.kv_cache_memory,
-                       node_args=("--threads", "1"))
+    spec = ClusterSpec(
+        prefill=1,
+        decode=1,
+        dtype="float32",
+        dram=config.dram,
+        kv_cache_memory=config.kv_cache_memory,
+        node_args=("--threads", "1"),
+    )
     with Cluster(spec, log=lambda s: None) as cluster:
         t0 = time.monotonic()
         # Warm-up, as concurrent as the load: prefixes reach the store, allocator pools and code paths settle.
@@ -175,8 +217,10 @@ def run(config: SoakConfig, log=print) -> Report:
             if time.monotonic() < stop_at:
                 sample = snapshot(cluster, t0, "load")
                 report.samples.append(sample)
-                log(f"[soak] t={sample.t:.0f}s requests {sum(counts.values())} RSS MiB "
-                    f"{ {k: round(v) for k, v in sample.rss_mib.items()} } free {sample.free_blocks}")
+                log(
+                    f"[soak] t={sample.t:.0f}s requests {sum(counts.values())} RSS MiB "
+                    f"{ {k: round(v) for k, v in sample.rss_mib.items()} } free {sample.free_blocks}"
+                )
         clients.join_all()
         wait_idle(cluster)
         final = snapshot(cluster, t0, "final")
@@ -191,8 +235,12 @@ def run(config: SoakConfig, log=print) -> Report:
         for name, base in baseline.rss_mib.items():
             limit = base * (1 + config.rss_rel_tol) + config.rss_abs_tol_mib + allowances.get(name, 0.0)
             end = final.rss_mib.get(name, float("nan"))
-            report.checks[f"rss {name}"] = {"baseline": round(base, 1), "final": round(end, 1),
-                                            "limit": round(limit, 1), "ok": end <= limit}
+            report.checks[f"rss {name}"] = {
+                "baseline": round(base, 1),
+                "final": round(end, 1),
+                "limit": round(limit, 1),
+                "ok": end <= limit,
+            }
         for node, base in baseline.free_blocks.items():
             end = final.free_blocks.get(node, float("nan"))
             report.checks[f"free blocks {node}"] = {"baseline": base, "final": end, "limit": base, "ok": end == base}
@@ -212,8 +260,10 @@ def plot(report: Report, path: Path) -> None:
         top.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=name)
     top.set_ylabel("RSS (MiB)")
     top.legend(fontsize=8)
-    top.set_title(f"soak: {report.config.minutes:g} min, {sum(report.requests.values())} requests, "
-                  f"{'OK' if report.ok else 'FAILED'}")
+    top.set_title(
+        f"soak: {report.config.minutes:g} min, {sum(report.requests.values())} requests, "
+        f"{'OK' if report.ok else 'FAILED'}"
+    )
     nodes = sorted({n for s in report.samples for n in s.free_blocks})
     for node in nodes:
         pts = [(s.t, s.free_blocks[node]) for s in report.samples if node in s.free_blocks]
@@ -237,16 +287,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", type=Path, default=Path("bench_out/soak"), help="folder for soak.json and soak.png")
     args = ap.parse_args(argv)
-    config = SoakConfig(minutes=args.minutes, sample_s=args.sample_s, concurrency=args.concurrency, dram=args.dram,
-                        kv_cache_memory=args.kv_cache_memory, seed=args.seed)
+    config = SoakConfig(
+        minutes=args.minutes,
+        sample_s=args.sample_s,
+        concurrency=args.concurrency,
+        dram=args.dram,
+        kv_cache_memory=args.kv_cache_memory,
+        seed=args.seed,
+    )
     report = run(config)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     plot(report, args.out / "soak.png")
     print(f"requests {report.requests}; failures {report.failures or 'none'}; restarts {report.restarts or 'none'}")
     for what, check in report.checks.items():
-        print(f"{'ok  ' if check['ok'] else 'FAIL'} {what}: baseline {check['baseline']} -> final {check['final']} "
-              f"(limit {check['limit']})")
+        print(
+            f"{'ok  ' if check['ok'] else 'FAIL'} {what}: baseline {check['baseline']} -> final {check['final']} "
+            f"(limit {check['limit']})"
+        )
     print(f"wrote {args.out / 'soak.json'} and {args.out / 'soak.png'}")
     return 0 if report.ok else 1
 

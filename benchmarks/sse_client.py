@@ -30,13 +30,20 @@ class StreamResult:
         return self.status == 200 and self.done and not self.errors and self.exception is None
 
 
-def stream_completion(url: str, body: dict[str, Any], result: StreamResult, timeout_s: float = 600.0,
-                      headers: dict[str, str] | None = None, stop_after_chunks: int | None = None) -> StreamResult:
+def stream_completion(
+    url: str,
+    body: dict[str, Any],
+    result: StreamResult,
+    timeout_s: float = 600.0,
+    headers: dict[str, str] | None = None,
+    stop_after_chunks: int | None = None,
+) -> StreamResult:
     """POST /v1/completions with stream=True into `result` (filled as events arrive, so other threads can watch
     `result.chunks`); `stop_after_chunks`: hang up after that many text events (a client disconnect)."""
     try:
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout_s,
-                          headers=headers) as r:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout_s, headers=headers
+        ) as r:
             result.status = r.status_code
             if r.status_code != 200:
                 r.read()
@@ -45,7 +52,7 @@ def stream_completion(url: str, body: dict[str, Any], result: StreamResult, time
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     result.done = True
                     break

@@ -30,7 +30,6 @@ from ucm.malloc_tuning import retain_freed_memory
 from ucm.size import parse_size
 from ucm.store import Store, StoreConfig
 
-
 OP_LAYER = "load 1 layer/call (connector)"
 OP_BLOCK = "load all layers/call"
 
@@ -73,7 +72,8 @@ class Workload:
     def load(self, store) -> None:
         """The connector's pattern (connector/ucm_worker.py): one task per layer, all issued at once, then waited for."""
         tasks = [
-            store.load(self.refs, [layer], [[memoryview(row)] for row in self.dst[layer]]) for layer in range(self.layers)
+            store.load(self.refs, [layer], [[memoryview(row)] for row in self.dst[layer]])
+            for layer in range(self.layers)
         ]
         for task in tasks:
             assert task.wait(60), f"load failed: {task.failed_blocks[:5]}"
@@ -83,7 +83,10 @@ class Workload:
         layers = list(range(self.layers))
         tasks = []
         for start in range(0, len(self.refs), 16):
-            dst = [[memoryview(self.dst[layer, i]) for layer in layers] for i in range(start, min(start + 16, len(self.refs)))]
+            dst = [
+                [memoryview(self.dst[layer, i]) for layer in layers]
+                for i in range(start, min(start + 16, len(self.refs)))
+            ]
             tasks.append(store.load(self.refs[start : start + 16], layers, dst))
         for task in tasks:
             assert task.wait(60), f"load failed: {task.failed_blocks[:5]}"
@@ -105,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep_malloc:
         retain_freed_memory()  # same allocator setting as the daemon process, for in-process rows too
     w = Workload(args.blocks, args.layers, args.payload)
-    print(f"{args.blocks} blocks x {args.layers} layers x {args.payload} B = {w.nbytes / 2**30:.3f} GiB per pass", flush=True)
+    print(
+        f"{args.blocks} blocks x {args.layers} layers x {args.payload} B = {w.nbytes / 2**30:.3f} GiB per pass",
+        flush=True,
+    )
     scratch = np.ones_like(w.src)
 
     def memcpy() -> None:
@@ -121,10 +127,19 @@ def main(argv: list[str] | None = None) -> int:
             seconds = time.perf_counter() - start
         else:
             seconds, base = timed(fn, repeat, memcpy)
-        row = {"tier": tier, "mode": mode, "op": op, "gb_per_s": w.nbytes / seconds / 1e9, "memcpy_gb_per_s": w.nbytes / base / 1e9}
+        row = {
+            "tier": tier,
+            "mode": mode,
+            "op": op,
+            "gb_per_s": w.nbytes / seconds / 1e9,
+            "memcpy_gb_per_s": w.nbytes / base / 1e9,
+        }
         row["x_memcpy"] = row["gb_per_s"] / row["memcpy_gb_per_s"]
         rows.append(row)
-        print(f"  {tier:<5} {mode:<26} {op:<31} {row['gb_per_s']:7.2f} GB/s  (memcpy {row['memcpy_gb_per_s']:.2f})", flush=True)
+        print(
+            f"  {tier:<5} {mode:<26} {op:<31} {row['gb_per_s']:7.2f} GB/s  (memcpy {row['memcpy_gb_per_s']:.2f})",
+            flush=True,
+        )
 
     def chunked() -> None:
         for layer in range(w.layers):
@@ -147,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         disk = tmp / "db"
         cfg = dict(dram_bytes=big, disk_path=str(disk), disk_bytes=big)
         with Store(StoreConfig(**cfg)) as store:  # dump + commit + wait until written behind (fsync'd)
-            record("disk", "in-process write-behind", "dump", lambda: (store.remove(keys), w.dump(store), store.flush()), 2)
+            record(
+                "disk", "in-process write-behind", "dump", lambda: (store.remove(keys), w.dump(store), store.flush()), 2
+            )
         with Store(StoreConfig(**cfg, promote_on_disk_hit=False)) as store:  # DRAM stays empty: every read is LMDB
             record("disk", "in-process warm LMDB", OP_LAYER, lambda: w.load(store))
             w.check()
@@ -163,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             w.check()
             record("dram", "daemon tcp", OP_BLOCK, lambda: w.load_blocks(client))
             w.check()
-        with run_daemon(disk, "--disk", str(big), "--map-size", str(2 * big), *daemon_args, dram=str(big)) as d:
+        with run_daemon(disk, "--disk", str(big), "--map-size", str(2 * big), *daemon_args, dram=str(big)) as d:  # noqa: SIM117
             with StoreClient(d.address, timeout_s=60) as client:
                 record("disk", "daemon tcp +promote", OP_LAYER, lambda: w.load(client), 0)
                 w.check()
@@ -172,9 +189,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{'tier':<6}{'mode':<28}{'op':<32}{'GB/s':>8}{'memcpy':>8}{'x memcpy':>10}")
     for row in rows:
-        print(f"{row['tier']:<6}{row['mode']:<28}{row['op']:<32}{row['gb_per_s']:>8.2f}{row['memcpy_gb_per_s']:>8.2f}{row['x_memcpy']:>10.2f}")
+        print(
+            f"{row['tier']:<6}{row['mode']:<28}{row['op']:<32}{row['gb_per_s']:>8.2f}{row['memcpy_gb_per_s']:>8.2f}{row['x_memcpy']:>10.2f}"
+        )
     print("memcpy = numpy copy of the same bytes (one contiguous array), timed alternately with each row")
-    print(f"'{OP_LAYER}' is how connector/ucm_worker.py loads: one task per layer (targets: DRAM >= 0.5x, warm LMDB >= 0.3x)")
+    print(
+        f"'{OP_LAYER}' is how connector/ucm_worker.py loads: one task per layer (targets: DRAM >= 0.5x, warm LMDB >= 0.3x)"
+    )
     if args.json:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         args.json.write_text(json.dumps({"config": config, "bytes_per_pass": w.nbytes, "rows": rows}, indent=2))

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import canonical_dtype, resolve_dtype_name  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.config import canonical_dtype, resolve_dtype_name
 
 
 @dataclass
@@ -64,14 +64,20 @@ class Result:
         return self.output_tokens / self.cpu_seconds
 
     def summary(self) -> dict:
-        return {**asdict(self), "output_tok_s": self.output_tok_s, "total_tok_s": self.total_tok_s,
-                "output_tok_per_cpu_s": self.output_tok_cpu_s}
+        return {
+            **asdict(self),
+            "output_tok_s": self.output_tok_s,
+            "total_tok_s": self.total_tok_s,
+            "output_tok_per_cpu_s": self.output_tok_cpu_s,
+        }
 
 
 def make_workload(n: int, args: argparse.Namespace, vocab: int, seed: int) -> Workload:
     rng = random.Random(seed)
     # Ordinary token ids (skip the first 1000: special and byte tokens).
-    prompts = [[rng.randrange(1000, vocab) for _ in range(rng.randint(args.min_input, args.max_input))] for _ in range(n)]
+    prompts = [
+        [rng.randrange(1000, vocab) for _ in range(rng.randint(args.min_input, args.max_input))] for _ in range(n)
+    ]
     return Workload(prompts, [rng.randint(args.min_output, args.max_output) for _ in range(n)])
 
 
@@ -99,11 +105,19 @@ def run_hf(hf, wl: Workload, batch_size: int, pad_id: int) -> Result:
             mask[row, width - len(p) :] = 1
         new = max(wl.output_lens[i] for i in idx)  # a padded batch runs until its longest request is done
         with torch.no_grad():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                        eos_token_id=None, pad_token_id=pad_id)
+            hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad_id,
+            )
         print(f"  hf batch {b // batch_size + 1}: {len(idx)} requests, {time.perf_counter() - start:.1f} s", flush=True)
-    return Result("hf", len(wl.prompts), time.perf_counter() - start, wl.input_tokens, wl.output_tokens,
-                  time.process_time() - cpu)
+    return Result(
+        "hf", len(wl.prompts), time.perf_counter() - start, wl.input_tokens, wl.output_tokens, time.process_time() - cpu
+    )
 
 
 def single_decode(llm: LLM, hf, prompt: list[int], tokens: int) -> dict[str, float]:
@@ -120,12 +134,21 @@ def single_decode(llm: LLM, hf, prompt: list[int], tokens: int) -> dict[str, flo
     def hf_time(n: int) -> float:
         start = clock()
         with torch.no_grad():
-            hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                        max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         return clock() - start
 
-    out = {"engine_decode_tok_s": (tokens - 1) / (engine_time(tokens) - engine_time(1)),
-           "clock": "cpu" if clock is time.process_time else "wall"}
+    out = {
+        "engine_decode_tok_s": (tokens - 1) / (engine_time(tokens) - engine_time(1)),
+        "clock": "cpu" if clock is time.process_time else "wall",
+    }
     if hf is not None:
         out["hf_decode_tok_s"] = (tokens - 1) / (hf_time(tokens) - hf_time(1))
         out["decode_ratio"] = out["engine_decode_tok_s"] / out["hf_decode_tok_s"]
@@ -155,8 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     dtype = canonical_dtype(args.dtype)
-    llm = LLM(model=args.model, dtype=dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(
+        model=args.model,
+        dtype=dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     dtype_name = resolve_dtype_name(dtype, "cpu")
     hf = None
     if not args.skip_hf:
@@ -175,24 +203,34 @@ def main(argv: list[str] | None = None) -> int:
         before = llm.engine.stats()
         eng = run_engine(llm, wl)
         preempted = llm.engine.stats().preemptions - before.preemptions
-        run = {"num_requests": n, "input_tokens": wl.input_tokens, "output_tokens": wl.output_tokens,
-               "engine": {**eng.summary(), "preemptions": preempted}}
-        line = (f"[{n:4d} req] engine {eng.seconds:7.1f} s (cpu {eng.cpu_seconds:7.1f} s)  out {eng.output_tok_s:8.1f} "
-                f"tok/s  total {eng.total_tok_s:8.1f} tok/s")
+        run = {
+            "num_requests": n,
+            "input_tokens": wl.input_tokens,
+            "output_tokens": wl.output_tokens,
+            "engine": {**eng.summary(), "preemptions": preempted},
+        }
+        line = (
+            f"[{n:4d} req] engine {eng.seconds:7.1f} s (cpu {eng.cpu_seconds:7.1f} s)  out {eng.output_tok_s:8.1f} "
+            f"tok/s  total {eng.total_tok_s:8.1f} tok/s"
+        )
         if hf is not None:
             ref = run_hf(hf, wl, args.hf_batch_size or n, pad_id=0)
             run["hf"] = ref.summary()
             run["ratio"] = eng.output_tok_s / ref.output_tok_s
             run["ratio_cpu_time"] = eng.output_tok_cpu_s / ref.output_tok_cpu_s
-            line += (f" | hf {ref.seconds:7.1f} s (cpu {ref.cpu_seconds:7.1f} s)  out {ref.output_tok_s:8.1f} tok/s  "
-                     f"total {ref.total_tok_s:8.1f} tok/s | ratio {run['ratio']:.2f}x (cpu-time {run['ratio_cpu_time']:.2f}x)")
+            line += (
+                f" | hf {ref.seconds:7.1f} s (cpu {ref.cpu_seconds:7.1f} s)  out {ref.output_tok_s:8.1f} tok/s  "
+                f"total {ref.total_tok_s:8.1f} tok/s | ratio {run['ratio']:.2f}x (cpu-time {run['ratio_cpu_time']:.2f}x)"
+            )
         print(line, flush=True)
         report["runs"].append(run)
     if args.decode_tokens > 1:
         prompt = make_workload(1, args, vocab, args.seed + 1).prompts[0][:32]
         report["single_request"] = single_decode(llm, hf, prompt, args.decode_tokens)
-        print("single request decode:", {k: round(v, 2) if isinstance(v, float) else v
-                                          for k, v in report["single_request"].items()})
+        print(
+            "single request decode:",
+            {k: round(v, 2) if isinstance(v, float) else v for k, v in report["single_request"].items()},
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")

@@ -125,7 +125,9 @@ def sysprompt(num_requests: int, seed: int = 0, num_prompts: int = 24, alpha: fl
     return out
 
 
-def rag(num_requests: int, seed: int = 0, num_docs: int = 2000, doc_blocks: int = 6, alpha: float = 0.9) -> list[Request]:
+def rag(
+    num_requests: int, seed: int = 0, num_docs: int = 2000, doc_blocks: int = 6, alpha: float = 0.9
+) -> list[Request]:
     rng = np.random.default_rng(seed)
     chainer = _Chainer()
     system: list[Hashable] = [("sys", j) for j in range(3)]

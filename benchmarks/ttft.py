@@ -31,10 +31,10 @@ from typing import Any
 _ROOT = str(Path(__file__).resolve().parents[1])
 sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
+import torch
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.loader import load_model  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.loader import load_model
 
 log = logging.getLogger("ttft")
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -42,8 +42,23 @@ ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 class Daemon:
     def __init__(self, disk_path: Path) -> None:
-        cmd = [sys.executable, "-m", "launch.cli", "store", "--insecure", "--bind", "tcp://127.0.0.1:0", "--dram", "2GiB",
-               "--disk-path", str(disk_path), "--disk", "4GiB", "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "store",
+            "--insecure",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--dram",
+            "2GiB",
+            "--disk-path",
+            str(disk_path),
+            "--disk",
+            "4GiB",
+            "--log-level",
+            "WARNING",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("ucm-store ready "):
@@ -67,9 +82,15 @@ def make_prompts(lengths: list[int], repeats: int, seed: int) -> dict[int, list[
     return {n: [[rng.randrange(100, 40000) for _ in range(n)] for _ in range(repeats)] for n in lengths}
 
 
-def measure_store_hits(label: str, address: str, engine_kw: dict[str, Any], warm: list[int],
-                       prompts: dict[int, list[list[int]]], times: dict[str, dict[int, list[float]]],
-                       load_wait: dict[str, dict[int, list[float]]]) -> tuple[Any, Any]:
+def measure_store_hits(
+    label: str,
+    address: str,
+    engine_kw: dict[str, Any],
+    warm: list[int],
+    prompts: dict[int, list[list[int]]],
+    times: dict[str, dict[int, list[float]]],
+    load_wait: dict[str, dict[int, list[float]]],
+) -> tuple[Any, Any]:
     """TTFT of a fresh consumer engine whose prompts all sit in the store; (connector stats, engine stats)."""
     consumer = LLM(kv_store=address, kv_role="kv_consumer", **engine_kw)
     try:
@@ -106,14 +127,20 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
     model = load_model(args.model, getattr(torch, args.dtype), args.device)
-    engine_kw: dict[str, Any] = dict(loaded_model=model, dtype=args.dtype, device=args.device,
-                                     kv_cache_memory=args.kv_cache_memory,
-                                     max_num_batched_tokens=max(args.lengths), max_model_len=max(args.lengths) + 16)
+    engine_kw: dict[str, Any] = dict(
+        loaded_model=model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=max(args.lengths),
+        max_model_len=max(args.lengths) + 16,
+    )
     prompts = make_prompts(args.lengths, args.repeats, seed=0)
     cold_prompts = make_prompts(args.lengths, args.repeats, seed=1)
     warm = [random.Random(2).randrange(100, 40000) for _ in range(64)]
-    times: dict[str, dict[int, list[float]]] = {k: {n: [] for n in args.lengths}
-                                                for k in ("cold", "cold+save", "device hit", "dram hit", "lmdb hit")}
+    times: dict[str, dict[int, list[float]]] = {
+        k: {n: [] for n in args.lengths} for k in ("cold", "cold+save", "device hit", "dram hit", "lmdb hit")
+    }
     load_wait: dict[str, dict[int, list[float]]] = {k: {n: [] for n in args.lengths} for k in ("dram hit", "lmdb hit")}
     with tempfile.TemporaryDirectory(prefix="ttft-lmdb-") as tmp:
         daemon = Daemon(Path(tmp))
@@ -132,9 +159,13 @@ def main(argv: list[str] | None = None) -> int:
                     times["cold+save"][n].append(ttft(producer, prompts[n][i]))
                     save_path[n].append(producer_stats.save_seconds - before)
                     times["device hit"][n].append(ttft(producer, prompts[n][i]))
-                log.info("%5d tokens: cold %.3fs  cold+save %.3fs  device hit %.3fs", n,
-                         statistics.median(times["cold"][n]), statistics.median(times["cold+save"][n]),
-                         statistics.median(times["device hit"][n]))
+                log.info(
+                    "%5d tokens: cold %.3fs  cold+save %.3fs  device hit %.3fs",
+                    n,
+                    statistics.median(times["cold"][n]),
+                    statistics.median(times["cold+save"][n]),
+                    statistics.median(times["device hit"][n]),
+                )
             saved = producer.engine.kv_connector[0].stats.blocks_saved
             producer.close()
             del cold, producer
@@ -143,43 +174,70 @@ def main(argv: list[str] | None = None) -> int:
             daemon.stop()
         daemon = Daemon(Path(tmp))  # same LMDB directory, empty DRAM tier
         try:
-            lmdb_stats, lmdb_engine = measure_store_hits("lmdb hit", daemon.address, engine_kw, warm, prompts,
-                                                         times, load_wait)
+            lmdb_stats, lmdb_engine = measure_store_hits(
+                "lmdb hit", daemon.address, engine_kw, warm, prompts, times, load_wait
+            )
         finally:
             daemon.stop()
 
     med = {k: {n: statistics.median(v) for n, v in per.items()} for k, per in times.items()}
-    print(f"\nTTFT (median of {args.repeats}; {args.device}, {args.dtype}, {torch.get_num_threads()} torch threads); "
-          "ratio = cold / scenario")
+    print(
+        f"\nTTFT (median of {args.repeats}; {args.device}, {args.dtype}, {torch.get_num_threads()} torch threads); "
+        "ratio = cold / scenario"
+    )
     print(f"{'tokens':>7} " + " ".join(f"{k:>18}" for k in med))
     for n in args.lengths:
-        cells = [f"{med[k][n] * 1000:9.1f}ms" + (f" {med['cold'][n] / med[k][n]:6.1f}x" if k != "cold" else " " * 8)
-                 for k in med]
+        cells = [
+            f"{med[k][n] * 1000:9.1f}ms" + (f" {med['cold'][n] / med[k][n]:6.1f}x" if k != "cold" else " " * 8)
+            for k in med
+        ]
         print(f"{n:>7} " + " ".join(f"{c:>18}" for c in cells))
     slow = {n: med["cold+save"][n] / med["cold"][n] - 1 for n in args.lengths}
     print("save overhead (cold+save vs cold): " + ", ".join(f"{n}: {100 * s:+.1f}%" for n, s in slow.items()))
     share = {n: statistics.median(save_path[n]) / med["cold+save"][n] for n in args.lengths}
-    print("time inside the connector's save path (save_kv_layer + wait_for_save) / prefill: "
-          + ", ".join(f"{n}: {100 * s:.1f}%" for n, s in share.items()))
+    print(
+        "time inside the connector's save path (save_kv_layer + wait_for_save) / prefill: "
+        + ", ".join(f"{n}: {100 * s:.1f}%" for n, s in share.items())
+    )
     for k, per in load_wait.items():
-        print(f"{k}: time the forward waited in wait_for_layer_load: "
-              + ", ".join(f"{n}: {1000 * statistics.median(v):.0f}ms" for n, v in per.items()))
-    print(f"blocks saved {saved}; dram: loaded {dram_stats.blocks_loaded} failed {dram_stats.blocks_load_failed}; "
-          f"lmdb: loaded {lmdb_stats.blocks_loaded} failed {lmdb_stats.blocks_load_failed}, "
-          f"external hit tokens {lmdb_engine.external_hit_tokens}")
+        print(
+            f"{k}: time the forward waited in wait_for_layer_load: "
+            + ", ".join(f"{n}: {1000 * statistics.median(v):.0f}ms" for n, v in per.items())
+        )
+    print(
+        f"blocks saved {saved}; dram: loaded {dram_stats.blocks_loaded} failed {dram_stats.blocks_load_failed}; "
+        f"lmdb: loaded {lmdb_stats.blocks_loaded} failed {lmdb_stats.blocks_load_failed}, "
+        f"external hit tokens {lmdb_engine.external_hit_tokens}"
+    )
     top = max(args.lengths)
-    targets = {"dram_hit_speedup": med["cold"][top] / med["dram hit"][top],
-               "lmdb_hit_speedup": med["cold"][top] / med["lmdb hit"][top], "save_overhead": slow[top]}
-    print(f"at {top} tokens: DRAM hit {targets['dram_hit_speedup']:.1f}x (target >= 30x), "
-          f"LMDB hit {targets['lmdb_hit_speedup']:.1f}x (target >= 15x), save overhead {100 * slow[top]:+.1f}% "
-          f"(target <= 5%)")
+    targets = {
+        "dram_hit_speedup": med["cold"][top] / med["dram hit"][top],
+        "lmdb_hit_speedup": med["cold"][top] / med["lmdb hit"][top],
+        "save_overhead": slow[top],
+    }
+    print(
+        f"at {top} tokens: DRAM hit {targets['dram_hit_speedup']:.1f}x (target >= 30x), "
+        f"LMDB hit {targets['lmdb_hit_speedup']:.1f}x (target >= 15x), save overhead {100 * slow[top]:+.1f}% "
+        f"(target <= 5%)"
+    )
     if args.json:
-        args.json.write_text(json.dumps({
-            "device": args.device, "dtype": args.dtype, "repeats": args.repeats, "ttft_s": times,
-            "median_s": med, "save_overhead": slow, "save_path_share": share,
-            "load_wait_s": load_wait, "targets": targets,
-            "threads": torch.get_num_threads(),
-        }, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": args.device,
+                    "dtype": args.dtype,
+                    "repeats": args.repeats,
+                    "ttft_s": times,
+                    "median_s": med,
+                    "save_overhead": slow,
+                    "save_path_share": share,
+                    "load_wait_s": load_wait,
+                    "targets": targets,
+                    "threads": torch.get_num_threads(),
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -30,12 +30,14 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.process_group import stop_group  # noqa: E402
-from engine.model_source import resolve_model_dir  # noqa: E402
+from benchmarks.process_group import stop_group
+from engine.model_source import resolve_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_VENV = Path(os.environ.get("UCM_VLLM_VENV") or
-                    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ucm-peers" / "vllm-venv")
+DEFAULT_VENV = Path(
+    os.environ.get("UCM_VLLM_VENV")
+    or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ucm-peers" / "vllm-venv"
+)
 INSTALL_HINT = "bash benchmarks/peers/install_ucm_vllm_plugin.sh (make test runs it)"
 TOKEN_LO, TOKEN_HI = 1000, 40000  # plain word pieces: no special tokens in synthetic prompts
 
@@ -55,8 +57,18 @@ class StoreDaemon:
     """`ucm-serve store` on a free port, DRAM only, in this venv."""
 
     def __init__(self, dram: str = "1GiB") -> None:
-        cmd = [sys.executable, "-c", "import sys; from ucm.daemon_cli import main; sys.exit(main(sys.argv[1:]))",
-               "--bind", "tcp://127.0.0.1:0", "--dram", dram, "--insecure", "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from ucm.daemon_cli import main; sys.exit(main(sys.argv[1:]))",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--dram",
+            dram,
+            "--insecure",
+            "--log-level",
+            "WARNING",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO)
         self.address = self._wait_ready(30.0)
 
@@ -92,14 +104,21 @@ class StoreDaemon:
 
 
 def ucm_transfer_config(store_address: str) -> dict:
-    return {"kv_connector": "UCMConnector", "kv_connector_module_path": "connector.vllm_plugin",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": store_address}}
+    return {
+        "kv_connector": "UCMConnector",
+        "kv_connector_module_path": "connector.vllm_plugin",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": store_address},
+    }
 
 
 def example_transfer_config(folder: Path) -> dict:
-    return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(folder)},
+    }
 
 
 @dataclass
@@ -128,22 +147,52 @@ class VllmServer:
             raise RuntimeError(f"no vLLM at {self.venv}: run {INSTALL_HINT}")
         self.port = free_port()
         cores = os.cpu_count() or 1
-        preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                               str(self.venv / "lib" / "libiomp5.so")) if Path(p).exists()]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-               "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               **({"LD_PRELOAD": ":".join(preload)} if preload else {})}
+        preload = [
+            p
+            for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(self.venv / "lib" / "libiomp5.so"))
+            if Path(p).exists()
+        ]
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            **({"LD_PRELOAD": ":".join(preload)} if preload else {}),
+        }
         if self.eager:
             env["VLLM_CPU_CI_ENV"] = "1"
         env.pop("VIRTUAL_ENV", None)
-        argv = [str(vllm), "serve", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-                "--dtype", self.dtype, "--max-model-len", "4096", "--enable-prefix-caching",
-                "--served-model-name", "m", "--kv-transfer-config", json.dumps(self.transfer_config)]
+        argv = [
+            str(vllm),
+            "serve",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            "4096",
+            "--enable-prefix-caching",
+            "--served-model-name",
+            "m",
+            "--kv-transfer-config",
+            json.dumps(self.transfer_config),
+        ]
         t0 = time.perf_counter()
         # Its own session, so stop() ends vLLM's engine-core child too; cwd outside the repo so vLLM imports
         # our package from where the install script put it, as a user's vLLM would.
-        self.proc = subprocess.Popen(argv, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=tempfile.gettempdir())
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self.log_path.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=tempfile.gettempdir(),
+        )
         with httpx.Client(base_url=self.url, timeout=5) as client:
             while time.perf_counter() - t0 < timeout_s:
                 if self.proc.poll() is not None:
@@ -181,8 +230,14 @@ class Completion:
 
 def complete(url: str, prompt: list[int], max_tokens: int = 16) -> Completion:
     """One greedy streamed completion; TTFT is the time to the first chunk carrying text."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     t0 = time.perf_counter()
     ttft, parts = None, []
     with httpx.Client(base_url=url, timeout=600) as client, client.stream("POST", "/v1/completions", json=body) as r:
@@ -233,8 +288,9 @@ class Row:
     startup_s: float
 
 
-def measure(name: str, transfer_config: dict, model_dir: Path, prompt: list[int], out_dir: Path, dtype: str,
-            eager: bool) -> Row:
+def measure(
+    name: str, transfer_config: dict, model_dir: Path, prompt: list[int], out_dir: Path, dtype: str, eager: bool
+) -> Row:
     with VllmServer(model_dir, transfer_config, out_dir / f"vllm_{name}_1.log", dtype=dtype, eager=eager) as first:
         complete(first.url, synthetic_prompt(64, seed=99), 4)  # warm-up on another prompt
         cold = complete(first.url, prompt)
@@ -245,8 +301,15 @@ def measure(name: str, transfer_config: dict, model_dir: Path, prompt: list[int]
         before = external_tokens(second.url)
         loaded = complete(second.url, prompt)
         ext = external_tokens(second.url) - before
-    return Row(name, cold.ttft_s * 1e3, hit.ttft_s * 1e3, loaded.ttft_s * 1e3, ext,
-               cold.text == hit.text == loaded.text, startup)
+    return Row(
+        name,
+        cold.ttft_s * 1e3,
+        hit.ttft_s * 1e3,
+        loaded.ttft_s * 1e3,
+        ext,
+        cold.text == hit.text == loaded.text,
+        startup,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,26 +328,49 @@ def main(argv: list[str] | None = None) -> int:
         if name == "ucm":
             store = StoreDaemon()
             try:
-                rows.append(measure(name, ucm_transfer_config(store.address), model_dir, prompt, out_dir, args.dtype,
-                                    not args.compile))
+                rows.append(
+                    measure(
+                        name,
+                        ucm_transfer_config(store.address),
+                        model_dir,
+                        prompt,
+                        out_dir,
+                        args.dtype,
+                        not args.compile,
+                    )
+                )
             finally:
                 store.stop()
         else:
             folder = out_dir / "example_kv"
             folder.mkdir()
-            rows.append(measure(name, example_transfer_config(folder), model_dir, prompt, out_dir, args.dtype,
-                                not args.compile))
+            rows.append(
+                measure(name, example_transfer_config(folder), model_dir, prompt, out_dir, args.dtype, not args.compile)
+            )
     mode = "Inductor" if args.compile else "eager"
-    print(f"vLLM-CPU ({mode}), SmolLM2-135M {args.dtype}, {args.prompt_tokens}-token prompt, TTFT in ms "
-          f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores; logs in {out_dir})")
+    print(
+        f"vLLM-CPU ({mode}), SmolLM2-135M {args.dtype}, {args.prompt_tokens}-token prompt, TTFT in ms "
+        f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores; logs in {out_dir})"
+    )
     print(f"{'connector':<10}{'cold':>10}{'device hit':>12}{'loaded':>10}{'ext tokens':>12}{'same text':>11}")
     for r in rows:
-        print(f"{r.connector:<10}{r.cold_ttft_ms:>10.0f}{r.device_hit_ttft_ms:>12.0f}{r.loaded_ttft_ms:>10.0f}"
-              f"{r.loaded_external_tokens:>12.0f}{str(r.outputs_equal):>11}")
+        print(
+            f"{r.connector:<10}{r.cold_ttft_ms:>10.0f}{r.device_hit_ttft_ms:>12.0f}{r.loaded_ttft_ms:>10.0f}"
+            f"{r.loaded_external_tokens:>12.0f}{r.outputs_equal!s:>11}"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "dtype": args.dtype, "mode": mode,
-                                               "rows": [asdict(r) for r in rows]}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "prompt_tokens": args.prompt_tokens,
+                    "dtype": args.dtype,
+                    "mode": mode,
+                    "rows": [asdict(r) for r in rows],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

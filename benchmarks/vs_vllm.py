@@ -38,10 +38,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.serve import Req, one_request, run_workload, summarize  # noqa: E402
-from benchmarks.vllm_plugin_ttft import DEFAULT_VENV  # noqa: E402  (one rule: $UCM_VLLM_VENV or the cache dir)
-from benchmarks.process_group import stop_group  # noqa: E402
-from engine.model_source import resolve_model_dir  # noqa: E402
+from benchmarks.process_group import stop_group
+from benchmarks.serve import Req, one_request, run_workload, summarize
+from benchmarks.vllm_plugin_ttft import DEFAULT_VENV
+from engine.model_source import resolve_model_dir
 
 UCM_NAME = "smollm2-135m"
 TOKEN_LO, TOKEN_HI = 1000, 40000  # plain word pieces: no special tokens in synthetic prompts
@@ -65,8 +65,13 @@ class Server:
     def start(self, url: str, out_dir: Path, timeout_s: float) -> float:
         self.log_path = out_dir / f"server_{self.name}.log"
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.argv, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self.log_path.open("w"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
         with httpx.Client(base_url=url, timeout=5) as client:
             while time.perf_counter() - t0 < timeout_s:
                 if self.proc.poll() is not None:
@@ -101,7 +106,12 @@ def cpu_description() -> dict[str, object]:
             elif line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
     isa = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
-    return {"model": model, "isa": isa, "cores": os.cpu_count(), "native_bf16": bool({"avx512_bf16", "amx_bf16"} & flags)}
+    return {
+        "model": model,
+        "isa": isa,
+        "cores": os.cpu_count(),
+        "native_bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
+    }
 
 
 def vllm_dtype(cpu: dict[str, object]) -> str:
@@ -113,17 +123,40 @@ def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object]) -
     ucm = [sys.executable, "-m", "launch.cli", "up", "--port", str(args.port)]
     venv = Path(args.vllm_venv)
     cores = os.cpu_count() or 1
-    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(venv / "lib" / "libiomp5.so"))
-               if Path(p).exists()]
-    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-                "VLLM_HOST_IP": "127.0.0.1", **({"LD_PRELOAD": ":".join(preload)} if preload else {})}
+    preload = [
+        p
+        for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(venv / "lib" / "libiomp5.so"))
+        if Path(p).exists()
+    ]
+    vllm_env = {
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+        "VLLM_HOST_IP": "127.0.0.1",
+        **({"LD_PRELOAD": ":".join(preload)} if preload else {}),
+    }
     return {
         "ucm-up": Server("ucm-up", ucm, UCM_NAME),
         "ucm-disagg": Server("ucm-disagg", [*ucm, "--topology", "disagg"], UCM_NAME),
         "ucm-colocated": Server("ucm-colocated", [*ucm, "--topology", "colocated"], UCM_NAME),
-        "vllm": Server("vllm", [str(venv / "bin" / "vllm"), "serve", str(model_dir), "--host", "127.0.0.1",
-                                "--port", str(args.port), "--dtype", args.vllm_dtype or vllm_dtype(cpu),
-                                "--max-model-len", "4096", "--enable-prefix-caching"], str(model_dir), vllm_env),
+        "vllm": Server(
+            "vllm",
+            [
+                str(venv / "bin" / "vllm"),
+                "serve",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(args.port),
+                "--dtype",
+                args.vllm_dtype or vllm_dtype(cpu),
+                "--max-model-len",
+                "4096",
+                "--enable-prefix-caching",
+            ],
+            str(model_dir),
+            vllm_env,
+        ),
     }
 
 
@@ -139,21 +172,53 @@ def random_reqs(seed: int, n: int = 32, prompt_len: int = 512, out_len: int = 64
     return [Req(_ids(rng, prompt_len), out_len) for _ in range(n)]
 
 
-def prefix_rep_reqs(seed: int, n: int = 32, prefixes: int = 4, prefix_len: int = 1024, suffix_len: int = 128,
-                    out_len: int = 64) -> list[Req]:
+def prefix_rep_reqs(
+    seed: int, n: int = 32, prefixes: int = 4, prefix_len: int = 1024, suffix_len: int = 128, out_len: int = 64
+) -> list[Req]:
     rng = random.Random(seed)
     heads = [_ids(rng, prefix_len) for _ in range(prefixes)]
     return [Req(heads[rng.randrange(prefixes)] + _ids(rng, suffix_len), out_len) for _ in range(n)]
 
 
 VLLM_CLIENT_ARGS = {
-    "random": ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "64",
-               "--num-prompts", "32", "--max-concurrency", "8"],
-    "prefix-rep": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
-                   "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "4",
-                   "--prefix-repetition-output-len", "64", "--num-prompts", "32"],
-    "warm": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "16",
-             "--num-prompts", "8", "--max-concurrency", "4"],
+    "random": [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "512",
+        "--random-output-len",
+        "64",
+        "--num-prompts",
+        "32",
+        "--max-concurrency",
+        "8",
+    ],
+    "prefix-rep": [
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        "1024",
+        "--prefix-repetition-suffix-len",
+        "128",
+        "--prefix-repetition-num-prefixes",
+        "4",
+        "--prefix-repetition-output-len",
+        "64",
+        "--num-prompts",
+        "32",
+    ],
+    "warm": [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "256",
+        "--random-output-len",
+        "16",
+        "--num-prompts",
+        "8",
+        "--max-concurrency",
+        "4",
+    ],
 }
 OWN_CLIENT = {  # the same shapes for our generator: (requests, concurrency)
     "random": (lambda seed: random_reqs(seed), 8),
@@ -162,34 +227,73 @@ OWN_CLIENT = {  # the same shapes for our generator: (requests, concurrency)
 }
 
 
-def run_vllm_client(args: argparse.Namespace, srv: Server, url: str, model_dir: Path, workload: str, seed: int,
-                    out_dir: Path) -> dict:
+def run_vllm_client(
+    args: argparse.Namespace, srv: Server, url: str, model_dir: Path, workload: str, seed: int, out_dir: Path
+) -> dict:
     """`vllm bench serve` (vLLM's own client); its result JSON in our summary's shape."""
     result = out_dir / f"{srv.name}__{workload}_{seed}.json"
-    argv = [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url,
-            "--model", str(model_dir), "--tokenizer", str(model_dir), "--served-model-name", srv.served_name,
-            "--ignore-eos", "--seed", str(seed), "--request-rate", "inf", "--disable-tqdm",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--save-result", "--result-dir", str(out_dir), "--result-filename", result.name,
-            *VLLM_CLIENT_ARGS[workload]]
+    argv = [
+        str(Path(args.vllm_venv) / "bin" / "vllm"),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--model",
+        str(model_dir),
+        "--tokenizer",
+        str(model_dir),
+        "--served-model-name",
+        srv.served_name,
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--request-rate",
+        "inf",
+        "--disable-tqdm",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        result.name,
+        *VLLM_CLIENT_ARGS[workload],
+    ]
     log = out_dir / f"{srv.name}__{workload}_{seed}.txt"
     proc = subprocess.run(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **srv.env})
     if proc.returncode != 0 or not result.exists():
         return {"completed": 0, "failed": -1, "error": log.read_text()[-500:]}
     d = json.loads(result.read_text())
     num = d.get("num_prompts") or len(d.get("ttfts", [])) or d["completed"]
-    return {"completed": d["completed"], "failed": num - d["completed"], "duration_s": d["duration"],
-            "output_tok_per_s": d["output_throughput"], "ttft_mean_ms": d["mean_ttft_ms"],
-            "ttft_p99_ms": d["p99_ttft_ms"], "tpot_mean_ms": d["mean_tpot_ms"]}
+    return {
+        "completed": d["completed"],
+        "failed": num - d["completed"],
+        "duration_s": d["duration"],
+        "output_tok_per_s": d["output_throughput"],
+        "ttft_mean_ms": d["mean_ttft_ms"],
+        "ttft_p99_ms": d["p99_ttft_ms"],
+        "tpot_mean_ms": d["mean_tpot_ms"],
+    }
 
 
 def run_own_client(srv: Server, url: str, workload: str, seed: int) -> dict:
     make, concurrency = OWN_CLIENT[workload]
     results, duration = asyncio.run(run_workload(url, make(seed), concurrency, float("inf"), seed, srv.served_name))
     s = summarize(results, duration)
-    return {"completed": s["completed"], "failed": s["failed"], "duration_s": duration,
-            "output_tok_per_s": s["output_tok_per_s"], "ttft_mean_ms": s["ttft_ms"]["mean"],
-            "ttft_p99_ms": s["ttft_ms"]["p99"], "tpot_mean_ms": s["tpot_ms"]["mean"], "errors": s["errors"]}
+    return {
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "duration_s": duration,
+        "output_tok_per_s": s["output_tok_per_s"],
+        "ttft_mean_ms": s["ttft_ms"]["mean"],
+        "ttft_p99_ms": s["ttft_ms"]["p99"],
+        "tpot_mean_ms": s["tpot_ms"]["mean"],
+        "errors": s["errors"],
+    }
 
 
 async def ttft_probe(url: str, model: str, seed: int, tokens: int = 2048, repeats: int = 3) -> list[float]:
@@ -225,9 +329,12 @@ def bench_server(args: argparse.Namespace, srv: Server, model_dir: Path, out_dir
             rnd, rep = run("random", 200 + r), run("prefix-rep", 400 + r)
             probe = asyncio.run(ttft_probe(url, srv.served_name, 500 + r))
             row["runs"].append({"random": rnd, "prefix-rep": rep, "ttft_2048_ms": probe})
-            print(f"   run {r}: random {rnd['completed']}/32 {rnd.get('output_tok_per_s', 0):.1f} tok/s; "
-                  f"prefix-rep {rep['completed']}/32 TTFT {rep.get('ttft_mean_ms', float('nan')):.0f} ms; "
-                  f"2048 TTFT {' / '.join(f'{t:.0f}' for t in probe)} ms", flush=True)
+            print(
+                f"   run {r}: random {rnd['completed']}/32 {rnd.get('output_tok_per_s', 0):.1f} tok/s; "
+                f"prefix-rep {rep['completed']}/32 TTFT {rep.get('ttft_mean_ms', float('nan')):.0f} ms; "
+                f"2048 TTFT {' / '.join(f'{t:.0f}' for t in probe)} ms",
+                flush=True,
+            )
     finally:
         srv.stop()
     return row
@@ -249,8 +356,15 @@ def best(row: dict) -> dict[str, float]:
 
 def print_table(cpu: dict[str, object], table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     print(f"\nCPU: {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['isa'])})")
-    metrics = ["startup_s", "random_out_tok_s", "random_completed", "prefix_rep_completed", "prefix_rep_ttft_mean_ms",
-               "cold_ttft_ms", "repeat_ttft_ms"]
+    metrics = [
+        "startup_s",
+        "random_out_tok_s",
+        "random_completed",
+        "prefix_rep_completed",
+        "prefix_rep_ttft_mean_ms",
+        "cold_ttft_ms",
+        "repeat_ttft_ms",
+    ]
     names = list(table)
     print(f"{'metric':<26}" + "".join(f"{n:>16}" for n in names))
     for m in metrics:
@@ -274,12 +388,17 @@ def print_table(cpu: dict[str, object], table: dict[str, dict[str, float]]) -> d
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", nargs="+", default=["ucm-up", "vllm"],
-                    choices=["ucm-up", "ucm-disagg", "ucm-colocated", "vllm"])
+    ap.add_argument(
+        "--servers", nargs="+", default=["ucm-up", "vllm"], choices=["ucm-up", "ucm-disagg", "ucm-colocated", "vllm"]
+    )
     ap.add_argument("--vllm-venv", default=str(DEFAULT_VENV), help="venv with vLLM-CPU (make bench-vllm)")
     ap.add_argument("--vllm-dtype", default=None, help="default: bf16 with native bf16, else float32")
-    ap.add_argument("--client", choices=["auto", "vllm", "own"], default="auto",
-                    help="auto: `vllm bench serve` when the vLLM venv exists")
+    ap.add_argument(
+        "--client",
+        choices=["auto", "vllm", "own"],
+        default="auto",
+        help="auto: `vllm bench serve` when the vLLM venv exists",
+    )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--port", type=int, default=8021)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
@@ -302,8 +421,18 @@ def main(argv: list[str] | None = None) -> int:
     ratios = print_table(cpu, table)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"cpu": cpu, "vllm_dtype": args.vllm_dtype or vllm_dtype(cpu),
-                                               "table": table, "ratios": ratios, "rows": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "cpu": cpu,
+                    "vllm_dtype": args.vllm_dtype or vllm_dtype(cpu),
+                    "table": table,
+                    "ratios": ratios,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -66,7 +66,7 @@ class KVConnectorScheduler(ABC):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A request ended. Returns (free blocks only later, kv_transfer_params for the next hop)."""
 
-    def close(self) -> None:  # noqa: B027 — additive, optional: not every connector holds resources
+    def close(self) -> None:
         """The engine shuts down (called once, after the last step); release store connections."""
 
 
@@ -115,5 +115,5 @@ class KVConnectorWorker(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device block ids whose load failed since the last call; the scheduler recomputes them."""
 
-    def close(self) -> None:  # noqa: B027 — additive, optional: not every connector holds resources
+    def close(self) -> None:
         """The engine shuts down (called once, after the last step); release store connections."""

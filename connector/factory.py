@@ -58,17 +58,27 @@ def open_store(spec: StoreSpec, stats: ConnectorStats | None = None) -> KVStore:
         assert spec.address is not None, "a daemon spec has an address"
         auth = ClientAuth.from_dir(spec.curve_keys, spec.curve_client) if spec.curve_keys else None
         data_timeout = spec.timeout_s if spec.timeout_s is not None else DAEMON_TIMEOUT_S
-        return StoreClient(spec.address, timeout_s=data_timeout, control_timeout_s=min(data_timeout, CONTROL_TIMEOUT_S),
-                           auth=auth, breaker=BreakerConfig(),
-                           on_breaker_change=stats.absorb_breaker if stats is not None else None)
+        return StoreClient(
+            spec.address,
+            timeout_s=data_timeout,
+            control_timeout_s=min(data_timeout, CONTROL_TIMEOUT_S),
+            auth=auth,
+            breaker=BreakerConfig(),
+            on_breaker_change=stats.absorb_breaker if stats is not None else None,
+        )
     from ucm.store import Store
     from ucm.store_config import StoreConfig
 
     with _embedded_lock:
         store = _embedded.get(spec)
         if store is None:
-            config = StoreConfig(dram_bytes=spec.dram_bytes, disk_path=spec.disk_path, disk_bytes=spec.disk_bytes,
-                                 policy=spec.policy, disk_policy=spec.disk_policy)
+            config = StoreConfig(
+                dram_bytes=spec.dram_bytes,
+                disk_path=spec.disk_path,
+                disk_bytes=spec.disk_bytes,
+                policy=spec.policy,
+                disk_policy=spec.disk_policy,
+            )
             store = _embedded[spec] = Store(config)
             log.info("embedded KV store opened (%s)", config)
         return store
@@ -101,15 +111,28 @@ class UCMDirectConnector:
     stats: ConnectorStats
 
     @classmethod
-    def create(cls, kv_store: str, role: KVConnectorRole | str | None, block_size: int, *,
-               save_decode_blocks: bool = True, recompute_last_token_only: bool = True) -> UCMDirectConnector:
+    def create(
+        cls,
+        kv_store: str,
+        role: KVConnectorRole | str | None,
+        block_size: int,
+        *,
+        save_decode_blocks: bool = True,
+        recompute_last_token_only: bool = True,
+    ) -> UCMDirectConnector:
         spec = StoreSpec.parse(kv_store)
         kv_role = parse_role(role)
         stats = ConnectorStats()
         store = open_store(spec, stats)
-        scheduler = UCMSchedulerConnector(store, kv_role, block_size, stats, save_decode_blocks=save_decode_blocks,
-                                          recompute_last_token_only=recompute_last_token_only,
-                                          store_address=spec.display)
+        scheduler = UCMSchedulerConnector(
+            store,
+            kv_role,
+            block_size,
+            stats,
+            save_decode_blocks=save_decode_blocks,
+            recompute_last_token_only=recompute_last_token_only,
+            store_address=spec.display,
+        )
         worker = UCMWorkerConnector(store, kv_role, stats, owns_store=spec.kind is StoreKind.DAEMON)
         return cls(scheduler, worker, store, spec, stats)
 
@@ -118,8 +141,9 @@ class UCMDirectConnector:
         self.worker.close()
 
 
-def make_connector(kv_store: str, role: KVConnectorRole | str | None, engine_config: Any, model_config: Any,
-                   fingerprint: str) -> tuple[Any, Any]:
+def make_connector(
+    kv_store: str, role: KVConnectorRole | str | None, engine_config: Any, model_config: Any, fingerprint: str
+) -> tuple[Any, Any]:
     """(scheduler side, worker side) for `kv_store`; `recording[+SPEC]` wraps them in call recorders."""
     del model_config, fingerprint  # block keys come with each request; the layout comes from register_kv_caches
     if kv_store.startswith(RECORDING_PREFIX):
@@ -127,7 +151,11 @@ def make_connector(kv_store: str, role: KVConnectorRole | str | None, engine_con
 
         inner = kv_store.removeprefix(RECORDING_PREFIX).removeprefix("+") or "embedded"
         return make_recording_connector(make_connector(inner, role, engine_config, None, ""))
-    conn = UCMDirectConnector.create(kv_store, role, engine_config.block_size,
-                                     save_decode_blocks=engine_config.kv_save_decode_blocks,
-                                     recompute_last_token_only=engine_config.kv_recompute_last_token_only)
+    conn = UCMDirectConnector.create(
+        kv_store,
+        role,
+        engine_config.block_size,
+        save_decode_blocks=engine_config.kv_save_decode_blocks,
+        recompute_last_token_only=engine_config.kv_recompute_last_token_only,
+    )
     return conn.scheduler, conn.worker

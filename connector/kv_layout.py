@@ -27,10 +27,12 @@ class KVLayout:
     def from_caches(cls, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> KVLayout:
         if not kv_caches:
             raise ValueError("kv_caches is empty: expected one (k_cache, v_cache) pair per layer")
-        k0, v0 = kv_caches[0]
+        k0, _v0 = kv_caches[0]
         for i, (k, v) in enumerate(kv_caches):
             if k.dim() != 4 or k.shape != k0.shape or v.shape != k0.shape or k.dtype != k0.dtype:
-                raise ValueError(f"layer {i}: caches {tuple(k.shape)}/{tuple(v.shape)} differ from layer 0 {tuple(k0.shape)}")
+                raise ValueError(
+                    f"layer {i}: caches {tuple(k.shape)}/{tuple(v.shape)} differ from layer 0 {tuple(k0.shape)}"
+                )
             if not (k.is_contiguous() and v.is_contiguous()):
                 raise ValueError(f"layer {i}: paged caches must be contiguous")
         _, bs, h, d = k0.shape
@@ -80,8 +82,14 @@ def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.T
     dst[:, 1].copy_(gather_blocks(v_cache, block_ids))
 
 
-def unpack_blocks(src: StagingBuffer, rows: torch.Tensor, n: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  block_ids: torch.Tensor) -> None:
+def unpack_blocks(
+    src: StagingBuffer,
+    rows: torch.Tensor,
+    n: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+) -> None:
     """Write payload rows `rows` (of the first n) of `src` into cache blocks `block_ids` of one layer."""
     staged = src.blocks(n)
     if rows.numel() != n:

@@ -99,7 +99,9 @@ def warn_limited(last_warned: float, msg: str, *args: object) -> float:
 def store_failed(stats: ConnectorStats, what: str, exc: Exception, last_warned: float) -> float:
     """Count a store call that raised and log it (rate-limited); returns when it last warned."""
     stats.store_errors += 1
-    return warn_limited(last_warned, "KV store %s failed (%s: %s); continuing without it", what, type(exc).__name__, exc)
+    return warn_limited(
+        last_warned, "KV store %s failed (%s: %s); continuing without it", what, type(exc).__name__, exc
+    )
 
 
 def failed_rows(task: StoreTask | None, n: int, timeout: float) -> tuple[set[int], bool]:

@@ -117,8 +117,9 @@ class RecordingWorker(KVConnectorWorker):
         return getattr(self.inner, name)
 
 
-def make_recording_connector(inner: tuple[KVConnectorScheduler, KVConnectorWorker],
-                             log: CallLog | None = None) -> tuple[RecordingScheduler, RecordingWorker]:
+def make_recording_connector(
+    inner: tuple[KVConnectorScheduler, KVConnectorWorker], log: CallLog | None = None
+) -> tuple[RecordingScheduler, RecordingWorker]:
     log = log if log is not None else CallLog()
     return RecordingScheduler(inner[0], log), RecordingWorker(inner[1], log)
 
@@ -158,7 +159,7 @@ def check_lifecycle(events: list[Call], num_layers: int) -> list[str]:
         got = [e.method if e.layer is None else f"{e.method}:{e.layer}" for e in events[i : i + len(expected)]]
         if got != expected:
             bad = next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-            problems.append(f"step {step}: at call {bad} expected {expected[bad:bad + 3]}, got {got[bad:bad + 3]}")
+            problems.append(f"step {step}: at call {bad} expected {expected[bad : bad + 3]}, got {got[bad : bad + 3]}")
             return problems
         forward_steps += bool(layers)
         i += len(expected)

@@ -51,14 +51,21 @@ class StoreSpec:
             opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
             known = {"timeout_s", "curve_keys", "curve_client"}
             if set(opts) - known:
-                raise ValueError(f"unknown daemon option(s) {sorted(set(opts) - known)} in {text!r}; known: {sorted(known)}")
+                raise ValueError(
+                    f"unknown daemon option(s) {sorted(set(opts) - known)} in {text!r}; known: {sorted(known)}"
+                )
             timeout = float(opts["timeout_s"]) if "timeout_s" in opts else None
             if timeout is not None and not timeout > 0:
                 raise ValueError(f"timeout_s must be positive in {text!r}")
             if "curve_client" in opts and not opts.get("curve_keys"):
                 raise ValueError(f"curve_client needs curve_keys in {text!r}")
-            return cls(StoreKind.DAEMON, address=address, timeout_s=timeout, curve_keys=opts.get("curve_keys") or None,
-                       curve_client=opts.get("curve_client") or "client")
+            return cls(
+                StoreKind.DAEMON,
+                address=address,
+                timeout_s=timeout,
+                curve_keys=opts.get("curve_keys") or None,
+                curve_client=opts.get("curve_client") or "client",
+            )
         head, _, query = text.partition("?")
         if head != "embedded":
             raise ValueError(f"kv_store must be 'embedded[?options]', 'tcp://HOST:PORT' or 'ipc://PATH', got {text!r}")

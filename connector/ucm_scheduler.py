@@ -39,14 +39,24 @@ class _Progress:
 
 def block_refs(request: Any, start: int, stop: int) -> list[BlockRef]:
     """BlockRefs of blocks [start, stop) of a request (key, parent key, the block's token ids)."""
-    return [BlockRef(request.block_keys[i], request.block_parent_key(i), request.block_token_ids(i))
-            for i in range(start, stop)]
+    return [
+        BlockRef(request.block_keys[i], request.block_parent_key(i), request.block_token_ids(i))
+        for i in range(start, stop)
+    ]
 
 
 class UCMSchedulerConnector(KVConnectorScheduler):
-    def __init__(self, store: KVStore, role: KVConnectorRole, block_size: int, stats: ConnectorStats, *,
-                 save_decode_blocks: bool = True, recompute_last_token_only: bool = True,
-                 store_address: str = "embedded") -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        role: KVConnectorRole,
+        block_size: int,
+        stats: ConnectorStats,
+        *,
+        save_decode_blocks: bool = True,
+        recompute_last_token_only: bool = True,
+        store_address: str = "embedded",
+    ) -> None:
         """`recompute_last_token_only`: when every block of a block-aligned prompt is stored, load them all and
         compute only the last token (its KV slot is rewritten with the same values) instead of its whole block."""
         if block_size <= 0:
@@ -103,8 +113,10 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             return
         num = -(-num_external_tokens // self.block_size)  # a partial last block is loaded whole
         if num > pending.num_blocks or (num_external_tokens % self.block_size and num != pending.num_blocks):
-            raise ValueError(f"num_external_tokens {num_external_tokens} does not match the "
-                             f"{pending.num_blocks} blocks offered for {request.request_id}")
+            raise ValueError(
+                f"num_external_tokens {num_external_tokens} does not match the "
+                f"{pending.num_blocks} blocks offered for {request.request_id}"
+            )
         stop = pending.start_block + num
         if len(block_ids) < stop:
             raise ValueError(f"{request.request_id}: {len(block_ids)} device blocks, external blocks end at {stop}")
@@ -138,8 +150,9 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         for view in scheduled:
             req = view.request
             first = view.num_computed_tokens // bs
-            stop = min((view.num_computed_tokens + view.num_scheduled_tokens) // bs, len(req.block_keys),
-                       len(view.block_ids))
+            stop = min(
+                (view.num_computed_tokens + view.num_scheduled_tokens) // bs, len(req.block_keys), len(view.block_ids)
+            )
             if not self.save_decode_blocks:
                 stop = min(stop, len(req.prompt_token_ids) // bs)
             if stop > first:
@@ -206,8 +219,11 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         ours = [key.hex() for key in request.block_keys[: len(theirs)]]
         if ours != list(theirs[: len(ours)]):
             self.stats.key_mismatches += 1
-            log.warning("request %s: the producer's block keys differ from this engine's (model, dtype, block "
-                        "size or cache_salt differ?); its KV cannot be reused", request.request_id)
+            log.warning(
+                "request %s: the producer's block keys differ from this engine's (model, dtype, block "
+                "size or cache_salt differ?); its KV cannot be reused",
+                request.request_id,
+            )
 
     def _store_skipped(self) -> bool:
         """A daemon client's circuit breaker is open: the store did not answer and is being probed."""

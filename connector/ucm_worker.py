@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 TASK_TIMEOUT_S = 60.0
 
 
-
 @dataclass
 class _StepLoads:
     """This step's loads flattened into one list of rows (request after request, each in prefix order)."""
@@ -46,8 +45,15 @@ class _StepLoads:
 
 
 class UCMWorkerConnector(KVConnectorWorker):
-    def __init__(self, store: KVStore, role: KVConnectorRole, stats: ConnectorStats, *, owns_store: bool = False,
-                 task_timeout_s: float = TASK_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        role: KVConnectorRole,
+        stats: ConnectorStats,
+        *,
+        owns_store: bool = False,
+        task_timeout_s: float = TASK_TIMEOUT_S,
+    ) -> None:
         """`owns_store`: close the store with the connector (a daemon client; embedded stores are shared)."""
         super().__init__()
         self.store = store
@@ -103,8 +109,9 @@ class UCMWorkerConnector(KVConnectorWorker):
             first_rows.append(rows)
             rows += len(spec.blocks)
             ids.extend(spec.block_ids)
-        loads = _StepLoads(specs, first_rows, torch.tensor(ids, dtype=torch.long),
-                           [ref for spec in specs for ref in spec.blocks])
+        loads = _StepLoads(
+            specs, first_rows, torch.tensor(ids, dtype=torch.long), [ref for spec in specs for ref in spec.blocks]
+        )
         # Every layer at once: the store serves them in parallel. (Issuing layer 0 alone first, so that a disk
         # hit is read and promoted once, measured slower: the duplicate reads run on otherwise idle workers.)
         for layer in range(len(self._caches)):
@@ -135,8 +142,9 @@ class UCMWorkerConnector(KVConnectorWorker):
         if good:
             k_cache, v_cache = self._caches[layer]
             rows = torch.tensor(good, dtype=torch.long)
-            unpack_blocks(self._load_bufs[layer], rows, loads.num_rows, k_cache, v_cache,
-                          loads.device_ids.index_select(0, rows))
+            unpack_blocks(
+                self._load_bufs[layer], rows, loads.num_rows, k_cache, v_cache, loads.device_ids.index_select(0, rows)
+            )
             if k_cache.device.type == "cuda":
                 self._h2d_done = torch.cuda.Event()
                 self._h2d_done.record()
@@ -159,8 +167,13 @@ class UCMWorkerConnector(KVConnectorWorker):
             self._load_errors.update(spec.block_ids[ok:])
             if bad:
                 self._errored_requests.add(spec.request_id)
-                log.warning("request %s: load failed for %d of %d external blocks (from block %d); recomputing",
-                            spec.request_id, len(bad), len(spec.blocks), ok)
+                log.warning(
+                    "request %s: load failed for %d of %d external blocks (from block %d); recomputing",
+                    spec.request_id,
+                    len(bad),
+                    len(spec.blocks),
+                    ok,
+                )
         self._loads = None
 
     # ---- 6. saves ------------------------------------------------------------------------------------------
@@ -225,8 +238,12 @@ class UCMWorkerConnector(KVConnectorWorker):
         self.stats.bytes_saved += len(good) * self.layout.payload_nbytes * self.layout.num_layers
         self.stats.blocks_save_failed += len(bad)
         if bad:
-            self._warn_at = warn_limited(self._warn_at, "dropped the saves of %d of %d blocks (dump failed, store "
-                                         "unreachable or context load failed)", len(bad), len(blocks))
+            self._warn_at = warn_limited(
+                self._warn_at,
+                "dropped the saves of %d of %d blocks (dump failed, store unreachable or context load failed)",
+                len(bad),
+                len(blocks),
+            )
         self.stats.save_seconds += time.perf_counter() - t0
 
     # ---- 8. results ----------------------------------------------------------------------------------------

@@ -100,8 +100,9 @@ def cpu_attention_isa(vllm_config: VllmConfig) -> str:
 def key_scope(vllm_config: VllmConfig) -> VllmKeyScope:
     mc = vllm_config.model_config
     tag = layout_tag(vllm.__version__, CPU_BACKEND, cpu_attention_isa(vllm_config))
-    return VllmKeyScope(model_identity(mc.model, mc.revision), _cache_dtype(vllm_config),
-                        vllm_config.cache_config.block_size, tag)
+    return VllmKeyScope(
+        model_identity(mc.model, mc.revision), _cache_dtype(vllm_config), vllm_config.cache_config.block_size, tag
+    )
 
 
 def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
@@ -118,8 +119,10 @@ def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
     if vllm_config.model_config.is_multimodal_model:
         raise ValueError("UCMConnector does not support multimodal models yet: block keys do not include media")
     if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
-        raise ValueError(f"UCMConnector needs one KV cache group, this model has "
-                         f"{len(kv_cache_config.kv_cache_groups)} (hybrid/sliding-window models are not supported)")
+        raise ValueError(
+            f"UCMConnector needs one KV cache group, this model has "
+            f"{len(kv_cache_config.kv_cache_groups)} (hybrid/sliding-window models are not supported)"
+        )
 
 
 class UCMConnector(KVConnectorBase_V1):
@@ -136,13 +139,25 @@ class UCMConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         if role is VllmRole.SCHEDULER:
             if kvt.kv_load_failure_policy != "recompute":
-                log.warning("kv_load_failure_policy=%s: a failed store load fails its request; set \"recompute\" "
-                            "to recompute instead", kvt.kv_load_failure_policy)
+                log.warning(
+                    'kv_load_failure_policy=%s: a failed store load fails its request; set "recompute" '
+                    "to recompute instead",
+                    kvt.kv_load_failure_policy,
+                )
             scope = key_scope(vllm_config)
-            log.info("UCMConnector scheduler side: store %s, layout %s, block size %d", self._config.store.address,
-                     scope.layout_tag, scope.block_size)
-            self._scheduler = VllmSchedulerCore(_open_client(self._config.store), scope, self._kv_role, self._stats,
-                                                save_decode_blocks=self._config.save_decode_blocks)
+            log.info(
+                "UCMConnector scheduler side: store %s, layout %s, block size %d",
+                self._config.store.address,
+                scope.layout_tag,
+                scope.block_size,
+            )
+            self._scheduler = VllmSchedulerCore(
+                _open_client(self._config.store),
+                scope,
+                self._kv_role,
+                self._stats,
+                save_decode_blocks=self._config.save_decode_blocks,
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -152,8 +167,9 @@ class UCMConnector(KVConnectorBase_V1):
 
     def _track(self, request: Request) -> None:
         assert self._scheduler is not None, "scheduler hook on the worker side"
-        self._scheduler.track(request.request_id, lambda: request.all_token_ids, request.num_prompt_tokens,
-                              request.cache_salt)
+        self._scheduler.track(
+            request.request_id, lambda: request.all_token_ids, request.num_prompt_tokens, request.cache_salt
+        )
 
     def on_new_request(self, request: Request) -> None:
         try:
@@ -177,8 +193,11 @@ class UCMConnector(KVConnectorBase_V1):
             block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
             self._scheduler.after_alloc(request.request_id, block_ids, num_external_tokens)
         except Exception:
-            log.exception("request %s: cannot plan its load; its %d external tokens will be recomputed",
-                          request.request_id, num_external_tokens)
+            log.exception(
+                "request %s: cannot plan its load; its %d external tokens will be recomputed",
+                request.request_id,
+                num_external_tokens,
+            )
             try:
                 if num_external_tokens:
                     self._scheduler.poison(request.request_id, block_ids, num_external_tokens)
@@ -227,8 +246,13 @@ class UCMConnector(KVConnectorBase_V1):
         namespace = f"vllm:{scope_tag}:{len(names)}x{page}x{self._block_size}"
         worker.store = _open_client(self._config.store, layout, namespace)
         self._worker = worker
-        log.info("UCMConnector worker side: %d layers, %d blocks of %d bytes per layer, store %s", len(names),
-                 num_blocks, page, self._config.store.address)
+        log.info(
+            "UCMConnector worker side: %d layers, %d blocks of %d bytes per layer, store %s",
+            len(names),
+            num_blocks,
+            page,
+            self._config.store.address,
+        )
 
     def _check_layers(self, names: list[str]) -> None:
         """The attention layers must use the backend and ISA the scheduler side named in the keys."""
@@ -239,8 +263,9 @@ class UCMConnector(KVConnectorBase_V1):
             backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: CPU_BACKEND)()
             isa = getattr(layer, "isa", expect)
             if backend != CPU_BACKEND or isa != expect:
-                raise ValueError(f"layer {name}: attention {backend}/{isa}, but UCMConnector keys blocks as "
-                                 f"{CPU_BACKEND}/{expect}")
+                raise ValueError(
+                    f"layer {name}: attention {backend}/{isa}, but UCMConnector keys blocks as {CPU_BACKEND}/{expect}"
+                )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

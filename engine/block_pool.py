@@ -88,9 +88,7 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(
-        self, block: KVCacheBlock, key: BlockKey, parent_key: BlockKey, token_ids: tuple[int, ...]
-    ) -> bool:
+    def cache_block(self, block: KVCacheBlock, key: BlockKey, parent_key: BlockKey, token_ids: tuple[int, ...]) -> bool:
         """Register a full, computed block. False (and nothing changes) if the key is already cached:
         the duplicate then stays uncached and is simply reused once freed."""
         if not self.enable_caching:

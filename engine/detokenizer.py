@@ -30,7 +30,9 @@ class IncrementalDetokenizer:
         skip = self.params.skip_special_tokens
         for tok in new_token_ids:
             self.ids.append(tok)
-            prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+            prefix_text = self.tokenizer.decode(
+                self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip
+            )
             text = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
             if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
                 self.output_text += text[len(prefix_text) :]

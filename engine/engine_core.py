@@ -106,7 +106,9 @@ class EngineCore:
             connector=conn_sched,
             stats=self.stats_counters,
         )
-        self.runner = ModelRunner(loaded_model.model, self.kv_caches, bs, config.device, self.eos_token_ids, conn_worker)
+        self.runner = ModelRunner(
+            loaded_model.model, self.kv_caches, bs, config.device, self.eos_token_ids, conn_worker
+        )
         self._rng = random.Random(config.seed)
         self._arrival = itertools.count()
         self._parents: dict[str, _Parent] = {}
@@ -114,8 +116,11 @@ class EngineCore:
         self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
         logger.info(
             "engine: %d KV blocks x %d tokens (%.1f MiB, %s), max_model_len %d",
-            num_blocks, bs, num_blocks * self.model_config.kv_bytes_per_block(bs, self.dtype) / 2**20,
-            self.dtype_name, self.max_model_len,
+            num_blocks,
+            bs,
+            num_blocks * self.model_config.kv_bytes_per_block(bs, self.dtype) / 2**20,
+            self.dtype_name,
+            self.max_model_len,
         )
 
     def _resolve_max_model_len(self, kv_tokens: int) -> int:
@@ -154,10 +159,16 @@ class EngineCore:
             raise ValueError(f"request {request_id!r}: prompt token ids must be ints in [0, {vocab})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(
-            request_id, ids, params,
-            root_key=root_key(self.namespace, cache_salt), block_size=self.namespace.block_size,
-            arrival=next(self._arrival), seed=seed, priority=priority,
-            cache_salt=cache_salt, kv_transfer_params=kv_transfer_params,
+            request_id,
+            ids,
+            params,
+            root_key=root_key(self.namespace, cache_salt),
+            block_size=self.namespace.block_size,
+            arrival=next(self._arrival),
+            seed=seed,
+            priority=priority,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(req)  # validates the length
         self._parents[request_id] = _Parent(ids, params.n, prompt)

@@ -33,16 +33,25 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         params = SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
             max_tokens=args.max_tokens,
         )
         config = EngineConfig(
-            model=args.model, dtype=canonical_dtype(args.dtype), device=args.device,
+            model=args.model,
+            dtype=canonical_dtype(args.dtype),
+            device=args.device,
             cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
         )
         core = EngineCore(config)
         tok = core.tokenizer
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+        ids = (
+            tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+            if args.chat
+            else tok.encode(args.prompt)
+        )
         core.add_request("cli", ids, params)
     except (ValueError, FileNotFoundError) as e:
         print(f"ucm-serve generate: {e}", file=sys.stderr)

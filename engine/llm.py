@@ -84,9 +84,7 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
                 text, token_ids = self._tokenize(prompt)
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(
-                    rid, token_ids, params, priority=priority[i] if priority else 0, prompt=text
-                )
+                self.engine.add_request(rid, token_ids, params, priority=priority[i] if priority else 0, prompt=text)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)

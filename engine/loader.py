@@ -61,13 +61,19 @@ def load_model(
     if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
         log.warning(
             "%s uses a %d-token sliding window; attention here is full, so sequences are capped at %d tokens",
-            spec, config.sliding_window, config.max_model_len,
+            spec,
+            config.sliding_window,
+            config.max_model_len,
         )
     model = build_model(config, folder, dtype, device)
     fingerprint = model_fingerprint(folder, config)
     log.info(
         "loaded %s (%s, %d layers, %s on %s) in %.2f s",
-        spec, config.arch.value, config.num_layers, str(dtype).removeprefix("torch."), device,
+        spec,
+        config.arch.value,
+        config.num_layers,
+        str(dtype).removeprefix("torch."),
+        device,
         time.perf_counter() - start,
     )
     return LoadedModel(model, config, tokenizer, fingerprint, folder, dtype)

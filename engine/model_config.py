@@ -169,7 +169,7 @@ def _as_ids(value: Any) -> list[int]:
 
 def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
     params = cfg.get("rope_parameters") or {}
-    if "rope_scaling" in cfg and cfg["rope_scaling"]:
+    if cfg.get("rope_scaling"):
         params = {**params, **cfg["rope_scaling"]}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))

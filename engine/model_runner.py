@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
 from engine.kv_cache import KVCaches
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kernels.attention_metadata import AttentionMetadata
 
 
 class ModelRunner:

@@ -20,9 +20,7 @@ from pathlib import Path
 
 import xxhash
 
-# The cache-dir rule lives in kernels.cache_dir so kernels/ can share it without importing engine; `cache_dir` and
-# `CACHE_DIR_ENV` stay importable from here for existing callers.
-from kernels.cache_dir import CACHE_DIR_ENV, cache_dir  # noqa: F401
+from kernels.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -44,9 +44,7 @@ class SamplingRow:
 
 
 class Sampler:
-    def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), f"{tuple(logits.shape)} logits for {len(rows)} rows"
         logits = logits.float()
         num_logprobs = [r.params.logprobs for r in rows]

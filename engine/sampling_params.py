@@ -85,4 +85,3 @@ class SamplingParams:
     @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
-

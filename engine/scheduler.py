@@ -149,7 +149,9 @@ class Scheduler:
             # Prefill/recompute = every position except the newest output token (that one is a decode).
             req = s.request
             end = max(req.num_prompt_tokens, req.num_tokens - 1)
-            self.stats.computed_tokens += max(0, min(s.num_computed_tokens + s.num_scheduled_tokens, end) - s.num_computed_tokens)
+            self.stats.computed_tokens += max(
+                0, min(s.num_computed_tokens + s.num_scheduled_tokens, end) - s.num_computed_tokens
+            )
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
@@ -169,8 +171,9 @@ class Scheduler:
         """Waiting sequences in the order they may start, each with its device-cache prefix hit at this moment."""
         if self.policy is SchedulingPolicy.FCFS:
             return [(r, PrefixMatch()) for r in self.waiting]
-        matched = [(r, self.kv.get_computed_blocks(r) if r.num_computed_tokens == 0 else PrefixMatch())
-                   for r in self.waiting]
+        matched = [
+            (r, self.kv.get_computed_blocks(r) if r.num_computed_tokens == 0 else PrefixMatch()) for r in self.waiting
+        ]
         now = self._clock()
         matched.sort(key=lambda m: (
             m[0].priority,
@@ -311,7 +314,9 @@ class Scheduler:
                 req.stop_reason = token
                 self.finish_request(req, RequestStatus.FINISHED_STOPPED)
                 return
-        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= self.max_model_len:
+        if (
+            sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens
+        ) or req.num_tokens >= self.max_model_len:
             self.finish_request(req, RequestStatus.FINISHED_LENGTH)
 
     def check_integrity(self) -> None:

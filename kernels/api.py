@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.backend import AttentionBackend, CpuAttention, cpu_attention, select_backend
-from kernels.cpu import elementwise as native_elementwise
 from kernels.cpu import calibration, native
+from kernels.cpu import elementwise as native_elementwise
+from kernels.cpu import write_kv as native_write
 from kernels.cpu.calibration import Geometry, Plan, ShapeClass
 from kernels.cpu.native import NativeLib
-from kernels.cpu import write_kv as native_write
 from kernels.cpu.paged_attention import DTYPE_CODES as NATIVE_DTYPES
 from kernels.cpu.paged_attention import paged_attention_native, prefill_attention_native, supports
 from kernels.reference import (
@@ -296,9 +296,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     pass instead of a residual add and a norm."""
     _check_norm_weight(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(
-            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
-        )
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
     lib = _native_lib(native_elementwise.supports_rows(x, residual, weight))
     if lib is not None:
         return native_elementwise.fused_add_rms_norm_native(lib, x, residual, weight, eps)

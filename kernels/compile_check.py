@@ -27,46 +27,91 @@ def variants() -> list[Variant]:
     i32, f32 = "i32", "fp32"
     for dt in ("*bf16", "*fp16", "*fp32"):
         for group, head_dim, splits in ((1, 64, 1), (3, 64, 4), (8, 128, 1), (4, 128, 8)):
-            out.append(Variant(
-                f"decode {dt[1:]} g{group} d{head_dim} s{splits}",
-                "kernels.triton_decode_attention:_decode_kernel",
-                (dt, dt, dt, "*i32", "*i32", dt, "*fp32", "*fp32", f32) + (i32,) * 9,
-                dict(GROUP=group, NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=32,
-                     DOT_F32=dt == "*fp32", DOT_PRECISION="ieee"),
-            ))
+            out.append(
+                Variant(
+                    f"decode {dt[1:]} g{group} d{head_dim} s{splits}",
+                    "kernels.triton_decode_attention:_decode_kernel",
+                    (dt, dt, dt, "*i32", "*i32", dt, "*fp32", "*fp32", f32) + (i32,) * 9,
+                    dict(
+                        GROUP=group,
+                        NUM_SPLITS=splits,
+                        HEAD_DIM=head_dim,
+                        BLOCK_G=16,
+                        BLOCK_D=head_dim,
+                        BLOCK_N=32,
+                        DOT_F32=dt == "*fp32",
+                        DOT_PRECISION="ieee",
+                    ),
+                )
+            )
         for block_n in (64, 128):  # the larger tiles benchmarks/kernels.py sweeps
-            out.append(Variant(
-                f"decode {dt[1:]} g4 d128 s1 bn{block_n}",
-                "kernels.triton_decode_attention:_decode_kernel",
-                (dt, dt, dt, "*i32", "*i32", dt, "*fp32", "*fp32", f32) + (i32,) * 9,
-                dict(GROUP=4, NUM_SPLITS=1, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=block_n,
-                     DOT_F32=dt == "*fp32", DOT_PRECISION="ieee"),
-            ))
-        out.append(Variant(
-            f"merge {dt[1:]}", "kernels.triton_decode_attention:_merge_splits_kernel",
-            ("*fp32", "*fp32", dt, i32, i32), dict(NUM_SPLITS=8, HEAD_DIM=128, BLOCK_S=8, BLOCK_D=128),
-        ))
+            out.append(
+                Variant(
+                    f"decode {dt[1:]} g4 d128 s1 bn{block_n}",
+                    "kernels.triton_decode_attention:_decode_kernel",
+                    (dt, dt, dt, "*i32", "*i32", dt, "*fp32", "*fp32", f32) + (i32,) * 9,
+                    dict(
+                        GROUP=4,
+                        NUM_SPLITS=1,
+                        HEAD_DIM=128,
+                        BLOCK_G=16,
+                        BLOCK_D=128,
+                        BLOCK_N=block_n,
+                        DOT_F32=dt == "*fp32",
+                        DOT_PRECISION="ieee",
+                    ),
+                )
+            )
+        out.append(
+            Variant(
+                f"merge {dt[1:]}",
+                "kernels.triton_decode_attention:_merge_splits_kernel",
+                ("*fp32", "*fp32", dt, i32, i32),
+                dict(NUM_SPLITS=8, HEAD_DIM=128, BLOCK_S=8, BLOCK_D=128),
+            )
+        )
         for group, head_dim in ((1, 64), (3, 64), (4, 128)):
-            out.append(Variant(
-                f"prefill {dt[1:]} g{group} d{head_dim}", "kernels.triton_prefill_attention:_prefill_kernel",
-                (dt, dt, dt, "*i32", "*i32", "*i32", dt, f32) + (i32,) * 9,
-                dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=32, BLOCK_N=32, BLOCK_D=head_dim, DOT_F32=dt == "*fp32",
-                     DOT_PRECISION="ieee"),
-            ))
-        out.append(Variant(
-            f"write_kv {dt[1:]}", "kernels.triton_write_kv:_write_kv_kernel",
-            (dt, dt, dt, dt, "*i64") + (i32,) * 8, dict(NUM_HEADS=3, HEAD_DIM=64, BLOCK_H=4, BLOCK_D=64),
-        ))
+            out.append(
+                Variant(
+                    f"prefill {dt[1:]} g{group} d{head_dim}",
+                    "kernels.triton_prefill_attention:_prefill_kernel",
+                    (dt, dt, dt, "*i32", "*i32", "*i32", dt, f32) + (i32,) * 9,
+                    dict(
+                        GROUP=group,
+                        HEAD_DIM=head_dim,
+                        BLOCK_M=32,
+                        BLOCK_N=32,
+                        BLOCK_D=head_dim,
+                        DOT_F32=dt == "*fp32",
+                        DOT_PRECISION="ieee",
+                    ),
+                )
+            )
+        out.append(
+            Variant(
+                f"write_kv {dt[1:]}",
+                "kernels.triton_write_kv:_write_kv_kernel",
+                (dt, dt, dt, dt, "*i64") + (i32,) * 8,
+                dict(NUM_HEADS=3, HEAD_DIM=64, BLOCK_H=4, BLOCK_D=64),
+            )
+        )
         for to_staging in (True, False):
-            out.append(Variant(
-                f"block_transfer {dt[1:]} to_staging={to_staging}",
-                "kernels.triton_block_transfer:_block_transfer_kernel",
-                (dt, dt, "*i64", i32), dict(BLOCK_ELEMS=16 * 8 * 128, CHUNK=1024, TO_STAGING=to_staging),
-            ))
-        out.append(Variant(
-            f"block_copy {dt[1:]}", "kernels.triton_block_copy:_block_copy_kernel",
-            (dt, dt, "*i64", "*i64", i32), dict(BLOCK_ELEMS=16 * 3 * 64, CHUNK=1024),
-        ))
+            out.append(
+                Variant(
+                    f"block_transfer {dt[1:]} to_staging={to_staging}",
+                    "kernels.triton_block_transfer:_block_transfer_kernel",
+                    (dt, dt, "*i64", i32),
+                    dict(BLOCK_ELEMS=16 * 8 * 128, CHUNK=1024, TO_STAGING=to_staging),
+                )
+            )
+        out.append(
+            Variant(
+                f"block_copy {dt[1:]}",
+                "kernels.triton_block_copy:_block_copy_kernel",
+                (dt, dt, "*i64", "*i64", i32),
+                dict(BLOCK_ELEMS=16 * 3 * 64, CHUNK=1024),
+            )
+        )
     return out
 
 

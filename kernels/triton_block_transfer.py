@@ -57,9 +57,7 @@ def _launch(cache: torch.Tensor, staging: torch.Tensor, block_ids: torch.Tensor,
     )
 
 
-def gather_blocks_triton(
-    cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def gather_blocks_triton(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """cache [N, bs, H, D] -> out [n, bs, H, D] (new, or the given contiguous staging buffer)."""
     block_ids = block_ids.to(cache.device)
     if out is None:

@@ -17,7 +17,8 @@ from kernels.reference.decode_attention import decode_attention_torch
 from kernels.triton_attention_tile import attend_tile
 from kernels.triton_support import DOT_PRECISION, attention_launch_args, check_attention_operands, dot_in_fp32
 
-__all__ = ["decode_attention_torch", "decode_attention_triton", "choose_num_splits"]
+__all__ = ["choose_num_splits", "decode_attention_torch", "decode_attention_triton"]
+
 
 @triton.jit
 def _decode_kernel(
@@ -80,8 +81,24 @@ def _decode_kernel(
         pos = tile + n
         n_mask = pos < end
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, pos, n_mask, n_mask[None, :], d, d_mask,
-            block_size, cache_stride_block, cache_stride_slot, head_off, scale_log2e, DOT_PRECISION,
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row,
+            pos,
+            n_mask,
+            n_mask[None, :],
+            d,
+            d_mask,
+            block_size,
+            cache_stride_block,
+            cache_stride_slot,
+            head_off,
+            scale_log2e,
+            DOT_PRECISION,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -134,7 +151,7 @@ def _merge_splits_kernel(
     tl.store(out_ptr + b * out_stride_b + h * out_stride_h + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

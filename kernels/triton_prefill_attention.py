@@ -16,6 +16,7 @@ from kernels.triton_support import DOT_PRECISION, attention_launch_args, check_a
 
 __all__ = ["prefill_attention_torch", "prefill_attention_triton"]
 
+
 @triton.jit
 def _prefill_kernel(
     q_ptr,
@@ -78,8 +79,24 @@ def _prefill_kernel(
         n_mask = pos < hi
         causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, pos, n_mask, causal, d, d_mask,
-            block_size, cache_stride_block, cache_stride_slot, head_off, scale_log2e, DOT_PRECISION,
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row,
+            pos,
+            n_mask,
+            causal,
+            d,
+            d_mask,
+            block_size,
+            cache_stride_block,
+            cache_stride_slot,
+            head_off,
+            scale_log2e,
+            DOT_PRECISION,
         )
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(

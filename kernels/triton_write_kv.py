@@ -8,7 +8,7 @@ import triton.language as tl
 
 from kernels.reference.write_kv import write_kv_torch
 
-__all__ = ["write_kv_triton", "write_kv_torch"]
+__all__ = ["write_kv_torch", "write_kv_triton"]
 
 
 @triton.jit

@@ -4,8 +4,8 @@ name, a way to wait for a line it prints, and a clean stop. Linux children also 
 from __future__ import annotations
 
 import contextlib
-import functools
 import ctypes
+import functools
 import os
 import re
 import signal
@@ -34,8 +34,9 @@ def _prepare_child(nice: int) -> None:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], sink: TextIO | None = None, env: dict[str, str] | None = None,
-                 nice: int = 0):
+    def __init__(
+        self, name: str, argv: list[str], sink: TextIO | None = None, env: dict[str, str] | None = None, nice: int = 0
+    ):
         self.name = name
         self.argv = argv
         self.nice = nice
@@ -46,8 +47,14 @@ class Child:
         self._cond = threading.Condition()
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
-            env=child_env, preexec_fn=functools.partial(_prepare_child, nice),
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            env=child_env,
+            preexec_fn=functools.partial(_prepare_child, nice),
         )
         self._pump = threading.Thread(target=self._read, name=f"log-{name}", daemon=True)
         self._pump.start()
@@ -82,7 +89,9 @@ class Child:
                 seen = len(lines)
                 if not self.alive and not self._pump.is_alive():
                     tail = "\n".join(lines[-20:])
-                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before printing {pattern!r}:\n{tail}")
+                    raise RuntimeError(
+                        f"{self.name} exited ({self.proc.returncode}) before printing {pattern!r}:\n{tail}"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RuntimeError(f"{self.name}: no line matching {pattern!r} within {timeout:.0f}s")

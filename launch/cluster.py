@@ -65,7 +65,7 @@ class ClusterSpec:
     # Loads are not starved by it: an engine waiting on a load leaves its cores idle.
     store_nice: int = 10
     supervise: bool = True  # restart children that exit (False: fault tests that want a node to stay dead)
-    restart: RestartPolicy = RestartPolicy()
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -74,8 +74,11 @@ class ClusterSpec:
             raise ValueError("a cluster needs at least one decode (or colocated) node")
 
     def node_names(self) -> list[str]:
-        return ([f"prefill-{i}" for i in range(self.prefill)] + [f"decode-{i}" for i in range(self.decode)]
-                + [f"colocated-{i}" for i in range(self.colocated)])
+        return (
+            [f"prefill-{i}" for i in range(self.prefill)]
+            + [f"decode-{i}" for i in range(self.decode)]
+            + [f"colocated-{i}" for i in range(self.colocated)]
+        )
 
 
 def free_port() -> int:
@@ -166,17 +169,42 @@ class Cluster:
             self._tmp = self._tmp or tempfile.mkdtemp(prefix="ucm-store-")
             path = self._tmp
         assert self.store_addr is not None, "start_store needs StoreMode.DAEMON"
-        store = self._spawn("store", _cmd("store", "--bind", self.store_addr, "--dram", self.spec.dram,
-                                          "--disk-path", path, "--disk", self.spec.disk, *self._auth_args()),
-                            nice=self.spec.store_nice)
+        store = self._spawn(
+            "store",
+            _cmd(
+                "store",
+                "--bind",
+                self.store_addr,
+                "--dram",
+                self.spec.dram,
+                "--disk-path",
+                path,
+                "--disk",
+                self.spec.disk,
+                *self._auth_args(),
+            ),
+            nice=self.spec.store_nice,
+        )
         ready = store.wait_for(r"ucm-store ready (\S+)", 60).group(1)
         assert ready == self.store_addr, f"store bound {ready}, asked for {self.store_addr}"
         self.log(f"[up] store ready at {self.store_addr}")
 
     def _start_router(self) -> None:
-        args = ["router", "--host", "127.0.0.1", "--port", str(self.port), "--bind-nodes", self.nodes_addr,
-                "--model", self.spec.model, "--node-timeout", str(self.spec.node_timeout_s), *self._auth_args(),
-                *self.spec.router_args]
+        args = [
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--bind-nodes",
+            self.nodes_addr,
+            "--model",
+            self.spec.model,
+            "--node-timeout",
+            str(self.spec.node_timeout_s),
+            *self._auth_args(),
+            *self.spec.router_args,
+        ]
         if self.spec.api_key:
             args += ["--api-key", self.spec.api_key]
         self._spawn("router", _cmd(*args)).wait_for(r"nodes connect to", 120)
@@ -193,14 +221,33 @@ class Cluster:
         store = self.store_addr or "none"
         if self.keys is not None:
             if not (self.keys.authorized / f"{name}.key").is_file():
-                raise ValueError(f"no key for node {name!r}: the cluster's keys name {self.spec.node_names()} and "
-                                 f"extra_keys {list(self.spec.extra_keys)}")
+                raise ValueError(
+                    f"no key for node {name!r}: the cluster's keys name {self.spec.node_names()} and "
+                    f"extra_keys {list(self.spec.extra_keys)}"
+                )
             if self.store_addr is not None:
                 store = f"{self.store_addr}?curve_keys={self.keys.dir}&curve_client={name}"
-        args = [sub, "--router", self.nodes_addr, "--store", store, "--model", self.spec.model, *self._auth_args(),
-                "--node-id", name, "--dtype", self.spec.dtype, "--kv-cache-memory", self.spec.kv_cache_memory,
-                "--max-num-seqs", str(self.spec.max_num_seqs),
-                "--heartbeat-interval", str(self.spec.heartbeat_interval_s), *self.spec.node_args]
+        args = [
+            sub,
+            "--router",
+            self.nodes_addr,
+            "--store",
+            store,
+            "--model",
+            self.spec.model,
+            *self._auth_args(),
+            "--node-id",
+            name,
+            "--dtype",
+            self.spec.dtype,
+            "--kv-cache-memory",
+            self.spec.kv_cache_memory,
+            "--max-num-seqs",
+            str(self.spec.max_num_seqs),
+            "--heartbeat-interval",
+            str(self.spec.heartbeat_interval_s),
+            *self.spec.node_args,
+        ]
         if self.spec.device:
             args += ["--device", self.spec.device]
         if "--threads" not in self.spec.node_args:

@@ -24,14 +24,20 @@ def _auto_here() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ucm-serve up", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--topology", type=Topology, default=Topology.AUTO, choices=list(Topology),
-                   metavar="{" + ",".join(t.value for t in Topology) + "}",
-                   help=f"auto: colocated (one engine, all cores, + store) below {DISAGG_MIN_CORES} CPU cores, where "
-                        "a prefill/decode split leaves one core idle while the other works (measured: "
-                        "docs/benchmarks.md); disagg from there or with a GPU. On this host auto picks "
-                        f"{_auto_here()}")
+    p = argparse.ArgumentParser(
+        prog="ucm-serve up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--topology",
+        type=Topology,
+        default=Topology.AUTO,
+        choices=list(Topology),
+        metavar="{" + ",".join(t.value for t in Topology) + "}",
+        help=f"auto: colocated (one engine, all cores, + store) below {DISAGG_MIN_CORES} CPU cores, where "
+        "a prefill/decode split leaves one core idle while the other works (measured: "
+        "docs/benchmarks.md); disagg from there or with a GPU. On this host auto picks "
+        f"{_auto_here()}",
+    )
     p.add_argument("--prefill", type=int, default=None, help="prefill nodes (implies --topology disagg; default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode nodes (implies --topology disagg; default 1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the router")
@@ -41,14 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dram", default="4GiB", help="store DRAM tier capacity")
     p.add_argument("--disk", default="20GiB", help="store disk tier capacity")
     p.add_argument("--disk-path", default=None, help="store LMDB folder (default: a temporary folder)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto = bf16 on CPUs with native bf16 (and on CUDA), else fp32")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto = bf16 on CPUs with native bf16 (and on CUDA), else fp32",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="each node's paged KV cache (the device tier)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cluster to be healthy")
-    p.add_argument("--insecure", action="store_true",
-                   help="no CURVE keys on the router and store sockets: anyone who reaches the ports can register "
-                        "nodes or use the store (default: keys generated per run in a private temporary folder)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no CURVE keys on the router and store sockets: anyone who reaches the ports can register "
+        "nodes or use the store (default: keys generated per run in a private temporary folder)",
+    )
     return p
 
 
@@ -67,13 +80,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"[up] {e}", flush=True)
         return 2
-    print(f"[up] topology {choice.topology.value}: {choice.prefill} prefill, {choice.decode} decode, "
-          f"{choice.colocated} colocated node(s) ({choice.reason})", flush=True)
+    print(
+        f"[up] topology {choice.topology.value}: {choice.prefill} prefill, {choice.decode} decode, "
+        f"{choice.colocated} colocated node(s) ({choice.reason})",
+        flush=True,
+    )
     spec = ClusterSpec(
-        model=args.model, prefill=choice.prefill, decode=choice.decode, colocated=choice.colocated, port=args.port,
+        model=args.model,
+        prefill=choice.prefill,
+        decode=choice.decode,
+        colocated=choice.colocated,
+        port=args.port,
         api_key=args.api_key,
-        store=StoreMode.NONE if args.no_store else StoreMode.DAEMON, dram=args.dram, disk=args.disk,
-        disk_path=args.disk_path, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+        store=StoreMode.NONE if args.no_store else StoreMode.DAEMON,
+        dram=args.dram,
+        disk=args.disk,
+        disk_path=args.disk_path,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
         secure=not args.insecure,
     )
     if args.insecure:
@@ -92,9 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start(args.timeout)
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
         print(f"\nucm-serve is up: {cluster.url}  (OpenAI API at {cluster.url}/v1, metrics at {cluster.url}/metrics)")
-        print(f"try:\n  curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
-              f"    -d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-              f"\"What is a KV cache?\"}}], \"max_tokens\": 64}}'\nCtrl-C stops everything.\n", flush=True)
+        print(
+            f"try:\n  curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f'    -d \'{{"model": "{args.model}", "messages": [{{"role": "user", "content": '
+            f'"What is a KV cache?"}}], "max_tokens": 64}}\'\nCtrl-C stops everything.\n',
+            flush=True,
+        )
         while not done.wait(0.5):
             if "router" in cluster.given_up():
                 print("[up] the router keeps exiting; shutting down", flush=True)

@@ -46,8 +46,13 @@ class _Backoff:
 class Supervisor(threading.Thread):
     """Watches `children()` (name -> Child) and calls `restart(name, dead_child)` when one has exited."""
 
-    def __init__(self, children: Callable[[], dict[str, Child]], restart: Callable[[str, Child], None],
-                 policy: RestartPolicy, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        children: Callable[[], dict[str, Child]],
+        restart: Callable[[str, Child], None],
+        policy: RestartPolicy,
+        log: Callable[[str], None],
+    ) -> None:
         super().__init__(name="ucm-supervisor", daemon=True)
         self._children = children
         self._restart = restart
@@ -88,14 +93,18 @@ class Supervisor(threading.Thread):
                 state.fast_failures = 1 if ran >= self._policy.healthy_after_s else state.fast_failures + 1
                 if state.fast_failures > self._policy.max_fast_failures:
                     state.given_up = True
-                    self._log(f"[up] !!! {name} exited ({child.proc.returncode}) {state.fast_failures - 1} times in a "
-                              f"row, each within {self._policy.healthy_after_s:.0f}s of starting: NOT restarting it "
-                              f"again. Last output:\n{child.output()[-2000:]}")
+                    self._log(
+                        f"[up] !!! {name} exited ({child.proc.returncode}) {state.fast_failures - 1} times in a "
+                        f"row, each within {self._policy.healthy_after_s:.0f}s of starting: NOT restarting it "
+                        f"again. Last output:\n{child.output()[-2000:]}"
+                    )
                     return
                 delay = self._policy.delay_s(state.fast_failures)
                 state.due = now + delay
-                self._log(f"[up] {name} exited ({child.proc.returncode}) after {ran:.1f}s; restarting in "
-                          f"{delay:.1f}s (attempt {state.fast_failures}/{self._policy.max_fast_failures})")
+                self._log(
+                    f"[up] {name} exited ({child.proc.returncode}) after {ran:.1f}s; restarting in "
+                    f"{delay:.1f}s (attempt {state.fast_failures}/{self._policy.max_fast_failures})"
+                )
                 return
             if now < state.due or self._halt.is_set():
                 return
@@ -103,7 +112,7 @@ class Supervisor(threading.Thread):
             self.restarts[name] = self.restarts.get(name, 0) + 1
         try:
             self._restart(name, child)
-        except Exception as e:  # noqa: BLE001 - e.g. fork failed: counts as one more failure at the next look
+        except Exception as e:
             self._log(f"[up] restarting {name} failed: {e}")
             return
         self._log(f"[up] {name} restarted")

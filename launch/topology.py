@@ -48,9 +48,12 @@ def choose_topology(
         if cuda or cores >= DISAGG_MIN_CORES:
             wanted, why = Topology.DISAGG, f"{cores} cores{' and a GPU' if cuda else ''}: each role gets its own"
         else:
-            wanted, why = Topology.COLOCATED, (
-                f"{cores} cores < {DISAGG_MIN_CORES}: split between a prefill and a decode node, each idles while "
-                f"the other works; one engine with all {cores} serves more"
+            wanted, why = (
+                Topology.COLOCATED,
+                (
+                    f"{cores} cores < {DISAGG_MIN_CORES}: split between a prefill and a decode node, each idles while "
+                    f"the other works; one engine with all {cores} serves more"
+                ),
             )
     else:
         why = f"--topology {wanted.value}" if prefill is None and decode is None else "node counts given"

@@ -12,8 +12,8 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
-from protocol.peer_identity import check_node_id
 from protocol.messages import NodeRole
+from protocol.peer_identity import check_node_id
 from ucm.auth import ClientAuth
 
 # Store addresses that mean "no store": the node then runs without a connector (always recomputes).
@@ -65,7 +65,9 @@ class NodeConfig:
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--router", required=True, help="router's node address (its --bind-nodes), e.g. tcp://127.0.0.1:5557")
+    parser.add_argument(
+        "--router", required=True, help="router's node address (its --bind-nodes), e.g. tcp://127.0.0.1:5557"
+    )
     parser.add_argument("--store", default="none", help="store daemon address (tcp://…), 'embedded', or 'none'")
     parser.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
@@ -78,11 +80,18 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
     auth = parser.add_argument_group("authentication (ZeroMQ CURVE, docs/security.md)")
-    auth.add_argument("--curve-keys", metavar="DIR", default=None,
-                      help="folder from `ucm-serve keys DIR --nodes NODE_ID,...`: this node's pair DIR/NODE_ID.key_secret "
-                           "and the router's DIR/router.key; also used for a tcp:// --store without ?curve_keys=")
-    auth.add_argument("--insecure", action="store_true",
-                      help="no authentication to the router (and to a --store without ?curve_keys=)")
+    auth.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        default=None,
+        help="folder from `ucm-serve keys DIR --nodes NODE_ID,...`: this node's pair DIR/NODE_ID.key_secret "
+        "and the router's DIR/router.key; also used for a tcp:// --store without ?curve_keys=",
+    )
+    auth.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no authentication to the router (and to a --store without ?curve_keys=)",
+    )
 
 
 def _authenticated_store(store: str, keys: str, node_id: str) -> str:
@@ -104,15 +113,19 @@ def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
         raise ValueError("--insecure contradicts --curve-keys")
     if args.curve_keys:
         if not args.node_id:
-            raise ValueError("with --curve-keys give --node-id: the router accepts a node only under the id its key "
-                             "file is named for (DIR/NODE_ID.key_secret)")
+            raise ValueError(
+                "with --curve-keys give --node-id: the router accepts a node only under the id its key "
+                "file is named for (DIR/NODE_ID.key_secret)"
+            )
         router_auth = ClientAuth.for_router(args.curve_keys, args.node_id)
         router_auth.load()  # a missing file fails here, not in the heartbeat thread
         if store is not None:
             store = _authenticated_store(store, args.curve_keys, args.node_id)
     elif not args.insecure:
-        raise ValueError("a node needs keys (--curve-keys DIR --node-id ID, from `ucm-serve keys DIR --nodes ID`) "
-                         "or an explicit --insecure")
+        raise ValueError(
+            "a node needs keys (--curve-keys DIR --node-id ID, from `ucm-serve keys DIR --nodes ID`) "
+            "or an explicit --insecure"
+        )
     device = args.device
     if device is None:
         import torch  # nodes may import torch; only the router must not

@@ -45,8 +45,12 @@ class StoreStatsPoller(threading.Thread):
                 stats = self._store.stats()
             except Exception:  # store down: keep the last numbers, the connector already recomputes
                 continue
-            out = {f"store_{tier.value}_{name}": float(value) for tier, ts in stats.tiers.items()
-                   for name, value in vars(ts).items() if isinstance(value, (int, float))}
+            out = {
+                f"store_{tier.value}_{name}": float(value)
+                for tier, ts in stats.tiers.items()
+                for name, value in vars(ts).items()
+                if isinstance(value, (int, float))
+            }
             out["store_lookup_hit_blocks"] = float(stats.lookup_hit_blocks)
             out["store_corrupt_dropped"] = float(stats.corrupt_dropped)  # blocks whose checksum failed on read
             self.latest = out

@@ -59,8 +59,7 @@ def _to_logprobs(positions: list[dict[int, Any]] | None, want: int | None) -> li
     for pos in positions:
         items = list(pos.items())
         sampled_id, sampled = items[0]  # the engine puts the sampled token first
-        top = sorted(((t, lp) for t, lp in items if 1 <= getattr(lp, "rank", 1) <= want),
-                     key=lambda x: x[1].rank)
+        top = sorted(((t, lp) for t, lp in items if 1 <= getattr(lp, "rank", 1) <= want), key=lambda x: x[1].rank)
         out.append(P.TokenLogprob(sampled_id, float(sampled.logprob), [(t, float(lp.logprob)) for t, lp in top[:want]]))
     return out
 
@@ -83,8 +82,14 @@ class JobRunner:
         from engine import SamplingParams
 
         return SamplingParams(
-            max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
-            stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, logprobs=spec.logprobs,
+            max_tokens=max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            seed=spec.seed,
+            stop_token_ids=list(spec.stop_token_ids),
+            ignore_eos=spec.ignore_eos,
+            logprobs=spec.logprobs,
             detokenize=False,
         )
 
@@ -204,13 +209,18 @@ class JobRunner:
                 return []  # prefill chunks in progress
             if not comp.token_ids:
                 return [P.JobFailed(out.request_id, f"prefill ended without a token ({comp.finish_reason})")]
-            return [P.PrefillDone(
-                request_id=out.request_id, first_token_id=comp.token_ids[0],
-                # max_tokens=1 always ends with "length"; only a stop (EOS / stop token) ends the whole request
-                finished=reason is P.FinishReason.STOP, finish_reason=reason if reason is P.FinishReason.STOP else None,
-                kv_transfer_params=out.kv_transfer_params, logprob=logprobs[0] if logprobs else None,
-                cache=self._cache_info(out, job),
-            )]
+            return [
+                P.PrefillDone(
+                    request_id=out.request_id,
+                    first_token_id=comp.token_ids[0],
+                    # max_tokens=1 always ends with "length"; only a stop (EOS / stop token) ends the whole request
+                    finished=reason is P.FinishReason.STOP,
+                    finish_reason=reason if reason is P.FinishReason.STOP else None,
+                    kv_transfer_params=out.kv_transfer_params,
+                    logprob=logprobs[0] if logprobs else None,
+                    cache=self._cache_info(out, job),
+                )
+            ]
         if not comp.token_ids and not out.finished:
             return []
         batch = P.TokenBatch(out.request_id, list(comp.token_ids), out.finished, reason, logprobs)

@@ -40,13 +40,20 @@ def build_engine(config: NodeConfig) -> Any:
 
     # A prefill node also *loads*: a prefix any node computed earlier is fetched from the store instead of being
     # recomputed (DESIGN.md §2.3); the connector's PRODUCER role only saves, so prefill nodes run it as BOTH.
-    role = {P.NodeRole.PREFILL: KVConnectorRole.BOTH, P.NodeRole.DECODE: KVConnectorRole.CONSUMER,
-            P.NodeRole.BOTH: KVConnectorRole.BOTH}[config.role]
+    role = {
+        P.NodeRole.PREFILL: KVConnectorRole.BOTH,
+        P.NodeRole.DECODE: KVConnectorRole.CONSUMER,
+        P.NodeRole.BOTH: KVConnectorRole.BOTH,
+    }[config.role]
     cache = CacheConfig(kv_cache_memory=config.kv_cache_memory)
     engine_config = EngineConfig(
-        model=config.model, dtype=config.dtype, device=config.device, cache=cache,
+        model=config.model,
+        dtype=config.dtype,
+        device=config.device,
+        cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len),
-        kv_store=config.store_addr, kv_role=role.value if config.store_addr else None,
+        kv_store=config.store_addr,
+        kv_role=role.value if config.store_addr else None,
     )
     return EngineCore(engine_config)
 
@@ -60,10 +67,15 @@ class NodeServer:
         self.recent_keys = RecentKeys(config.cached_keys_cap)
         self.runner = JobRunner(engine, self.namespace, self.recent_keys, config.step_delay_s)
         self.register_msg = P.Register(
-            node_id=self.node_id, role=config.role, model=config.model_name,
-            model_fingerprint=self.namespace.model_fingerprint, dtype=self.namespace.dtype,
-            block_size=self.namespace.block_size, max_model_len=engine.max_model_len,
-            capacity=config.max_num_seqs, num_blocks=engine.kv_manager.num_blocks,
+            node_id=self.node_id,
+            role=config.role,
+            model=config.model_name,
+            model_fingerprint=self.namespace.model_fingerprint,
+            dtype=self.namespace.dtype,
+            block_size=self.namespace.block_size,
+            max_model_len=engine.max_model_len,
+            capacity=config.max_num_seqs,
+            num_blocks=engine.kv_manager.num_blocks,
             has_store=config.store_addr is not None,
             instance=uuid.uuid4().hex,
         )
@@ -87,16 +99,20 @@ class NodeServer:
         if keys is not None:
             keys.apply(sock)
         sock.connect(self.config.router_addr)
-        heartbeat = HeartbeatThread(ctx, self.config.router_addr, self.register_msg,
-                                    self.config.heartbeat_interval_s, self.recent_keys, keys)
+        heartbeat = HeartbeatThread(
+            ctx, self.config.router_addr, self.register_msg, self.config.heartbeat_interval_s, self.recent_keys, keys
+        )
         heartbeat.start()
         worker = self.engine.kv_connector[1] if self.engine.kv_connector else None
         poller = StoreStatsPoller(worker.store) if getattr(worker, "store", None) is not None else None
         if poller is not None:
             poller.start()
         self._store_stats = poller
-        print(f"ucm-serve {self.config.role.value} node {self.node_id} ready: router {self.config.router_addr}, "
-              f"store {self.config.store_addr or 'none'}", flush=True)
+        print(
+            f"ucm-serve {self.config.role.value} node {self.node_id} ready: router {self.config.router_addr}, "
+            f"store {self.config.store_addr or 'none'}",
+            flush=True,
+        )
         try:
             while not self._stop.is_set():
                 if self._drain(sock, 0 if self.runner.busy else _IDLE_POLL_MS):
@@ -167,13 +183,19 @@ class NodeServer:
         worker = self.engine.kv_connector[1] if self.engine.kv_connector else None
         conn_stats = getattr(worker, "stats", None)
         if conn_stats is not None:
-            stats.update({f"connector_{k}": float(v) for k, v in vars(conn_stats).items()
-                          if isinstance(v, (int, float))})
+            stats.update(
+                {f"connector_{k}": float(v) for k, v in vars(conn_stats).items() if isinstance(v, (int, float))}
+            )
         if self._store_stats is not None:
             stats.update(self._store_stats.latest)
-        return P.Heartbeat(node_id=self.node_id, running=len(sched.running), waiting=len(sched.waiting),
-                           free_blocks=self.engine.kv_manager.pool.num_free_blocks, steps=engine_stats.steps,
-                           stats=stats)
+        return P.Heartbeat(
+            node_id=self.node_id,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            free_blocks=self.engine.kv_manager.pool.num_free_blocks,
+            steps=engine_stats.steps,
+            stats=stats,
+        )
 
 
 def run_node(config: NodeConfig) -> int:

@@ -95,8 +95,9 @@ def check_job(job: P.PrefillJob | P.DecodeJob, vocab_size: int | None = None) ->
     below it (a node knows its vocabulary; the wire bound alone is MAX_TOKEN_ID)."""
     if not isinstance(job.request_id, str) or not 0 < len(job.request_id) <= MAX_REQUEST_ID_CHARS:
         raise OutOfBounds("request_id", f"must be 1 to {MAX_REQUEST_ID_CHARS} characters")
-    if job.cache_salt is not None and (not isinstance(job.cache_salt, str)
-                                       or not 0 < len(job.cache_salt) <= MAX_CACHE_SALT_CHARS):
+    if job.cache_salt is not None and (
+        not isinstance(job.cache_salt, str) or not 0 < len(job.cache_salt) <= MAX_CACHE_SALT_CHARS
+    ):
         raise OutOfBounds("cache_salt", f"must be 1 to {MAX_CACHE_SALT_CHARS} characters")
     ids = job.prompt_token_ids
     if not isinstance(ids, list) or not 0 < len(ids) <= MAX_PROMPT_TOKENS:

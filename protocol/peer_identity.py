@@ -27,8 +27,9 @@ class Channel(enum.Enum):
 def check_node_id(node_id: str) -> str:
     """ValueError for a node id that cannot be part of an identity."""
     if not node_id or "/" in node_id or len(node_id) > MAX_NODE_ID_CHARS or node_id != node_id.strip():
-        raise ValueError(f"bad node id {node_id!r}: non-empty, no '/', no surrounding spaces, "
-                         f"at most {MAX_NODE_ID_CHARS} characters")
+        raise ValueError(
+            f"bad node id {node_id!r}: non-empty, no '/', no surrounding spaces, at most {MAX_NODE_ID_CHARS} characters"
+        )
     return node_id
 
 

@@ -45,8 +45,14 @@ class Ticket:
 
 
 class AdmissionQueue:
-    def __init__(self, capacity: Callable[[], int], max_queued_requests: int, max_queue_wait_s: float,
-                 rate: ServiceRate | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        capacity: Callable[[], int],
+        max_queued_requests: int,
+        max_queue_wait_s: float,
+        rate: ServiceRate | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_queued_requests < 0 or max_queue_wait_s <= 0:
             raise ValueError(f"bad queue bounds: {max_queued_requests} requests, {max_queue_wait_s}s")
         self._capacity = capacity
@@ -93,7 +99,8 @@ class AdmissionQueue:
                 raise Rejected(
                     f"The server is overloaded: {len(self._queue)} requests ({self._queued_tokens} tokens) are "
                     f"already waiting. Please retry after {max(1, math.ceil(retry))}s.",
-                    min(retry, self.max_queue_wait_s))
+                    min(retry, self.max_queue_wait_s),
+                )
         self._queue.append(ticket)
         self._queued_tokens += tokens
         return ticket

@@ -41,15 +41,30 @@ log = logging.getLogger(__name__)
 def _logprobs_json(tok: Any, lps: list[P.TokenLogprob], chat: bool) -> dict[str, Any] | None:
     if not lps:
         return None
+
     def text(t: int) -> str:
         return tok.decode([t], skip_special_tokens=False)
+
     if chat:
-        return {"content": [
-            {"token": text(lp.token_id), "logprob": lp.logprob, "bytes": list(text(lp.token_id).encode()),
-             "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())} for t, v in lp.top]}
-            for lp in lps]}
-    return {"tokens": [text(lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in lps], "text_offset": []}
+        return {
+            "content": [
+                {
+                    "token": text(lp.token_id),
+                    "logprob": lp.logprob,
+                    "bytes": list(text(lp.token_id).encode()),
+                    "top_logprobs": [
+                        {"token": text(t), "logprob": v, "bytes": list(text(t).encode())} for t, v in lp.top
+                    ],
+                }
+                for lp in lps
+            ]
+        }
+    return {
+        "tokens": [text(lp.token_id) for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{text(t): v for t, v in lp.top} for lp in lps],
+        "text_offset": [],
+    }
 
 
 def _validation_error(e: ValidationError | RequestValidationError) -> ApiError:
@@ -104,11 +119,20 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         await client.start()
         dispatcher = Dispatcher(client, config.decode_wait_s)
         state["client"] = client
-        state["serving"] = OpenAIServing(dispatcher, admission, tokenizer, metrics, config.model_name,
-                                         config.max_model_len, pool=pool, max_prompt_chars=config.max_prompt_chars,
-                                         max_sequences=config.max_sequences_per_request)
+        state["serving"] = OpenAIServing(
+            dispatcher,
+            admission,
+            tokenizer,
+            metrics,
+            config.model_name,
+            config.max_model_len,
+            pool=pool,
+            max_prompt_chars=config.max_prompt_chars,
+            max_sequences=config.max_sequences_per_request,
+        )
         metrics.node_messages_dropped.set_function(
-            lambda: getattr(client, "bad_messages", 0) + getattr(client, "loop_errors", 0))
+            lambda: getattr(client, "bad_messages", 0) + getattr(client, "loop_errors", 0)
+        )
         app.state.nodes_address = client.address
         app.state.node_client = client  # tests talk to nodes through it (jobs the HTTP layer would refuse)
         print(f"ucm-serve router: nodes connect to {client.address}", flush=True)
@@ -147,15 +171,20 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         choices, prompt_tokens = await serving.build_choices(body)
         rid = ("chatcmpl-" if chat else "cmpl-") + choices[0].seq.request_id.split("-")[0]
         created = int(time.time())
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": serving.model_name}
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": serving.model_name,
+        }
         try:
             ticket = serving.admission.admit(len(choices), requested_tokens(choices))
         except Rejected as e:
             metrics.rejected.inc()
             # OpenAI's shape for a rate limit; Retry-After is what the openai client's backoff honours.
-            raise ApiError(429, str(e), "requests", None, "rate_limit_exceeded",
-                           {"Retry-After": e.retry_after_header}) from e
+            raise ApiError(
+                429, str(e), "requests", None, "rate_limit_exceeded", {"Retry-After": e.retry_after_header}
+            ) from e
 
         def release() -> None:
             completion = sum(c.num_tokens for c in choices)
@@ -163,8 +192,9 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
 
         stream = serving.run(choices, prompt_tokens, ticket)
         if body.stream:
-            return _ReleasingStream(_sse(serving, body, choices, prompt_tokens, stream, head, chat), release,
-                                    media_type="text/event-stream")
+            return _ReleasingStream(
+                _sse(serving, body, choices, prompt_tokens, stream, head, chat), release, media_type="text/event-stream"
+            )
         try:
             await _collect(request, stream)
         finally:
@@ -173,8 +203,14 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         for c in choices:
             lp = _logprobs_json(serving.tok, c.logprobs, chat) if c.num_logprobs is not None else None
             if chat:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": c.detok.text},
-                            "logprobs": lp, "finish_reason": c.finish_reason})
+                out.append(
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.detok.text},
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
             else:
                 out.append({"index": c.index, "text": c.detok.text, "logprobs": lp, "finish_reason": c.finish_reason})
         obj = "chat.completion" if chat else "text_completion"
@@ -183,6 +219,7 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     async def _collect(request: Request, stream: AsyncIterator[Chunk]) -> None:
         """Drain the choices, aborting everything (cancelled choices send Abort to their nodes) if the client
         disconnects first."""
+
         async def drain() -> None:
             async with contextlib.aclosing(stream):
                 async for _ in stream:
@@ -206,8 +243,15 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 t.cancel()
             await asyncio.gather(task, watch, return_exceptions=True)
 
-    async def _sse(serving: OpenAIServing, body: Any, choices: list[Choice], prompt_tokens: int,
-                   stream: AsyncIterator[Chunk], head: dict[str, Any], chat: bool) -> AsyncIterator[str]:
+    async def _sse(
+        serving: OpenAIServing,
+        body: Any,
+        choices: list[Choice],
+        prompt_tokens: int,
+        stream: AsyncIterator[Chunk],
+        head: dict[str, Any],
+        chat: bool,
+    ) -> AsyncIterator[str]:
         started: set[int] = set()
         try:
             async with contextlib.aclosing(stream):
@@ -243,17 +287,35 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "ucm-serve", "max_model_len": registry.max_model_len()}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "ucm-serve",
+                    "max_model_len": registry.max_model_len(),
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        nodes = {n.node_id: {"role": n.role.value, "running": n.running, "waiting": n.waiting, "load": n.load}
-                 for n in registry.nodes.values()}
+        nodes = {
+            n.node_id: {"role": n.role.value, "running": n.running, "waiting": n.waiting, "load": n.load}
+            for n in registry.nodes.values()
+        }
         ok = bool(registry.alive(*DECODE_ROLES))
         # A dead store degrades hit rates, not answers: it shows here but does not make the router unhealthy.
-        return JSONResponse({"status": "ok" if ok else "no_decode_node", "nodes": nodes,
-                             "store": store_health(registry.nodes.values())}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {
+                "status": "ok" if ok else "no_decode_node",
+                "nodes": nodes,
+                "store": store_health(registry.nodes.values()),
+            },
+            status_code=200 if ok else 503,
+        )
 
     @app.get("/metrics")
     async def prom() -> Response:
@@ -269,8 +331,13 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    app.add_middleware(HttpGate, routes=frozenset(r.path for r in app.routes), count=metrics.count_request,
-                       max_body_bytes=config.max_body_bytes, api_key=config.api_key)
+    app.add_middleware(
+        HttpGate,
+        routes=frozenset(r.path for r in app.routes),
+        count=metrics.count_request,
+        max_body_bytes=config.max_body_bytes,
+        api_key=config.api_key,
+    )
     return app
 
 

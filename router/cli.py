@@ -41,37 +41,80 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     d = RouterConfig
-    p.add_argument("--node-timeout", type=float, default=d.node_timeout_s,
-                   help="drop a node after this many silent seconds (missed heartbeats)")
-    p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
-                   help="drop a node that holds requests but completed no engine step for this many seconds "
-                        "(requests never time out while their node makes progress)")
-    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
-                   help="requests always accepted into the router's queue beyond the nodes' capacity")
-    p.add_argument("--max-queue-wait-s", type=float, default=d.max_queue_wait_s,
-                   help="also queue requests while the measured service rate serves them within this many seconds; "
-                        "beyond both bounds: 429 with Retry-After")
+    p.add_argument(
+        "--node-timeout",
+        type=float,
+        default=d.node_timeout_s,
+        help="drop a node after this many silent seconds (missed heartbeats)",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=d.stall_timeout_s,
+        help="drop a node that holds requests but completed no engine step for this many seconds "
+        "(requests never time out while their node makes progress)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=d.max_queued_requests,
+        help="requests always accepted into the router's queue beyond the nodes' capacity",
+    )
+    p.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        default=d.max_queue_wait_s,
+        help="also queue requests while the measured service rate serves them within this many seconds; "
+        "beyond both bounds: 429 with Retry-After",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                   help="refuse request bodies larger than this with 413, before parsing them")
-    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
-                   help="refuse prompts (all prompts / messages of a request together) longer than this with 400, "
-                        "before tokenizing")
-    p.add_argument("--max-seqs-per-request", type=int, default=d.max_sequences_per_request,
-                   help="refuse requests asking for more sequences (prompts x n) than this with 400")
-    p.add_argument("--decode-wait", type=float, default=d.decode_wait_s,
-                   help="seconds a request whose decode node died waits for another decode node to register "
-                        "before it fails (it then resumes where it stopped)")
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="refuse request bodies larger than this with 413, before parsing them",
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=d.max_prompt_chars,
+        help="refuse prompts (all prompts / messages of a request together) longer than this with 400, "
+        "before tokenizing",
+    )
+    p.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=d.max_sequences_per_request,
+        help="refuse requests asking for more sequences (prompts x n) than this with 400",
+    )
+    p.add_argument(
+        "--decode-wait",
+        type=float,
+        default=d.decode_wait_s,
+        help="seconds a request whose decode node died waits for another decode node to register "
+        "before it fails (it then resumes where it stopped)",
+    )
     p.add_argument("--log-level", default="info")
     auth = p.add_argument_group("node authentication (ZeroMQ CURVE, docs/security.md)")
-    auth.add_argument("--curve-keys", metavar="DIR", default=None,
-                      help="folder from `ucm-serve keys DIR --nodes ...`: router.key_secret + authorized/NODE.key "
-                           "(a node registers only as the node id its key file is named for)")
+    auth.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        default=None,
+        help="folder from `ucm-serve keys DIR --nodes ...`: router.key_secret + authorized/NODE.key "
+        "(a node registers only as the node id its key file is named for)",
+    )
     auth.add_argument("--server-key", metavar="FILE", default=None, help="the router's .key_secret file")
-    auth.add_argument("--authorized", metavar="DIR", default=None,
-                      help="folder of accepted node public keys, one NODE_ID.key per node")
-    auth.add_argument("--insecure", action="store_true",
-                      help="no authentication on the node socket: anyone who reaches it can register as a node")
+    auth.add_argument(
+        "--authorized",
+        metavar="DIR",
+        default=None,
+        help="folder of accepted node public keys, one NODE_ID.key per node",
+    )
+    auth.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no authentication on the node socket: anyone who reaches it can register as a node",
+    )
     return p
 
 
@@ -95,8 +138,10 @@ def node_auth_from_args(args: argparse.Namespace) -> ServerAuth | None:
             raise ValueError(f"no node keys in {auth.authorized_dir}: no node could register")
         return auth
     if not args.insecure:
-        raise ValueError("the node socket needs keys (--curve-keys DIR, from `ucm-serve keys DIR --nodes ...`) "
-                         "or an explicit --insecure")
+        raise ValueError(
+            "the node socket needs keys (--curve-keys DIR, from `ucm-serve keys DIR --nodes ...`) "
+            "or an explicit --insecure"
+        )
     return None
 
 
@@ -109,12 +154,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ucm-serve router: {e}", file=sys.stderr)
         return 2
     config = RouterConfig(
-        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
         max_sequences_per_request=args.max_seqs_per_request,
-        bind_nodes=args.bind_nodes, host=args.host, port=args.port, model=args.model,
-        served_model_name=args.served_model_name, api_key=args.api_key, node_timeout_s=args.node_timeout,
-        stall_timeout_s=args.stall_timeout, max_queued_requests=args.max_queued_requests,
-        max_queue_wait_s=args.max_queue_wait_s, max_model_len=args.max_model_len, node_auth=node_auth,
+        bind_nodes=args.bind_nodes,
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        node_timeout_s=args.node_timeout,
+        stall_timeout_s=args.stall_timeout,
+        max_queued_requests=args.max_queued_requests,
+        max_queue_wait_s=args.max_queue_wait_s,
+        max_model_len=args.max_model_len,
+        node_auth=node_auth,
         decode_wait_s=args.decode_wait,
     )
     import uvicorn
@@ -123,8 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     from router.app import create_app
 
     app = create_app(config, Tokenizer(tokenizer_dir(config.model)))
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
-                                           loop="asyncio", access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=args.log_level, loop="asyncio", access_log=False
+        )
+    )
     # The ready line (tests and `ucm-serve up` wait for it) is printed by the app's startup: see create_app.
     server.run()
     return 0

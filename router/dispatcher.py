@@ -95,8 +95,14 @@ class _DecodeState:
         if not self.generated:  # nothing produced yet: the decode node prefills the prompt itself
             return P.DecodeJob(request_id, req.prompt_token_ids, params, cache_salt=req.cache_salt)
         transfer = first.kv_transfer_params if first is not None else None
-        return P.DecodeJob(request_id, req.prompt_token_ids + self.generated[:-1], params,
-                           first_token_id=self.generated[-1], kv_transfer_params=transfer, cache_salt=req.cache_salt)
+        return P.DecodeJob(
+            request_id,
+            req.prompt_token_ids + self.generated[:-1],
+            params,
+            first_token_id=self.generated[-1],
+            kv_transfer_params=transfer,
+            cache_salt=req.cache_salt,
+        )
 
     @property
     def done(self) -> bool:
@@ -123,8 +129,9 @@ class Dispatcher:
     async def generate(self, req: SeqRequest, trace: SeqTrace) -> AsyncIterator[SeqEvent]:
         first = await self._prefill(req, trace)
         if first is not None:
-            yield SeqEvent([first.first_token_id], [first.logprob] if first.logprob else None, first.finished,
-                           first.finish_reason)
+            yield SeqEvent(
+                [first.first_token_id], [first.logprob] if first.logprob else None, first.finished, first.finish_reason
+            )
             if first.finished or req.params.max_tokens <= 1:
                 if not first.finished:
                     yield SeqEvent([], None, True, P.FinishReason.LENGTH)
@@ -196,8 +203,9 @@ class Dispatcher:
                     yield SeqEvent([], None, True, P.FinishReason.LENGTH)
                     return
                 trace.decode_resumes += 1
-                log.warning("%s: %s after %d tokens; resuming on another decode node", req.request_id, e,
-                            len(state.generated))
+                log.warning(
+                    "%s: %s after %d tokens; resuming on another decode node", req.request_id, e, len(state.generated)
+                )
 
     async def _decode_node(self, state: _DecodeState) -> NodeState:
         """The least-loaded decode node that has not lost this request; with none, wait for a registration."""
@@ -208,12 +216,18 @@ class Dispatcher:
             if node is not None:
                 return node
             if not await self.arrivals.wait(deadline):
-                raise ApiError(503, f"no decode node available for {self.decode_wait_s:g}s (request "
-                               f"{state.req.request_id} had {len(state.generated)} tokens)", "service_unavailable",
-                               None, "no_decode_node")
+                raise ApiError(
+                    503,
+                    f"no decode node available for {self.decode_wait_s:g}s (request "
+                    f"{state.req.request_id} had {len(state.generated)} tokens)",
+                    "service_unavailable",
+                    None,
+                    "no_decode_node",
+                )
 
-    async def _decode_on(self, node: NodeState, job: P.DecodeJob, trace: SeqTrace,
-                         record_cache: bool) -> AsyncIterator[SeqEvent]:
+    async def _decode_on(
+        self, node: NodeState, job: P.DecodeJob, trace: SeqTrace, record_cache: bool
+    ) -> AsyncIterator[SeqEvent]:
         """`record_cache`: only the first attempt's prompt counts in the cache metrics (a resumed job's prompt
         holds the generated tokens too)."""
         queue = self.client.open(job.request_id, node)

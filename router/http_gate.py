@@ -42,8 +42,16 @@ async def send_error(send: Send, error: ApiError, close: bool = False) -> None:
 
 
 class HttpGate:
-    def __init__(self, app: ASGIApp, *, routes: frozenset[str], count: Callable[[str, int], None],
-                 max_body_bytes: int, api_key: str | None = None, discard_factor: int = 64) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        routes: frozenset[str],
+        count: Callable[[str, int], None],
+        max_body_bytes: int,
+        api_key: str | None = None,
+        discard_factor: int = 64,
+    ) -> None:
         assert max_body_bytes > 0, "the body cap must be positive"
         self.app = app
         self.routes = routes
@@ -68,8 +76,10 @@ class HttpGate:
 
         try:
             if counted and self.api_key is not None and not self._authorized(scope):
-                await send_error(send_counting, ApiError(
-                    401, "Incorrect or missing API key.", "authentication_error", None, "invalid_api_key"))
+                await send_error(
+                    send_counting,
+                    ApiError(401, "Incorrect or missing API key.", "authentication_error", None, "invalid_api_key"),
+                )
                 return
             if scope["method"] in _BODY_METHODS:
                 replay = await self._read_capped(scope, receive, send_counting)
@@ -117,9 +127,17 @@ class HttpGate:
         if too_big:
             chunks.clear()
             finished = not more or await self._discard(receive, size)
-            await send_error(send, ApiError(
-                413, f"request body exceeds the router's limit of {self.max_body_bytes} bytes",
-                "invalid_request_error", None, "request_too_large"), close=not finished)
+            await send_error(
+                send,
+                ApiError(
+                    413,
+                    f"request body exceeds the router's limit of {self.max_body_bytes} bytes",
+                    "invalid_request_error",
+                    None,
+                    "request_too_large",
+                ),
+                close=not finished,
+            )
             return None
         return _replay(chunks, receive)
 

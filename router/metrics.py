@@ -21,7 +21,26 @@ from protocol import messages as P
 from router.admission import AdmissionQueue
 from router.registry import Registry
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 MAX_STATS_PER_NODE = 256
 MAX_EVENT_NODES = 64
@@ -34,42 +53,72 @@ class RouterMetrics:
         self._admission = admission
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("ucm_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("ucm_time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("ucm_time_per_output_token_seconds", "mean time per output token after the first",
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("ucm_e2e_request_latency_seconds", "end-to-end latency", buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "ucm_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "ucm_time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "ucm_time_per_output_token_seconds",
+            "mean time per output token after the first",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ucm_e2e_request_latency_seconds", "end-to-end latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
         self.prompt_tokens = Counter("ucm_prompt_tokens", "prompt tokens", registry=r)
         self.generation_tokens = Counter("ucm_generation_tokens", "generated tokens", registry=r)
         self.cache_hit_tokens = Counter(
-            "ucm_prefix_cache_hit_tokens", "prompt tokens not computed, by node role and source (device, store, cached)",
-            ["role", "source"], registry=r,
+            "ucm_prefix_cache_hit_tokens",
+            "prompt tokens not computed, by node role and source (device, store, cached)",
+            ["role", "source"],
+            registry=r,
         )
         self.prefill_retries = Counter("ucm_prefill_retries", "prefill jobs retried on another node", registry=r)
-        self.local_prefills = Counter("ucm_local_prefills", "sequences prefilled on the decode node (no prefill node)",
-                                      registry=r)
-        self.decode_resumes = Counter("ucm_decode_resumes", "sequences resumed on another decode node after theirs "
-                                      "was lost mid-stream", registry=r)
-        self.rejected = Counter("ucm_requests_rejected", "requests refused with 429: the admission queue was full",
-                                registry=r)
-        self.queue_depth = Gauge("ucm_queue_depth_requests", "requests waiting in the router for room on the nodes",
-                                 registry=r)
+        self.local_prefills = Counter(
+            "ucm_local_prefills", "sequences prefilled on the decode node (no prefill node)", registry=r
+        )
+        self.decode_resumes = Counter(
+            "ucm_decode_resumes",
+            "sequences resumed on another decode node after theirs was lost mid-stream",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "ucm_requests_rejected", "requests refused with 429: the admission queue was full", registry=r
+        )
+        self.queue_depth = Gauge(
+            "ucm_queue_depth_requests", "requests waiting in the router for room on the nodes", registry=r
+        )
         self.queue_tokens = Gauge("ucm_queue_tokens", "prompt + max new tokens of the requests waiting", registry=r)
-        self.queue_bound_tokens = Gauge("ucm_queue_bound_tokens", "queued tokens the measured service rate serves "
-                                        "within --max-queue-wait-s (beyond --max-queued-requests)", registry=r)
+        self.queue_bound_tokens = Gauge(
+            "ucm_queue_bound_tokens",
+            "queued tokens the measured service rate serves within --max-queue-wait-s (beyond --max-queued-requests)",
+            registry=r,
+        )
         self.running_seqs = Gauge("ucm_running_sequences", "sequences admitted to the nodes", registry=r)
         self.node_events = Counter("ucm_node_events", "node registrations / drops", ["node", "event"], registry=r)
-        self.node_up = Gauge("ucm_node_up", "1 while a node is registered and heartbeating", ["node", "role"], registry=r)
+        self.node_up = Gauge(
+            "ucm_node_up", "1 while a node is registered and heartbeating", ["node", "role"], registry=r
+        )
         self.node_running = Gauge("ucm_node_running_requests", "running requests per node", ["node"], registry=r)
         self.node_waiting = Gauge("ucm_node_waiting_requests", "waiting requests per node", ["node"], registry=r)
         self.node_free_blocks = Gauge("ucm_node_free_kv_blocks", "free KV blocks per node", ["node"], registry=r)
-        self.node_stat = Gauge("ucm_node_stat", "engine / connector / store counters reported in heartbeats",
-                               ["node", "name"], registry=r)
-        self.store_tier = Gauge("ucm_store_tier", "the KV store's per-tier counters (hits, misses, blocks, bytes_used, "
-                                "evictions…) as reported by its nodes", ["tier", "name"], registry=r)
+        self.node_stat = Gauge(
+            "ucm_node_stat", "engine / connector / store counters reported in heartbeats", ["node", "name"], registry=r
+        )
+        self.store_tier = Gauge(
+            "ucm_store_tier",
+            "the KV store's per-tier counters (hits, misses, blocks, bytes_used, evictions…) as reported by its nodes",
+            ["tier", "name"],
+            registry=r,
+        )
         self.node_messages_dropped = Gauge(
-            "ucm_node_messages_dropped", "messages from nodes the router could not decode or handle (counted, "
-            "logged rate-limited, skipped)", registry=r)
+            "ucm_node_messages_dropped",
+            "messages from nodes the router could not decode or handle (counted, logged rate-limited, skipped)",
+            registry=r,
+        )
         self._known: dict[str, tuple[P.NodeRole, frozenset[str]]] = {}  # exported node -> (role, stat names)
         self._tiers: set[tuple[str, str]] = set()
         self._event_nodes: OrderedDict[str, set[str]] = OrderedDict()  # node -> its events, least recent first
@@ -130,8 +179,11 @@ class RouterMetrics:
                 self._forget(node_id, role, names)
                 del self._known[node_id]
         for node in alive.values():
-            stats = dict(itertools.islice(
-                ((k, v) for k, v in node.stats.items() if len(k) <= _MAX_LABEL_CHARS), MAX_STATS_PER_NODE))
+            stats = dict(
+                itertools.islice(
+                    ((k, v) for k, v in node.stats.items() if len(k) <= _MAX_LABEL_CHARS), MAX_STATS_PER_NODE
+                )
+            )
             _, before = self._known.get(node.node_id, (node.role, frozenset()))
             for name in before - stats.keys():
                 with contextlib.suppress(KeyError):

@@ -23,16 +23,17 @@ import zmq
 import zmq.asyncio
 
 from protocol import messages as P
-from router.node_gate import DropReason, NodeGate
 from protocol.peer_identity import Channel, PeerIdentity
+from router.node_gate import DropReason, NodeGate
 from router.registry import NodeState, Registry
 from ucm import log_limit
 from ucm.auth import ServerAuth
 from ucm.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
-INSECURE_WARNING = "router node socket running without authentication (--insecure): anyone who reaches it can " \
-                   "register as a node"
+INSECURE_WARNING = (
+    "router node socket running without authentication (--insecure): anyone who reaches it can register as a node"
+)
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,7 @@ class NodeClient:
 
     def _dropped(self, reason: DropReason, identity: bytes, user_id: str | None) -> None:
         name = self.gate.key_name(user_id)
-        self._drop_log.warning("dropped a message from %r (key %s): %s", identity[:64], name or "unknown",
-                               reason.value)
+        self._drop_log.warning("dropped a message from %r (key %s): %s", identity[:64], name or "unknown", reason.value)
         if name is not None:  # a metric label only from an authorized key's name: bounded by the key folder
             for callback in self.on_node_event:
                 callback(name, "unauthorized")

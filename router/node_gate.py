@@ -64,9 +64,8 @@ class NodeGate:
                 return self._drop(DropReason.WRONG_CHANNEL)
             if msg.node_id != peer.node_id:
                 return self._drop(DropReason.WRONG_NODE)
-        elif isinstance(msg, (P.PrefillDone, P.TokenBatch, P.JobFailed)):
-            if peer.channel is not Channel.JOB:
-                return self._drop(DropReason.WRONG_CHANNEL)
+        elif isinstance(msg, (P.PrefillDone, P.TokenBatch, P.JobFailed)) and peer.channel is not Channel.JOB:
+            return self._drop(DropReason.WRONG_CHANNEL)
         return None
 
     def _drop(self, reason: DropReason) -> DropReason:

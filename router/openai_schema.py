@@ -17,8 +17,15 @@ from protocol import job_limits as L
 class ApiError(Exception):
     """An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers  # e.g. Retry-After on a 429
@@ -80,8 +87,11 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=64)]
-             | Annotated[list[_TokenId], Field(min_length=1, max_length=L.MAX_PROMPT_TOKENS)])
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=64)]
+        | Annotated[list[_TokenId], Field(min_length=1, max_length=L.MAX_PROMPT_TOKENS)]
+    )
     logprobs: int | None = Field(default=None, ge=0, le=L.MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=L.MAX_N)

@@ -59,8 +59,12 @@ class NodeState:
 
 
 class Registry:
-    def __init__(self, model_name: str, timeout_s: float = RouterConfig.node_timeout_s,
-                 stall_timeout_s: float = RouterConfig.stall_timeout_s) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        timeout_s: float = RouterConfig.node_timeout_s,
+        stall_timeout_s: float = RouterConfig.stall_timeout_s,
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"node timeout must be positive, got {timeout_s}")
         if stall_timeout_s <= 0:
@@ -86,8 +90,9 @@ class Registry:
             return P.Welcome(msg.node_id, False, reason), None
         old = self.nodes.get(msg.node_id)
         now = now or time.monotonic()
-        state = NodeState(info=msg, last_seen=now, progress=ProgressWatch(self.stall_timeout_s),
-                          free_blocks=msg.num_blocks)
+        state = NodeState(
+            info=msg, last_seen=now, progress=ProgressWatch(self.stall_timeout_s), free_blocks=msg.num_blocks
+        )
         lost = None
         if old is not None and old.info.instance == msg.instance:
             state.inflight = old.inflight  # the same process registering again: its jobs are still running
@@ -125,8 +130,12 @@ class Registry:
         now = now or time.monotonic()
         stuck = [n for n in self.nodes.values() if n.progress.stalled(now)]
         for node in stuck:
-            log.warning("node %s made no progress for %.1fs with %d requests: dropped", node.node_id,
-                        node.progress.stalled_for(now), len(node.inflight))
+            log.warning(
+                "node %s made no progress for %.1fs with %d requests: dropped",
+                node.node_id,
+                node.progress.stalled_for(now),
+                len(node.inflight),
+            )
             del self.nodes[node.node_id]
         return stuck
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,9 +56,19 @@ def _choice_seed(seed: int, index: int) -> int:
 
 
 class OpenAIServing:
-    def __init__(self, dispatcher: Dispatcher, admission: AdmissionQueue, tokenizer: Any, metrics: RouterMetrics,
-                 model_name: str, max_model_len: int | None, *, pool: ThreadPoolExecutor | None = None,
-                 max_prompt_chars: int = 1 << 20, max_sequences: int = 64) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        admission: AdmissionQueue,
+        tokenizer: Any,
+        metrics: RouterMetrics,
+        model_name: str,
+        max_model_len: int | None,
+        *,
+        pool: ThreadPoolExecutor | None = None,
+        max_prompt_chars: int = 1 << 20,
+        max_sequences: int = 64,
+    ) -> None:
         self.dispatcher = dispatcher
         self.admission = admission
         self.tok = tokenizer
@@ -78,8 +88,9 @@ class OpenAIServing:
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
-                           "model_not_found")
+            raise ApiError(
+                404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found"
+            )
 
     def check_size(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         """Refuse, before any tokenizing, a request whose prompts are too long to be worth reading or that asks
@@ -87,11 +98,15 @@ class OpenAIServing:
         chat = isinstance(body, ChatCompletionRequest)
         sequences = body.num_prompts * body.n
         if sequences > self.max_sequences:
-            raise bad_request(f"this request asks for {sequences} sequences (prompts x n); the limit is "
-                              f"{self.max_sequences}", "n")
+            raise bad_request(
+                f"this request asks for {sequences} sequences (prompts x n); the limit is {self.max_sequences}", "n"
+            )
         if body.prompt_chars > self.max_prompt_chars:
-            raise bad_request(f"the prompt has {body.prompt_chars} characters; the limit is {self.max_prompt_chars}",
-                              "messages" if chat else "prompt", "context_length_exceeded")
+            raise bad_request(
+                f"the prompt has {body.prompt_chars} characters; the limit is {self.max_prompt_chars}",
+                "messages" if chat else "prompt",
+                "context_length_exceeded",
+            )
 
     def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         if isinstance(body, ChatCompletionRequest):
@@ -126,20 +141,28 @@ class OpenAIServing:
             if len(ids) >= max_len:
                 raise bad_request(
                     f"This model's maximum context length is {max_len} tokens. However, your prompt has "
-                    f"{len(ids)} tokens.", "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                    "context_length_exceeded")
+                    f"{len(ids)} tokens.",
+                    "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                    "context_length_exceeded",
+                )
             max_tokens = limit if limit is not None else max_len - len(ids)
             if len(ids) + max_tokens > max_len:
                 raise bad_request(
                     f"This model's maximum context length is {max_len} tokens. However, you requested "
                     f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion).",
-                    "max_tokens", "context_length_exceeded")
+                    "max_tokens",
+                    "context_length_exceeded",
+                )
             for i in range(body.n):
                 params = P.SamplingSpec(
-                    max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                    max_tokens=max_tokens,
+                    temperature=body.temperature,
+                    top_p=body.top_p,
                     top_k=max(0, body.top_k),
                     seed=None if body.seed is None else _choice_seed(body.seed, i),
-                    stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=num_logprobs,
+                    stop_token_ids=list(body.stop_token_ids),
+                    ignore_eos=body.ignore_eos,
+                    logprobs=num_logprobs,
                 )
                 seq = SeqRequest(f"{base}-{pi}-{i}", list(ids), params, body.cache_salt)
                 try:  # the nodes check every job with the same bounds: a job they would refuse never leaves
@@ -150,8 +173,9 @@ class OpenAIServing:
                         L.check_spec(params)
                 except L.OutOfBounds as e:
                     raise bad_request(e.message, e.param) from e
-                choices.append(Choice(len(choices), seq, IncrementalDetokenizer(self.tok, body.stop_list),
-                                      num_logprobs))
+                choices.append(
+                    Choice(len(choices), seq, IncrementalDetokenizer(self.tok, body.stop_list), num_logprobs)
+                )
         return choices, sum(len(p) for p in prompts) * body.n
 
     # ------------------------------------------------------------------ running choices

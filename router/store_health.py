@@ -29,4 +29,4 @@ def store_health(nodes: Iterable[NodeState]) -> dict[str, Any]:
         state = StoreState.UNREACHABLE
     else:
         state = StoreState.PARTIAL
-    return {"state": state.value, "reachable_from": {node: ok for node, ok in sorted(seen.items())}}
+    return {"state": state.value, "reachable_from": dict(sorted(seen.items()))}

@@ -61,8 +61,15 @@ class FakeEngine:
         self.added: list[str] = []
         self.aborted: list[str] = []
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, *, cache_salt: str | None = None,
-                    kv_transfer_params: dict[str, Any] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Any,
+        *,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError("prompt too long")
         with self.lock:
@@ -119,9 +126,15 @@ class FakeNode:
         from protocol import messages as P
 
         self.engine = FakeEngine()
-        config = NodeConfig(role=role or P.NodeRole.DECODE, router_addr=router_addr, store_addr=None,
-                            node_id=node_id, served_model_name="smollm2-135m", max_num_seqs=64,
-                            heartbeat_interval_s=heartbeat_interval_s)
+        config = NodeConfig(
+            role=role or P.NodeRole.DECODE,
+            router_addr=router_addr,
+            store_addr=None,
+            node_id=node_id,
+            served_model_name="smollm2-135m",
+            max_num_seqs=64,
+            heartbeat_interval_s=heartbeat_interval_s,
+        )
         self.server = NodeServer(config, self.engine)
         self.thread = threading.Thread(target=self.server.serve, name=f"fake-node-{node_id}", daemon=True)
 

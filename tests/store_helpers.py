@@ -42,7 +42,9 @@ def payload(ref: BlockRef, layer: int, size: int = PAYLOAD) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def dump_all(store, refs: list[BlockRef], num_layers: int = NUM_LAYERS, commit: bool = True, size: int = PAYLOAD) -> None:
+def dump_all(
+    store, refs: list[BlockRef], num_layers: int = NUM_LAYERS, commit: bool = True, size: int = PAYLOAD
+) -> None:
     for layer in range(num_layers):
         task = store.dump(refs, layer, num_layers, [payload(r, layer, size) for r in refs])
         assert task.wait(10), f"dump failed: {task.failed_blocks}"
@@ -124,7 +126,17 @@ class DaemonProcess:
 @contextmanager
 def run_daemon(disk_path: Path | None = None, *extra: str, dram: str = "64MiB") -> Iterator[DaemonProcess]:
     # Straight to the store's entry point so these tests do not depend on the rest of the engine package.
-    cmd = [sys.executable, "-c", "import sys; from ucm.daemon_cli import main; sys.exit(main(sys.argv[1:]))", "--bind", "tcp://127.0.0.1:0", "--dram", dram, "--log-level", "WARNING"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from ucm.daemon_cli import main; sys.exit(main(sys.argv[1:]))",
+        "--bind",
+        "tcp://127.0.0.1:0",
+        "--dram",
+        dram,
+        "--log-level",
+        "WARNING",
+    ]
     if disk_path is not None:
         cmd += ["--disk-path", str(disk_path), "--disk", "64MiB"]
     if not {"--curve-keys", "--server-key", "--insecure"} & set(extra):

@@ -49,8 +49,15 @@ class StepResult:
 
 
 class FakeVllm:
-    def __init__(self, store, *, num_blocks: int = 32, role: KVConnectorRole = KVConnectorRole.BOTH,
-                 save_decode_blocks: bool = False, scope: VllmKeyScope = SCOPE) -> None:
+    def __init__(
+        self,
+        store,
+        *,
+        num_blocks: int = 32,
+        role: KVConnectorRole = KVConnectorRole.BOTH,
+        save_decode_blocks: bool = False,
+        scope: VllmKeyScope = SCOPE,
+    ) -> None:
         self.stats = ConnectorStats()
         self.sched = VllmSchedulerCore(store, scope, role, self.stats, save_decode_blocks=save_decode_blocks)
         self.worker = VllmWorkerCore(store, role, self.stats, task_timeout_s=10.0)

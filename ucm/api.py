@@ -107,9 +107,7 @@ class KVStore(Protocol):
         """Publish blocks whose every layer was dumped (ok=True), or discard them (ok=False)."""
         ...
 
-    def load(
-        self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]
-    ) -> StoreTask:
+    def load(self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]) -> StoreTask:
         """Copy the payload of `layers[j]` of `blocks[i]` into `dst[i][j]`; pins blocks until done."""
         ...
 

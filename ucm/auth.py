@@ -49,8 +49,16 @@ class KeyPaths:
     @classmethod
     def of(cls, directory: str | os.PathLike[str], client: str = CLIENT) -> KeyPaths:
         d = Path(directory)
-        return cls(d, d / f"{SERVER}.key", d / f"{SERVER}.key_secret", d / f"{client}.key",
-                   d / f"{client}.key_secret", d / AUTHORIZED, d / f"{ROUTER}.key", d / f"{ROUTER}.key_secret")
+        return cls(
+            d,
+            d / f"{SERVER}.key",
+            d / f"{SERVER}.key_secret",
+            d / f"{client}.key",
+            d / f"{client}.key_secret",
+            d / AUTHORIZED,
+            d / f"{ROUTER}.key",
+            d / f"{ROUTER}.key_secret",
+        )
 
     def server_auth(self) -> ServerAuth:
         """The store daemon's side."""
@@ -72,8 +80,9 @@ class KeyPaths:
 def check_client_name(name: str) -> str:
     """A client key's name is also a node id on the router link: no '/' (it separates socket identity parts)."""
     if not name or "/" in name or name in (SERVER, ROUTER) or name != name.strip() or len(name) > 128:
-        raise ValueError(f"bad client key name {name!r} (non-empty, no '/', at most 128 characters, "
-                         f"not {SERVER!r} or {ROUTER!r})")
+        raise ValueError(
+            f"bad client key name {name!r} (non-empty, no '/', at most 128 characters, not {SERVER!r} or {ROUTER!r})"
+        )
     return name
 
 

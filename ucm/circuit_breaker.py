@@ -57,8 +57,12 @@ class BreakerStats:
 
 
 class CircuitBreaker:
-    def __init__(self, probe: Callable[[float], None], config: BreakerConfig | None = None,
-                 on_change: Callable[[BreakerStats], None] | None = None) -> None:
+    def __init__(
+        self,
+        probe: Callable[[float], None],
+        config: BreakerConfig | None = None,
+        on_change: Callable[[BreakerStats], None] | None = None,
+    ) -> None:
         """`probe(timeout_s)` returns once the store answered (any answer), raises otherwise. `on_change`
         gets a copy of the counters after every change (called under the breaker's lock: keep it trivial)."""
         self._probe = probe
@@ -129,7 +133,7 @@ class CircuitBreaker:
         while not self._halt.wait(delay):
             try:
                 self._probe(self.config.probe_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - whatever a probe raises, the loop must go on probing
+            except Exception as exc:
                 if not isinstance(exc, StoreUnavailable):
                     log.warning("store probe failed: %s: %s", type(exc).__name__, exc)
                 with self._lock:

@@ -108,8 +108,14 @@ class StoreClient:
             sock.close(linger=0)  # stale replies die with it
             self._local.sock = None
 
-    def _call(self, make: type, *fields: object, frames: Sequence[object] = (), timeout_s: float | None = None,
-              probe: bool = False):
+    def _call(
+        self,
+        make: type,
+        *fields: object,
+        frames: Sequence[object] = (),
+        timeout_s: float | None = None,
+        probe: bool = False,
+    ):
         """Send one request and return (reply, data frames); raises StoreUnavailable / StoreRequestError.
         `probe`: the breaker's own ping, which goes through while the breaker is open."""
         with self._lock:
@@ -196,9 +202,7 @@ class StoreClient:
             _log_unavailable("contains treated as a miss: %s", exc)
             return [False] * len(keys)
 
-    def dump(
-        self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]
-    ) -> Task:
+    def dump(self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]) -> Task:
         """Sent on an I/O thread: `data` must stay unchanged until the task finishes."""
         if len(blocks) != len(data):
             raise ValueError(f"dump: {len(blocks)} blocks but {len(data)} payloads")
@@ -218,8 +222,9 @@ class StoreClient:
         with self._lock:
             self._opened.add((name, layout))
 
-    def _dump(self, name: str, layout: p.Layout, wire: list[p.WireBlock], layer: int, num_layers: int,
-              views: list[memoryview]) -> list[int]:
+    def _dump(
+        self, name: str, layout: p.Layout, wire: list[p.WireBlock], layer: int, num_layers: int, views: list[memoryview]
+    ) -> list[int]:
         with self._lock:
             opened = (name, layout) in self._opened
         if not opened:
@@ -233,9 +238,7 @@ class StoreClient:
         self.open_namespace(name, layout)
         return self._call(p.Dump, wire, layer, num_layers, name, frames=views)[0].failed
 
-    def load(
-        self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]
-    ) -> Task:
+    def load(self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]) -> Task:
         if len(dst) != len(blocks) or any(len(row) != len(layers) for row in dst):
             raise ValueError(f"load: dst must be {len(blocks)} rows of {len(layers)} buffers")
         views = [[as_bytes_view(buf) for buf in row] for row in dst]
@@ -247,13 +250,17 @@ class StoreClient:
         failed = set(reply.failed)
         hits = [i for i in range(len(wire)) if i not in failed]
         if len(frames) != len(hits) * len(layers):
-            raise StoreRequestError(p.ErrorCode.INTERNAL, f"load reply has {len(frames)} frames, expected {len(hits) * len(layers)}")
+            raise StoreRequestError(
+                p.ErrorCode.INTERNAL, f"load reply has {len(frames)} frames, expected {len(hits) * len(layers)}"
+            )
         frame_iter = iter(frames)
         for i in hits:
             for j in range(len(layers)):
                 buf = next(frame_iter).buffer
                 if len(buf) != len(views[i][j]):
-                    log.warning("load: block %d layer %d has %d bytes, dst holds %d", i, layers[j], len(buf), len(views[i][j]))
+                    log.warning(
+                        "load: block %d layer %d has %d bytes, dst holds %d", i, layers[j], len(buf), len(views[i][j])
+                    )
                     failed.add(i)
                 else:  # numpy releases the GIL while copying
                     np.copyto(np.frombuffer(views[i][j], np.uint8), np.frombuffer(buf, np.uint8))

@@ -78,7 +78,9 @@ class StoreDaemon:
             self._authenticator = config.auth.apply(self._ctx, self._router)
         else:
             log.warning(INSECURE_WARNING)
-        bind = config.bind[:-2] + ":*" if config.bind.startswith("tcp://") and config.bind.endswith(":0") else config.bind
+        bind = (
+            config.bind[:-2] + ":*" if config.bind.startswith("tcp://") and config.bind.endswith(":0") else config.bind
+        )
         self._router.bind(bind)
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replies_addr = f"inproc://ucm-replies-{uuid.uuid4().hex}"
@@ -137,7 +139,7 @@ class StoreDaemon:
     def _receive_guarded(self, frames: list[zmq.Frame]) -> None:
         try:
             self._receive(frames)
-        except Exception as exc:  # noqa: BLE001 - one message, whatever it holds, must never end the loop
+        except Exception as exc:
             self._count_bad(f"{type(exc).__name__} while receiving: {str(exc)[:200]}")
 
     def _forward_reply(self, frames: list[zmq.Frame]) -> None:
@@ -151,13 +153,15 @@ class StoreDaemon:
         if not parts:
             return self._count_bad("empty message")
         if len(parts) > self.config.max_frames:
-            return self._send_error(identity, 0, p.ErrorCode.TOO_LARGE, f"{len(parts)} frames > {self.config.max_frames}")
+            return self._send_error(
+                identity, 0, p.ErrorCode.TOO_LARGE, f"{len(parts)} frames > {self.config.max_frames}"
+            )
         total = sum(len(f.buffer) for f in parts)
         if total > self.config.max_request_bytes or len(parts[0].buffer) > self.config.max_control_bytes:
             return self._send_error(identity, 0, p.ErrorCode.TOO_LARGE, f"request of {total} bytes over the limit")
         try:
             request = p.request_decoder.decode(parts[0].buffer)
-        except Exception as exc:  # noqa: BLE001 - msgspec errors, and anything else hostile bytes can raise
+        except Exception as exc:
             code, req_id = p.classify_undecodable(parts[0].buffer)
             return self._send_error(identity, req_id, code, str(exc)[:200])
         # With CURVE, ZAP stamped every frame with the peer's public key (z85): the identity ownership uses.
@@ -200,7 +204,9 @@ class StoreDaemon:
     def _refuse(self, request: p.Request, code: p.ErrorCode, message: str) -> tuple[p.Reply, list]:
         with self._counts_lock:
             self._refused += 1
-        self._bad_log.warning("daemon: refused %s %d: %s (%s)", type(request).__name__, request.req_id, code.value, message[:200])
+        self._bad_log.warning(
+            "daemon: refused %s %d: %s (%s)", type(request).__name__, request.req_id, code.value, message[:200]
+        )
         return p.ErrorReply(request.req_id, code, message), []
 
     def _dispatch(self, client: str, req: p.Request, frames: Sequence[zmq.Frame]) -> tuple[p.Reply, list]:
@@ -227,7 +233,9 @@ class StoreDaemon:
                 return p.OkReply(req.req_id), []
             case p.Load(blocks=blocks, layers=layers):
                 if len(blocks) * len(layers) > MAX_LOAD_FRAMES:
-                    raise BadRequest(f"load of {len(blocks)} blocks x {len(layers)} layers: reply over {MAX_LOAD_FRAMES} frames")
+                    raise BadRequest(
+                        f"load of {len(blocks)} blocks x {len(layers)} layers: reply over {MAX_LOAD_FRAMES} frames"
+                    )
                 rows = store.read_payloads([b.ref() for b in blocks], layers)
                 failed = [i for i, row in enumerate(rows) if row is None]
                 return p.LoadReply(req.req_id, failed), [buf for row in rows if row is not None for buf in row]
@@ -238,8 +246,11 @@ class StoreDaemon:
                 if self.authenticated:
                     foreign = self._owners.foreign(keys, client, store.contains)
                     if foreign:
-                        raise Refused(p.ErrorCode.FORBIDDEN, f"{len(foreign)} of {len(keys)} keys belong to another client "
-                                      f"(first {foreign[0].hex()}); nothing removed")
+                        raise Refused(
+                            p.ErrorCode.FORBIDDEN,
+                            f"{len(foreign)} of {len(keys)} keys belong to another client "
+                            f"(first {foreign[0].hex()}); nothing removed",
+                        )
                 store.remove(keys)
                 if self.authenticated:
                     self._owners.forget(keys)

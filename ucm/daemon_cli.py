@@ -40,8 +40,11 @@ def _size(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ucm-serve store", description="Run the standalone UCM KV-store daemon. "
-                                 "`ucm-serve store keys DIR` writes CURVE key pairs for --curve-keys (docs/security.md).")
+    ap = argparse.ArgumentParser(
+        prog="ucm-serve store",
+        description="Run the standalone UCM KV-store daemon. "
+        "`ucm-serve store keys DIR` writes CURVE key pairs for --curve-keys (docs/security.md).",
+    )
     ap.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ address; port 0 picks a free port")
     ap.add_argument("--dram", type=_size, default=parse_size("4GiB"), help="DRAM tier capacity (e.g. 4GiB)")
     ap.add_argument("--disk-path", default=None, help="LMDB directory; omit for a DRAM-only store")
@@ -55,11 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-frames", type=int, default=1 + 65536)
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     auth = ap.add_argument_group("authentication (ZeroMQ CURVE)")
-    auth.add_argument("--curve-keys", metavar="DIR", default=None,
-                      help="folder written by `ucm-serve store keys DIR`: server.key_secret + authorized/")
+    auth.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        default=None,
+        help="folder written by `ucm-serve store keys DIR`: server.key_secret + authorized/",
+    )
     auth.add_argument("--server-key", metavar="FILE", default=None, help="the server's .key_secret file")
     auth.add_argument("--authorized", metavar="DIR", default=None, help="folder of accepted client public .key files")
-    auth.add_argument("--insecure", action="store_true", help="no authentication: anyone who reaches the port may use the store")
+    auth.add_argument(
+        "--insecure", action="store_true", help="no authentication: anyone who reaches the port may use the store"
+    )
     return ap
 
 
@@ -75,20 +84,32 @@ def _server_auth(args: argparse.Namespace) -> ServerAuth | None:
     if args.server_key:
         return ServerAuth(Path(args.server_key), Path(args.authorized))
     if not args.insecure:
-        raise ValueError("the daemon needs keys (--curve-keys DIR, from `ucm-serve keys DIR`) or an explicit --insecure")
+        raise ValueError(
+            "the daemon needs keys (--curve-keys DIR, from `ucm-serve keys DIR`) or an explicit --insecure"
+        )
     return None  # the daemon logs that it runs without authentication
 
 
 def keys_main(argv: list[str]) -> int:
     """`ucm-serve keys DIR --nodes a,b` (= `ucm-serve store keys DIR --clients a,b`): one folder for both links."""
-    ap = argparse.ArgumentParser(prog="ucm-serve keys", description="Write CURVE key pairs (z85 files, as "
-                                 "zmq.auth.create_certificates writes them) for the store daemon, the router and "
-                                 "each node or client: one folder serves the node-router and node-store links.")
-    ap.add_argument("dir", help="folder to write server.key[_secret] (store), router.key[_secret], NAME.key[_secret] "
-                                "and authorized/")
-    ap.add_argument("--nodes", "--clients", dest="clients", default="client",
-                    help="comma-separated node ids / client names, one key pair each (a node registers with the "
-                         "router only under the id its key is named for)")
+    ap = argparse.ArgumentParser(
+        prog="ucm-serve keys",
+        description="Write CURVE key pairs (z85 files, as "
+        "zmq.auth.create_certificates writes them) for the store daemon, the router and "
+        "each node or client: one folder serves the node-router and node-store links.",
+    )
+    ap.add_argument(
+        "dir",
+        help="folder to write server.key[_secret] (store), router.key[_secret], NAME.key[_secret] and authorized/",
+    )
+    ap.add_argument(
+        "--nodes",
+        "--clients",
+        dest="clients",
+        default="client",
+        help="comma-separated node ids / client names, one key pair each (a node registers with the "
+        "router only under the id its key is named for)",
+    )
     args = ap.parse_args(argv)
     try:
         names = tuple(n.strip() for n in args.clients.split(",") if n.strip())
@@ -99,11 +120,15 @@ def keys_main(argv: list[str]) -> int:
     print(f"store:  ucm-serve store --curve-keys {paths.dir}")
     print(f"router: ucm-serve router --curve-keys {paths.dir}")
     for name in names:
-        print(f"node {name}: ucm-serve prefill|decode --curve-keys {paths.dir} --node-id {name} "
-              f"--store tcp://HOST:PORT  (the store link uses the same folder); or as a store client: "
-              f"kv_store 'tcp://HOST:PORT?curve_keys={paths.dir}&curve_client={name}'")
-    print("copy the folder (or, per host, its public .key files plus that host's NAME.key_secret) to each host; "
-          "keep it private (mode 0700)")
+        print(
+            f"node {name}: ucm-serve prefill|decode --curve-keys {paths.dir} --node-id {name} "
+            f"--store tcp://HOST:PORT  (the store link uses the same folder); or as a store client: "
+            f"kv_store 'tcp://HOST:PORT?curve_keys={paths.dir}&curve_client={name}'"
+        )
+    print(
+        "copy the folder (or, per host, its public .key files plus that host's NAME.key_secret) to each host; "
+        "keep it private (mode 0700)"
+    )
     return 0
 
 
@@ -111,7 +136,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["keys"]:
         return keys_main(argv[1:])
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = StoreConfig(
             dram_bytes=args.dram,
@@ -122,7 +149,10 @@ def main(argv: list[str]) -> int:
             disk_policy=PolicyName(args.disk_policy or args.policy),
         )
         daemon_config = DaemonConfig(
-            bind=args.bind, workers=args.workers, max_frames=args.max_frames, max_request_bytes=args.max_request_bytes,
+            bind=args.bind,
+            workers=args.workers,
+            max_frames=args.max_frames,
+            max_request_bytes=args.max_request_bytes,
             auth=_server_auth(args),
         )
     except ValueError as exc:
@@ -147,7 +177,9 @@ def stats_main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds (0: print once)")
-    ap.add_argument("--curve-keys", metavar="DIR", default=None, help="client keys for a CURVE daemon (see `store keys`)")
+    ap.add_argument(
+        "--curve-keys", metavar="DIR", default=None, help="client keys for a CURVE daemon (see `store keys`)"
+    )
     args = ap.parse_args(argv)
     auth = ClientAuth.from_dir(args.curve_keys) if args.curve_keys else None
     with StoreClient(args.connect, timeout_s=args.timeout, retry_after_s=0.0, auth=auth) as client:
@@ -167,7 +199,9 @@ def stats_main(argv: list[str]) -> int:
 
 
 def _table(stats) -> str:
-    lines = [f"{'tier':<6}{'hits':>10}{'misses':>10}{'blocks':>9}{'used':>12}{'capacity':>12}{'evicted':>9}{'read GB/s':>11}{'write GB/s':>11}"]
+    lines = [
+        f"{'tier':<6}{'hits':>10}{'misses':>10}{'blocks':>9}{'used':>12}{'capacity':>12}{'evicted':>9}{'read GB/s':>11}{'write GB/s':>11}"
+    ]
     for tier, t in stats.tiers.items():
         rd = t.bytes_read / t.read_seconds / 1e9 if t.read_seconds else 0.0
         wr = t.bytes_written / t.write_seconds / 1e9 if t.write_seconds else 0.0

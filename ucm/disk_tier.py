@@ -105,7 +105,12 @@ class DiskTier:
             victims.append(victim)
             log.debug(
                 "disk: evicting %s (%d bytes, policy %s) %s: %d/%d bytes used",
-                victim.hex(), freed, self._policy.name.value, reason, self.stats.bytes_used, self.capacity_bytes,
+                victim.hex(),
+                freed,
+                self._policy.name.value,
+                reason,
+                self.stats.bytes_used,
+                self.capacity_bytes,
             )
         self.stats.blocks = len(self._sizes)
         return victims, True

@@ -40,7 +40,9 @@ def check_structure(req: Dump, payload_sizes: Sequence[int]) -> list[BlockRef]:
         if block.token_ids and not 0 <= min(block.token_ids) <= max(block.token_ids) < 1 << 32:
             raise _bad(f"block {i}: token ids must be in [0, 2**32)")
         if chain_key(block.parent, block.token_ids) != block.key:
-            raise _bad(f"block {i}: key {block.key.hex()} is not H(parent ‖ token ids); refusing forged or mis-keyed KV")
+            raise _bad(
+                f"block {i}: key {block.key.hex()} is not H(parent ‖ token ids); refusing forged or mis-keyed KV"
+            )
         refs.append(block.ref())
     return refs
 
@@ -50,9 +52,13 @@ def check_layout_match(req: Dump, payload_sizes: Sequence[int], layout: Layout) 
         raise _bad(f"num_layers {req.num_layers} != {layout.num_layers} declared for namespace {req.namespace!r}")
     for i, (block, size) in enumerate(zip(req.blocks, payload_sizes)):
         if size != layout.layer_nbytes:
-            raise _bad(f"block {i}: payload of {size} bytes, namespace {req.namespace!r} declared {layout.layer_nbytes}")
+            raise _bad(
+                f"block {i}: payload of {size} bytes, namespace {req.namespace!r} declared {layout.layer_nbytes}"
+            )
         if len(block.token_ids) != layout.block_tokens:
-            raise _bad(f"block {i}: {len(block.token_ids)} token ids, namespace {req.namespace!r} declared {layout.block_tokens}")
+            raise _bad(
+                f"block {i}: {len(block.token_ids)} token ids, namespace {req.namespace!r} declared {layout.block_tokens}"
+            )
 
 
 def checked_dump(req: Dump, payload_sizes: Sequence[int], layout_of: LayoutLookup) -> list[BlockRef]:
@@ -60,4 +66,3 @@ def checked_dump(req: Dump, payload_sizes: Sequence[int], layout_of: LayoutLooku
     refs = check_structure(req, payload_sizes)
     check_layout_match(req, payload_sizes, layout_of(req.namespace))
     return refs
-

@@ -27,6 +27,8 @@ def retain_freed_memory(threshold_bytes: int = 1 << 30) -> bool:
         log.debug("mallopt not available; leaving the allocator alone")
         return False
     # M_MMAP_THRESHOLD is capped by glibc (32 MiB on 64-bit); a larger value is refused, so clamp it.
-    ok = bool(mallopt(_M_TRIM_THRESHOLD, threshold_bytes)) and bool(mallopt(_M_MMAP_THRESHOLD, min(threshold_bytes, 32 << 20)))
+    ok = bool(mallopt(_M_TRIM_THRESHOLD, threshold_bytes)) and bool(
+        mallopt(_M_MMAP_THRESHOLD, min(threshold_bytes, 32 << 20))
+    )
     log.debug("mallopt thresholds raised: %s", ok)
     return ok

@@ -54,7 +54,9 @@ class OwnerTable:
             for key in keys:
                 claim = self._claims.get(key)
                 taken = (
-                    claim is not None and claim.owner != owner and claim.state is ClaimState.PENDING
+                    claim is not None
+                    and claim.owner != owner
+                    and claim.state is ClaimState.PENDING
                     and now - claim.since <= self._timeout
                 )
                 allowed.append(not taken)
@@ -79,14 +81,19 @@ class OwnerTable:
                     del self._claims[key]
         return mine
 
-    def foreign(self, keys: Sequence[BlockKey], owner: str, stored: Callable[[Sequence[BlockKey]], list[bool]]) -> list[BlockKey]:
+    def foreign(
+        self, keys: Sequence[BlockKey], owner: str, stored: Callable[[Sequence[BlockKey]], list[bool]]
+    ) -> list[BlockKey]:
         """Keys `owner` may not remove: owned by another client, or stored with no known owner."""
         with self._lock:
             claims = [self._claims.get(key) for key in keys]
         unknown = [key for key, claim in zip(keys, claims) if claim is None]
         unknown_stored = {key for key, present in zip(unknown, stored(unknown)) if present} if unknown else set()
-        return [key for key, claim in zip(keys, claims)
-                if (claim is not None and claim.owner != owner) or key in unknown_stored]
+        return [
+            key
+            for key, claim in zip(keys, claims)
+            if (claim is not None and claim.owner != owner) or key in unknown_stored
+        ]
 
     def forget(self, keys: Sequence[BlockKey]) -> None:
         with self._lock:

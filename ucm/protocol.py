@@ -179,17 +179,17 @@ def classify_undecodable(frame: bytes | memoryview) -> tuple[ErrorCode, int]:
     """
     try:
         raw = _envelope_decoder.decode(frame)
-    except Exception:  # noqa: BLE001 - hostile bytes may raise anything; none of it may escape
+    except Exception:
         return ErrorCode.MALFORMED, 0
     req_id = 0
     try:
         if "req_id" in raw:
             req_id = _req_id_decoder.decode(raw["req_id"])
-    except Exception:  # noqa: BLE001
+    except Exception:
         req_id = 0
     try:
         kind = _type_decoder.decode(raw["type"]) if "type" in raw else None
-    except Exception:  # noqa: BLE001
+    except Exception:
         return ErrorCode.MALFORMED, req_id
     if kind not in REQUEST_TYPES:
         return ErrorCode.UNKNOWN_TYPE, req_id

@@ -29,7 +29,7 @@ SNAPSHOT_TTL_S = 0.25
 class StoredRecord:
     """One record as read in a snapshot: its bytes (valid while the snapshot is held) and parsed header."""
 
-    __slots__ = ("view", "_layout", "matched")
+    __slots__ = ("_layout", "matched", "view")
 
     def __init__(self, view: memoryview) -> None:
         self.view = view
@@ -51,7 +51,7 @@ class StoredRecord:
 
 
 class Snapshot:
-    __slots__ = ("_txn", "_records", "_lock", "users", "born", "retired")
+    __slots__ = ("_lock", "_records", "_txn", "born", "retired", "users")
 
     def __init__(self, env: lmdb.Environment) -> None:
         self._txn = env.begin(buffers=True)

@@ -190,7 +190,7 @@ class RecordLayout:
     not re-parse (and re-hash) the header for each layer; every payload is still verified on each read.
     """
 
-    __slots__ = ("key", "parent", "token_ids", "num_layers", "offsets", "sizes", "sums")
+    __slots__ = ("key", "num_layers", "offsets", "parent", "sizes", "sums", "token_ids")
 
     def __init__(self, view: memoryview) -> None:
         num_layers, num_tokens, _, key, parent, end = _verified_header(view)

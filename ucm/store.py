@@ -65,7 +65,9 @@ class Store:
         self._writer: WriteBehind | None = None
         if config.disk_path is not None:
             disk_policy = policy_factory(config.disk_policy, config.disk_bytes)
-            self._disk = DiskTier(config.disk_path, config.disk_bytes, config.map_size, disk_policy, self._pins.is_unpinned)
+            self._disk = DiskTier(
+                config.disk_path, config.disk_bytes, config.map_size, disk_policy, self._pins.is_unpinned
+            )
             self._writer = WriteBehind(self._disk, config.write_queue_blocks, self._on_written)
         self._inflight: dict[BlockKey, BlockRecord] = {}  # committed, not yet on disk: still visible
         # Removed while in flight: hidden even if their disk write lands, until `_on_written` deletes it again.
@@ -105,9 +107,7 @@ class Store:
 
     # --- writes -----------------------------------------------------------------------------------------
 
-    def dump(
-        self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]
-    ) -> Task:
+    def dump(self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]) -> Task:
         """Copy one layer of each block now (the caller may reuse `data` once this returns)."""
         self._check_open()
         if len(blocks) != len(data):
@@ -152,7 +152,9 @@ class Store:
         self._last_sweep = now
         stale = [k for k, p in self._pending.items() if now - p.created > self.config.pending_timeout_s]
         for key in stale:
-            log.warning("dropping %s: dumped %.0f s ago and never committed", key.hex(), now - self._pending[key].created)
+            log.warning(
+                "dropping %s: dumped %.0f s ago and never committed", key.hex(), now - self._pending[key].created
+            )
             del self._pending[key]
 
     def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:
@@ -212,9 +214,7 @@ class Store:
 
     # --- reads ------------------------------------------------------------------------------------------
 
-    def load(
-        self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]
-    ) -> Task:
+    def load(self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]) -> Task:
         """Copy `layers` of each block into `dst[i][j]` on a load thread; blocks stay pinned until done."""
         self._check_open()
         if len(dst) != len(blocks) or any(len(row) != len(layers) for row in dst):
@@ -309,4 +309,3 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

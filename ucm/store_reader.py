@@ -115,7 +115,9 @@ class BlockReader:
                         bad.append((ref.key, f"disk entry rejected: {exc}"))
                         return False
                     if one_layer >= layout.num_layers:
-                        log.warning("load of %s: layer %d outside the block's %d", ref.key.hex(), one_layer, layout.num_layers)
+                        log.warning(
+                            "load of %s: layer %d outside the block's %d", ref.key.hex(), one_layer, layout.num_layers
+                        )
                         return False
                     start, size = layout.offsets[one_layer], layout.sizes[one_layer]
                     payload = stored.view[start : start + size]
@@ -188,7 +190,9 @@ class BlockReader:
                 continue
             size, out = sizes[layer], dst[i][0]
             if len(out) != size:
-                log.warning("load of %s failed: dst holds %d bytes, layer %d has %d", ref.key.hex(), len(out), layer, size)
+                log.warning(
+                    "load of %s failed: dst holds %d bytes, layer %d has %d", ref.key.hex(), len(out), layer, size
+                )
                 continue
             if size < _GIL_FREE_COPY_BYTES:
                 out[:] = record.payloads[layer]

@@ -29,5 +29,8 @@ class LayoutCaps:
     max_pending_blocks: int = 1 << 17  # dumped, not yet committed, across all clients
 
     def __post_init__(self) -> None:
-        if min(self.max_layer_nbytes, self.max_block_nbytes, self.max_namespaces_per_client, self.max_pending_blocks) <= 0:
+        if (
+            min(self.max_layer_nbytes, self.max_block_nbytes, self.max_namespaces_per_client, self.max_pending_blocks)
+            <= 0
+        ):
             raise ValueError("layout caps must be positive")

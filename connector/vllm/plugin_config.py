@@ -26,13 +26,17 @@ class PluginConfig:
             raise ValueError(f"unknown kv_connector_extra_config key(s) {sorted(unknown)}; known: {sorted(_KNOWN)}")
         text = extra.get("store")
         if not isinstance(text, str) or not text:
-            raise ValueError('UCMConnector needs kv_connector_extra_config {"store": "tcp://HOST:PORT"}: the address '
-                             "of a running `ucm-serve store` daemon")
+            raise ValueError(
+                'UCMConnector needs kv_connector_extra_config {"store": "tcp://HOST:PORT"}: the address '
+                "of a running `ucm-serve store` daemon"
+            )
         spec = StoreSpec.parse(text)
         if spec.kind is not StoreKind.DAEMON:
-            raise ValueError(f"store {text!r}: vLLM runs its scheduler and worker in separate processes, so an "
-                             "embedded store would be two stores; start `ucm-serve store` and give its tcp:// or "
-                             "ipc:// address")
+            raise ValueError(
+                f"store {text!r}: vLLM runs its scheduler and worker in separate processes, so an "
+                "embedded store would be two stores; start `ucm-serve store` and give its tcp:// or "
+                "ipc:// address"
+            )
         save_decode = extra.get("save_decode_blocks", False)
         if not isinstance(save_decode, bool):
             raise ValueError(f"save_decode_blocks must be true or false, got {save_decode!r}")

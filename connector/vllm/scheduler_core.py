@@ -22,8 +22,15 @@ log = logging.getLogger(__name__)
 
 
 class VllmSchedulerCore:
-    def __init__(self, store: KVStore, scope: VllmKeyScope, role: KVConnectorRole, stats: ConnectorStats, *,
-                 save_decode_blocks: bool = False) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        scope: VllmKeyScope,
+        role: KVConnectorRole,
+        stats: ConnectorStats,
+        *,
+        save_decode_blocks: bool = False,
+    ) -> None:
         self.store = store
         self.scope = scope
         self.role = role
@@ -41,8 +48,9 @@ class VllmSchedulerCore:
 
     # ---- admission -----------------------------------------------------------------------------------------
 
-    def track(self, request_id: str, token_ids: Callable[[], Sequence[int]], num_prompt_tokens: int,
-              cache_salt: str | None) -> RequestTracker:
+    def track(
+        self, request_id: str, token_ids: Callable[[], Sequence[int]], num_prompt_tokens: int, cache_salt: str | None
+    ) -> RequestTracker:
         """Start tracking a request (idempotent: vLLM may show us a request more than once)."""
         tracker = self._trackers.get(request_id)
         if tracker is None:
@@ -91,13 +99,15 @@ class VllmSchedulerCore:
         bs = self.block_size
         num = -(-num_external_tokens // bs)
         if num > offer.hit_blocks:
-            raise ValueError(f"{request_id}: {num_external_tokens} external tokens exceed the "
-                             f"{offer.hit_blocks} blocks offered")
+            raise ValueError(
+                f"{request_id}: {num_external_tokens} external tokens exceed the {offer.hit_blocks} blocks offered"
+            )
         stop = offer.start_block + num
         if len(block_ids) < stop:
             raise ValueError(f"{request_id}: {len(block_ids)} device blocks, external blocks end at {stop}")
-        tracker.load = LoadPlan(offer.start_block, tuple(block_ids[offer.start_block : stop]),
-                                before_forward=num_external_tokens % bs != 0)
+        tracker.load = LoadPlan(
+            offer.start_block, tuple(block_ids[offer.start_block : stop]), before_forward=num_external_tokens % bs != 0
+        )
 
     def poison(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """After a failed hook: vLLM counts `num_external_tokens` as cached, so their blocks must be reported as
@@ -129,8 +139,11 @@ class VllmSchedulerCore:
             scheduled.append((tracker, item.num_computed_tokens + item.num_scheduled_tokens))
         for tracker in self._trackers.values():
             if tracker.load is not None:  # allocated but not scheduled: vLLM still counts the tokens as cached
-                log.warning("request %s: its load was planned but it was not scheduled; reporting its blocks as "
-                            "failed so they are recomputed", tracker.request_id)
+                log.warning(
+                    "request %s: its load was planned but it was not scheduled; reporting its blocks as "
+                    "failed so they are recomputed",
+                    tracker.request_id,
+                )
                 plan.loads.append(BlockLoad(tracker.request_id, tracker.load.block_ids, (), poisoned=True))
                 tracker.load = None
         if self.role.saves and scheduled:

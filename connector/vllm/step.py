@@ -39,15 +39,28 @@ class StepDelta:
         """From vLLM's `SchedulerOutput` (read by attribute, so this module needs no vllm): new requests carry
         their whole block table, cached ones the blocks added this step — or, when resumed after a preemption,
         their whole new table. Block ids are per KV cache group; we have exactly one."""
-        scheduled = [ScheduledRequest(r.req_id, tuple(r.block_ids[0]) if r.block_ids else (), True,
-                                      r.num_computed_tokens, so.num_scheduled_tokens.get(r.req_id, 0))
-                     for r in so.scheduled_new_reqs]
+        scheduled = [
+            ScheduledRequest(
+                r.req_id,
+                tuple(r.block_ids[0]) if r.block_ids else (),
+                True,
+                r.num_computed_tokens,
+                so.num_scheduled_tokens.get(r.req_id, 0),
+            )
+            for r in so.scheduled_new_reqs
+        ]
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            scheduled.append(ScheduledRequest(req_id, tuple(new_ids[0]) if new_ids else (),
-                                              req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
-                                              so.num_scheduled_tokens.get(req_id, 0)))
+            scheduled.append(
+                ScheduledRequest(
+                    req_id,
+                    tuple(new_ids[0]) if new_ids else (),
+                    req_id in cached.resumed_req_ids,
+                    cached.num_computed_tokens[i],
+                    so.num_scheduled_tokens.get(req_id, 0),
+                )
+            )
         return cls(tuple(scheduled), frozenset(so.preempted_req_ids or ()), frozenset(so.finished_req_ids))
 
 

@@ -63,9 +63,14 @@ class RequestTracker:
         """BlockRefs (key, parent, token ids) of blocks [start, stop)."""
         keys = self.keys_upto(stop, block_size)
         tokens = self.token_ids()
-        return [BlockRef(keys[i], keys[i - 1] if i else self.root,
-                         tuple(int(t) for t in tokens[i * block_size : (i + 1) * block_size]))
-                for i in range(start, stop)]
+        return [
+            BlockRef(
+                keys[i],
+                keys[i - 1] if i else self.root,
+                tuple(int(t) for t in tokens[i * block_size : (i + 1) * block_size]),
+            )
+            for i in range(start, stop)
+        ]
 
     def apply_blocks(self, block_ids: Sequence[int], replaces: bool) -> None:
         if replaces:

@@ -30,7 +30,6 @@ from ucm.api import BlockRef, KVStore, StoreTask
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class _StepLoads:
     """This step's loads as one list of rows, request after request, each in prefix order."""
@@ -48,8 +47,9 @@ class _StepLoads:
 
 
 class VllmWorkerCore:
-    def __init__(self, store: KVStore, role: KVConnectorRole, stats: ConnectorStats, *,
-                 task_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, store: KVStore, role: KVConnectorRole, stats: ConnectorStats, *, task_timeout_s: float = 30.0
+    ) -> None:
         self.store = store
         self.role = role
         self.stats = stats
@@ -164,8 +164,11 @@ class VllmWorkerCore:
             self.stats.blocks_loaded += ok
             self.stats.bytes_loaded += ok * nbytes
             if bad:
-                self._fail_request(load.request_id, load.block_ids[ok:], f"{len(bad)} of {len(load.blocks)} "
-                                   f"blocks failed from block {ok}")
+                self._fail_request(
+                    load.request_id,
+                    load.block_ids[ok:],
+                    f"{len(bad)} of {len(load.blocks)} blocks failed from block {ok}",
+                )
         self._loads = None
 
     def fail_all_loads(self, why: str) -> None:
@@ -180,8 +183,9 @@ class VllmWorkerCore:
         self.stats.blocks_load_failed += len(block_ids)
         self._load_errors.update(block_ids)
         self._errored_requests.add(request_id)
-        log.warning("request %s: load failed (%s); reporting %d blocks for recomputation", request_id, why,
-                    len(block_ids))
+        log.warning(
+            "request %s: load failed (%s); reporting %d blocks for recomputation", request_id, why, len(block_ids)
+        )
 
     # ---- saves ---------------------------------------------------------------------------------------------
 
@@ -237,8 +241,12 @@ class VllmWorkerCore:
         self.stats.bytes_saved += len(good) * self.page_bytes * self.num_layers
         self.stats.blocks_save_failed += len(bad)
         if bad:
-            self._warn_at = warn_limited(self._warn_at, "dropped the saves of %d of %d blocks (dump failed, store "
-                                         "unreachable or context load failed)", len(bad), len(blocks))
+            self._warn_at = warn_limited(
+                self._warn_at,
+                "dropped the saves of %d of %d blocks (dump failed, store unreachable or context load failed)",
+                len(bad),
+                len(blocks),
+            )
         self.stats.save_seconds += time.perf_counter() - t0
 
     # ---- results -------------------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from engine.attention import paged_attention_forward
-from kernels.attention_metadata import AttentionMetadata
 from engine.model_config import ModelConfig
 from engine.models.dense import dense, pack_weight
 from kernels.api import rotary_embedding_
+from kernels.attention_metadata import AttentionMetadata
 
 
 class PagedSelfAttention(nn.Module):

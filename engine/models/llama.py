@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention_metadata import AttentionMetadata
 from engine.model_config import ModelConfig
-from engine.models.dense import dense, pack_weight
 from engine.models.attention_layer import PagedSelfAttention
+from engine.models.dense import dense, pack_weight
 from engine.models.mlp import GatedMLP
 from engine.models.rmsnorm import RMSNorm
 from engine.models.rope import RotaryEmbedding
+from kernels.attention_metadata import AttentionMetadata
 
 
 class DecoderLayer(nn.Module):

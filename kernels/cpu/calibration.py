@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.cache_dir import cache_dir
 from kernels.cpu.native import NativeLib
 from kernels.cpu.paged_attention import paged_attention_native
 from kernels.reference import decode_attention_chunked_torch, prefill_attention_torch
-from kernels.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ MAX_S_PER_ROUND = 0.15  # stop a round early once it has taken this long (keeps 
 FILE_VERSION = 2  # 2: stored only when the rounds agree (1 stored every pick)
 
 
-class ShapeClass(str, enum.Enum):
+class ShapeClass(str, enum.Enum):  # noqa: UP042 (str() of members is part of the cache-file format)
     DECODE = "decode"  # one query per sequence (`kernels.decode_attention`)
     CHUNK = "chunk"  # prefill rows over a cached prefix: every prefill call that is not all whole prompts
     PROMPT = "prompt"  # sequences whose new tokens are their whole context
@@ -224,7 +224,9 @@ def _pick(rounds: list[dict[str, float]]) -> tuple[Pick, bool]:
 
 
 def _describe(g: Geometry, threads: int, plan: Plan, source: str) -> str:
-    cls = "; ".join(f"{c.value} {p.impl} ({p.native_ms:.2f} ms native vs {p.torch_ms:.2f} torch)" for c, p in plan.items())
+    cls = "; ".join(
+        f"{c.value} {p.impl} ({p.native_ms:.2f} ms native vs {p.torch_ms:.2f} torch)" for c, p in plan.items()
+    )
     return (f"CPU attention {source} for {cpu_info()[0]} [{' '.join(vector_flags())}], {threads} thread(s), "
             f"{g.label()}: {cls}")  # fmt: skip
 

@@ -6,7 +6,7 @@
  * not once at the end. Where torch reduces (the mean of x^2 in RMSNorm) the sum follows aten's cascade order
  * (`sum_squares`), so the norms match too, not just to an ulp. The one fp32 function that is not an IEEE
  * primitive, exp in SiLU, is accurate enough that silu(x) rounded to bf16 equals torch's for every bf16 x
- * (tests/test_kernels_elementwise.py checks all 65536).
+ * (tests/kernels/test_kernels_elementwise.py checks all 65536).
  *
  * Compiled with -std=c11, so gcc does not contract a*b+c into an FMA (that would skip a rounding torch does).
  *

@@ -10,7 +10,7 @@ the pure-torch path.
 
 OpenMP: the library is built with -fopenmp. The torch wheel ships its own `libgomp.so.1`; ours is loaded after
 torch, so the dynamic linker resolves our `libgomp.so.1` dependency to torch's copy (one OpenMP runtime and
-one thread pool per process; `tests/test_kernels_native.py` checks this).
+one thread pool per process; `tests/kernels/test_kernels_native.py` checks this).
 """
 
 from __future__ import annotations
@@ -107,8 +107,12 @@ def library_path(cc: str, cache_root: Path) -> Path:
     """Where the library for these sources, compiler and CPU lives (built or not)."""
     h = hashlib.sha256()
     parts = [src.name.encode() for src in SOURCES] + [src.read_bytes() for src in SOURCES]
-    parts += [" ".join(FLAGS + LIBS).encode(), _compiler_version(cc).encode(), platform.machine().encode(),
-              _cpu_signature().encode()]
+    parts += [
+        " ".join(FLAGS + LIBS).encode(),
+        _compiler_version(cc).encode(),
+        platform.machine().encode(),
+        _cpu_signature().encode(),
+    ]
     for part in parts:
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
@@ -138,12 +142,30 @@ def _bind(path: Path) -> NativeLib:
     fn = cdll.ucm_paged_attention
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [
-        ptr, i64, i64,  # q, q token stride, q head stride (elements)
-        ptr, ptr, ptr,  # k_cache, v_cache, out
-        ptr, ptr, ptr, i64, i32, i64,  # query_start_loc (NULL: decode), seq_lens, block_tables, row stride, width, N
-        i32, i32, i32, i32, i32, i32,  # num_seqs, num_tokens, Hq, Hkv, head_dim, block_size
-        i32, ctypes.c_float, i32, i32,  # dtype, scale, skip_whole_prompts, num_threads
-        _c_int32_p, _c_int32_p,  # err_seq, num_skipped (out)
+        ptr,
+        i64,
+        i64,  # q, q token stride, q head stride (elements)
+        ptr,
+        ptr,
+        ptr,  # k_cache, v_cache, out
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i32,
+        i64,  # query_start_loc (NULL: decode), seq_lens, block_tables, row stride, width, N
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,  # num_seqs, num_tokens, Hq, Hkv, head_dim, block_size
+        i32,
+        ctypes.c_float,
+        i32,
+        i32,  # dtype, scale, skip_whole_prompts, num_threads
+        _c_int32_p,
+        _c_int32_p,  # err_seq, num_skipped (out)
     ]
     fn.restype = i32
     write = cdll.ucm_write_kv
@@ -167,7 +189,16 @@ def _bind(path: Path) -> NativeLib:
     cdll.ucm_has_openmp.restype = i32
     cdll.ucm_vector_path.restype = ctypes.c_char_p
     return NativeLib(
-        path, cdll, fn, write, norm, add_norm, silu, rope, bool(cdll.ucm_has_avx512()), bool(cdll.ucm_has_openmp()),
+        path,
+        cdll,
+        fn,
+        write,
+        norm,
+        add_norm,
+        silu,
+        rope,
+        bool(cdll.ucm_has_avx512()),
+        bool(cdll.ucm_has_openmp()),
         cdll.ucm_vector_path().decode(),
     )
 

@@ -8,7 +8,7 @@ in 11.8 ms vs 19.9 ms through torch's causal SDPA, and the 32-request throughput
 engine CPU s. The price is bit-equality with HF transformers in bf16, which runs that SDPA: the kernel sums in
 another order, and over 30 bf16 layers that grows to ~0.7 logits. It is not less accurate: against fp32 logits
 (SmolLM2, 4 prompts, max |diff|) native 0.75/0.74/1.30/1.37 vs HF 0.47/0.83/1.30/1.37, which
-tests/test_model_hf.py asserts (ours within HF's own bf16 error, not bit-equal). `WHOLE_PROMPTS_ON_TORCH = True`
+tests/engine/test_model_hf.py asserts (ours within HF's own bf16 error, not bit-equal). `WHOLE_PROMPTS_ON_TORCH = True`
 sends them to SDPA again (tests use it to check the two agree).
 
 Whether a call comes here at all is measured per machine (kernels/cpu/calibration.py); the figures above are

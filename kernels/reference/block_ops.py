@@ -7,9 +7,7 @@ from collections.abc import Sequence
 import torch
 
 
-def gather_blocks_torch(
-    cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def gather_blocks_torch(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """cache [N, bs, H, D] -> contiguous [n, bs, H, D] holding blocks block_ids [n] (into out when given)."""
     ids = block_ids.to(cache.device).long()
     n = ids.shape[0]

@@ -22,7 +22,7 @@ def decode_attention_torch(
     Computes in float32: CPU SDPA with a mask is ~5x slower in bf16 than casting the gathered K/V up, and the
     upcast also makes this a tighter oracle.
     """
-    b, hq, d = q.shape
+    b, hq, _d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     if b == 0:
         return torch.empty_like(q)

@@ -8,7 +8,7 @@ Two differences from the plain reference (`decode_attention_torch`, which stays 
   fp32; the result differs from the oracle by bf16 output rounding. Measured at B=32, mixed lengths up to 576,
   1 thread: fold 3.5 ms vs 5.3 ms for upcast + SDPA(enable_gqa) (the GQA form in bf16 takes 17 ms: SDPA's
   one-query-row path is slow).
-tests/test_kernels_reference_chunked.py checks it against the oracle and dense attention.
+tests/kernels/test_kernels_reference_chunked.py checks it against the oracle and dense attention.
 """
 
 from __future__ import annotations

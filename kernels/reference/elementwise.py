@@ -19,9 +19,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * h.to(dtype)
 
 
-def fused_add_rms_norm_torch(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
+def fused_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x in place, then rms_norm(residual): the residual add of a layer folded into the next norm."""
     residual.add_(x)
     return rms_norm_torch(residual, weight, eps)

@@ -17,8 +17,8 @@ from ucm.eviction.s3fifo import S3FIFOPolicy
 from ucm.eviction.tinylfu import TinyLFUPolicy
 
 __all__ = [
-    "AdaptivePolicy",
     "ARCPolicy",
+    "AdaptivePolicy",
     "DensityPolicy",
     "EvictionPolicy",
     "LRUPolicy",

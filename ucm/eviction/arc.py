@@ -32,7 +32,7 @@ class ARCPolicy:
         self.capacity_bytes = check_capacity(capacity_bytes)
         self.p = 0.0  # target bytes for T1
         self._lists: dict[_List, OrderedDict[Hashable, int]] = {name: OrderedDict() for name in _List}  # LRU first
-        self._bytes = {name: 0 for name in _List}
+        self._bytes = dict.fromkeys(_List, 0)
         self._t1, self._t2, self._b1, self._b2 = (self._lists[name] for name in _List)
         self._incoming: Hashable | None = None
 

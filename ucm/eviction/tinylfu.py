@@ -140,8 +140,10 @@ class TinyLFUPolicy:
         candidate = next((k for k in self._candidates if can_evict(k)), None)
         if candidate is not None:
             del self._candidates[candidate]
-            victim = next((k for k, _ in self._main_order() if k not in self._candidates and k != candidate
-                           and can_evict(k)), None)
+            victim = next(
+                (k for k, _ in self._main_order() if k not in self._candidates and k != candidate and can_evict(k)),
+                None,
+            )
             loser = candidate if victim is None or self.frequency(candidate) < self.frequency(victim) else victim
             self.remove(loser)
             return loser

@@ -1,0 +1,179 @@
+"""Load and faults on real processes: a burst beyond the cluster's capacity on a slow (but alive) prefill node is
+served in full with every prompt prefilled once; overload beyond the admission queue gets 429 + Retry-After and
+the server goes on serving; a prefill node killed mid-request is replaced by the decode node, once.
+
+One cluster for the module (order matters: the kill comes last). prefill-0 sleeps 1.5 s in every engine step
+(UCM_TEST_STEP_DELAY_S) while the router gives up on a node after only 2.5 s without a step: requests queued
+behind others on prefill-0 wait far longer than that and must still not be retried.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import time
+
+import httpx
+import pytest
+
+from launch.cluster import Cluster, ClusterSpec
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+SEQS = 2  # max_num_seqs of each node: router slots = 2 (prefill) + 2 (decode)
+QUEUED = 4  # --max-queued-requests
+PROMPTS = [
+    f"Note {i}: the {w} is"
+    for i, w in enumerate(["river", "mountain", "library", "harbour", "orchard", "lighthouse", "market", "observatory"])
+]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=MODEL, dtype="float32", kv_cache_memory="128MiB")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def cluster(offline):  # offline first: its CPU time must not starve the nodes' steps while they are watched
+    spec = ClusterSpec(
+        prefill=1,
+        decode=1,
+        dtype="float32",
+        kv_cache_memory="128MiB",
+        max_num_seqs=SEQS,
+        node_timeout_s=2.0,
+        heartbeat_interval_s=0.2,
+        node_args=("--threads", "1"),
+        node_env={"prefill-0": {"UCM_TEST_STEP_DELAY_S": "1.5"}},
+        router_args=("--stall-timeout", "2.5", "--max-queued-requests", str(QUEUED), "--max-queue-wait-s", "0.01"),
+        supervise=False,  # the killed prefill node must stay dead: the decode node prefills instead, exactly once
+    )
+    with Cluster(spec, log=lambda s: None) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def metric(cluster: Cluster, metric_name: str, **labels: str) -> float:
+    total = 0.0
+    for line in httpx.get(cluster.url + "/metrics").text.splitlines():
+        if (line.startswith(metric_name + "{") or line.startswith(metric_name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def jobs(cluster: Cluster, node: str, kind: str) -> float:
+    return metric(cluster, "ucm_node_stat", node=node, name=f"jobs_{kind}_started")
+
+
+def wait_until(what: str, condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.1)
+
+
+def wait_idle(cluster: Cluster) -> None:
+    def idle() -> bool:
+        nodes = httpx.get(cluster.url + "/health").json()["nodes"]
+        return (
+            all(n["running"] == 0 and n["waiting"] == 0 for n in nodes.values())
+            and metric(cluster, "ucm_running_sequences") == 0
+        )
+
+    wait_until("the cluster to be idle", idle)
+
+
+def test_burst_on_a_slow_prefill_node_completes_and_prefills_each_prompt_once(cluster, client, offline) -> None:
+    before = {
+        k: jobs(cluster, n, k)
+        for n, k in [("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-0", "local_prefill")]
+    }
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:  # 4x what the nodes run at once
+        got = list(pool.map(ask, PROMPTS))
+    assert got == [offline[p] for p in PROMPTS]
+    # Heartbeats carry the nodes' job counters: wait for them to account for every request, then check none
+    # was started twice (a retried prefill would be a second start on the decode node).
+    wait_until(
+        "the prefill counter to count the burst",
+        lambda: jobs(cluster, "prefill-0", "prefill") >= before["prefill"] + len(PROMPTS),
+    )
+    wait_until(
+        "the decode counter to count the burst",
+        lambda: jobs(cluster, "decode-0", "decode") >= before["decode"] + len(PROMPTS),
+    )
+    wait_idle(cluster)
+    assert jobs(cluster, "prefill-0", "prefill") == before["prefill"] + len(PROMPTS)
+    assert jobs(cluster, "decode-0", "decode") == before["decode"] + len(PROMPTS)
+    assert jobs(cluster, "decode-0", "local_prefill") == before["local_prefill"]
+    assert metric(cluster, "ucm_prefill_retries_total") == 0 and metric(cluster, "ucm_local_prefills_total") == 0
+    assert metric(cluster, "ucm_node_events_total", event="stalled") == 0
+    assert metric(cluster, "ucm_node_events_total", event="dropped") == 0
+    assert metric(cluster, "ucm_requests_rejected_total") == 0
+
+
+def test_overload_beyond_the_queue_gets_429_then_the_server_serves(cluster, client, offline) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Tell a long story about a lighthouse keeper.",
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.Client(base_url=cluster.url, timeout=120) as http, contextlib.ExitStack() as streams:
+        # The response head is sent once admission decided: 2 + 2 run on the nodes, QUEUED wait in the router.
+        for i in range(2 * SEQS + QUEUED):
+            r = streams.enter_context(http.stream("POST", "/v1/completions", json=body))
+            assert r.status_code == 200, (i, r.read())
+        assert metric(cluster, "ucm_queue_depth_requests") == QUEUED
+        r = http.post("/v1/completions", json={**body, "stream": False})
+        assert r.status_code == 429, r.text
+        assert int(r.headers["Retry-After"]) >= 1
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "rate_limit_exceeded"
+        assert metric(cluster, "ucm_requests_rejected_total") == 1
+    # Closing the streams aborted them (queued ones left the queue); the server serves the next request.
+    wait_until("the queue to drain", lambda: metric(cluster, "ucm_queue_depth_requests") == 0)
+    wait_idle(cluster)
+    prompt = PROMPTS[0]
+    assert (
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+        == offline[prompt]
+    )
+
+
+def test_killed_prefill_node_is_replaced_by_the_decode_node_once(cluster, client, offline) -> None:
+    wait_idle(cluster)
+    prompt = PROMPTS[2]
+    started = jobs(cluster, "prefill-0", "prefill")
+    local = jobs(cluster, "decode-0", "local_prefill")
+    with cf.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(
+            lambda: client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+        )
+        # The node reports a job as soon as it takes it, before its (1.5 s) step: kill it mid-prefill.
+        wait_until("prefill-0 to take the job", lambda: jobs(cluster, "prefill-0", "prefill") == started + 1)
+        cluster.children["prefill-0"].kill()
+        assert future.result(timeout=120) == offline[prompt]
+    assert metric(cluster, "ucm_local_prefills_total") == 1 and metric(cluster, "ucm_prefill_retries_total") == 0
+    wait_until(
+        "the decode node to report the local prefill", lambda: jobs(cluster, "decode-0", "local_prefill") >= local + 1
+    )
+    assert jobs(cluster, "decode-0", "local_prefill") == local + 1, "the prompt was prefilled twice on decode-0"

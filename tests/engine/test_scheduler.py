@@ -1,0 +1,336 @@
+"""Scheduler without a model: token budget, chunked prefill mixed with decodes, priority, preemption, abort."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from engine.config import SchedulingPolicy
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ucm.keys import KeyNamespace, root_key
+
+BS = 4
+ROOT = root_key(KeyNamespace("test-model", "float32", BS))
+EOS = 0
+_arrival = itertools.count()
+
+
+def make_request(rid: str, num_tokens: int, max_tokens: int = 4, priority: int = 0, start: int = 1) -> Request:
+    return Request(
+        rid,
+        list(range(start, start + num_tokens)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        root_key=ROOT,
+        block_size=BS,
+        arrival=next(_arrival),
+        seed=0,
+        priority=priority,
+    )
+
+
+def make_scheduler(
+    num_blocks=32, budget=16, max_seqs=8, max_model_len=64, chunked=True, policy=SchedulingPolicy.FCFS, clock=None
+) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(num_blocks, BS),
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        eos_token_ids=frozenset([EOS]),
+        enable_chunked_prefill=chunked,
+        policy=policy,
+        **({"clock": clock} if clock else {}),
+    )
+
+
+def fake_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    """A model that always samples `token` for every sequence that completes its known tokens."""
+    res = ModelRunnerOutput()
+    for s in out.scheduled:
+        if s.num_samples:
+            res.sampled[s.request_id] = [token] * s.num_samples
+    return res
+
+
+def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out, token))
+    sched.check_integrity()
+    return out
+
+
+def test_budget_and_chunked_prefill_mixed_with_decodes():
+    sched = make_scheduler(budget=16)
+    a = make_request("a", 10)
+    sched.add_request(a)
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 10} and a.num_output_tokens == 1
+    b = make_request("b", 30, start=100)
+    sched.add_request(b)
+    out = step(sched)
+    # a decodes (1 token), b gets the rest of the budget (15) as its first chunk.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 15}
+    assert b.num_computed_tokens == 15 and b.num_output_tokens == 0
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 15}
+    assert b.num_computed_tokens == 30 and b.num_output_tokens == 1
+    assert sched.stats.computed_tokens == 10 + 30
+
+
+def test_no_chunking_waits_for_budget():
+    sched = make_scheduler(budget=16, chunked=False, max_model_len=16)
+    sched.add_request(make_request("a", 10))
+    sched.add_request(make_request("b", 12, start=50))
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 10}  # b does not fit whole in the remaining 6
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 12}
+
+
+def test_max_num_seqs():
+    sched = make_scheduler(budget=64, max_seqs=2)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 4, start=10 * i + 1))
+    out = step(sched)
+    assert set(out.num_scheduled_tokens) == {"r0", "r1"}
+    assert [r.request_id for r in sched.waiting] == ["r2"]
+
+
+def test_priority_order():
+    sched = make_scheduler(budget=8)
+    sched.add_request(make_request("low", 8, priority=5))
+    sched.add_request(make_request("high", 8, priority=-1, start=40))
+    sched.add_request(make_request("mid", 8, priority=0, start=80))
+    assert [r.request_id for r in sched.waiting] == ["high", "mid", "low"]
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"high": 8}
+
+
+def test_preemption_by_recompute_and_resume():
+    # 6 blocks of 4 tokens; two sequences of 8 prompt tokens each growing to 16 tokens cannot both fit.
+    sched = make_scheduler(num_blocks=6, budget=64, max_model_len=24)
+    a = make_request("a", 8, max_tokens=8)
+    b = make_request("b", 8, max_tokens=8, start=50)
+    sched.add_request(a)
+    sched.add_request(b)
+    preempted = set()
+    for _ in range(40):
+        if not sched.has_unfinished_requests():
+            break
+        out = step(sched)
+        preempted |= out.preempted_req_ids
+    assert not sched.has_unfinished_requests()
+    assert preempted == {"b"}  # the later arrival is the victim
+    assert sched.stats.preemptions >= 1 and b.num_preemptions >= 1
+    assert a.output_token_ids == [7] * 8 and b.output_token_ids == [7] * 8
+    assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
+    assert sched.kv.pool.num_free_blocks == 6
+
+
+def test_stop_token_min_tokens_and_max_model_len():
+    sched = make_scheduler(max_model_len=12)
+    r = Request(
+        "r",
+        [1, 2, 3],
+        SamplingParams(max_tokens=20, min_tokens=2),
+        root_key=ROOT,
+        block_size=BS,
+        arrival=next(_arrival),
+        seed=0,
+    )
+    sched.add_request(r)
+    step(sched, token=EOS)
+    assert not r.is_finished  # EOS before min_tokens does not stop
+    step(sched, token=EOS)
+    assert r.status is RequestStatus.FINISHED_STOPPED
+    long = make_request("long", 10, max_tokens=20, start=30)
+    sched.add_request(long)
+    for _ in range(5):
+        step(sched)
+    assert long.status is RequestStatus.FINISHED_LENGTH and long.num_tokens == 12
+
+
+def test_abort_frees_blocks_and_validation():
+    sched = make_scheduler(num_blocks=8)
+    a = make_request("a", 10)
+    sched.add_request(a)
+    step(sched)
+    assert sched.kv.block_ids("a")
+    sched.abort_requests({"a"})
+    assert a.status is RequestStatus.FINISHED_ABORTED and sched.kv.pool.num_free_blocks == 8
+    sched.check_integrity()
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(make_request("x", 65))
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request(make_request("y", 0))
+
+
+def test_fork_shares_blocks_then_copies_on_write():
+    sched = make_scheduler(budget=64)
+    r = Request(
+        "p",
+        list(range(1, 7)),
+        SamplingParams(n=3, max_tokens=4, ignore_eos=True),
+        root_key=ROOT,
+        block_size=BS,
+        arrival=next(_arrival),
+        seed=0,
+    )
+    sched.add_request(r)
+    step(sched)
+    ids = {rid: sched.kv.block_ids(rid) for rid in ("p", "p#1", "p#2")}
+    assert ids["p"] == ids["p#1"] == ids["p#2"] == [0, 1]
+    out = step(sched)
+    assert len(out.cow_copies) == 2  # two of three sequences copy the shared partial block; the last keeps it
+    after = [sched.kv.block_ids(rid) for rid in ("p", "p#1", "p#2")]
+    assert all(b[0] == 0 for b in after) and len({b[1] for b in after}) == 3
+
+
+class _DelayFreeConnector:
+    """Scheduler side only: no external hits; asks to keep blocks after finish (an async save in flight)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return object()
+
+    def request_finished(self, request, block_ids):
+        return True, {"blocks": list(block_ids)}
+
+
+def test_delay_free_until_connector_reports_sent():
+    sched = make_scheduler(num_blocks=8)
+    sched.connector = _DelayFreeConnector()
+    r = make_request("r", 6, max_tokens=1)
+    sched.add_request(r)
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out))
+    assert r.is_finished and r.finished_kv_transfer_params == {"blocks": [0, 1]}
+    assert sched.kv.block_ids("r") == [0, 1]  # still held for the connector
+    sched.check_integrity()
+    out = sched.schedule()
+    assert out.finished_req_ids == {"r"}
+    sched.update_from_output(out, ModelRunnerOutput(finished_sending={"r"}))
+    assert sched.kv.pool.num_free_blocks == 8
+    sched.check_integrity()
+
+
+def test_preemption_victim_is_lowest_priority():
+    sched = make_scheduler(num_blocks=6, budget=64, max_model_len=24)
+    low = make_request("low", 8, max_tokens=8, priority=1)
+    high = make_request("high", 8, max_tokens=8, priority=0, start=50)  # arrives later, more important
+    sched.add_request(low)
+    sched.add_request(high)
+    preempted = set()
+    while sched.has_unfinished_requests():
+        preempted |= step(sched).preempted_req_ids
+    assert preempted == {"low"}
+    assert low.output_token_ids == high.output_token_ids == [7] * 8
+
+
+def test_a_prompt_whose_prefix_is_being_computed_waits_for_it_instead_of_computing_it_again():
+    # a and c share a 12-token (3-block) prefix; b shares nothing. All arrive at once.
+    sched = make_scheduler(budget=24, num_blocks=64)
+    shared = list(range(1, 13))
+    a = Request(
+        "a",
+        shared + [50, 51, 52, 53, 54, 55, 56, 57],
+        SamplingParams(max_tokens=2, ignore_eos=True),
+        root_key=ROOT,
+        block_size=BS,
+        arrival=next(_arrival),
+        seed=0,
+    )
+    c = Request(
+        "c",
+        shared + [90, 91, 92, 93, 94],
+        SamplingParams(max_tokens=2, ignore_eos=True),
+        root_key=ROOT,
+        block_size=BS,
+        arrival=next(_arrival),
+        seed=0,
+    )
+    b = make_request("b", 6, max_tokens=2, start=200)
+    for req in (a, c, b):
+        sched.add_request(req)
+    out = step(sched)
+    # c would compute a's prefix a second time, so it is held back; b, behind it, has nothing to wait for.
+    assert out.num_scheduled_tokens == {"a": 20, "b": 4}, out.num_scheduled_tokens
+    out = step(sched)
+    # a's prompt (5 full blocks) is cached now: c computes only its own 5 tokens.
+    assert out.num_scheduled_tokens["c"] == 5, out.num_scheduled_tokens
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert c.num_cached_tokens == 12, c.num_cached_tokens
+    assert sched.stats.computed_tokens == 20 + 5 + 6, "every prompt token was computed exactly once"
+    assert sched.stats.prefix_deferrals >= 1
+
+
+def test_no_deferral_without_prefix_caching():
+    sched = Scheduler(
+        KVCacheManager(64, BS, enable_caching=False),
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        eos_token_ids=frozenset([EOS]),
+    )
+    a, c = make_request("a", 12, max_tokens=1), make_request("c", 12, max_tokens=1)
+    sched.add_request(a)
+    sched.add_request(c)
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 12, "c": 12}
+    assert sched.stats.prefix_deferrals == 0
+
+
+def test_cache_aware_admits_the_fewest_tokens_to_compute_first_and_ages_the_rest():
+    now = [0.0]
+    sched = make_scheduler(budget=8, num_blocks=64, policy=SchedulingPolicy.CACHE_AWARE, clock=lambda: now[0])
+    shared = list(range(1, 13))
+    lead = Request(
+        "lead",
+        shared + [40],
+        SamplingParams(max_tokens=1, ignore_eos=True),
+        root_key=ROOT,
+        block_size=BS,
+        arrival=next(_arrival),
+        seed=0,
+    )
+    sched.add_request(lead)
+    while sched.has_unfinished_requests():
+        step(sched)  # lead's 3 shared blocks are now in the device cache
+    long_ = make_request("long", 20, max_tokens=1, start=300)
+    hit = Request(
+        "hit",
+        shared + [41, 42],
+        SamplingParams(max_tokens=1, ignore_eos=True),
+        root_key=ROOT,
+        block_size=BS,
+        arrival=next(_arrival),
+        seed=0,
+    )
+    for req in (long_, hit):
+        sched.add_request(req)
+    # "hit" arrived later but has 2 tokens left to compute, "long" 20: the cache hit goes first.
+    out = step(sched)
+    assert list(out.num_scheduled_tokens) == ["hit", "long"] and out.num_scheduled_tokens["hit"] == 2, (
+        out.num_scheduled_tokens
+    )
+    while sched.has_unfinished_requests():
+        step(sched)
+    # Aging: past max_wait_s the oldest goes first whatever its size.
+    old = make_request("old", 20, max_tokens=1, start=500)
+    sched.add_request(old)
+    now[0] += sched.max_wait_s + 1
+    short = make_request("short", 3, max_tokens=1, start=700)
+    sched.add_request(short)
+    out = step(sched)
+    assert next(iter(out.num_scheduled_tokens)) == "old", out.num_scheduled_tokens

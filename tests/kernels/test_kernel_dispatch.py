@@ -1,0 +1,318 @@
+"""CPU attention dispatch by calibration (kernels/cpu/calibration.py): the path the calibrated plan names is the one
+that runs, per shape class; the plan's cache file round-trips and is keyed by what may change the answer; the
+vector path of the native kernel against the torch oracle; dtype "auto" (engine/config.py). No timing asserts:
+`calibration.measure` is replaced by fixed numbers wherever a choice is tested."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from engine import config as engine_config
+from kernels import api
+from kernels.cpu import calibration, native
+from kernels.cpu import paged_attention as native_attention
+from kernels.cpu.calibration import Geometry, ShapeClass
+from kernels.cpu.paged_attention import paged_attention_native
+from kernels.reference import decode_attention_torch, prefill_attention_torch
+from kernels.testing import make_paged_case, naive_attention
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+FAST, SLOW = {"native": 1.0, "torch": 2.0}, {"native": 2.0, "torch": 1.0}
+
+
+@pytest.fixture
+def lib(native_lib) -> native.NativeLib:
+    return native_lib
+
+
+@pytest.fixture
+def auto(monkeypatch, tmp_path):
+    """UCM_CPU_ATTENTION=auto with a fresh cache dir and no memoised plans; returns `force(class -> times)`,
+    which makes the next calibration measure again (no memo, no stored plans) and report those times (default:
+    native faster), and returns the list of classes measured from then on."""
+    monkeypatch.setenv("UCM_CPU_ATTENTION", "auto")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("UCM_CACHE_DIR", str(cache))
+    calibration.forget()
+    forced: dict[ShapeClass, dict[str, float]] = {}
+    measured: list[ShapeClass] = []
+
+    def fake_measure(lib, g, shape_class):
+        measured.append(shape_class)
+        return [forced.get(shape_class, FAST)]
+
+    monkeypatch.setattr(calibration, "measure", fake_measure)
+
+    def force(times: dict[ShapeClass, dict[str, float]], keep_files: bool = False) -> list[ShapeClass]:
+        calibration.forget()
+        for stored in [] if keep_files else cache.glob("kernels/calibration-*.json"):
+            stored.unlink()
+        forced.clear()
+        forced.update(times)
+        measured.clear()
+        return measured
+
+    yield force
+    calibration.forget()
+
+
+@pytest.fixture
+def spies(lib, monkeypatch):
+    """Counts of calls into the native library and into each torch path the dispatcher can take."""
+    calls = {"native": 0, "torch decode": 0, "torch prefill": 0, "torch prompts (beside native)": 0}
+
+    def counting(name, fn):
+        def wrapper(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+
+        return wrapper
+
+    spy = dataclasses.replace(lib, paged_attention=counting("native", lib.paged_attention))
+    monkeypatch.setattr(native, "load", lambda: spy)
+    monkeypatch.setattr(
+        api, "decode_attention_chunked_torch", counting("torch decode", api.decode_attention_chunked_torch)
+    )
+    monkeypatch.setattr(api, "prefill_attention_torch", counting("torch prefill", api.prefill_attention_torch))
+    monkeypatch.setattr(
+        native_attention,
+        "prefill_attention_torch",
+        counting("torch prompts (beside native)", native_attention.prefill_attention_torch),
+    )
+    return calls
+
+
+def _ran(calls: dict[str, int]) -> dict[str, int]:
+    ran = {k: v for k, v in calls.items() if v}
+    for k in calls:
+        calls[k] = 0
+    return ran
+
+
+def test_decode_follows_the_plan(auto, spies):
+    case = make_paged_case([40, 3, 70, 0], [1] * 4, 9, 3, 64, dtype=torch.float32, seed=11)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125)
+    auto({ShapeClass.DECODE: SLOW})
+    on_torch = kernels.decode_attention(*args)
+    assert _ran(spies) == {"torch decode": 1}, "decode measured faster on torch must run torch"
+    auto({ShapeClass.DECODE: FAST})
+    on_native = kernels.decode_attention(*args)
+    assert _ran(spies) == {"native": 1}, "decode measured faster native must run native"
+    torch.testing.assert_close(on_native, on_torch, **TOL[torch.float32])
+    torch.testing.assert_close(on_native, decode_attention_torch(*args), **TOL[torch.float32])
+
+
+def test_prefill_follows_the_plan_per_class(auto, spies):
+    # A mixed batch: whole prompts (20/20, 33/33), a chunk over a prefix (16 new of 50), a decode row.
+    mixed = make_paged_case([20, 50, 33, 9], [20, 16, 33, 1], 4, 2, 64, dtype=torch.bfloat16, seed=3)
+    prompts = make_paged_case([20, 33], [20, 33], 4, 2, 64, dtype=torch.bfloat16, seed=4)
+
+    def run(case):
+        args = (case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables, 0.125)
+        return kernels.prefill_attention(*args, case.max_query_len), prefill_attention_torch(*args, case.max_query_len)
+
+    auto({ShapeClass.CHUNK: FAST, ShapeClass.PROMPT: FAST})
+    got, ref = run(mixed)
+    assert _ran(spies) == {"native": 1}, "both classes native: one kernel call, nothing on torch"
+    torch.testing.assert_close(got, ref, **TOL[torch.bfloat16])
+
+    auto({ShapeClass.CHUNK: FAST, ShapeClass.PROMPT: SLOW})
+    got, ref = run(mixed)
+    assert _ran(spies) == {"native": 1, "torch prompts (beside native)": 2}, (
+        "chunks native, prompts torch: the kernel skips the 2 whole prompts and torch runs each"
+    )
+    for i in (0, 2):
+        lo, hi = int(mixed.query_start_loc[i]), int(mixed.query_start_loc[i + 1])
+        assert torch.equal(got[lo:hi], ref[lo:hi]), f"whole prompt {i} must be torch's result bit for bit"
+    torch.testing.assert_close(got, ref, **TOL[torch.bfloat16])
+
+    auto({ShapeClass.CHUNK: SLOW, ShapeClass.PROMPT: FAST})
+    got, ref = run(mixed)
+    assert _ran(spies) == {"torch prefill": 1}, "chunks torch: a mixed batch runs on torch whole"
+    assert torch.equal(got, ref)
+    got, ref = run(prompts)
+    assert _ran(spies) == {"native": 1}, "a batch of whole prompts only follows the prompt class"
+    torch.testing.assert_close(got, ref, **TOL[torch.bfloat16])
+
+    auto({ShapeClass.CHUNK: SLOW, ShapeClass.PROMPT: SLOW})
+    run(mixed)
+    run(prompts)
+    assert _ran(spies) == {"torch prefill": 2}
+
+
+def test_forced_switch_beats_the_plan(auto, spies, monkeypatch):
+    case = make_paged_case([40, 3], [1, 1], 9, 3, 64, dtype=torch.float32, seed=2)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125)
+    measured = auto({ShapeClass.DECODE: SLOW})
+    monkeypatch.setenv("UCM_CPU_ATTENTION", "native")
+    kernels.decode_attention(*args)
+    assert _ran(spies) == {"native": 1} and not measured, "a forced path neither measures nor asks the plan"
+    assert kernels.calibrate_cpu_attention(torch.float32, 9, 3, 64, 16) is None
+    monkeypatch.setenv("UCM_CPU_ATTENTION", "auto")
+    assert kernels.calibrate_cpu_attention(torch.float16, 9, 3, 64, 16) is None, "fp16: the kernel never runs"
+    planned = kernels.calibrate_cpu_attention(torch.float32, 9, 3, 64, 16)
+    assert planned is not None and planned[ShapeClass.DECODE].impl == "torch"
+    assert sorted(measured) == sorted(ShapeClass), "one calibration measures every class once"
+    kernels.decode_attention(*args)
+    kernels.decode_attention(*args)
+    assert _ran(spies) == {"torch decode": 2} and len(measured) == 3, "calibrated once, not per call"
+
+
+def test_cache_file_round_trip_and_key(lib, auto, tmp_path, caplog, monkeypatch):
+    g = Geometry("float32", 9, 3, 64, 16)
+    measured = auto({ShapeClass.CHUNK: SLOW})
+    with caplog.at_level(logging.INFO, logger=calibration.__name__):
+        first = calibration.plan(lib, g)
+    assert len(measured) == 3
+    assert any("calibrated" in r.getMessage() and "chunk torch" in r.getMessage() for r in caplog.records)
+    files = list((tmp_path / "cache" / "kernels").glob("calibration-*.json"))
+    assert len(files) == 1, files
+    data = json.loads(files[0].read_text())
+    assert data["key"] == calibration.calibration_key(lib, torch.get_num_threads())
+    assert data["entries"][g.label()]["chunk"]["impl"] == "torch"
+
+    measured = auto({}, keep_files=True)  # forget the memo: the next plan must come from the file
+    assert calibration.plan(lib, g) == first and not measured, "the stored plan is read back, not measured"
+    # Each part of the key invalidates: another thread count, library, torch version or CPU names another file.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        calibration.plan(lib, g)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(measured) == 3, "another thread count must measure again"
+    for patch in (
+        lambda: calibration.plan(dataclasses.replace(lib, path=Path("/x/ucm_kernels-other.so")), g),
+        lambda: (monkeypatch.setattr(torch, "__version__", "0.0-test"), calibration.plan(lib, g)),
+    ):
+        measured = auto({}, keep_files=True)
+        patch()
+        assert len(measured) == 3, "a changed key must measure again"
+    assert len(list((tmp_path / "cache" / "kernels").glob("calibration-*.json"))) == 4
+    # Another geometry in the same file is its own entry; a damaged file is measured again and rewritten.
+    monkeypatch.undo()
+    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibration, "measure", lambda *a: [FAST])
+    calibration.forget()
+    calibration.plan(lib, Geometry("bfloat16", 9, 3, 64, 16))
+    assert set(json.loads(files[0].read_text())["entries"]) == {g.label(), "bfloat16 9/3 heads x 64 bs16"}
+    files[0].write_text("{not json")
+    calibration.forget()
+    assert calibration.plan(lib, g)[ShapeClass.CHUNK].impl == "native"
+    assert json.loads(files[0].read_text())["entries"][g.label()]["chunk"]["impl"] == "native"
+
+
+def test_real_calibration_picks_a_path_per_class(lib, monkeypatch, tmp_path):
+    """The measurement itself runs (its choice is the machine's; only its shape is asserted)."""
+    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path))
+    calibration.forget()
+    try:
+        plan = calibration.plan(lib, Geometry("bfloat16", 4, 2, 64, 16))
+    finally:
+        calibration.forget()
+    assert set(plan) == set(ShapeClass)
+    for pick in plan.values():
+        assert pick.impl in ("native", "torch") and pick.native_ms > 0 and pick.torch_ms > 0
+        assert pick.impl == ("native" if pick.native_ms <= pick.torch_ms else "torch")
+
+
+# ---------------------------------------------------------------- the kernel's vector path against the oracle
+
+
+def test_vector_path_matches_the_build_flags(lib):
+    flags = set(calibration.cpu_info()[1].split())
+    if "avx512f" in flags:
+        want = "avx512"
+    elif {"avx2", "fma"} <= flags:
+        want = "avx2"
+    elif "asimd" in flags:
+        want = "neon"
+    else:
+        want = "scalar"
+    assert lib.vector_path == want, f"-march=native on a CPU with {sorted(flags & {'avx2', 'avx512f', 'asimd'})}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (16, 2, 128), (8, 8, 128), (14, 1, 64), (6, 2, 80)])
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_kernel_vector_path_matches_oracle(lib, dtype, hq, hkv, head_dim, block_size):
+    """Decodes, chunks over a prefix and whole prompts in one batch, GQA up to 14 rows per kv head (several
+    register blocks), head_dim 64/80/128, blocks shorter than a 16-key chunk (8) and longer (32)."""
+    ctx = [1, 17, 64, 150, 40, 0, 90, 33]
+    new = [1, 1, 30, 70, 40, 1, 90, 5]
+    case = make_paged_case(ctx, new, hq, hkv, head_dim, block_size=block_size, dtype=dtype, seed=hq + head_dim)
+    scale = head_dim**-0.5
+    args = (case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables, scale)
+    got = paged_attention_native(lib, case.q, *args)
+    live = [i for i, n in enumerate(ctx) if n > 0]
+    rows = torch.cat([torch.arange(case.query_start_loc[i], case.query_start_loc[i + 1]) for i in live])
+    torch.testing.assert_close(
+        got[rows], prefill_attention_torch(case.q, *args, case.max_query_len)[rows], **TOL[dtype]
+    )
+    dense = naive_attention(
+        case.q[rows], [case.keys[i] for i in live], [case.values[i] for i in live], [new[i] for i in live], scale
+    )
+    torch.testing.assert_close(got[rows].double(), dense, **TOL[dtype])
+    pad = int(case.query_start_loc[5])
+    assert not got[pad].any(), "the padding row (seq_len 0) must be 0"
+
+
+# ---------------------------------------------------------------- dtype "auto"
+
+
+@pytest.fixture
+def fresh_dtype(monkeypatch, tmp_path):
+    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path))
+    engine_config.auto_cpu_dtype.cache_clear()
+    yield
+    engine_config.auto_cpu_dtype.cache_clear()
+
+
+def _flags(monkeypatch, *flags: str) -> None:
+    monkeypatch.setattr(engine_config, "cpu_flags", lambda: frozenset(flags))
+
+
+def test_dtype_auto_without_native_bf16_is_fp32(fresh_dtype, monkeypatch, caplog):
+    _flags(monkeypatch, "avx", "avx2", "fma")
+    monkeypatch.setattr(calibration, "measure_matmul", lambda: pytest.fail("no bf16 flags: nothing to measure"))
+    with caplog.at_level(logging.INFO, logger=engine_config.__name__):
+        assert engine_config.resolve_dtype_name("auto", "cpu") == "float32"
+        assert engine_config.resolve_dtype_name("auto", "cpu") == "float32"
+    said = [r.getMessage() for r in caplog.records if "dtype auto" in r.getMessage()]
+    assert said == ["dtype auto -> float32: CPU has no native bf16 (avx2)"], "logged once, with the reason"
+    assert engine_config.resolve_dtype_name("auto", "cuda:0") == "bfloat16"
+    assert engine_config.resolve_dtype_name("bfloat16", "cpu") == "bfloat16"
+
+
+@pytest.mark.parametrize("bf16_ms,want", [(1.0, "bfloat16"), (3.0, "float32")])
+def test_dtype_auto_with_native_bf16_follows_the_matmul(fresh_dtype, monkeypatch, caplog, tmp_path, bf16_ms, want):
+    _flags(monkeypatch, "avx2", "avx512f", "avx512_bf16")
+    monkeypatch.setattr(calibration, "measure_matmul", lambda: {"bfloat16": bf16_ms, "float32": 2.0})
+    with caplog.at_level(logging.INFO, logger=engine_config.__name__):
+        assert engine_config.resolve_dtype_name("auto", "cpu") == want
+    assert any(f"dtype auto -> {want}" in r.getMessage() and "avx512_bf16" in r.getMessage() for r in caplog.records)
+    # Cached per CPU: a new process (cache cleared) reads the file instead of measuring.
+    engine_config.auto_cpu_dtype.cache_clear()
+    monkeypatch.setattr(calibration, "measure_matmul", lambda: pytest.fail("the cached matmul timing must be used"))
+    assert engine_config.resolve_dtype_name("auto", "cpu") == want
+    assert len(list((tmp_path / "kernels").glob("dtype-*.json"))) == 1
+
+
+def test_rounds_that_disagree_are_used_but_not_stored(lib, auto, tmp_path, monkeypatch):
+    """A busy machine can flip one round: the overall fastest is used in this process, and the next process
+    measures again instead of reading a choice made under load."""
+    auto({})
+    flipped = [FAST, {"native": 1.5, "torch": 0.5}]  # native wins round 1, torch round 2 (and overall)
+    monkeypatch.setattr(calibration, "measure", lambda *a: flipped)
+    g = Geometry("float32", 9, 3, 64, 16)
+    picked = calibration.plan(lib, g)
+    assert picked[ShapeClass.DECODE] == calibration.Pick("torch", 1.0, 0.5)
+    assert not list((tmp_path / "cache").rglob("calibration-*.json")), "a disputed plan must not be stored"
+    assert calibration.plan(lib, g) is picked, "memoised for the process all the same"

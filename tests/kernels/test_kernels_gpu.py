@@ -1,0 +1,76 @@
+"""Compiled Triton kernels on CUDA (bf16 tl.dot, split-KV heuristic, CUDA graphs); skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.reference import decode_attention_torch, prefill_attention_torch
+from kernels.testing import make_paged_case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BF16 = dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim", [(32, 8, 128), (9, 3, 64), (16, 16, 128)])
+def test_decode_long_context_auto_splits(hq, hkv, head_dim):
+    gen = torch.Generator().manual_seed(hq)
+    ctx = torch.randint(1, 3000, (12,), generator=gen).tolist() + [4096, 1, 16, 17]
+    case = make_paged_case(ctx, [1] * len(ctx), hq, hkv, head_dim, dtype=torch.bfloat16, device="cuda")
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, head_dim**-0.5)
+    out = kernels.decode_attention(*args, max_seq_len=case.max_seq_len)
+    torch.testing.assert_close(out, decode_attention_torch(*args), **BF16)
+
+
+def test_prefill_compiled_matches_reference():
+    ctx, new = [700, 33, 1024, 5, 300], [700, 17, 100, 1, 299]
+    case = make_paged_case(ctx, new, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    args = (
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.query_start_loc,
+        case.seq_lens,
+        case.block_tables,
+        128**-0.5,
+        case.max_query_len,
+    )
+    torch.testing.assert_close(kernels.prefill_attention(*args), prefill_attention_torch(*args), **BF16)
+
+
+def test_decode_under_cuda_graph():
+    """Captured once, replayed with new queries and longer contexts (the split count is fixed at capture)."""
+    ctx = [100, 17, 640, 1]
+    case = make_paged_case([2048] * 4, [1] * 4, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    seq_lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    q = case.q.clone()
+    call = lambda: kernels.decode_attention(  # noqa: E731
+        q, case.k_cache, case.v_cache, case.block_tables, seq_lens, 128**-0.5, max_seq_len=2048
+    )
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for step in range(3):
+        q.copy_(torch.randn_like(q))
+        seq_lens.copy_(torch.tensor([c + 500 * step for c in ctx], device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = decode_attention_torch(q, case.k_cache, case.v_cache, case.block_tables, seq_lens, 128**-0.5)
+        torch.testing.assert_close(out, want, **BF16)
+
+
+def test_block_transfer_roundtrip_compiled():
+    cache = torch.randn(512, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    ids = torch.randperm(512, device="cuda")[:200]
+    staged = kernels.gather_blocks(cache, ids)
+    assert torch.equal(staged, cache[ids])
+    other = torch.zeros_like(cache)
+    kernels.scatter_blocks(staged, other, ids)
+    assert torch.equal(other[ids], cache[ids])

@@ -1,0 +1,72 @@
+"""The router ↔ node wire protocol: every message round-trips, and bad frames are rejected, never executed."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from protocol import messages as P
+
+SPEC = P.SamplingSpec(max_tokens=8, temperature=0.0, seed=3, stop_token_ids=[2], logprobs=2)
+MESSAGES: list[P.Message] = [
+    P.Register("p0", P.NodeRole.PREFILL, "smollm2-135m", "fp", "float32", 16, 8192, 64, 728, True, instance="x"),
+    P.Heartbeat("p0", running=1, waiting=2, free_blocks=700, cached_keys=[b"k" * 16], stats={"steps": 3.0}),
+    P.Heartbeat("p0", running=0, waiting=0, free_blocks=1),
+    P.PrefillDone(
+        "r1",
+        42,
+        False,
+        None,
+        {"block_keys": ["ab" * 16], "num_cached_tokens": 16},
+        P.TokenLogprob(42, -0.5, [(42, -0.5), (7, -1.5)]),
+        P.CacheInfo(20, 16, 16),
+    ),
+    P.TokenBatch("r1", [1, 2, 3], True, P.FinishReason.LENGTH, None, P.CacheInfo(20, 16, None)),
+    P.JobFailed("r1", "boom"),
+    P.Welcome("p0", False, "unknown node; register again"),
+    P.PrefillJob("r1", [1, 2, 3], SPEC, cache_salt="tenant"),
+    P.DecodeJob("r1", [1, 2, 3], SPEC, first_token_id=9, kv_transfer_params={"n": 1}),
+    P.DecodeJob("r2", [1], SPEC),
+    P.Abort(["r1", "r2"]),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_roundtrip(msg: P.Message) -> None:
+    assert P.decode(P.encode(msg)) == msg
+
+
+def test_union_is_tagged() -> None:
+    raw = msgspec.msgpack.decode(P.encode(P.Abort(["x"])))
+    assert raw["type"] == "abort"
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xc1garbage",
+        msgspec.msgpack.encode({"type": "nope"}),
+        msgspec.msgpack.encode({"type": "abort", "request_ids": "not-a-list"}),
+        msgspec.msgpack.encode({"type": "prefill_job", "request_id": "r"}),  # missing fields
+        pickle.dumps(P.Abort(["x"])),
+    ],
+)
+def test_bad_frames_raise_value_error(frame: bytes) -> None:
+    with pytest.raises(ValueError):
+        P.decode(frame)
+
+
+def test_oversized_frame_rejected_before_parsing() -> None:
+    with pytest.raises(ValueError, match="exceeds"):
+        P.decode(b"\x00" * (P.MAX_MESSAGE_BYTES + 1))
+
+
+def test_protocol_imports_neither_torch_nor_pickle_users() -> None:
+    code = "import sys, protocol.messages; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

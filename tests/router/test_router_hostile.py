@@ -1,0 +1,499 @@
+"""Issue 11, "one bad request must not kill the cluster", at the router: the real app over real HTTP (uvicorn on a
+thread) in front of a real node runtime (NodeServer, JobRunner, heartbeats over ZeroMQ) whose engine is a fake
+(tests/node_helpers.py), so every case runs in milliseconds.
+
+- every parameter's bounds and types, huge integers, NaN, deep nesting, lone surrogates, huge bodies, long
+  prompts and fan-out: a 4xx with the OpenAI error shape, never a 5xx; afterwards a normal request is served
+- /health answers while a 10 MB body is being refused (413)
+- jobs out of bounds sent straight to the node over ZeroMQ get JobFailed; a step that raises fails its requests
+  only; the node goes on serving
+- garbage on the router's node socket (deep nesting, random bytes, oversized frames) is counted, not fatal
+- a non-streaming client that disconnects has its request aborted on the node
+- metric labels stay bounded: unknown paths collapse to one label, departed nodes' series go
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from protocol import job_limits as L
+from protocol import messages as P
+from tests.node_helpers import EXPLODE, HOLD, VOCAB, FakeNode
+
+MODEL = "smollm2-135m"
+NODE = "fake-0"
+
+
+@dataclass
+class Live:
+    url: str
+    app: Any
+    loop: asyncio.AbstractEventLoop
+    node: FakeNode
+
+    def run(self, coro: Any, timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+def wait_until(what: str, condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    import uvicorn
+
+    from engine.tokenizer import Tokenizer
+    from launch.cluster import free_port
+    from router.app import create_app
+    from router.cli import tokenizer_dir
+    from router.config import RouterConfig
+
+    config = RouterConfig(port=free_port(), node_timeout_s=5.0)
+    app = create_app(config, Tokenizer(tokenizer_dir(config.model)))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=config.port, loop="asyncio", log_level="warning")
+    )
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
+    wait_until("the router to start", lambda: server.started)
+    url = f"http://127.0.0.1:{config.port}"
+    node = FakeNode(app.state.nodes_address, NODE).start()
+    wait_until("the node to register", lambda: httpx.get(url + "/health").status_code == 200)
+    yield Live(url, app, loop, node)
+    node.stop()
+    server.should_exit = True
+    thread.join(10)
+
+
+def complete(live: Live, **body: Any) -> httpx.Response:
+    return httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", **body}, timeout=60)
+
+
+def metric(live: Live, metric_name: str, **labels: str) -> float:
+    total = 0.0
+    for line in httpx.get(live.url + "/metrics").text.splitlines():
+        if (line.startswith(metric_name + "{") or line.startswith(metric_name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def assert_served(live: Live) -> None:
+    r = complete(live, max_tokens=3)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+# ------------------------------------------------------------------ the bad-input table
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+C = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+BIG = "9" * 5000  # a 5000-digit integer literal (Python itself refuses to print one)
+
+# (name, path, JSON body as a dict or raw text, status, param)
+BAD: list[tuple[str, str, dict[str, Any] | str, int, str | None]] = [
+    ("max_tokens type", C, {"max_tokens": "five"}, 400, "max_tokens"),
+    ("max_tokens zero", C, {"max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", C, {"max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens 2^31", C, {"max_tokens": 2**31}, 400, "max_tokens"),
+    ("max_tokens 2^64", C, {"max_tokens": 2**64}, 400, "max_tokens"),
+    ("max_tokens 30 digits", C, {"max_tokens": 10**30}, 400, "max_tokens"),
+    (
+        "max_tokens 5000 digits",
+        C,
+        '{"model": "smollm2-135m", "prompt": "hi", "max_tokens": ' + BIG + "}",
+        400,
+        "max_tokens",
+    ),
+    ("seed 5000 digits", C, '{"model": "smollm2-135m", "prompt": "hi", "seed": -' + BIG + "}", 400, "seed"),
+    ("max_tokens float", C, {"max_tokens": 1.5}, 400, "max_tokens"),
+    ("max_tokens beyond context", C, {"max_tokens": 4000}, 400, "max_tokens"),
+    ("temperature negative", C, {"temperature": -0.1}, 400, "temperature"),
+    ("temperature above 2", C, {"temperature": 2.5}, 400, "temperature"),
+    ("temperature string", C, {"temperature": "hot"}, 400, "temperature"),
+    ("temperature 1e400", C, '{"model": "smollm2-135m", "prompt": "hi", "temperature": 1e400}', 400, "temperature"),
+    ("temperature NaN", C, '{"model": "smollm2-135m", "prompt": "hi", "temperature": NaN}', 400, None),
+    ("temperature Infinity", C, '{"model": "smollm2-135m", "prompt": "hi", "temperature": -Infinity}', 400, None),
+    ("top_p zero", C, {"top_p": 0}, 400, "top_p"),
+    ("top_p above 1", C, {"top_p": 1.5}, 400, "top_p"),
+    ("top_k below -1", C, {"top_k": -2}, 400, "top_k"),
+    ("top_k 2^63 (killed both nodes)", C, {"top_k": 2**63, "temperature": 1}, 400, "top_k"),
+    ("top_k 2^64", C, {"top_k": 2**64}, 400, "top_k"),
+    ("top_k above bound", C, {"top_k": L.MAX_TOP_K + 1}, 400, "top_k"),
+    ("top_k float", C, {"top_k": 1.5}, 400, "top_k"),
+    ("n zero", C, {"n": 0}, 400, "n"),
+    ("n above bound", C, {"n": L.MAX_N + 1}, 400, "n"),
+    ("n 2^64", C, {"n": 2**64}, 400, "n"),
+    ("seed 2^63", C, {"seed": 2**63}, 400, "seed"),
+    ("seed below int64", C, {"seed": -(2**63) - 1}, 400, "seed"),
+    ("seed 2^64", C, {"seed": 2**64}, 400, "seed"),
+    ("seed string", C, {"seed": "7"}, 400, "seed"),
+    ("stop_token_ids negative", C, {"stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("stop_token_ids 2^64", C, {"stop_token_ids": [2**64]}, 400, "stop_token_ids"),
+    ("stop_token_ids 2^31", C, {"stop_token_ids": [2**31]}, 400, "stop_token_ids"),
+    ("stop_token_ids beyond vocab", C, {"stop_token_ids": [VOCAB]}, 400, "stop_token_ids"),
+    ("stop_token_ids too many", C, {"stop_token_ids": [1] * (L.MAX_STOP_TOKEN_IDS + 1)}, 400, "stop_token_ids"),
+    ("stop_token_ids not a list", C, {"stop_token_ids": 5}, 400, "stop_token_ids"),
+    ("stop empty", C, {"stop": [""]}, 400, "stop"),
+    ("stop too many", C, {"stop": ["a"] * (L.MAX_STOP_STRINGS + 1)}, 400, "stop"),
+    ("stop number", C, {"stop": 5}, 400, "stop"),
+    ("logprobs above 20", C, {"logprobs": 21}, 400, "logprobs"),
+    ("logprobs negative", C, {"logprobs": -1}, 400, "logprobs"),
+    ("best_of other than n", C, {"best_of": 2}, 400, "best_of"),
+    ("best_of zero", C, {"best_of": 0}, 400, "best_of"),
+    ("echo", C, {"echo": True}, 400, "echo"),
+    ("ignore_eos string", C, {"ignore_eos": "yes"}, 400, "ignore_eos"),
+    ("stream string", C, {"stream": "yes"}, 400, "stream"),
+    ("stream_options type", C, {"stream_options": {"include_usage": 1}}, 400, "stream_options"),
+    ("cache_salt empty", C, {"cache_salt": ""}, 400, "cache_salt"),
+    ("cache_salt too long", C, {"cache_salt": "s" * (L.MAX_CACHE_SALT_CHARS + 1)}, 400, "cache_salt"),
+    ("prompt empty", C, {"prompt": ""}, 400, "prompt"),
+    ("prompt empty list", C, {"prompt": []}, 400, "prompt"),
+    ("prompt id 2^64", C, {"prompt": [2**64]}, 400, "prompt"),
+    ("prompt id negative", C, {"prompt": [-1]}, 400, "prompt"),
+    ("prompt id beyond vocab", C, {"prompt": [VOCAB]}, 400, "prompt"),
+    ("prompt mixed list", C, {"prompt": [1, "a"]}, 400, "prompt"),
+    ("prompt object", C, {"prompt": {"a": 1}}, 400, "prompt"),
+    ("prompt too many", C, {"prompt": ["a"] * 65}, 400, "prompt"),
+    ("prompt over max_model_len", C, {"prompt": "hello " * 3000}, 400, "prompt"),
+    ("prompt over max chars", C, {"prompt": "a" * ((1 << 20) + 1)}, 400, "prompt"),
+    ("prompt lone surrogate", C, '{"model": "smollm2-135m", "prompt": "a\\ud800b"}', 400, "prompt"),
+    ("fan-out prompts x n", C, {"prompt": ["a"] * 64, "n": 16}, 400, "n"),
+    ("model number", C, {"model": 5}, 400, "model"),
+    ("model lone surrogate", C, '{"model": "\\udfff", "prompt": "hi"}', 400, "model"),
+    ("unknown model", C, {"model": "gpt-17"}, 404, "model"),
+    ("deep nesting", C, '{"model": "smollm2-135m", "prompt": "hi", "x": ' + _nested(40) + "}", 400, "x"),
+    ("nesting 100k deep", C, '{"model": "smollm2-135m", "prompt": "hi", "x": ' + _nested(100_000) + "}", 400, None),
+    ("prompt nested", C, '{"model": "smollm2-135m", "prompt": ' + _nested(2000) + "}", 400, None),
+    ("invalid json", C, "{not json", 400, None),
+    ("body a list", C, "[1, 2]", 400, None),
+    ("body invalid utf-8", C, '{"model": "\xff"}', 400, None),
+    ("chat no messages", CHAT, {"messages": []}, 400, "messages"),
+    ("chat bad role", CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages"),
+    ("chat content number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    (
+        "chat content surrogate",
+        CHAT,
+        '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+        "messages",
+    ),
+    ("chat max_completion_tokens 0", CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("chat top_logprobs above 20", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat top_logprobs without logprobs", CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat n x 1 above cap", CHAT, {"messages": MSG, "n": 17}, 400, "n"),
+    ("chat over max chars", CHAT, {"messages": [{"role": "user", "content": "a" * ((1 << 20) + 1)}]}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_4xx_naming_the_parameter(
+    live: Live, name: str, path: str, body: dict[str, Any] | str, status: int, param: str | None
+) -> None:
+    if isinstance(body, dict):
+        defaults = {"model": MODEL, "prompt": "hi"} if path == C else {"model": MODEL, "messages": MSG}
+        content = json.dumps({**defaults, **body}).encode()
+    else:
+        content = body.encode("latin-1") if name == "body invalid utf-8" else body.encode()
+    r = httpx.post(live.url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text[:500]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert err["type"] == ("invalid_request_error" if status == 400 else err["type"])
+    assert err["param"] == param, err
+
+
+def test_bad_inputs_then_a_normal_request_is_served(live: Live) -> None:
+    assert metric(live, "ucm_requests_total", status="500") == 0
+    assert_served(live)
+
+
+# ------------------------------------------------------------------ bodies
+
+
+def test_oversized_bodies_get_413_and_health_answers_meanwhile(live: Live) -> None:
+    # Content-Length says 10 MB: refused before a byte is parsed.
+    r = httpx.post(live.url + C, content=b"x" * (10 << 20), headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # Chunked (no Content-Length): the cap is hit while reading. The upload pauses past the cap until /health
+    # has answered, so /health is served while a 10 MB body is being refused.
+    past_cap, resume = threading.Event(), threading.Event()
+
+    def body() -> Iterator[bytes]:
+        chunk = b" " * (1 << 20)
+        for i in range(10):
+            if i == 6:
+                past_cap.set()
+                assert resume.wait(30), "the test never resumed the upload"
+            yield chunk
+
+    result: dict[str, Any] = {}
+    upload = threading.Thread(
+        target=lambda: result.setdefault(
+            "r", httpx.post(live.url + C, content=body(), headers={"content-type": "application/json"}, timeout=60)
+        )
+    )
+    upload.start()
+    try:
+        assert past_cap.wait(30)
+        assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+        assert metric(live, "ucm_node_up", node=NODE) == 1
+    finally:
+        resume.set()
+        upload.join(60)
+    assert result["r"].status_code == 413, result["r"].text[:300]
+    assert_served(live)
+
+
+# ------------------------------------------------------------------ the node
+
+
+async def _ask(live: Live, job: P.PrefillJob | P.DecodeJob) -> list[Any]:
+    """Send `job` straight to the node through the router's NodeClient; every reply until the job ends."""
+    client = live.app.state.node_client
+    node = client.registry.nodes[NODE]
+    queue = client.open(job.request_id, node)
+    replies: list[Any] = []
+    try:
+        await client.send(NODE, job)
+        while True:
+            reply = await asyncio.wait_for(queue.get(), 30)
+            replies.append(reply)
+            if isinstance(reply, P.JobFailed) or getattr(reply, "finished", False):
+                return replies
+    finally:
+        client.close_stream(job.request_id)
+
+
+def _job(salt: str | None = None, **params: Any) -> P.DecodeJob:
+    spec = P.SamplingSpec(**{"max_tokens": 3, **params})
+    return P.DecodeJob(uuid.uuid4().hex, [1, 2, 3], spec, cache_salt=salt)
+
+
+BAD_JOBS = [
+    {"top_k": 2**63, "temperature": 1.0},
+    {"top_k": -5},
+    {"logprobs": 10**6},
+    {"temperature": float("nan")},
+    {"temperature": float("inf")},
+    {"top_p": 0.0},
+    {"max_tokens": 0},
+    {"seed": 2**63},
+    {"stop_token_ids": [2**63]},
+    {"stop_token_ids": [VOCAB]},
+]
+
+
+@pytest.mark.parametrize("params", BAD_JOBS, ids=[next(iter(p)) + "=" + str(next(iter(p.values()))) for p in BAD_JOBS])
+def test_out_of_bounds_job_gets_job_failed_and_the_node_serves_on(live: Live, params: dict[str, Any]) -> None:
+    replies = live.run(_ask(live, _job(**params)))
+    assert len(replies) == 1 and isinstance(replies[0], P.JobFailed), replies
+    assert replies[0].message.startswith("bad job: " + next(iter(params))), replies[0].message
+    good = live.run(_ask(live, _job()))
+    assert isinstance(good[-1], P.TokenBatch) and good[-1].finished
+    assert sum(len(b.token_ids) for b in good) == 3
+
+
+def test_bad_token_ids_and_transfer_params_are_refused(live: Live) -> None:
+    for job in (
+        P.DecodeJob(uuid.uuid4().hex, [VOCAB], P.SamplingSpec(max_tokens=2)),
+        P.DecodeJob(uuid.uuid4().hex, [-1], P.SamplingSpec(max_tokens=2)),
+        P.DecodeJob(uuid.uuid4().hex, [1], P.SamplingSpec(max_tokens=2), first_token_id=2**40),
+        P.DecodeJob(uuid.uuid4().hex, [1], P.SamplingSpec(max_tokens=2), kv_transfer_params=_deep_dict(40)),
+    ):
+        replies = live.run(_ask(live, job))
+        assert isinstance(replies[-1], P.JobFailed), replies
+    assert isinstance(live.run(_ask(live, _job()))[-1], P.TokenBatch)
+
+
+def _deep_dict(depth: int) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    for _ in range(depth):
+        d = {"a": d}
+    return d
+
+
+def test_a_step_that_raises_fails_its_requests_only(live: Live) -> None:
+    held = _job(HOLD)
+    held_task = asyncio.run_coroutine_threadsafe(_ask(live, held), live.loop)
+    wait_until("the held job to reach the engine", lambda: held.request_id in _added(live))
+    replies = live.run(_ask(live, _job(EXPLODE)))
+    assert isinstance(replies[-1], P.JobFailed) and "engine step failed" in replies[-1].message, replies
+    assert not held_task.done(), "a request outside the failed step was failed too"
+    live.run(live.app.state.node_client.abort(NODE, [held.request_id]))
+    wait_until("the held job to be aborted", lambda: held.request_id in _aborted(live))
+    held_task.cancel()
+    assert isinstance(live.run(_ask(live, _job()))[-1], P.TokenBatch)
+    wait_until(
+        "the heartbeat to report the step error",
+        lambda: metric(live, "ucm_node_stat", node=NODE, name="jobs_step_errors") >= 1,
+    )
+    assert_served(live)
+
+
+def _added(live: Live) -> list[str]:
+    with live.node.engine.lock:
+        return list(live.node.engine.added)
+
+
+def _aborted(live: Live) -> list[str]:
+    with live.node.engine.lock:
+        return list(live.node.engine.aborted)
+
+
+# ------------------------------------------------------------------ the router's node socket
+
+
+def _deep_prefill_done(depth: int) -> bytes:
+    head = msgspec.msgpack.encode({"type": "prefill_done", "request_id": "x", "first_token_id": 1, "finished": False})
+    assert head[0] == 0x84, "a 4-entry fixmap"
+    return b"\x85" + head[1:] + msgspec.msgpack.encode("kv_transfer_params") + b"\x81\xa1a" + b"\x91" * depth + b"\xc0"
+
+
+def test_garbage_on_the_node_socket_is_counted_and_the_router_serves_on(live: Live) -> None:
+    before = metric(live, "ucm_node_messages_dropped")
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, b"intruder")
+        sock.connect(live.app.state.nodes_address)
+        frames = [
+            _deep_prefill_done(5000),
+            _deep_prefill_done(100_000),
+            b"\xc1\xff garbage",
+            b"",
+            msgspec.msgpack.encode({"type": "heartbeat", "node_id": 5}),
+            P.encode(P.Abort(["x"])),
+        ]
+        for frame in frames:
+            sock.send(frame)
+        sock.send(b"\x00" * (P.MAX_MESSAGE_BYTES + 1))  # libzmq drops this peer (MAXMSGSIZE)
+        wait_until(
+            "the router to count the bad frames", lambda: metric(live, "ucm_node_messages_dropped") >= before + 4
+        )
+    finally:
+        ctx.destroy(0)
+    assert httpx.get(live.url + "/health").status_code == 200
+    assert_served(live)
+
+
+# ------------------------------------------------------------------ disconnects
+
+
+def test_non_streaming_client_disconnect_aborts_on_the_node(live: Live) -> None:
+    before_added, before_aborted = set(_added(live)), metric(live, "ucm_node_stat", node=NODE, name="jobs_aborted")
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 50, "cache_salt": HOLD}).encode()
+    port = int(live.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        wait_until("the request to reach the node", lambda: set(_added(live)) - before_added)
+    (rid,) = set(_added(live)) - before_added
+    wait_until("the node to abort the request", lambda: rid in _aborted(live))
+    wait_until(
+        "the heartbeat to count the abort",
+        lambda: metric(live, "ucm_node_stat", node=NODE, name="jobs_aborted") >= before_aborted + 1,
+    )
+    wait_until("the router to free the slot", lambda: metric(live, "ucm_running_sequences") == 0)
+
+
+# ------------------------------------------------------------------ metric labels
+
+
+def test_metric_labels_stay_bounded(live: Live) -> None:
+    for i in range(50):
+        assert httpx.get(f"{live.url}/v1/random-{uuid.uuid4().hex}-{i}").status_code == 404
+    text = httpx.get(live.url + "/metrics").text
+    endpoints = set(re.findall(r'ucm_requests_total\{endpoint="([^"]*)"', text))
+    assert endpoints <= {"/v1/completions", "/v1/chat/completions", "/v1/models", "other"}, endpoints
+    # A node that leaves takes its series with it.
+    ghost = FakeNode(live.app.state.nodes_address, "ghost-1").start()
+    wait_until("the ghost node's series", lambda: metric(live, "ucm_node_up", node="ghost-1") == 1)
+    ghost.stop()
+    live.run(_drop(live, "ghost-1"))
+    wait_until(
+        "the ghost's series to go",
+        lambda: (
+            'node="ghost-1"'
+            not in re.sub(r"ucm_node_events_(total|created)\{[^}]*\} \S+", "", httpx.get(live.url + "/metrics").text)
+        ),
+    )
+    # Node events keep at most MAX_EVENT_NODES departed node ids.
+    from router.metrics import MAX_EVENT_NODES
+
+    metrics = live.app.state.metrics
+    for i in range(3 * MAX_EVENT_NODES):
+        live.loop.call_soon_threadsafe(metrics.node_event, f"stranger-{i}", "refused")
+    wait_until(
+        "the events to be recorded",
+        lambda: metric(live, "ucm_node_events_total", node=f"stranger-{3 * MAX_EVENT_NODES - 1}") == 1,
+    )
+    nodes = set(re.findall(r'ucm_node_events_total\{[^}]*node="([^"]*)"', httpx.get(live.url + "/metrics").text))
+    assert len(nodes) <= MAX_EVENT_NODES and NODE in nodes, nodes
+
+
+async def _drop(live: Live, node_id: str) -> None:
+    live.app.state.registry.drop(node_id)
+
+
+# ------------------------------------------------------------------ property-based: no 5xx from the schema
+
+
+def test_schema_fuzzing_never_gets_a_5xx(live: Live) -> None:
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    spec = json.loads(json.dumps(live.app.openapi()))
+    for path in (C, CHAT):  # random model names would all stop at the 404: fuzz what lies behind it
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        body["properties"]["model"] = {"type": "string", "enum": [MODEL]}
+    schema = schemathesis.openapi.from_dict(spec)
+    failures: list[str] = []
+    statuses: dict[int, int] = {}
+    mode = schemathesis.GenerationMode
+    for operation in (schema["/v1/completions"]["POST"], schema["/v1/chat/completions"]["POST"]):
+        # Both valid requests (served by the fake node) and invalid ones (refused): neither may be a 5xx.
+        cases = operation.as_strategy(mode.POSITIVE) | operation.as_strategy(mode.NEGATIVE)
+
+        @settings(
+            max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+        )
+        @given(case=cases)
+        def fuzz(case: Any) -> None:
+            r = case.call(base_url=live.url, timeout=60)  # schemathesis serializes what it generated (bytes too)
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            if r.status_code >= 500:
+                failures.append(f"{r.status_code} {case.body!r:.300} -> {r.text[:300]}")
+
+        fuzz()
+    assert not failures, failures[:5]
+    assert statuses.get(200, 0) >= 5 and sum(n for s, n in statuses.items() if 400 <= s < 500) >= 20, statuses
