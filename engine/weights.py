@@ -79,7 +79,7 @@ def build_model(config: ModelConfig, folder: Path, dtype: torch.dtype, device: s
     with torch.no_grad():
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                     target = _target(model, config, name)
                     if target is None:
                         continue
