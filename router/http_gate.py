@@ -13,10 +13,10 @@ times the cap the connection is closed instead.
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from router.auth import authorized
 from router.openai_schema import ApiError
 
 Scope = MutableMapping[str, Any]
@@ -75,7 +75,7 @@ class HttpGate:
             await send(message)
 
         try:
-            if counted and self.api_key is not None and not self._authorized(scope):
+            if counted and self.api_key is not None and not authorized(scope["headers"], self.api_key):
                 await send_error(
                     send_counting,
                     ApiError(401, "Incorrect or missing API key.", "authentication_error", None, "invalid_api_key"),
@@ -91,15 +91,6 @@ class HttpGate:
         finally:
             if counted:
                 self.count(path if path in self.routes else OTHER_ROUTE, status)
-
-    def _authorized(self, scope: Scope) -> bool:
-        header = b""
-        for key, value in scope["headers"]:
-            if key == b"authorization":
-                header = value
-                break
-        token = header[7:] if header[:7].lower() == b"bearer " else b""
-        return secrets.compare_digest(token, self.api_key.encode())  # type: ignore[union-attr]
 
     async def _read_capped(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         """The body read up to the cap, as a `receive` that replays it once then hands over to the server's;
