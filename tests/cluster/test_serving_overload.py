@@ -2,9 +2,10 @@
 served in full with every prompt prefilled once; overload beyond the admission queue gets 429 + Retry-After and
 the server goes on serving; a prefill node killed mid-request is replaced by the decode node, once.
 
-One cluster for the module (order matters: the kill comes last). prefill-0 sleeps 1.5 s in every engine step
-(UCM_TEST_STEP_DELAY_S) while the router gives up on a node after only 2.5 s without a step: requests queued
-behind others on prefill-0 wait far longer than that and must still not be retried.
+One cluster for the module (order matters: the kill comes last). prefill-0 sleeps 0.8 s in every engine step
+(UCM_TEST_STEP_DELAY_S) while the router gives up on a node after 3 s without a step: requests queued behind
+others on prefill-0 wait longer than that (4 batches of 2) and must still not be retried. The 2.2 s between the
+delay and the stall window is the step's own compute time under a loaded CI box.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def cluster(offline):  # offline first: its CPU time must not starve the nodes' 
         node_timeout_s=2.0,
         heartbeat_interval_s=0.2,
         node_args=("--threads", "1"),
-        node_env={"prefill-0": {"UCM_TEST_STEP_DELAY_S": "1.5"}},
-        router_args=("--stall-timeout", "2.5", "--max-queued-requests", str(QUEUED), "--max-queue-wait-s", "0.01"),
+        node_env={"prefill-0": {"UCM_TEST_STEP_DELAY_S": "0.8"}},
+        router_args=("--stall-timeout", "3.0", "--max-queued-requests", str(QUEUED), "--max-queue-wait-s", "0.01"),
         supervise=False,  # the killed prefill node must stay dead: the decode node prefills instead, exactly once
     )
     with Cluster(spec, log=lambda s: None) as c:
@@ -168,7 +169,7 @@ def test_killed_prefill_node_is_replaced_by_the_decode_node_once(cluster, client
         future = pool.submit(
             lambda: client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
         )
-        # The node reports a job as soon as it takes it, before its (1.5 s) step: kill it mid-prefill.
+        # The node reports a job as soon as it takes it, before its (0.8 s) step: kill it mid-prefill.
         wait_until("prefill-0 to take the job", lambda: jobs(cluster, "prefill-0", "prefill") == started + 1)
         cluster.children["prefill-0"].kill()
         assert future.result(timeout=120) == offline[prompt]
