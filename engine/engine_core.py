@@ -32,6 +32,7 @@ import torch
 import kernels
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.guided import GuidedBackend
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -109,6 +110,8 @@ class EngineCore:
         self.runner = ModelRunner(
             loaded_model.model, self.kv_caches, bs, config.device, self.eos_token_ids, conn_worker
         )
+        # Grammars compile against the tokenizer; xgrammar loads on the first guided request.
+        self.runner.sampler.guided = GuidedBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._arrival = itertools.count()
         self._parents: dict[str, _Parent] = {}
@@ -157,6 +160,8 @@ class EngineCore:
             raise ValueError(f"request {request_id!r}: prompt token ids must be ints") from None
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"request {request_id!r}: prompt token ids must be ints in [0, {vocab})")
+        if params.guided_decoding is not None:
+            self.runner.sampler.guided.check(params.guided_decoding)  # a schema it cannot compile: ValueError now
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(
             request_id,

@@ -1,4 +1,4 @@
-"""Turns logits into tokens: penalties, min_tokens, temperature, min-p, top-k, top-p, then greedy or seeded
+"""Turns logits into tokens: penalties, logit bias, min_tokens, the guided-decoding grammar mask, temperature, min-p, top-k, top-p, then greedy or seeded
 sampling, vectorised across the batch; optional logprobs of the raw distribution (like vLLM's default).
 
 Randomness: the sample for output position t of sample i of a request comes from exponential noise drawn
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.guided import GuidedBackend
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import TokenLogprobs
 
@@ -42,8 +43,22 @@ class SamplingRow:
     output_token_ids: list[int]
     eos_token_ids: frozenset[int]
 
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Everything this request generated: earlier output carried in the prompt, then this engine's."""
+        k = self.params.prior_output_tokens
+        return (
+            self.prompt_token_ids[len(self.prompt_token_ids) - k :] + self.output_token_ids
+            if k
+            else self.output_token_ids
+        )
+
 
 class Sampler:
+    def __init__(self, guided: GuidedBackend | None = None) -> None:
+        # Set by the engine (it owns the tokenizer the grammars are compiled against); None: guided rows fail.
+        self.guided = guided
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), f"{tuple(logits.shape)} logits for {len(rows)} rows"
         logits = logits.float()
@@ -52,7 +67,9 @@ class Sampler:
         if any(k is not None for k in num_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, rows)
+        logits = self._apply_logit_bias(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
+        logits = self._apply_guided(logits, rows)
         tokens = self._sample(logits, rows)
         out_logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
@@ -68,7 +85,7 @@ class Sampler:
         vocab = logits.shape[1]
         for i in idx:
             p = rows[i].params
-            out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long)
+            out_ids = torch.tensor(rows[i].generated_token_ids, dtype=torch.long)
             counts = torch.bincount(out_ids[out_ids < vocab], minlength=vocab).to(logits.dtype)
             row = logits[i]
             if p.repetition_penalty != 1.0:
@@ -82,11 +99,26 @@ class Sampler:
             logits[i] = row
         return logits
 
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        idx = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        if not idx:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in idx:
+            bias = rows[i].params.logit_bias or {}
+            ids = [t for t in bias if t < vocab]  # ids beyond this model's vocabulary name no logit
+            if ids:
+                logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype)
+        return logits
+
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        # A guided row is left to its grammar: once complete, only the end of sequence may follow.
         blocked = [
             (i, sorted(r.params.stop_token_ids + tuple(() if r.params.ignore_eos else r.eos_token_ids)))
             for i, r in enumerate(rows)
-            if len(r.output_token_ids) < r.params.min_tokens
+            if len(r.output_token_ids) < r.params.min_tokens and r.params.guided_decoding is None
         ]
         if not blocked:
             return logits
@@ -94,6 +126,19 @@ class Sampler:
         for i, ids in blocked:
             if ids:
                 logits[i, ids] = float("-inf")
+        return logits
+
+    def _apply_guided(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        guided = [
+            (i, r.params.guided_decoding, r.output_token_ids, r.sample_index, r.generated_token_ids)
+            for i, r in enumerate(rows)
+            if r.params.guided_decoding is not None
+        ]
+        if not guided:
+            return logits
+        assert self.guided is not None, "a request asks for guided decoding but the sampler has no GuidedBackend"
+        logits = logits.clone()
+        self.guided.apply(logits, guided)
         return logits
 
     # -- sampling -----------------------------------------------------------------------------------------------

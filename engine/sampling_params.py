@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.guided.spec import GuidedDecoding
+
 # Above this a temperature is treated as sampling; at or below it, greedy (avoids dividing by ~0).
 _GREEDY_EPS = 1e-5
 
@@ -29,6 +31,13 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (the sampled one is always added)
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # token id → added to its logit before sampling (OpenAI's logit_bias; -100 bans, +100 forces in practice)
+    logit_bias: dict[int, float] | None = None
+    guided_decoding: GuidedDecoding | None = None
+    # The last k prompt tokens are this request's earlier output (a decode node continuing after a prefill
+    # node's first token): presence/frequency penalties and guided decoding count them as output.
+    # max_tokens and min_tokens count only what this engine generates.
+    prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists / a single string like vLLM, stored as tuples so the dataclass stays hashable.
@@ -40,6 +49,10 @@ class SamplingParams:
             self.stop_token_ids = tuple(self.stop_token_ids or ())
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {
+                int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in self.logit_bias.items()
+            }
         self._validate()
 
     def _validate(self) -> None:
@@ -73,6 +86,16 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or tok < 0 or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                    raise ValueError(
+                        f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {tok!r}: {bias!r}"
+                    )
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecoding):
+            raise ValueError(f"guided_decoding must be a GuidedDecoding, got {type(self.guided_decoding).__name__}")
+        if not isinstance(self.prior_output_tokens, int) or self.prior_output_tokens < 0:
+            raise ValueError(f"prior_output_tokens must be an int >= 0, got {self.prior_output_tokens!r}")
 
     @property
     def is_greedy(self) -> bool:
