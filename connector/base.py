@@ -24,7 +24,14 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from connector.request_view import ConnectorRequest, ConnectorSchedulerOutput
+
+if TYPE_CHECKING:  # importing this package stays torch-free
+    import torch
+
+    from kernels.attention_metadata import AttentionMetadata
 
 
 class KVConnectorRole(enum.Enum):
@@ -50,20 +57,22 @@ class KVConnectorScheduler(ABC):
     """Runs beside the scheduler: decides what to load and what to save."""
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond `num_computed_tokens` (the device prefix-cache hit) that the store can supply,
         and whether they load asynchronously (the request then waits for `get_finished`)."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         """The request's device blocks are allocated; remember which ones the external tokens go to."""
 
     @abstractmethod
-    def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: ConnectorSchedulerOutput) -> ConnectorMetadata:
         """Everything the worker must load and save in this step. Resets per-step state."""
 
     @abstractmethod
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A request ended. Returns (free blocks only later, kv_transfer_params for the next hop)."""
 
     def close(self) -> None:
@@ -88,7 +97,7 @@ class KVConnectorWorker(ABC):
         return self._metadata
 
     @abstractmethod
-    def register_kv_caches(self, kv_caches: list[tuple[Any, Any]]) -> None:
+    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The paged cache: per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
 
     @abstractmethod
@@ -100,7 +109,9 @@ class KVConnectorWorker(ABC):
         """Block until layer `layer`'s blocks are in the paged cache (called before its attention)."""
 
     @abstractmethod
-    def save_kv_layer(self, layer: int, k_cache: Any, v_cache: Any, attn_metadata: Any) -> None:
+    def save_kv_layer(
+        self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> None:
         """Start saving this layer's newly full blocks (called after its KV is written); must not block."""
 
     @abstractmethod
@@ -117,3 +128,10 @@ class KVConnectorWorker(ABC):
 
     def close(self) -> None:
         """The engine shuts down (called once, after the last step); release store connections."""
+
+
+class ConnectorPair(NamedTuple):
+    """Both sides of one connector, as `make_connector` returns them (a tuple, so `sched, worker = pair` works)."""
+
+    scheduler: KVConnectorScheduler
+    worker: KVConnectorWorker

@@ -1,7 +1,7 @@
 """Builds a connector pair from the engine's `kv_store` / `kv_role` settings (engine-core imports this lazily).
 
     make_connector("embedded" | "embedded?disk_path=DIR" | "tcp://..." | "recording[+SPEC]", role,
-                   engine_config, model_config, fingerprint) -> (KVConnectorScheduler, KVConnectorWorker)
+                   engine_config, model_config, fingerprint) -> ConnectorPair(scheduler, worker)
 
 Embedded stores are shared by every engine of the process that names the same spec (one DRAM tier, one
 LMDB environment: LMDB forbids opening a directory twice in one process) and closed at exit.
@@ -13,10 +13,10 @@ import atexit
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
 
-from connector.base import KVConnectorRole
+from connector.base import ConnectorPair, KVConnectorRole
 from connector.metadata import ConnectorStats
+from connector.request_view import EngineSettings
 from connector.store_spec import StoreKind, StoreSpec
 from connector.ucm_scheduler import UCMSchedulerConnector
 from connector.ucm_worker import UCMWorkerConnector
@@ -142,8 +142,12 @@ class UCMDirectConnector:
 
 
 def make_connector(
-    kv_store: str, role: KVConnectorRole | str | None, engine_config: Any, model_config: Any, fingerprint: str
-) -> tuple[Any, Any]:
+    kv_store: str,
+    role: KVConnectorRole | str | None,
+    engine_config: EngineSettings,
+    model_config: object,
+    fingerprint: str,
+) -> ConnectorPair:
     """(scheduler side, worker side) for `kv_store`; `recording[+SPEC]` wraps them in call recorders."""
     del model_config, fingerprint  # block keys come with each request; the layout comes from register_kv_caches
     if kv_store.startswith(RECORDING_PREFIX):
@@ -158,4 +162,4 @@ def make_connector(
         save_decode_blocks=engine_config.kv_save_decode_blocks,
         recompute_last_token_only=engine_config.kv_recompute_last_token_only,
     )
-    return conn.scheduler, conn.worker
+    return ConnectorPair(conn.scheduler, conn.worker)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from connector.base import ConnectorMetadata
-from ucm.api import BlockRef, StoreTask, TaskStatus
+from ucm.api import BlockRef, KVStore, StoreTask, TaskStatus
 from ucm.circuit_breaker import BreakerStats
+from ucm.keys import BlockKey
 
 log = logging.getLogger("connector")
 # A store that stays down is reported again at most this often; every failure is counted.
@@ -16,33 +18,22 @@ STORE_WARN_INTERVAL_S = 30.0
 
 
 @dataclass(frozen=True)
-class LoadSpec:
-    """Blocks of one request to fetch from the store, in prefix order: blocks[i] goes to device block block_ids[i]."""
+class BlockSpec:
+    """Blocks of one request moving between device blocks and the store, in prefix order: blocks[i] is device
+    block block_ids[i]. A load fetches them; a save dumps blocks that became full and the store lacks."""
 
     request_id: str
     block_ids: tuple[int, ...]
     blocks: tuple[BlockRef, ...]
 
     def __post_init__(self) -> None:
-        assert len(self.block_ids) == len(self.blocks), "one device block per loaded block"
-
-
-@dataclass(frozen=True)
-class SaveSpec:
-    """Blocks of one request that become full in this step and the store does not hold yet."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    blocks: tuple[BlockRef, ...]
-
-    def __post_init__(self) -> None:
-        assert len(self.block_ids) == len(self.blocks), "one device block per saved block"
+        assert len(self.block_ids) == len(self.blocks), "one device block per stored block"
 
 
 @dataclass
 class UCMConnectorMetadata(ConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[BlockSpec] = field(default_factory=list)
+    saves: list[BlockSpec] = field(default_factory=list)
 
     @property
     def num_load_blocks(self) -> int:
@@ -113,3 +104,69 @@ def failed_rows(task: StoreTask | None, n: int, timeout: float) -> tuple[set[int
     if task.check() is TaskStatus.RUNNING:
         return set(range(n)), True
     return set(task.failed_blocks), False
+
+
+def select_unsaved(
+    candidates: Sequence[BlockSpec], held: Sequence[bool], seen: set[BlockKey], stats: ConnectorStats
+) -> list[BlockSpec]:
+    """Each candidate cut to the blocks worth dumping: not `held` by the store (one flag per candidate block, in
+    order) and not `seen` already in this step. Adds the chosen keys to `seen`; counts the skipped blocks."""
+    assert len(held) == sum(len(c.blocks) for c in candidates), "one store answer per candidate block"
+    chosen_specs: list[BlockSpec] = []
+    pos = 0
+    for cand in candidates:
+        ids: list[int] = []
+        refs: list[BlockRef] = []
+        for block_id, ref in zip(cand.block_ids, cand.blocks):
+            if held[pos] or ref.key in seen:
+                stats.blocks_save_skipped += 1
+            else:
+                seen.add(ref.key)  # two requests completing the same block in one step: save it once
+                ids.append(block_id)
+                refs.append(ref)
+            pos += 1
+        if refs:
+            chosen_specs.append(BlockSpec(cand.request_id, tuple(ids), tuple(refs)))
+    return chosen_specs
+
+
+def commit_saves(
+    store: KVStore,
+    saves: Sequence[BlockSpec],
+    failed: set[int],
+    errored_requests: set[str],
+    stats: ConnectorStats,
+    block_nbytes: int,
+    last_warned: float,
+) -> float:
+    """Publish this step's dumped blocks: rows in `failed` (a layer's dump failed) and every block of a request
+    whose load failed (its KV was computed over wrong context) are committed as failed, the rest as good.
+    `block_nbytes`: one block, all layers. Returns when it last warned."""
+    blocks = [ref for spec in saves for ref in spec.blocks]
+    failed = set(failed)
+    row = 0
+    for spec in saves:
+        if spec.request_id in errored_requests:
+            failed.update(range(row, row + len(spec.blocks)))
+        row += len(spec.blocks)
+    good = [b.key for i, b in enumerate(blocks) if i not in failed]
+    bad = [b.key for i, b in enumerate(blocks) if i in failed]
+    try:
+        if good:
+            store.commit(good, True)
+        if bad:
+            store.commit(bad, False)
+    except Exception as exc:
+        last_warned = store_failed(stats, "commit", exc, last_warned)
+        good, bad = [], good + bad
+    stats.blocks_saved += len(good)
+    stats.bytes_saved += len(good) * block_nbytes
+    stats.blocks_save_failed += len(bad)
+    if bad:
+        last_warned = warn_limited(
+            last_warned,
+            "dropped the saves of %d of %d blocks (dump failed, store unreachable or context load failed)",
+            len(bad),
+            len(blocks),
+        )
+    return last_warned

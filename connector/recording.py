@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from connector.base import ConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
+from connector.base import ConnectorMetadata, ConnectorPair, KVConnectorScheduler, KVConnectorWorker
+from connector.request_view import ConnectorRequest, ConnectorSchedulerOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -43,19 +49,21 @@ class RecordingScheduler(KVConnectorScheduler):
     def __init__(self, inner: KVConnectorScheduler, log: CallLog) -> None:
         self.inner, self.log = inner, log
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         self.log.add(Call("get_num_new_matched_tokens", request.request_id))
         return self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         self.log.add(Call("update_state_after_alloc", request.request_id))
         self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: ConnectorSchedulerOutput) -> ConnectorMetadata:
         self.log.add(Call("build_connector_meta"))
         return self.inner.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.log.add(Call("request_finished", request.request_id))
         return self.inner.request_finished(request, block_ids)
 
@@ -80,7 +88,7 @@ class RecordingWorker(KVConnectorWorker):
         super().clear_connector_metadata()
         self.inner.clear_connector_metadata()
 
-    def register_kv_caches(self, kv_caches: list[tuple[Any, Any]]) -> None:
+    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.log.add(Call("register_kv_caches"))
         self.inner.register_kv_caches(kv_caches)
 
@@ -92,7 +100,9 @@ class RecordingWorker(KVConnectorWorker):
         self.log.add(Call("wait_for_layer_load", layer=layer))
         self.inner.wait_for_layer_load(layer)
 
-    def save_kv_layer(self, layer: int, k_cache: Any, v_cache: Any, attn_metadata: Any) -> None:
+    def save_kv_layer(
+        self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> None:
         self.log.add(Call("save_kv_layer", layer=layer))
         self.inner.save_kv_layer(layer, k_cache, v_cache, attn_metadata)
 
@@ -117,11 +127,9 @@ class RecordingWorker(KVConnectorWorker):
         return getattr(self.inner, name)
 
 
-def make_recording_connector(
-    inner: tuple[KVConnectorScheduler, KVConnectorWorker], log: CallLog | None = None
-) -> tuple[RecordingScheduler, RecordingWorker]:
+def make_recording_connector(inner: ConnectorPair, log: CallLog | None = None) -> ConnectorPair:
     log = log if log is not None else CallLog()
-    return RecordingScheduler(inner[0], log), RecordingWorker(inner[1], log)
+    return ConnectorPair(RecordingScheduler(inner.scheduler, log), RecordingWorker(inner.worker, log))
 
 
 _SCHEDULING = {"get_num_new_matched_tokens", "update_state_after_alloc"}

@@ -11,8 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.base import KVConnectorRole, KVConnectorScheduler
-from connector.metadata import ConnectorStats, LoadSpec, SaveSpec, UCMConnectorMetadata, store_failed
-from connector.request_view import ScheduledView, iter_scheduled, token_ids_of
+from connector.metadata import BlockSpec, ConnectorStats, UCMConnectorMetadata, select_unsaved, store_failed
+from connector.request_view import (
+    ConnectorRequest,
+    ConnectorSchedulerOutput,
+    ScheduledView,
+    iter_scheduled,
+    token_ids_of,
+)
 from ucm.api import BlockRef, KVStore
 from ucm.circuit_breaker import CircuitBreaker
 from ucm.keys import BlockKey
@@ -22,7 +28,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _PendingLoad:
-    """A request whose external hit was reported; becomes a LoadSpec once its blocks are allocated."""
+    """A request whose external hit was reported; becomes a BlockSpec once its blocks are allocated."""
 
     start_block: int
     num_blocks: int
@@ -37,7 +43,7 @@ class _Progress:
     saved_blocks: int = 0
 
 
-def block_refs(request: Any, start: int, stop: int) -> list[BlockRef]:
+def block_refs(request: ConnectorRequest, start: int, stop: int) -> list[BlockRef]:
     """BlockRefs of blocks [start, stop) of a request (key, parent key, the block's token ids)."""
     return [
         BlockRef(request.block_keys[i], request.block_parent_key(i), request.block_token_ids(i))
@@ -75,7 +81,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
 
     # ---- 1. lookup -------------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         self._pending.pop(request.request_id, None)
         if not self.role.loads:
             return 0, False
@@ -105,7 +111,9 @@ class UCMSchedulerConnector(KVConnectorScheduler):
 
     # ---- 2. allocation ---------------------------------------------------------------------------------
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         """`block_ids` are all of the request's device blocks in sequence order (device hits first)."""
         pending = self._pending.get(request.request_id)
         if pending is None or num_external_tokens == 0:
@@ -125,7 +133,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
 
     # ---- 3. per-step metadata ----------------------------------------------------------------------------
 
-    def build_connector_meta(self, scheduler_output: Any) -> UCMConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: ConnectorSchedulerOutput) -> UCMConnectorMetadata:
         meta = UCMConnectorMetadata()
         scheduled = list(iter_scheduled(scheduler_output))
         by_id = {view.request.request_id: view for view in scheduled}
@@ -136,17 +144,16 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             req = view.request
             stop = pending.start_block + pending.num_blocks
             refs = block_refs(req, pending.start_block, stop)
-            meta.loads.append(LoadSpec(req_id, pending.block_ids, tuple(refs)))
+            meta.loads.append(BlockSpec(req_id, pending.block_ids, tuple(refs)))
             self._progress.setdefault(req_id, _Progress()).external_tokens += pending.num_blocks * self.block_size
         self._pending.clear()
         if self.role.saves:
             meta.saves = self._saves(scheduled, {ref.key for spec in meta.loads for ref in spec.blocks})
         return meta
 
-    def _saves(self, scheduled: list[ScheduledView], loading: set[BlockKey]) -> list[SaveSpec]:
+    def _saves(self, scheduled: list[ScheduledView], loading: set[BlockKey]) -> list[BlockSpec]:
         bs = self.block_size
-        candidates: list[tuple[ScheduledView, int, int]] = []
-        keys: list[BlockKey] = []
+        candidates: list[BlockSpec] = []
         for view in scheduled:
             req = view.request
             first = view.num_computed_tokens // bs
@@ -156,8 +163,9 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             if not self.save_decode_blocks:
                 stop = min(stop, len(req.prompt_token_ids) // bs)
             if stop > first:
-                candidates.append((view, first, stop))
-                keys.extend(req.block_keys[first:stop])
+                ids = tuple(view.block_ids[first:stop])
+                candidates.append(BlockSpec(req.request_id, ids, tuple(block_refs(req, first, stop))))
+        keys = [ref.key for cand in candidates for ref in cand.blocks]
         if not keys:
             return []
         if self._store_skipped():  # saves would only be packed into staging to be dropped
@@ -169,29 +177,14 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             self._store_failed("contains", exc)
             self.stats.blocks_save_failed += len(keys)
             return []
-        specs: list[SaveSpec] = []
-        seen = set(loading)
-        pos = 0
-        for view, first, stop in candidates:
-            req = view.request
-            refs = block_refs(req, first, stop)
-            ids, chosen = [], []
-            for i, ref in zip(range(first, stop), refs):
-                if held[pos] or ref.key in seen:
-                    self.stats.blocks_save_skipped += 1
-                else:
-                    seen.add(ref.key)  # two requests completing the same block in one step: save it once
-                    ids.append(view.block_ids[i])
-                    chosen.append(ref)
-                pos += 1
-            if chosen:
-                specs.append(SaveSpec(req.request_id, tuple(ids), tuple(chosen)))
-                self._progress.setdefault(req.request_id, _Progress()).saved_blocks += len(chosen)
+        specs = select_unsaved(candidates, held, set(loading), self.stats)
+        for spec in specs:
+            self._progress.setdefault(spec.request_id, _Progress()).saved_blocks += len(spec.blocks)
         return specs
 
     # ---- 10. request end ---------------------------------------------------------------------------------
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._pending.pop(request.request_id, None)
         self._key_checked.discard(request.request_id)
         progress = self._progress.pop(request.request_id, _Progress())
@@ -208,7 +201,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             "store": self.store_address,
         }
 
-    def _check_producer_keys(self, request: Any) -> None:
+    def _check_producer_keys(self, request: ConnectorRequest) -> None:
         """Keys from a producer that differ from ours mean a different model, dtype, block size or salt: every
         lookup would silently miss, so say so (once per request)."""
         params = request.kv_transfer_params or {}

@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from connector.base import KVConnectorRole, KVConnectorWorker
+from connector.base import ConnectorMetadata, KVConnectorRole, KVConnectorWorker
 from connector.kv_layout import KVLayout, StagingBuffer, pack_blocks, unpack_blocks
-from connector.metadata import ConnectorStats, LoadSpec, UCMConnectorMetadata, failed_rows, store_failed, warn_limited
+from connector.metadata import BlockSpec, ConnectorStats, UCMConnectorMetadata, commit_saves, failed_rows, store_failed
 from ucm.api import BlockRef, KVStore, StoreTask
 
 log = logging.getLogger(__name__)
@@ -32,7 +31,7 @@ TASK_TIMEOUT_S = 60.0
 class _StepLoads:
     """This step's loads flattened into one list of rows (request after request, each in prefix order)."""
 
-    specs: list[LoadSpec]
+    specs: list[BlockSpec]
     row_of_spec: list[int]  # first row of each spec
     device_ids: torch.Tensor  # [rows] destination block id of each row
     blocks: list[BlockRef]  # [rows]
@@ -69,7 +68,7 @@ class UCMWorkerConnector(KVConnectorWorker):
         self._saves: list[tuple[int, StoreTask | None]] = []  # (layer, task) of this step
         self._load_errors: set[int] = set()
         self._errored_requests: set[str] = set()  # this step's requests with a failed load
-        self._h2d_done: Any = None  # CUDA event after the last staging -> cache copy
+        self._h2d_done: torch.cuda.Event | None = None  # CUDA event after the last staging -> cache copy
         self._warn_at = 0.0  # when the last store-failure warning was logged
 
     @property
@@ -83,7 +82,8 @@ class UCMWorkerConnector(KVConnectorWorker):
         self._load_bufs = [StagingBuffer(self._layout) for _ in kv_caches]
         self._save_bufs = [StagingBuffer(self._layout) for _ in kv_caches]
 
-    def bind_connector_metadata(self, metadata: UCMConnectorMetadata) -> None:
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        assert isinstance(metadata, UCMConnectorMetadata), f"expected UCMConnectorMetadata, got {type(metadata)}"
         super().bind_connector_metadata(metadata)
         assert self._loads is None and not self._saves, "previous step's transfers were not finished"
         self._errored_requests = set()
@@ -104,7 +104,9 @@ class UCMWorkerConnector(KVConnectorWorker):
         if self._h2d_done is not None:  # last step's host-to-device copies may still read the staging buffers
             self._h2d_done.synchronize()
             self._h2d_done = None
-        rows, first_rows, ids = 0, [], []
+        rows = 0
+        first_rows: list[int] = []
+        ids: list[int] = []
         for spec in specs:
             first_rows.append(rows)
             rows += len(spec.blocks)
@@ -208,42 +210,19 @@ class UCMWorkerConnector(KVConnectorWorker):
         if not saves:
             return
         t0 = time.perf_counter()
-        blocks = [ref for spec in saves for ref in spec.blocks]
+        num_rows = sum(len(spec.blocks) for spec in saves)
         failed: set[int] = set()
         for layer, task in tasks:
-            bad_rows, stuck = failed_rows(task, len(blocks), self.task_timeout_s)
+            bad_rows, stuck = failed_rows(task, num_rows, self.task_timeout_s)
             failed |= bad_rows
             if stuck:
                 self._save_bufs[layer] = StagingBuffer(self.layout)
         if len(tasks) != self.layout.num_layers:
-            failed = set(range(len(blocks)))  # a layer never dumped: the block would be incomplete
-        # A request whose load failed computed this step's KV over wrong context: never publish it.
-        errored = self._errored_requests
-        row = 0
-        for spec in saves:
-            if spec.request_id in errored:
-                failed.update(range(row, row + len(spec.blocks)))
-            row += len(spec.blocks)
-        good = [b.key for i, b in enumerate(blocks) if i not in failed]
-        bad = [b.key for i, b in enumerate(blocks) if i in failed]
-        try:
-            if good:
-                self.store.commit(good, True)
-            if bad:
-                self.store.commit(bad, False)
-        except Exception as exc:
-            self._store_failed("commit", exc)
-            bad, good = bad + good, []
-        self.stats.blocks_saved += len(good)
-        self.stats.bytes_saved += len(good) * self.layout.payload_nbytes * self.layout.num_layers
-        self.stats.blocks_save_failed += len(bad)
-        if bad:
-            self._warn_at = warn_limited(
-                self._warn_at,
-                "dropped the saves of %d of %d blocks (dump failed, store unreachable or context load failed)",
-                len(bad),
-                len(blocks),
-            )
+            failed = set(range(num_rows))  # a layer never dumped: the block would be incomplete
+        nbytes = self.layout.payload_nbytes * self.layout.num_layers
+        self._warn_at = commit_saves(
+            self.store, saves, failed, self._errored_requests, self.stats, nbytes, self._warn_at
+        )
         self.stats.save_seconds += time.perf_counter() - t0
 
     # ---- 8. results ----------------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable, Sequence
 
 from connector.base import KVConnectorRole
-from connector.metadata import ConnectorStats, store_failed
+from connector.metadata import BlockSpec, ConnectorStats, select_unsaved, store_failed
 from connector.vllm.key_scope import VllmKeyScope
-from connector.vllm.step import BlockLoad, BlockSave, StepDelta, StepPlan
+from connector.vllm.step import BlockLoad, StepDelta, StepPlan
 from connector.vllm.tracker import LoadOffer, LoadPlan, RequestTracker
 from ucm.api import KVStore
 
@@ -176,17 +176,22 @@ class VllmSchedulerCore:
         tracker.handled = max(tracker.handled, stop)  # in the store already: never dumped again
         return BlockLoad(tracker.request_id, load.block_ids, tuple(refs), before_forward=load.before_forward)
 
-    def _saves(self, scheduled: list[tuple[RequestTracker, int]]) -> list[BlockSave]:
+    def _saves(self, scheduled: list[tuple[RequestTracker, int]]) -> list[BlockSpec]:
         bs = self.block_size
-        spans: list[tuple[RequestTracker, int, int]] = []
-        keys = []
+        candidates: list[BlockSpec] = []
+        spans: list[tuple[RequestTracker, int]] = []
         for tracker, computed_after in scheduled:
             stop = min(computed_after // bs, len(tracker.block_ids), len(tracker.token_ids()) // bs)
             if not self.save_decode_blocks:
                 stop = min(stop, tracker.num_prompt_tokens // bs)
-            if stop > tracker.handled:
-                spans.append((tracker, tracker.handled, stop))
-                keys.extend(tracker.keys_upto(stop, bs)[tracker.handled : stop])
+            first = tracker.handled
+            if stop > first:
+                refs = tuple(tracker.refs(first, stop, bs))
+                candidates.append(BlockSpec(tracker.request_id, tuple(tracker.block_ids[first:stop]), refs))
+                spans.append((tracker, stop))
+        for tracker, stop in spans:
+            tracker.handled = stop  # a failed save is a future miss, not a retry
+        keys = [ref.key for cand in candidates for ref in cand.blocks]
         if not keys:
             return []
         try:
@@ -194,23 +199,7 @@ class VllmSchedulerCore:
         except Exception as exc:
             self._warn_at = store_failed(self.stats, "contains", exc, self._warn_at)
             held = [False] * len(keys)
-        saves: list[BlockSave] = []
-        seen = set()
-        pos = 0
-        for tracker, first, stop in spans:
-            ids, refs = [], []
-            for i, ref in zip(range(first, stop), tracker.refs(first, stop, bs)):
-                if held[pos] or ref.key in seen:
-                    self.stats.blocks_save_skipped += 1
-                else:
-                    seen.add(ref.key)  # two requests filling the same block in one step: save it once
-                    ids.append(tracker.block_ids[i])
-                    refs.append(ref)
-                pos += 1
-            tracker.handled = stop  # a failed save is a future miss, not a retry
-            if refs:
-                saves.append(BlockSave(tracker.request_id, tuple(ids), tuple(refs)))
-        return saves
+        return select_unsaved(candidates, held, set(), self.stats)
 
     def on_load_errors(self, block_ids: set[int]) -> None:
         """The worker reported failed loads: vLLM recomputes from the first failed block of each request, so

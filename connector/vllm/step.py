@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from connector.metadata import BlockSpec
 from ucm.api import BlockRef
 
 
@@ -82,22 +83,10 @@ class BlockLoad:
         assert len(self.block_ids) == len(self.blocks) or self.poisoned, "one device block per loaded block"
 
 
-@dataclass(frozen=True)
-class BlockSave:
-    """Blocks of one request that are full and computed by the end of this step and not in the store."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    blocks: tuple[BlockRef, ...]
-
-    def __post_init__(self) -> None:
-        assert len(self.block_ids) == len(self.blocks), "one device block per saved block"
-
-
 @dataclass
 class StepPlan:
     loads: list[BlockLoad] = field(default_factory=list)
-    saves: list[BlockSave] = field(default_factory=list)
+    saves: list[BlockSpec] = field(default_factory=list)  # full, computed by the end of the step, not stored
 
     @property
     def loads_before_forward(self) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from connector.base import KVConnectorRole
-from connector.metadata import ConnectorStats, failed_rows, store_failed, warn_limited
+from connector.metadata import ConnectorStats, commit_saves, failed_rows, store_failed
 from connector.vllm.block_bytes import StagingRows, block_rows
 from connector.vllm.step import BlockLoad, StepPlan
 from ucm.api import BlockRef, KVStore, StoreTask
@@ -115,7 +115,9 @@ class VllmWorkerCore:
                 good.append(load)
         if not good:
             return
-        firsts, ids, blocks = [], [], []
+        firsts: list[int] = []
+        ids: list[int] = []
+        blocks: list[BlockRef] = []
         for load in good:
             firsts.append(len(blocks))
             ids.extend(load.block_ids)
@@ -213,40 +215,19 @@ class VllmWorkerCore:
             return
         t0 = time.perf_counter()
         saves = self._plan.saves
-        blocks = [ref for save in saves for ref in save.blocks]
+        num_rows = sum(len(save.blocks) for save in saves)
         failed: set[int] = set()
         for layer, task in tasks:
-            bad, stuck = failed_rows(task, len(blocks), self.task_timeout_s)
+            bad, stuck = failed_rows(task, num_rows, self.task_timeout_s)
             failed |= bad
             if stuck:
                 self._save_bufs[layer] = StagingRows(self.page_bytes)
         if len({layer for layer, _ in tasks}) != self.num_layers:
-            failed = set(range(len(blocks)))  # a layer never saved: the block would be incomplete
-        row = 0
-        for save in saves:  # KV computed over a failed load is wrong: never publish it
-            if save.request_id in self._errored_requests:
-                failed.update(range(row, row + len(save.blocks)))
-            row += len(save.blocks)
-        good = [b.key for i, b in enumerate(blocks) if i not in failed]
-        bad = [b.key for i, b in enumerate(blocks) if i in failed]
-        try:
-            if good:
-                self.store.commit(good, True)
-            if bad:
-                self.store.commit(bad, False)
-        except Exception as exc:
-            self._store_failed("commit", exc)
-            good, bad = [], good + bad
-        self.stats.blocks_saved += len(good)
-        self.stats.bytes_saved += len(good) * self.page_bytes * self.num_layers
-        self.stats.blocks_save_failed += len(bad)
-        if bad:
-            self._warn_at = warn_limited(
-                self._warn_at,
-                "dropped the saves of %d of %d blocks (dump failed, store unreachable or context load failed)",
-                len(bad),
-                len(blocks),
-            )
+            failed = set(range(num_rows))  # a layer never saved: the block would be incomplete
+        nbytes = self.page_bytes * self.num_layers
+        self._warn_at = commit_saves(
+            self.store, saves, failed, self._errored_requests, self.stats, nbytes, self._warn_at
+        )
         self.stats.save_seconds += time.perf_counter() - t0
 
     # ---- results -------------------------------------------------------------------------------------------
