@@ -32,6 +32,11 @@ MAX_PROMPT_TOKENS = 1 << 20  # wire bound; max_model_len is the real limit on bo
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
 MAX_TRANSFER_PARAMS_DEPTH = 16  # kv_transfer_params is connector-defined JSON-like data
+MAX_PENALTY = 2.0  # presence / frequency penalties: OpenAI's range is [-2, 2]
+MAX_REPETITION_PENALTY = 10.0  # > 0; far above any useful value
+MAX_LOGIT_BIAS = 100.0  # OpenAI: a bias in [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_GUIDE_CHARS = 64 * 1024  # a JSON schema or regular expression (compiled on the node)
 
 
 class OutOfBounds(ValueError):
@@ -72,6 +77,27 @@ def check_spec(spec: P.SamplingSpec) -> None:
         raise OutOfBounds("ignore_eos", "must be a boolean")
     if spec.logprobs is not None:
         _int_in("logprobs", spec.logprobs, 0, MAX_LOGPROBS)
+    _float_in("min_p", spec.min_p, 0.0, 1.0)
+    _float_in("repetition_penalty", spec.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+    _float_in("presence_penalty", spec.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _float_in("frequency_penalty", spec.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _int_in("num_generated", spec.num_generated, 0, MAX_TOKENS)
+    _int_in("min_tokens", spec.min_tokens, 0, spec.max_tokens + spec.num_generated)
+    if not isinstance(spec.logit_bias, dict) or len(spec.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise OutOfBounds("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+    for tok, bias in spec.logit_bias.items():
+        _int_in("logit_bias", tok, 0, MAX_TOKEN_ID)
+        _float_in("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    guide = spec.guide
+    if guide is not None:
+        if not isinstance(guide, P.GuideSpec) or not isinstance(guide.kind, P.GuideKind):
+            raise OutOfBounds("response_format", "not a guide")
+        if (guide.schema is None) != (guide.kind is P.GuideKind.JSON_OBJECT):
+            raise OutOfBounds(
+                "response_format", f"a {guide.kind.value} guide {'takes no' if guide.schema else 'needs a'} schema"
+            )
+        if guide.schema is not None and (not isinstance(guide.schema, str) or len(guide.schema) > MAX_GUIDE_CHARS):
+            raise OutOfBounds("response_format", f"the schema must be a string of at most {MAX_GUIDE_CHARS} characters")
 
 
 def _depth_within(obj: Any, limit: int) -> bool:
@@ -108,6 +134,14 @@ def check_job(job: P.PrefillJob | P.DecodeJob, vocab_size: int | None = None) ->
     check_spec(job.params)
     if vocab_size is not None and any(t > top for t in job.params.stop_token_ids):
         raise OutOfBounds("stop_token_ids", f"token ids must be below the vocabulary size {vocab_size}")
+    if vocab_size is not None and any(t > top for t in job.params.logit_bias):
+        raise OutOfBounds("logit_bias", f"token ids must be below the vocabulary size {vocab_size}")
+    # Earlier output ends the prompt + first token, so only a decode job continuing one can carry any.
+    most = len(ids) + 1 if isinstance(job, P.DecodeJob) and job.first_token_id is not None else 0
+    if job.params.num_generated > most:
+        raise OutOfBounds(
+            "num_generated", f"{job.params.num_generated} generated tokens but at most {most} in this job"
+        )
     if isinstance(job, P.DecodeJob):
         if job.first_token_id is not None:
             _int_in("first_token_id", job.first_token_id, 0, top)

@@ -41,8 +41,24 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_d
     pass
 
 
+class GuideKind(enum.Enum):
+    """Mirrors engine.guided.GuidedKind (the engine is not imported here: this module stays torch-free)."""
+
+    JSON_OBJECT = "json_object"
+    JSON_SCHEMA = "json_schema"
+    REGEX = "regex"
+
+
+class GuideSpec(msgspec.Struct, omit_defaults=True):
+    """Structured output: the sampled tokens must follow this grammar (response_format, tools)."""
+
+    kind: GuideKind
+    schema: str | None = None  # JSON schema text or regular expression; None for JSON_OBJECT
+
+
 class SamplingSpec(msgspec.Struct, omit_defaults=True):
-    """The subset of engine.SamplingParams that crosses the wire (stop strings stay in the router)."""
+    """The subset of engine.SamplingParams that crosses the wire (stop strings, detokenization and chat
+    templating stay in the router). node/sampling.py is the one conversion to SamplingParams."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -52,6 +68,16 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token (0 = sampled token only)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0  # counted from the request's first output token, wherever it was sampled
+    logit_bias: dict[int, float] = {}
+    guide: GuideSpec | None = None
+    # Output tokens produced before this job (a decode job: the prefill's first token, plus the tokens a resumed
+    # job carries): they end the job's prompt + first token, and count towards min_tokens, penalties and guides.
+    num_generated: int = 0
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):

@@ -91,7 +91,7 @@ class _DecodeState:
         self.attempts += 1
         left = req.params.max_tokens - len(self.generated)
         assert left >= 1, f"{req.request_id}: resuming with {left} tokens left"
-        params = msgspec.structs.replace(req.params, max_tokens=left)
+        params = msgspec.structs.replace(req.params, max_tokens=left, num_generated=len(self.generated))
         if not self.generated:  # nothing produced yet: the decode node prefills the prompt itself
             return P.DecodeJob(request_id, req.prompt_token_ids, params, cache_salt=req.cache_salt)
         transfer = first.kv_transfer_params if first is not None else None
