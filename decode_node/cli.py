@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from decode_node.worker import DecodeWorker
 from node.config import add_node_args, config_from_args
 from node.server import run_node
-from protocol.messages import NodeRole
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = config_from_args(args, NodeRole.BOTH if args.colocated else NodeRole.DECODE)
+        worker = DecodeWorker(colocated=args.colocated)
+        config = config_from_args(args, worker.role)
     except ValueError as e:
         parser.error(str(e))
-    return run_node(config)
+    return run_node(config, worker)

@@ -2,7 +2,8 @@
 
 config.py    NodeConfig + the node CLI flags (one parser for both node kinds)
 key_cache.py recent block keys on this node (the heartbeat's prefix-cache summary)
-runner.py    protocol jobs → EngineCore requests, engine outputs → protocol messages
+job.py       the role seam: RoleWorker (prefill_node/worker.py, decode_node/worker.py), LiveJob, counters
+runner.py    protocol jobs → EngineCore requests, engine outputs → protocol messages (role-agnostic)
 heartbeat.py a thread that keeps heartbeats flowing even while a long step runs
 server.py    the loop: poll the socket without blocking, step the engine, stream outputs back
 

@@ -18,6 +18,7 @@ import zmq
 
 from node.config import NodeConfig
 from node.heartbeat import HeartbeatThread, StoreStatsPoller
+from node.job import RoleWorker
 from node.key_cache import RecentKeys
 from node.runner import JobRunner
 from protocol import messages as P
@@ -32,19 +33,11 @@ _MAX_DRAIN = 256  # messages taken per loop turn, so a flood of jobs cannot star
 _bad = LogLimiter(log)  # a peer sending garbage in a loop must not make logging the bottleneck
 
 
-def build_engine(config: NodeConfig) -> Any:
-    """The node's EngineCore, with the connector role its node role implies."""
-    from connector.base import KVConnectorRole
+def build_engine(config: NodeConfig, worker: RoleWorker) -> Any:
+    """The node's EngineCore, with the KV connector its role runs (`worker.connector_role`)."""
     from engine import EngineCore
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    # A prefill node also *loads*: a prefix any node computed earlier is fetched from the store instead of being
-    # recomputed (DESIGN.md §2.3); the connector's PRODUCER role only saves, so prefill nodes run it as BOTH.
-    role = {
-        P.NodeRole.PREFILL: KVConnectorRole.BOTH,
-        P.NodeRole.DECODE: KVConnectorRole.CONSUMER,
-        P.NodeRole.BOTH: KVConnectorRole.BOTH,
-    }[config.role]
     cache = CacheConfig(kv_cache_memory=config.kv_cache_memory)
     engine_config = EngineConfig(
         model=config.model,
@@ -53,19 +46,20 @@ def build_engine(config: NodeConfig) -> Any:
         cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len),
         kv_store=config.store_addr,
-        kv_role=role.value if config.store_addr else None,
+        kv_role=worker.connector_role.value if config.store_addr else None,
     )
     return EngineCore(engine_config)
 
 
 class NodeServer:
-    def __init__(self, config: NodeConfig, engine: Any) -> None:
+    def __init__(self, config: NodeConfig, engine: Any, worker: RoleWorker) -> None:
+        assert worker.role is config.role, f"a {worker.role.value} worker on a {config.role.value} node"
         self.config = config
         self.engine = engine
         self.node_id = config.resolved_node_id
         self.namespace: KeyNamespace = engine.namespace
         self.recent_keys = RecentKeys(config.cached_keys_cap)
-        self.runner = JobRunner(engine, self.namespace, self.recent_keys, config.step_delay_s)
+        self.runner = JobRunner(engine, worker, self.namespace, self.recent_keys, config.step_delay_s)
         self.register_msg = P.Register(
             node_id=self.node_id,
             role=config.role,
@@ -154,8 +148,6 @@ class NodeServer:
                 self._send(sock, P.JobFailed(rid, "bad job: not a valid job message"))
             raise
         if isinstance(msg, (P.PrefillJob, P.DecodeJob)):
-            if msg.__class__ is P.PrefillJob and self.config.role is not P.NodeRole.PREFILL:
-                log.warning("prefill job %s sent to a %s node", msg.request_id, self.config.role.value)
             for reply in self.runner.submit(msg):
                 self._send(sock, reply)
         elif isinstance(msg, P.Abort):
@@ -198,15 +190,15 @@ class NodeServer:
         )
 
 
-def run_node(config: NodeConfig) -> int:
+def run_node(config: NodeConfig, worker: RoleWorker) -> int:
     t0 = time.monotonic()
     if config.num_threads:
         import torch
 
         torch.set_num_threads(config.num_threads)
-    engine = build_engine(config)
+    engine = build_engine(config, worker)
     log.info("engine ready in %.1fs", time.monotonic() - t0)
-    server = NodeServer(config, engine)
+    server = NodeServer(config, engine, worker)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())
     server.serve()

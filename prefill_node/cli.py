@@ -9,7 +9,7 @@ import logging
 
 from node.config import add_node_args, config_from_args
 from node.server import run_node
-from protocol.messages import NodeRole
+from prefill_node.worker import PrefillWorker
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = config_from_args(args, NodeRole.PREFILL)
+        worker = PrefillWorker()
+        config = config_from_args(args, worker.role)
     except ValueError as e:
         parser.error(str(e))
-    return run_node(config)
+    return run_node(config, worker)

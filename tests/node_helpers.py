@@ -121,13 +121,17 @@ class FakeNode:
     """A NodeServer around a FakeEngine, serving on a thread until `stop()`."""
 
     def __init__(self, router_addr: str, node_id: str, role: Any = None, heartbeat_interval_s: float = 0.1) -> None:
+        from decode_node.worker import DecodeWorker
         from node.config import NodeConfig
         from node.server import NodeServer
+        from prefill_node.worker import PrefillWorker
         from protocol import messages as P
 
         self.engine = FakeEngine()
+        role = role or P.NodeRole.DECODE
+        worker = PrefillWorker() if role is P.NodeRole.PREFILL else DecodeWorker(colocated=role is P.NodeRole.BOTH)
         config = NodeConfig(
-            role=role or P.NodeRole.DECODE,
+            role=role,
             router_addr=router_addr,
             store_addr=None,
             node_id=node_id,
@@ -135,7 +139,7 @@ class FakeNode:
             max_num_seqs=64,
             heartbeat_interval_s=heartbeat_interval_s,
         )
-        self.server = NodeServer(config, self.engine)
+        self.server = NodeServer(config, self.engine, worker)
         self.thread = threading.Thread(target=self.server.serve, name=f"fake-node-{node_id}", daemon=True)
 
     def start(self) -> FakeNode:
