@@ -73,21 +73,23 @@ class Registry:
         self.timeout_s = timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.nodes: dict[str, NodeState] = {}
+        # node id -> the incarnation being drained (router/drain.py): alive() skips it, so it gets no new jobs
+        self.draining: dict[str, str] = {}
 
     def register(self, msg: P.Register, now: float | None = None) -> tuple[P.Welcome, NodeState | None]:
         """Add or refresh a node. Also returns the state of a previous incarnation with the same id (restarted
         process) whose in-flight jobs are lost, or None."""
         if msg.protocol_version != P.PROTOCOL_VERSION:
             reason = f"protocol version {msg.protocol_version} != {P.PROTOCOL_VERSION}"
-            return P.Welcome(msg.node_id, False, reason), None
+            return P.Welcome(msg.node_id, P.WelcomeCode.PROTOCOL_MISMATCH, reason), None
         if msg.model != self.model_name:
             reason = f"node serves model {msg.model!r}, router serves {self.model_name!r}"
-            return P.Welcome(msg.node_id, False, reason), None
+            return P.Welcome(msg.node_id, P.WelcomeCode.MODEL_MISMATCH, reason), None
         others = [n for n in self.nodes.values() if n.node_id != msg.node_id]
         if others and others[0].namespace != KeyNamespace(msg.model_fingerprint, msg.dtype, msg.block_size):
             # Mixed namespaces would make every store lookup miss between the two groups.
             reason = "model fingerprint / dtype / block size differ from other nodes"
-            return P.Welcome(msg.node_id, False, reason), None
+            return P.Welcome(msg.node_id, P.WelcomeCode.NAMESPACE_MISMATCH, reason), None
         old = self.nodes.get(msg.node_id)
         now = now or time.monotonic()
         state = NodeState(
@@ -101,13 +103,13 @@ class Registry:
             lost = old
         self.nodes[msg.node_id] = state
         log.info("node %s registered (%s, capacity %d)", msg.node_id, msg.role.value, msg.capacity)
-        return P.Welcome(msg.node_id, True), lost
+        return P.Welcome(msg.node_id, P.WelcomeCode.ACCEPTED), lost
 
     def heartbeat(self, msg: P.Heartbeat, now: float | None = None) -> P.Welcome | None:
-        """Update a node's load; a Welcome(accepted=False, 'unknown…') asks an unknown node to register."""
+        """Update a node's load; a Welcome(UNKNOWN_NODE) asks an unknown node to register."""
         node = self.nodes.get(msg.node_id)
         if node is None:
-            return P.Welcome(msg.node_id, False, "unknown node; register again")
+            return P.Welcome(msg.node_id, P.WelcomeCode.UNKNOWN_NODE, "unknown node; register again")
         node.last_seen = now or time.monotonic()
         node.progress.reported(msg.steps, node.last_seen)
         node.running, node.waiting, node.free_blocks = msg.running, msg.waiting, msg.free_blocks
@@ -143,12 +145,15 @@ class Registry:
         return self.nodes.pop(node_id, None)
 
     def alive(self, *roles: P.NodeRole) -> list[NodeState]:
-        return [n for n in self.nodes.values() if n.role in roles]
+        return [n for n in self.nodes.values() if n.role in roles and not self.is_draining(n)]
+
+    def is_draining(self, node: NodeState) -> bool:
+        return self.draining.get(node.node_id) == node.info.instance
 
     def capacity(self) -> int:
         """Sequences the nodes hold at once: each request passes a prefill slot, then a decode slot, so the sum
         over all nodes keeps both stages fed."""
-        return sum(n.info.capacity for n in self.nodes.values())
+        return sum(n.info.capacity for n in self.nodes.values() if not self.is_draining(n))
 
     def any_node(self) -> NodeState | None:
         return next(iter(self.nodes.values()), None)
