@@ -3,15 +3,19 @@ copy-on-write copies, drives the worker-side connector around the forward, sampl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from engine.attention import set_forward_context
 from engine.kv_cache import KVCaches
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kernels.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from connector.base import KVConnectorWorker
 
 
 class ModelRunner:
@@ -22,7 +26,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str,
         eos_token_ids: frozenset[int],
-        connector: Any = None,
+        connector: KVConnectorWorker | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -81,7 +85,8 @@ class ModelRunner:
         hidden = None
         if out.scheduled:
             input_ids, positions, meta = self.prepare_inputs(out)
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, kv_connector=conn)
+            with set_forward_context(meta, conn):
+                hidden = self.model.forward(input_ids, positions, self.kv_caches)
         if conn is not None and out.kv_connector_metadata is not None:
             conn.wait_for_save()
             sending, recving = conn.get_finished(out.finished_req_ids)

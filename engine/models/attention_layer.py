@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -11,7 +9,6 @@ from engine.attention import paged_attention_forward
 from engine.model_config import ModelConfig
 from engine.models.dense import dense, pack_weight
 from kernels.api import rotary_embedding_
-from kernels.attention_metadata import AttentionMetadata
 
 
 class PagedSelfAttention(nn.Module):
@@ -41,8 +38,6 @@ class PagedSelfAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        attn_metadata: AttentionMetadata,
-        kv_connector: Any | None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = dense(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
@@ -53,10 +48,7 @@ class PagedSelfAttention(nn.Module):
         rotary_embedding_(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if kv_connector is not None:
-            kv_connector.wait_for_layer_load(self.layer_index)
         k_cache, v_cache = kv_cache
-        out = paged_attention_forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)
-        if kv_connector is not None:
-            kv_connector.save_kv_layer(self.layer_index, k_cache, v_cache, attn_metadata)
+        # The step's attention metadata and connector hooks come from the forward context (engine/attention.py).
+        out = paged_attention_forward(self.layer_index, q, k, v, k_cache, v_cache, self.scale)
         return dense(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias, self.o_packed)

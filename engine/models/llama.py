@@ -10,8 +10,6 @@ same sum in the same order as `h = h + sublayer(norm(h))`, so results do not cha
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +20,6 @@ from engine.models.dense import dense, pack_weight
 from engine.models.mlp import GatedMLP
 from engine.models.rmsnorm import RMSNorm
 from engine.models.rope import RotaryEmbedding
-from kernels.attention_metadata import AttentionMetadata
 
 
 class DecoderLayer(nn.Module):
@@ -40,8 +37,6 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        attn_metadata: AttentionMetadata,
-        kv_connector: Any | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, residual) -> (this layer's MLP output, the residual stream before adding it).
 
@@ -52,7 +47,7 @@ class DecoderLayer(nn.Module):
             x = self.input_norm(h)
         else:
             x = self.input_norm(h, residual)
-        x = self.attn(x, cos, sin, kv_cache, attn_metadata, kv_connector)
+        x = self.attn(x, cos, sin, kv_cache)
         x = self.post_attn_norm(x, residual)
         return self.mlp(x), residual
 
@@ -88,10 +83,9 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: AttentionMetadata,
-        kv_connector: Any | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64 (packed) -> final-normed hidden states [T, hidden]."""
+        """input_ids, positions [T] int64 (packed) -> final-normed hidden states [T, hidden]. Runs inside
+        `engine.attention.set_forward_context` (the step's attention metadata and connector hooks)."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"expected {self.config.num_layers} (k, v) cache pairs, got {len(kv_caches)}")
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
@@ -100,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, cos, sin, kv_cache, attn_metadata, kv_connector)
+            h, residual = layer(h, residual, cos, sin, kv_cache)
         if residual is None:  # no layers
             return self.norm(h)
         return self.norm(h, residual)

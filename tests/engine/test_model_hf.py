@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.attention import LayerHooks, set_forward_context
 from engine.loader import LoadedModel, load_model
 from kernels.attention_metadata import AttentionMetadata
 
@@ -48,6 +49,7 @@ class PagedCache:
     free: list[int] = field(init=False)
     tables: dict[int, list[int]] = field(default_factory=dict)
     lens: dict[int, int] = field(default_factory=dict)
+    layer_hooks: LayerHooks | None = None  # a connector's per-layer calls, through the forward context
 
     def __post_init__(self) -> None:
         c, dt = self.lm.config, self.lm.dtype
@@ -85,7 +87,8 @@ class PagedCache:
             max_seq_len=max(seq_lens),
         )
         model = self.lm.model
-        hidden = model.forward(torch.tensor(ids), torch.tensor(pos), self.caches, md)
+        with set_forward_context(md, self.layer_hooks):
+            hidden = model.forward(torch.tensor(ids), torch.tensor(pos), self.caches)
         return model.compute_logits(hidden)
 
 
@@ -343,16 +346,7 @@ def test_connector_hooks_run_per_layer_around_attention(tmp_path, smollm2_fp32):
                 assert torch.all(untouched == 7.0), "a later layer was written before this layer's save"
             calls.append(("save", layer))
 
-    model, recorder = lm.model, Recorder()
-    original = model.forward
-
-    def forward_with_connector(input_ids, positions, kv_caches, md, kv_connector=None):
-        return original(input_ids, positions, kv_caches, md, kv_connector=recorder)
-
-    model.forward = forward_with_connector
-    try:
-        cache.step([(0, ids)])
-    finally:
-        del model.forward
+    cache.layer_hooks = Recorder()
+    cache.step([(0, ids)])
     expected = [(kind, layer) for layer in range(lm.config.num_layers) for kind in ("wait", "save")]
     assert calls == expected

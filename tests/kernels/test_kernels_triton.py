@@ -21,6 +21,7 @@ import pytest
 import triton.language as tl
 
 import kernels
+from engine.attention import set_forward_context
 from kernels.attention_metadata import AttentionMetadata
 from kernels.testing import make_paged_case, naive_attention
 from kernels.triton_block_copy import _block_copy_kernel, copy_blocks_torch, copy_blocks_triton
@@ -276,7 +277,8 @@ def _smollm2_steps(lm, backend: str, monkeypatch) -> list[torch.Tensor]:
             max_query_len=max(len(new) for _, new in step),
             max_seq_len=max(lens),
         )
-        hidden = lm.model.forward(torch.tensor(ids), torch.tensor(pos), caches, md)
+        with set_forward_context(md):
+            hidden = lm.model.forward(torch.tensor(ids), torch.tensor(pos), caches)
         logits.append(lm.model.compute_logits(hidden))
     return logits
 
