@@ -28,3 +28,7 @@ class RouterContext:
     def ready_serving(self) -> OpenAIServing:
         assert self.serving is not None, "the app's lifespan has not started"
         return self.serving
+
+    def max_model_len(self) -> int:
+        """The context length requests get: the nodes' (once one registered), capped by the router's option."""
+        return self.ready_serving().max_model_len()

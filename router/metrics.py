@@ -1,7 +1,10 @@
 """Prometheus metrics of the router (one CollectorRegistry per app, so tests can run several apps).
 
 Names follow vLLM's where one exists (`…time_to_first_token_seconds`, `…time_per_output_token_seconds`,
-`…e2e_request_latency_seconds`, `…prompt_tokens_total`, `…generation_tokens_total`), prefixed `ucm_`.
+`…e2e_request_latency_seconds`, `…prompt_tokens_total`, `…generation_tokens_total`), prefixed `ucm_`; vLLM's own
+names are exported beside them (router/vllm_metrics.py, router/node_metrics.py). Node heartbeat stats are named
+counters / gauges (`ucm_node_<stat>_total`); `ucm_node_stat{name}` keeps them under one gauge name for the tools
+that read it that way.
 
 Every label set is bounded, since label values come from clients and nodes: endpoints are the app's routes (any
 other path is `other`, see router/http_gate.py), a node's series go when it leaves the registry, at most
@@ -14,12 +17,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections import OrderedDict
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from protocol import messages as P
 from router.admission import AdmissionQueue
+from router.node_metrics import MAX_STATS_PER_NODE, NodeCollector
 from router.registry import Registry
+from router.vllm_metrics import VllmMetrics
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -42,9 +48,36 @@ _LATENCY_BUCKETS = (
     80.0,
 )
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-MAX_STATS_PER_NODE = 256
 MAX_EVENT_NODES = 64
 _MAX_LABEL_CHARS = 128
+
+
+class _Observer(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+class _Incrementer(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class _TeeObserve:
+    """One observation into ours and vLLM's histogram."""
+
+    def __init__(self, *targets: _Observer) -> None:
+        self._targets = targets
+
+    def observe(self, amount: float) -> None:
+        for t in self._targets:
+            t.observe(amount)
+
+
+class _TeeInc:
+    def __init__(self, *targets: _Incrementer) -> None:
+        self._targets = targets
+
+    def inc(self, amount: float = 1) -> None:
+        for t in self._targets:
+            t.inc(amount)
 
 
 class RouterMetrics:
@@ -53,23 +86,33 @@ class RouterMetrics:
         self._admission = admission
         self.registry = CollectorRegistry()
         r = self.registry
+        self.vllm = VllmMetrics(r, registry.model_name)
+        r.register(NodeCollector(registry, registry.model_name))
         self.requests = Counter(
             "ucm_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
         )
-        self.ttft = Histogram(
-            "ucm_time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        self.ttft = _TeeObserve(
+            Histogram("ucm_time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r),
+            self.vllm.ttft,
         )
-        self.tpot = Histogram(
-            "ucm_time_per_output_token_seconds",
-            "mean time per output token after the first",
-            buckets=_TPOT_BUCKETS,
-            registry=r,
+        self.itl = self.vllm.itl
+        self.tpot = _TeeObserve(
+            Histogram(
+                "ucm_time_per_output_token_seconds",
+                "mean time per output token after the first",
+                buckets=_TPOT_BUCKETS,
+                registry=r,
+            ),
+            self.vllm.tpot,
         )
-        self.e2e = Histogram(
-            "ucm_e2e_request_latency_seconds", "end-to-end latency", buckets=_LATENCY_BUCKETS, registry=r
+        self.e2e = _TeeObserve(
+            Histogram("ucm_e2e_request_latency_seconds", "end-to-end latency", buckets=_LATENCY_BUCKETS, registry=r),
+            self.vllm.e2e,
         )
-        self.prompt_tokens = Counter("ucm_prompt_tokens", "prompt tokens", registry=r)
-        self.generation_tokens = Counter("ucm_generation_tokens", "generated tokens", registry=r)
+        self.prompt_tokens = _TeeInc(Counter("ucm_prompt_tokens", "prompt tokens", registry=r), self.vllm.prompt_tokens)
+        self.generation_tokens = _TeeInc(
+            Counter("ucm_generation_tokens", "generated tokens", registry=r), self.vllm.generation_tokens
+        )
         self.cache_hit_tokens = Counter(
             "ucm_prefix_cache_hit_tokens",
             "prompt tokens not computed, by node role and source (device, store, cached)",

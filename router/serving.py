@@ -23,8 +23,10 @@ from protocol import messages as P
 from router.admission import AdmissionQueue, Ticket
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatcher import Dispatcher, SeqRequest, SeqTrace
+from router.guides import ToolCallFormat, request_guide
 from router.metrics import RouterMetrics
 from router.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, bad_request
+from router.sampling import chat_prompt, keep_best, sampling_spec
 
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -38,6 +40,20 @@ class Choice:
     finish_reason: str | None = None
     num_tokens: int = 0
     logprobs: list[P.TokenLogprob] = field(default_factory=list)
+    cache: P.CacheInfo | None = None  # where the prompt came from, as the node that prefilled it reported
+    ttft_s: float | None = None
+    echo: str = ""  # the prompt's text, returned before the completion (echo=true)
+    tools: ToolCallFormat | None = None  # the text is a forced tool call
+    cumulative_logprob: float = 0.0  # of the sampled tokens (known when the node sends logprobs)
+    best_of: tuple[int, int] | None = None  # (samples per prompt, n returned) when best_of > n
+
+    @property
+    def text(self) -> str:
+        return self.echo + self.detok.text
+
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        """OpenAI tool_calls when this choice's text is a complete forced call, else None."""
+        return self.tools.parse(self.detok.text) if self.tools is not None and self.finish_reason == "stop" else None
 
 
 @dataclass(frozen=True)
@@ -48,11 +64,6 @@ class Chunk:
     text: str
     logprobs: list[P.TokenLogprob]
     finish_reason: str | None
-
-
-def _choice_seed(seed: int, index: int) -> int:
-    """Choice i of a seeded request samples with seed + i, wrapped into int64 (the wire's range)."""
-    return (seed + index - L.INT64_MIN) % (1 << 64) + L.INT64_MIN
 
 
 class OpenAIServing:
@@ -81,6 +92,9 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ request → choices
 
+    def max_model_len(self) -> int:
+        return self._max_model_len()
+
     def _max_model_len(self) -> int:
         node_len = self.dispatcher.registry.max_model_len()
         lens = [x for x in (node_len, self.max_model_len_cap) if x]
@@ -96,7 +110,7 @@ class OpenAIServing:
         """Refuse, before any tokenizing, a request whose prompts are too long to be worth reading or that asks
         for too many sequences."""
         chat = isinstance(body, ChatCompletionRequest)
-        sequences = body.num_prompts * body.n
+        sequences = body.num_prompts * (body.num_samples if isinstance(body, CompletionRequest) else body.n)
         if sequences > self.max_sequences:
             raise bad_request(
                 f"this request asks for {sequences} sequences (prompts x n); the limit is {self.max_sequences}", "n"
@@ -110,14 +124,15 @@ class OpenAIServing:
 
     def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
-                return [self.tok.apply_chat_template(messages)]
-            except Exception as e:  # a template error is the client's messages' fault
-                raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
+                return [chat_prompt(self.tok, body)]
+            except Exception as e:  # a template error is the client's messages' (or template's) fault
+                raise bad_request(
+                    f"cannot apply the chat template: {e}", "chat_template" if body.chat_template else "messages"
+                ) from e
         prompts = []
         for p in body.prompts:
-            ids = self.tok.encode(p) if isinstance(p, str) else p
+            ids = self.tok.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else p
             if any(t < 0 or t >= self.tok.vocab_size for t in ids):
                 raise bad_request("prompt token ids must be in [0, vocab_size)", "prompt")
             prompts.append(ids)
@@ -126,11 +141,13 @@ class OpenAIServing:
     async def build_choices(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[Choice], int]:
         self._check_model(body.model)
         self.check_size(body)
+        guide, tools = request_guide(body)  # before tokenizing: a refused tool_choice costs no template
         prompts = await asyncio.get_running_loop().run_in_executor(self.pool, self._tokenize, body)
         if isinstance(body, ChatCompletionRequest):
-            limit, num_logprobs = body.limit_tokens, body.num_logprobs
+            limit, num_logprobs, samples = body.limit_tokens, body.num_logprobs, body.n
         else:
             limit, num_logprobs = body.max_tokens or _DEFAULT_COMPLETION_TOKENS, body.logprobs
+            samples = body.num_samples
         max_len = self._max_model_len()
         self.dispatcher.check_available()
         base = uuid.uuid4().hex[:16]
@@ -153,17 +170,12 @@ class OpenAIServing:
                     "max_tokens",
                     "context_length_exceeded",
                 )
-            for i in range(body.n):
-                params = P.SamplingSpec(
-                    max_tokens=max_tokens,
-                    temperature=body.temperature,
-                    top_p=body.top_p,
-                    top_k=max(0, body.top_k),
-                    seed=None if body.seed is None else _choice_seed(body.seed, i),
-                    stop_token_ids=list(body.stop_token_ids),
-                    ignore_eos=body.ignore_eos,
-                    logprobs=num_logprobs,
-                )
+            echo = ""
+            if isinstance(body, CompletionRequest) and body.echo:
+                prompt = body.prompts[pi]
+                echo = prompt if isinstance(prompt, str) else self.tok.decode(prompt, skip_special_tokens=False)
+            for i in range(samples):
+                params = sampling_spec(body, max_tokens, i, num_logprobs, guide)
                 seq = SeqRequest(f"{base}-{pi}-{i}", list(ids), params, body.cache_salt)
                 try:  # the nodes check every job with the same bounds: a job they would refuse never leaves
                     if i == 0:
@@ -173,24 +185,37 @@ class OpenAIServing:
                         L.check_spec(params)
                 except L.OutOfBounds as e:
                     raise bad_request(e.message, e.param) from e
-                choices.append(
-                    Choice(len(choices), seq, IncrementalDetokenizer(self.tok, body.stop_list), num_logprobs)
+                detok = IncrementalDetokenizer(
+                    self.tok, body.stop_list, body.skip_special_tokens, body.include_stop_str_in_output
                 )
-        return choices, sum(len(p) for p in prompts) * body.n
+                choices.append(Choice(len(choices), seq, detok, num_logprobs, echo=echo, tools=tools))
+                if samples > body.n:
+                    choices[-1].best_of = (samples, body.n)
+        return choices, sum(len(p) for p in prompts) * samples
 
     # ------------------------------------------------------------------ running choices
 
     async def _run_choice(self, choice: Choice, t0: float, out: asyncio.Queue[Chunk | BaseException]) -> None:
         trace = SeqTrace()
         first_at: float | None = None
+        last_at = t0
+        echoed = False
         try:
             gen = self.dispatcher.generate(choice.seq, trace)
             async with contextlib.aclosing(gen):
                 async for event in gen:
-                    if event.token_ids and first_at is None:
-                        first_at = time.monotonic()
-                        self.metrics.ttft.observe(first_at - t0)
+                    if event.token_ids:
+                        now = time.monotonic()
+                        if first_at is None:
+                            first_at = now
+                            choice.ttft_s = now - t0
+                            self.metrics.ttft.observe(now - t0)
+                        else:  # a batch of k tokens: k gaps of the mean width
+                            for _ in event.token_ids:
+                                self.metrics.itl.observe((now - last_at) / len(event.token_ids))
+                        last_at = now
                     choice.num_tokens += len(event.token_ids)
+                    choice.cumulative_logprob += sum(lp.logprob for lp in event.logprobs or [])
                     lps = list(event.logprobs or []) if choice.num_logprobs is not None else []
                     delta = choice.detok.add(event.token_ids, final=event.finished)
                     if delta.stopped:
@@ -199,8 +224,11 @@ class OpenAIServing:
                         reason = event.finish_reason or P.FinishReason.STOP
                         choice.finish_reason = "length" if reason is P.FinishReason.LENGTH else reason.value
                     choice.logprobs.extend(lps)
-                    if delta.text or lps or choice.finish_reason:
-                        out.put_nowait(Chunk(choice.index, delta.text, lps, choice.finish_reason))
+                    text = delta.text
+                    if choice.echo and not echoed:  # echo: the prompt's text leads the choice's first chunk
+                        text, echoed = choice.echo + text, True
+                    if text or lps or choice.finish_reason:
+                        out.put_nowait(Chunk(choice.index, text, lps, choice.finish_reason))
                     if choice.finish_reason:
                         break
             if choice.finish_reason is None:
@@ -215,6 +243,10 @@ class OpenAIServing:
             self.metrics.generation_tokens.inc(choice.num_tokens)
             for role, info in trace.caches:
                 self.metrics.record_cache(role, info)
+            choice.cache = prompt_cache(trace.caches)
+            if choice.cache is not None:
+                self.metrics.vllm.record_prompt(choice.cache)
+            self.metrics.vllm.record_finish(choice.finish_reason)
             self.metrics.prefill_retries.inc(max(0, trace.prefill_attempts - 1))
             if trace.local_prefill:
                 self.metrics.local_prefills.inc()
@@ -226,7 +258,8 @@ class OpenAIServing:
 
     async def run(self, choices: list[Choice], prompt_tokens: int, ticket: Ticket) -> AsyncIterator[Chunk]:
         """Chunks of all choices as they come, once admission lets them run; cancels every choice (→ aborts on
-        the nodes) if stopped early. The caller owns `ticket` and releases it."""
+        the nodes) if stopped early. The caller owns `ticket` and releases it. With best_of > n (never streamed),
+        `choices` is cut in place to each prompt's n best once all have finished."""
         t0 = time.monotonic()  # TTFT counts the time queued here too: the client waited for it
         await self.admission.wait(ticket)
         self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -241,6 +274,8 @@ class OpenAIServing:
                 if item.finish_reason is not None:
                     pending -= 1
                 yield item
+            if choices and choices[0].best_of is not None:
+                choices[:] = keep_best(choices, *choices[0].best_of)
         finally:
             for task in tasks:
                 task.cancel()
@@ -252,9 +287,29 @@ def requested_tokens(choices: list[Choice]) -> int:
     return sum(len(c.seq.prompt_token_ids) + c.seq.params.max_tokens for c in choices)
 
 
-def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
+def prompt_cache(caches: list[tuple[P.NodeRole, P.CacheInfo]]) -> P.CacheInfo | None:
+    """The cache report of the node that prefilled the sequence: the prefill node's, or, when the decode node
+    prefilled locally, the decode node's (with a prefill node, the decode node's report counts the KV it
+    loaded from the prefill node through the store: transfer, not a cache hit)."""
+    prefill = [info for role, info in caches if role is P.NodeRole.PREFILL]
+    if prefill:
+        return prefill[-1]
+    return caches[0][1] if caches else None
+
+
+def cached_tokens(choices: list[Choice]) -> int:
+    """Prompt tokens not computed (device prefix cache + KV store), over all choices."""
+    return sum(c.cache.cached_tokens for c in choices if c.cache is not None)
+
+
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, Any]:
     completion = sum(c.num_tokens for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens(choices)},
+    }
 
 
 def sse(obj: dict[str, Any] | str) -> str:
