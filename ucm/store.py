@@ -30,7 +30,7 @@ from ucm.pins import PinTable
 from ucm.record import BlockRecord, as_bytes_view, checksum
 from ucm.removal_clock import RemovalClock
 from ucm.store_config import StoreConfig
-from ucm.store_reader import BlockReader
+from ucm.store_reader import BlockReader, StoreTiers
 from ucm.task import Task
 from ucm.write_behind import WriteBehind
 
@@ -77,7 +77,18 @@ class Store:
         self._counters = StoreStats()
         self._last_sweep = time.monotonic()
         self._pool = ThreadPoolExecutor(config.load_threads, thread_name_prefix="ucm-load")
-        self._reader = BlockReader(self)
+        self._reader = BlockReader(
+            StoreTiers(
+                self._lock,
+                self._dram,
+                self._disk,
+                self._inflight,
+                self._removals,
+                self._counters,
+                config.verify_dram_reads,
+                config.promote_on_disk_hit,
+            )
+        )
         self._closed = False
         # Test-only: called in the load thread with the task's blocks pinned, before any byte is copied.
         self.load_hook: Callable[[Sequence[BlockRef]], None] | None = None

@@ -12,20 +12,22 @@ cost as much as the copy itself.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from xxhash import xxh3_64_intdigest as xxh3_64
 
-from ucm.api import BlockRef
+from ucm.api import BlockRef, StoreStats
+from ucm.disk_tier import DiskTier
+from ucm.dram_tier import DramTier
 from ucm.keys import BlockKey
 from ucm.read_snapshot import StoredRecord
 from ucm.record import BlockRecord, RecordError, RecordMismatch, decode_record
-
-if TYPE_CHECKING:
-    from ucm.store import Store
+from ucm.removal_clock import RemovalClock
 
 log = logging.getLogger("ucm.store")
 # Below this a plain memoryview copy (GIL held, ~0.1 us overhead) beats numpy's GIL-free copy (~1.5 us).
@@ -33,16 +35,33 @@ _GIL_FREE_COPY_BYTES = 64 << 10
 # Where payloads go: dst[i][j] a writable byte view to copy layers[j] of block i into, or None to have the
 # reader return the buffers themselves (owned by the caller: DRAM buffers are immutable, disk ones copied).
 Dest = list[list[memoryview]] | None
-Rows = list[list["bytes | memoryview"]]
+Payload = bytes | memoryview
+Rows = list[list[Payload]]
+Rejects = list[tuple[BlockKey, str]]  # (key, why): entries that failed verification, dropped after the read
+
+
+@dataclass(frozen=True)
+class StoreTiers:
+    """What the read path shares with the store (ucm/store.py builds it once). Every mutable field is guarded by
+    `lock`, except `disk`, which has its own lock (taken after `lock`, never the other way)."""
+
+    lock: threading.Lock
+    dram: DramTier
+    disk: DiskTier | None
+    inflight: dict[BlockKey, BlockRecord]  # committed, not yet on disk: served like DRAM
+    removals: RemovalClock  # a promotion from disk must not bring back what a removal deleted
+    counters: StoreStats  # the reader counts corrupt entries it dropped
+    verify_dram_reads: bool
+    promote_on_disk_hit: bool
 
 
 class BlockReader:
-    def __init__(self, store: Store) -> None:
-        self._store = store
+    def __init__(self, tiers: StoreTiers) -> None:
+        self._tiers = tiers
 
     def read_many(self, refs: Sequence[BlockRef], layers: Sequence[int], dst: Dest) -> tuple[list[bool], Rows]:
         """Serve `layers` of each block into `dst` (or as returned rows); per block, whether it hit."""
-        store = self._store
+        tiers = self._tiers
         n = len(refs)
         if any(layer < 0 for layer in layers):
             raise ValueError(f"negative layer in {list(layers)}")
@@ -51,14 +70,14 @@ class BlockReader:
         # A load reading layer 0 is a use of its blocks for the policies; the connector loads one layer per call,
         # and counting each call would make every loaded block look num_layers times as hot.
         use = 0 in layers
-        with store._lock:
-            records = store._dram.get_many([ref.key for ref in refs], store._inflight, use)
-            removals = store._removals.mark()  # before any disk read: see `promoted` below
+        with tiers.lock:
+            records = tiers.dram.get_many([ref.key for ref in refs], tiers.inflight, use)
+            removals = tiers.removals.mark()  # before any disk read: see `promoted` below
         ok = [False] * n
-        bad: list[tuple[BlockKey, str]] = []
-        verify = store.config.verify_dram_reads
+        bad: Rejects = []
+        verify = tiers.verify_dram_reads
         start, nbytes = time.perf_counter(), 0
-        general = records
+        general: list[BlockRecord | None] = records
         if len(layers) == 1 and dst is not None and not verify:  # the connector's pattern: one layer per call
             nbytes = self._serve_layer(refs, records, layers[0], dst, ok, bad)
             general = []
@@ -73,7 +92,8 @@ class BlockReader:
                 log.warning("load of %s: layer %d outside the block's %d", ref.key.hex(), top, header.num_layers)
                 continue
             payloads, sums, sizes = record.payloads, header.checksums, header.payload_sizes
-            row = rows[i] if dst is None else dst[i]
+            # One flat loop for both destinations (a hot path): rows to return, or the caller's writable views.
+            row: list[Any] = rows[i] if dst is None else dst[i]
             block_bytes, why = 0, None
             for j, layer in enumerate(layers):  # a failed block's dst bytes are unspecified
                 buf = payloads[layer]
@@ -95,12 +115,13 @@ class BlockReader:
             if why is None:
                 ok[i] = True
                 nbytes += block_bytes
-        with store._lock:
-            store._dram.stats.bytes_read += nbytes
-            store._dram.stats.read_seconds += time.perf_counter() - start
+        with tiers.lock:
+            tiers.dram.stats.bytes_read += nbytes
+            tiers.dram.stats.read_seconds += time.perf_counter() - start
+        disk = tiers.disk
         on_disk = [i for i, record in enumerate(records) if record is None]
-        if on_disk and store._disk is not None:
-            promote = store.config.promote_on_disk_hit
+        if on_disk and disk is not None:
+            promote = tiers.promote_on_disk_hit
             one_layer = layers[0] if len(layers) == 1 and dst is not None and not promote else None
 
             def visit(i: int, stored: StoredRecord) -> bool:
@@ -135,9 +156,10 @@ class BlockReader:
                     return True
                 decoded = None  # read from disk here: to promote into DRAM
                 try:
+                    payloads: list[Payload]
                     if promote:
-                        with store._lock:  # promoted meanwhile by a concurrent load of other layers?
-                            found = store._dram.peek(ref.key)
+                        with tiers.lock:  # promoted meanwhile by a concurrent load of other layers?
+                            found = tiers.dram.peek(ref.key)
                         if found is None or not found.header.matches(ref):
                             found = decoded = decode_record(bytes(stored.view))  # one copy out of the map
                             self._check(ref, found)
@@ -157,14 +179,14 @@ class BlockReader:
                 elif not self._copy(ref, payloads, dst[i]):
                     return False
                 if decoded is not None:  # at once, so concurrent loads of the same blocks (other layers) hit DRAM
-                    with store._lock:
+                    with tiers.lock:
                         # Once: another load may have promoted it since our peek (a second put would count as a
                         # use). Never after a removal: it deleted the block from both tiers after we read it.
-                        if ref.key not in store._dram and store._removals.quiet_since(removals):
-                            store._dram.put(decoded, "promoted after a disk hit")
+                        if ref.key not in tiers.dram and tiers.removals.quiet_since(removals):
+                            tiers.dram.put(decoded, "promoted after a disk hit")
                 return True
 
-            for i, hit in zip(on_disk, store._disk.read_many([refs[i].key for i in on_disk], on_disk, visit, use)):
+            for i, hit in zip(on_disk, disk.read_many([refs[i].key for i in on_disk], on_disk, visit, use)):
                 ok[i] = hit
         for key, why in bad:
             self._drop(key, why)
@@ -172,7 +194,12 @@ class BlockReader:
 
     @staticmethod
     def _serve_layer(
-        refs: Sequence[BlockRef], records: list, layer: int, dst: list[list[memoryview]], ok: list[bool], bad: list
+        refs: Sequence[BlockRef],
+        records: list[BlockRecord | None],
+        layer: int,
+        dst: list[list[memoryview]],
+        ok: list[bool],
+        bad: Rejects,
     ) -> int:
         """`read_many`'s DRAM loop for one layer without verification, flattened: the same checks, fewer steps
         per block (this is most of a load's cost besides the copy). Returns the bytes copied."""
@@ -203,7 +230,7 @@ class BlockReader:
         return nbytes
 
     @staticmethod
-    def _copy(ref: BlockRef, payloads: list, dst_row: list[memoryview]) -> bool:
+    def _copy(ref: BlockRef, payloads: list[Payload], dst_row: list[memoryview]) -> bool:
         for payload, dst in zip(payloads, dst_row):
             if len(dst) != len(payload):
                 log.warning("load of %s: dst holds %d bytes, payload has %d", ref.key.hex(), len(dst), len(payload))
@@ -225,29 +252,29 @@ class BlockReader:
                 raise RecordError(f"checksum mismatch in layer {layer}")
 
     def _drop(self, key: BlockKey, why: str) -> None:
-        store = self._store
+        tiers = self._tiers
         log.warning("dropping %s: %s", key.hex(), why)
-        with store._lock:
-            store._removals.begin()
-            store._counters.corrupt_dropped += 1
-            store._inflight.pop(key, None)
-            store._dram.remove(key)
+        with tiers.lock:
+            tiers.removals.begin()
+            tiers.counters.corrupt_dropped += 1
+            tiers.inflight.pop(key, None)
+            tiers.dram.remove(key)
         try:
-            if store._disk is not None:
-                store._disk.remove([key])
+            if tiers.disk is not None:
+                tiers.disk.remove([key])
         finally:
-            with store._lock:
-                store._removals.end()
+            with tiers.lock:
+                tiers.removals.end()
 
     def promote(self, keys: Sequence[BlockKey]) -> None:
         """Prefetch: copy disk blocks into DRAM (verified against their own header, all layers)."""
-        store = self._store
-        assert store._disk is not None, "promote needs a disk tier"
-        with store._lock:
-            keys = [key for key in keys if key not in store._dram and key not in store._inflight]
-            removals = store._removals.mark()
+        tiers, disk = self._tiers, self._tiers.disk
+        assert disk is not None, "promote needs a disk tier"
+        with tiers.lock:
+            keys = [key for key in keys if key not in tiers.dram and key not in tiers.inflight]
+            removals = tiers.removals.mark()
         found: list[BlockRecord] = []
-        bad: list[tuple[BlockKey, str]] = []
+        bad: Rejects = []
 
         def visit(key: BlockKey, stored: StoredRecord) -> bool:
             try:
@@ -263,9 +290,9 @@ class BlockReader:
             found.append(record)
             return True
 
-        store._disk.read_many(keys, keys, visit)
+        disk.read_many(keys, keys, visit)
         for key, why in bad:
             self._drop(key, why)
-        with store._lock:
-            if store._removals.quiet_since(removals):  # else one of them may have been removed since it was read
-                store._dram.put_many([record for record in found if record.key not in store._dram], "prefetch")
+        with tiers.lock:
+            if tiers.removals.quiet_since(removals):  # else one of them may have been removed since it was read
+                tiers.dram.put_many([record for record in found if record.key not in tiers.dram], "prefetch")
