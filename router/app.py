@@ -9,6 +9,7 @@ tokenized on that thread after the prompt size and fan-out were checked (router/
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,8 @@ from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.registry import Registry
 from router.routes import generation_routes, json_schema
 from router.serving import OpenAIServing
+from router.stats_log import StatsLogger
+from router.tokenize_routes import tokenize_routes
 
 
 def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
@@ -61,9 +64,11 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         app.state.nodes_address = client.address
         app.state.node_client = client  # tests talk to nodes through it (jobs the HTTP layer would refuse)
         print(f"ucm-serve router: nodes connect to {client.address}", flush=True)
+        stats = asyncio.create_task(StatsLogger(metrics, registry, admission, config.stats_interval_s).run())
         try:
             yield
         finally:
+            stats.cancel()
             await client.close()
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -73,6 +78,7 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     install_error_handlers(app)
     app.include_router(generation_routes(ctx))
     app.include_router(info_routes(ctx))
+    app.include_router(tokenize_routes(ctx))
     _declare_request_schemas(app)
     app.add_middleware(
         HttpGate,

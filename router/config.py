@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol import defaults
 from ucm.auth import ServerAuth
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     bind_nodes: str = "tcp://127.0.0.1:0"  # where nodes connect (ZeroMQ ROUTER)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str = "smollm2-135m"  # spec for the tokenizer files (alias, HF folder, .gguf)
+    host: str = defaults.HTTP_HOST
+    port: int = defaults.HTTP_PORT
+    model: str = defaults.MODEL  # the model (the CLI takes its folder); the served name defaults to it
     served_model_name: str | None = None  # the name clients send; defaults to `model`
     api_key: str | None = None
     node_timeout_s: float = 3.0  # a node silent this long is dropped
@@ -37,6 +38,9 @@ class RouterConfig:
     # A request whose decode node died resumes on another one; with none alive it waits this long for one to
     # (re)register (e.g. restarted by `ucm-serve up`), then fails with a clear error.
     decode_wait_s: float = 60.0
+    # The periodic stats line (router/stats_log.py: throughput, running/waiting, KV usage, hit rates), written
+    # every this many seconds while there is activity; vLLM's default.
+    stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -45,7 +49,7 @@ class RouterConfig:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.decode_wait_s < 0:
             raise ValueError(f"decode_wait_s must be >= 0, got {self.decode_wait_s}")
-        for name in ("node_timeout_s", "stall_timeout_s", "max_queue_wait_s"):
+        for name in ("node_timeout_s", "stall_timeout_s", "max_queue_wait_s", "stats_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_body_bytes", "max_prompt_chars", "max_sequences_per_request"):

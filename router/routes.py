@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from router.access_log import AccessEntry
 from router.admission import Rejected
 from router.context import RouterContext
 from router.errors import validate
@@ -27,11 +28,29 @@ async def parse(ctx: RouterContext, request: Request, model: type[BaseModel]) ->
     return await asyncio.get_running_loop().run_in_executor(ctx.pool, validate, raw, model)
 
 
-async def respond(ctx: RouterContext, request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
+async def respond(
+    ctx: RouterContext, request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]
+) -> Response:
+    """Parse and answer one generation request; its access log line is written whatever the outcome."""
+    entry = AccessEntry(request.url.path)
+    try:
+        return await answer(ctx, request, await parse(ctx, request, model), entry)
+    except ApiError as e:
+        entry.done(e.status, e.message)
+        raise
+    except Exception as e:
+        entry.done(500, f"internal error: {e}")
+        raise
+
+
+async def answer(
+    ctx: RouterContext, request: Request, body: CompletionRequest | ChatCompletionRequest, entry: AccessEntry
+) -> Response:
     serving = ctx.ready_serving()
     chat = isinstance(body, ChatCompletionRequest)
     choices, prompt_tokens = await serving.build_choices(body)
     rid = ("chatcmpl-" if chat else "cmpl-") + choices[0].seq.request_id.split("-")[0]
+    entry.request_id, entry.prompt_tokens, entry.choices = rid, prompt_tokens, choices
     head = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -53,15 +72,22 @@ async def respond(ctx: RouterContext, request: Request, body: CompletionRequest 
 
     stream = serving.run(choices, prompt_tokens, ticket)
     if body.stream:
-        events = sse_events(serving, body, choices, prompt_tokens, stream, head)
-        return ReleasingStream(events, release, media_type="text/event-stream")
+        events = sse_events(serving, body, choices, prompt_tokens, stream, head, entry)
+
+        def close_stream() -> None:
+            release()
+            entry.done(499, "client disconnected")  # unless the stream logged its outcome already
+
+        return ReleasingStream(events, close_stream, media_type="text/event-stream")
     try:
         await collect(request, stream)
     finally:
         release()
     out = [final_choice(serving.tok, c, chat) for c in choices]
     obj = "chat.completion" if chat else "text_completion"
-    return JSONResponse({**head, "object": obj, "choices": out, "usage": usage(prompt_tokens, choices)})
+    response = JSONResponse({**head, "object": obj, "choices": out, "usage": usage(prompt_tokens, choices)})
+    entry.done(200)
+    return response
 
 
 async def collect(request: Request, stream: AsyncIterator[Chunk]) -> None:
@@ -98,11 +124,11 @@ def generation_routes(ctx: RouterContext) -> APIRouter:
     # The body is parsed by hand (size-capped, on the worker thread); the schema is declared for OpenAPI.
     @api.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await respond(ctx, request, await parse(ctx, request, CompletionRequest))
+        return await respond(ctx, request, CompletionRequest)
 
     @api.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        return await respond(ctx, request, await parse(ctx, request, ChatCompletionRequest))
+        return await respond(ctx, request, ChatCompletionRequest)
 
     return api
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from router.access_log import AccessEntry
 from router.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from router.responses import delta_choice
 from router.serving import Choice, Chunk, OpenAIServing, sse, usage
@@ -43,7 +44,10 @@ async def sse_events(
     prompt_tokens: int,
     stream: AsyncIterator[Chunk],
     head: dict[str, Any],
+    entry: AccessEntry,
 ) -> AsyncIterator[str]:
+    """The events of one streamed request; its access log line says how it ended (status 200 is on the wire
+    already, so a failure is logged with its error)."""
     chat = isinstance(body, ChatCompletionRequest)
     started: set[int] = set()
     try:
@@ -53,11 +57,14 @@ async def sse_events(
                 started.add(ch.index)
                 yield sse({**head, "choices": [choice]})
     except ApiError as e:
+        entry.done(200, f"in-band {e.status}: {e.message}")
         yield sse(e.body())
     except Exception as e:  # headers are sent already: report in-band
         log.exception("stream failed")
+        entry.done(200, f"in-band 500: internal error: {e}")
         yield sse(ApiError(500, f"internal error: {e}", "server_error").body())
     else:
+        entry.done(200)
         if body.include_usage:
             yield sse({**head, "choices": [], "usage": usage(prompt_tokens, choices)})
     yield sse("[DONE]")

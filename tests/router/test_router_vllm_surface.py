@@ -1,11 +1,15 @@
 """What a vLLM user's tools read, on a real cluster (store daemon, one prefill and one decode node, the router):
 vLLM's endpoints (/tokenize, /detokenize, /version, /v1/models/{id}, `root` and `max_model_len`),
-`usage.prompt_tokens_details.cached_tokens` equal to the cache counters, and vLLM's metric names, types and
-labels as vLLM 0.32 declares them (vllm/v1/metrics/loggers.py), with values consistent with the requests sent."""
+`usage.prompt_tokens_details.cached_tokens` equal to the cache counters, vLLM's metric names, types and
+labels as vLLM 0.32 declares them (vllm/v1/metrics/loggers.py) with values consistent with the requests sent,
+and the operator's log lines (one access line per request, the periodic stats line)."""
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
@@ -69,7 +73,12 @@ class Sent:
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = ClusterSpec(kv_cache_memory="64MiB", dtype="float32", node_args=("--threads", "1"))
+    spec = ClusterSpec(
+        kv_cache_memory="64MiB",
+        dtype="float32",
+        node_args=("--threads", "1"),
+        router_args=("--stats-interval", "0.5"),
+    )
     with Cluster(spec, log=lambda s: None) as c:
         yield c
 
@@ -101,7 +110,7 @@ def test_endpoints(cluster) -> None:
     assert c.get("/version").json()["version"]
     card = c.get("/v1/models").json()["data"][0]
     assert card["id"] == MODEL and card["max_model_len"] > 0
-    assert (cluster_root := card["root"]) and (__import__("pathlib").Path(cluster_root) / "tokenizer.json").is_file()
+    assert (Path(card["root"]) / "tokenizer.json").is_file()
     assert c.get(f"/v1/models/{MODEL}").json() == card
     missing = c.get("/v1/models/nope")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
@@ -197,3 +206,36 @@ def test_vllm_metric_names_types_and_values(cluster, client, sent) -> None:
     assert fams["ucm_node_num_requests"].type == "counter"
     assert value(fams, "ucm_node_num_requests", "_total", node="prefill-0") >= 1
     assert fams["ucm_node_connector_store_reachable"].type == "gauge"
+
+
+def test_access_log_and_stats_line(cluster, client, sent) -> None:
+    router = cluster.children["router"]
+    r = client.completions.create(model=MODEL, prompt=LONG, max_tokens=3, temperature=0)
+    sent.add(r.usage, 1, r.id)
+    u = r.usage
+    line = router.wait_for(re.escape(r.id) + r" POST /v1/completions 200 .*", 60).group(0)
+    assert (
+        f"prompt={u.prompt_tokens} cached={u.prompt_tokens_details.cached_tokens} output={u.completion_tokens}" in line
+    )
+    assert re.search(r"ttft=\d+\.\d+s e2e=\d+\.\d+s$", line), line
+    # refused: logged with its status
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    router.wait_for(r"- POST /v1/completions 404 prompt=0 cached=0 output=0 ttft=- e2e=\S+ error=", 60)
+    # a stream its client leaves: the line still comes, as 499
+    with httpx.stream(
+        "POST",
+        cluster.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Count: one two", "max_tokens": 200, "stream": True, "ignore_eos": True},
+        timeout=120,
+    ) as resp:
+        first = next(line for line in resp.iter_lines() if line.startswith("data: "))
+    rid = json.loads(first[len("data: ") :])["id"]
+    router.wait_for(re.escape(rid) + r" POST /v1/completions 499 .*error='client disconnected'", 60)
+    # the periodic line, vLLM's wording, with the interval's throughput
+    router.wait_for(
+        r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [1-9][\d.]* tokens/s, "
+        r"Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: \S+, Prefix cache hit rate: \S+, "
+        r"Store hit rate: dram \S+, disk \S+",
+        60,
+    )

@@ -1,0 +1,93 @@
+"""The periodic stats line, like vLLM's `Avg prompt throughput: …` line: every `interval_s` while there was
+activity (tokens served, or requests running or waiting), on the `router.stats` logger:
+
+    Avg prompt throughput: 61.2 tokens/s, Avg generation throughput: 12.4 tokens/s, Running: 2 reqs, Waiting: 0
+    reqs, KV cache usage: 3.1%, Prefix cache hit rate: 48.0%, Store hit rate: dram 75.0%, disk 0.0%
+
+Running is the sequences admitted to the nodes, Waiting those queued in the router plus those the nodes hold back;
+KV cache usage is the mean over nodes; the hit rates are over the interval (prefix: prompt tokens not computed,
+store tiers: block hits / lookups, from the nodes' store counters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from router.admission import AdmissionQueue
+from router.metrics import RouterMetrics
+from router.registry import Registry
+from router.vllm_metrics import ROUTER_ENGINE
+
+log = logging.getLogger("router.stats")
+
+_TIERS = ("dram", "disk")
+_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prompt_tokens_cached_total")
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    at: float
+    counters: tuple[float, ...]  # _COUNTERS, in order
+    tiers: dict[str, tuple[float, float]]  # tier -> (hits, misses)
+
+
+def _percent(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole > 0 else "-"
+
+
+class StatsLogger:
+    def __init__(self, metrics: RouterMetrics, registry: Registry, admission: AdmissionQueue, interval_s: float):
+        assert interval_s > 0, "the stats interval must be positive"
+        self._metrics = metrics
+        self._nodes = registry
+        self._admission = admission
+        self.interval_s = interval_s
+        self._labels = {"model_name": registry.model_name, "engine": ROUTER_ENGINE}
+
+    def _snapshot(self) -> _Snapshot:
+        r = self._metrics.registry
+        counters = tuple(r.get_sample_value(name, self._labels) or 0.0 for name in _COUNTERS)
+        tiers: dict[str, tuple[float, float]] = {}
+        for tier in _TIERS:  # every node reports the same store: the freshest (largest) counters
+            hits = max((n.stats.get(f"store_{tier}_hits", 0.0) for n in self._nodes.nodes.values()), default=0.0)
+            misses = max((n.stats.get(f"store_{tier}_misses", 0.0) for n in self._nodes.nodes.values()), default=0.0)
+            tiers[tier] = (hits, misses)
+        return _Snapshot(time.monotonic(), counters, tiers)
+
+    def line(self, before: _Snapshot, now: _Snapshot) -> str | None:
+        """The line for the interval between two snapshots; None when nothing happened."""
+        prompt, generated, cached = (b - a for a, b in zip(before.counters, now.counters, strict=True))
+        nodes = list(self._nodes.nodes.values())
+        running = self._admission.running
+        waiting = self._admission.depth + sum(n.waiting for n in nodes)
+        if not (prompt or generated or running or waiting):
+            return None
+        seconds = max(now.at - before.at, 1e-9)
+        usage = [1.0 - n.free_blocks / n.info.num_blocks for n in nodes if n.info.num_blocks > 0]
+        tiers = []
+        for tier in _TIERS:
+            hits = now.tiers[tier][0] - before.tiers[tier][0]
+            misses = now.tiers[tier][1] - before.tiers[tier][1]
+            tiers.append(f"{tier} {_percent(hits, hits + misses)}")
+        return (
+            f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, "
+            f"Avg generation throughput: {generated / seconds:.1f} tokens/s, "
+            f"Running: {running} reqs, Waiting: {waiting} reqs, "
+            f"KV cache usage: {_percent(sum(usage), len(usage))}, "
+            f"Prefix cache hit rate: {_percent(cached, prompt)}, "
+            f"Store hit rate: {', '.join(tiers)}"
+        )
+
+    async def run(self) -> None:
+        """Log every interval until cancelled."""
+        before = self._snapshot()
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = self._snapshot()
+            text = self.line(before, now)
+            if text is not None:
+                log.info("%s", text)
+            before = now
