@@ -6,14 +6,14 @@ import random
 
 import pytest
 
+from engine.model_source import resolve_model_dir
 from engine.tokenizer import Tokenizer
-from router.cli import tokenizer_dir
 from router.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer(tokenizer_dir("smollm2-135m"))
+    return Tokenizer(resolve_model_dir("smollm2-135m"))
 
 
 TEXT = "Héllo wörld — naïve café 🚀 test: the stop word appears here, then more text."
