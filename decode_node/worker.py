@@ -35,7 +35,8 @@ class DecodeWorker:
         if job.first_token_id is None:
             counters.local_prefill_started += 1
             return EngineJob(prompt, job.params.max_tokens)
-        return EngineJob([*prompt, job.first_token_id], job.params.max_tokens, job.kv_transfer_params)
+        transfer = job.kv_transfer_params.as_dict() if job.kv_transfer_params is not None else None
+        return EngineJob([*prompt, job.first_token_id], job.params.max_tokens, transfer)
 
     def messages(self, out: RequestOutput, job: LiveJob) -> list[P.Message]:
         comp = out.outputs[0]

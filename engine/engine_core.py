@@ -36,13 +36,13 @@ from engine.guided import GuidedBackend
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.outputs import CompletionOutput, EngineLoad, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import TokenLogprobs
 from engine.stats import EngineStats
-from ucm.keys import KeyNamespace, root_key
+from ucm.keys import BlockKey, KeyNamespace, root_key
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,9 @@ class EngineCore:
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         prompt: str | None = None,
-    ) -> None:
+    ) -> list[BlockKey]:
+        """Queue a request; returns the keys of its prompt's full blocks (computed once, here: a node publishes
+        them as its recent-prefix summary). ValueError for a bad request."""
         params = params if params is not None else SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -177,6 +179,7 @@ class EngineCore:
         )
         self.scheduler.add_request(req)  # validates the length
         self._parents[request_id] = _Parent(ids, params.n, prompt)
+        return list(req.block_keys)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
@@ -202,6 +205,31 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return dataclasses.replace(self.stats_counters)
+
+    def load(self) -> EngineLoad:
+        worker = self.kv_connector[1] if self.kv_connector is not None else None
+        conn_stats = getattr(worker, "stats", None)
+        return EngineLoad(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            num_blocks=self.kv_manager.num_blocks,
+            free_blocks=self.kv_manager.pool.num_free_blocks,
+            stats=self.stats(),
+            connector=dataclasses.replace(conn_stats) if conn_stats is not None else None,
+        )
+
+    @property
+    def kv_store(self) -> Any:
+        """The KV connector's store client (its `stats()` gives per-tier counters), or None."""
+        worker = self.kv_connector[1] if self.kv_connector is not None else None
+        return getattr(worker, "store", None)
+
+    def running_request_ids(self) -> set[str]:
+        """User request ids with a sequence in the running batch (the ones the next step computes)."""
+        return {seq.parent_id for seq in self.scheduler.running}
+
+    def unfinished_request_ids(self) -> set[str]:
+        return {seq.parent_id for seq in self.scheduler.requests.values()}
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -2,12 +2,19 @@
 
 From `EngineCore.step()` they are deltas (new token ids, new text, new logprobs); `LLM.generate` accumulates
 them into complete outputs. `finish_reason` is a plain string at this surface ("stop" / "length" / "abort")
-like vLLM; inside the engine it is the `FinishReason` enum."""
+like vLLM (the values of the one `FinishReason` enum, protocol/messages.py, that the engine uses inside).
+
+`EngineLoad` is the engine's state at one moment, for whoever hosts it (a node's heartbeats and metrics)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from connector.metadata import ConnectorStats
 
 
 @dataclass(frozen=True)
@@ -47,3 +54,26 @@ class RequestOutput:
     num_external_tokens: int = 0  # of those, loaded by the KV connector
     kv_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot from `EngineCore.load()`: what a host may know about the engine without reaching into it."""
+
+    running: int  # sequences in the running batch
+    waiting: int  # sequences queued (new, or preempted)
+    num_blocks: int  # paged KV cache size, in blocks
+    free_blocks: int  # blocks not held by any sequence (cached-but-unused blocks count as free)
+    stats: EngineStats  # a copy of the counters (prefix-cache and connector hit tokens, steps, ...)
+    connector: ConnectorStats | None = None  # a copy of the KV connector's counters; None without one
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache in use, 0..1 (vLLM's kv_cache_usage_perc)."""
+        return 1.0 - self.free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served by the device prefix cache, of all admitted prompt tokens."""
+        s = self.stats
+        return s.prefix_cache_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0

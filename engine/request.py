@@ -10,13 +10,8 @@ import enum
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from protocol.messages import FinishReason  # the one enum, engine to wire to the router (re-exported by engine)
 from ucm.keys import BlockKey, chain_key
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
 
 
 class RequestStatus(enum.Enum):

@@ -4,7 +4,7 @@ engine step (a big prefill chunk on CPU) holds the serving loop.
 The thread's DEALER has identity `<node_id>/hb/<instance>`; jobs go to the loop's DEALER (`<node_id>/job/<instance>`),
 which the router addresses by what it learnt from our Register (protocol/peer_identity.py). With CURVE both sockets
 use the node's key pair, the one the router binds to this node id. A router that restarted (or dropped us after missed
-heartbeats) answers a heartbeat with Welcome(accepted=False) and we register again.
+heartbeats) answers a heartbeat with Welcome(UNKNOWN_NODE) and we register again.
 """
 
 from __future__ import annotations
@@ -115,11 +115,11 @@ class HeartbeatThread(threading.Thread):
                         if not self.registered.is_set():
                             log.info("registered with router %s as %s", self._router_addr, msg.node_id)
                         self.registered.set()
-                    elif msg.reason.startswith("unknown"):
+                    elif msg.code is P.WelcomeCode.UNKNOWN_NODE:
                         self.registered.clear()
                         sent_keys_len = -1  # the router forgot our cache summary too
                     else:
-                        log.error("router refused registration: %s", msg.reason)
+                        log.error("router refused registration (%s): %s", msg.code.value, msg.reason)
             if not self.registered.is_set() and time.monotonic() - last_register > 1.0:
                 sock.send(P.encode(self._register))
                 last_register = time.monotonic()

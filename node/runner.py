@@ -18,7 +18,6 @@ from node.key_cache import RecentKeys
 from node.sampling import sampling_params
 from protocol import messages as P
 from protocol.job_limits import OutOfBounds, check_job
-from ucm.keys import KeyNamespace, block_keys, root_key
 from ucm.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
@@ -30,13 +29,11 @@ class JobRunner:
         self,
         engine: Any,
         worker: RoleWorker,
-        namespace: KeyNamespace,
         recent_keys: RecentKeys,
         step_delay_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.worker = worker
-        self.namespace = namespace
         self.recent_keys = recent_keys
         self.jobs: dict[str, LiveJob] = {}
         self.counters = JobCounters()
@@ -78,7 +75,7 @@ class JobRunner:
     def _submit(self, job: P.PrefillJob | P.DecodeJob) -> None:
         want = self.worker.engine_job(job, self.counters)
         params = sampling_params(job.params, want.max_tokens)
-        self.engine.add_request(
+        keys = self.engine.add_request(
             job.request_id,
             want.prompt_token_ids,
             params,
@@ -86,8 +83,7 @@ class JobRunner:
             kv_transfer_params=want.kv_transfer_params,
         )
         self.jobs[job.request_id] = LiveJob(len(job.prompt_token_ids), job.params.logprobs)
-        prompt = want.prompt_token_ids
-        self.recent_keys.touch(block_keys(root_key(self.namespace, job.cache_salt), prompt, self.namespace.block_size))
+        self.recent_keys.touch(keys)  # the engine computed the prompt's block keys: not a second time here
 
     def abort(self, request_ids: list[str]) -> None:
         live = [r for r in request_ids if r in self.jobs]
@@ -128,11 +124,11 @@ class JobRunner:
     def _fail_step(self, error: Exception) -> list[P.Message]:
         # The running requests are the ones the failed step computed; waiting ones were not touched. With none
         # running (the step failed before scheduling), every job goes: retrying them would only fail again.
-        running = {seq.parent_id for seq in getattr(self.engine.scheduler, "running", ())}
+        running = self.engine.running_request_ids()
         victims = [rid for rid in self.jobs if rid in running] or list(self.jobs)
         if not victims:  # nothing of the router's: drop what the engine holds, or it would fail every step
             with contextlib.suppress(Exception):
-                self.engine.abort_request({seq.parent_id for seq in self.engine.scheduler.requests.values()})
+                self.engine.abort_request(self.engine.unfinished_request_ids())
         return self._fail(victims, f"engine step failed: {type(error).__name__}: {error}")
 
     def _fail(self, request_ids: list[str], message: str) -> list[P.Message]:

@@ -59,7 +59,7 @@ class NodeServer:
         self.node_id = config.resolved_node_id
         self.namespace: KeyNamespace = engine.namespace
         self.recent_keys = RecentKeys(config.cached_keys_cap)
-        self.runner = JobRunner(engine, worker, self.namespace, self.recent_keys, config.step_delay_s)
+        self.runner = JobRunner(engine, worker, self.recent_keys, config.step_delay_s)
         self.register_msg = P.Register(
             node_id=self.node_id,
             role=config.role,
@@ -69,7 +69,7 @@ class NodeServer:
             block_size=self.namespace.block_size,
             max_model_len=engine.max_model_len,
             capacity=config.max_num_seqs,
-            num_blocks=engine.kv_manager.num_blocks,
+            num_blocks=engine.load().num_blocks,
             has_store=config.store_addr is not None,
             instance=uuid.uuid4().hex,
         )
@@ -97,8 +97,8 @@ class NodeServer:
             ctx, self.config.router_addr, self.register_msg, self.config.heartbeat_interval_s, self.recent_keys, keys
         )
         heartbeat.start()
-        worker = self.engine.kv_connector[1] if self.engine.kv_connector else None
-        poller = StoreStatsPoller(worker.store) if getattr(worker, "store", None) is not None else None
+        store = self.engine.kv_store
+        poller = StoreStatsPoller(store) if store is not None else None
         if poller is not None:
             poller.start()
         self._store_stats = poller
@@ -167,25 +167,22 @@ class NodeServer:
         sock.send(frame)
 
     def _load(self) -> P.Heartbeat:
-        sched = self.engine.scheduler
-        engine_stats = self.engine.stats()
-        stats = {k: float(v) for k, v in vars(engine_stats).items() if isinstance(v, (int, float))}
+        load = self.engine.load()
+        stats = {k: float(v) for k, v in vars(load.stats).items() if isinstance(v, (int, float))}
         stats.update(self.runner.counters.as_stats())
         stats["bad_messages"] = float(self.bad_messages)
-        worker = self.engine.kv_connector[1] if self.engine.kv_connector else None
-        conn_stats = getattr(worker, "stats", None)
-        if conn_stats is not None:
+        if load.connector is not None:
             stats.update(
-                {f"connector_{k}": float(v) for k, v in vars(conn_stats).items() if isinstance(v, (int, float))}
+                {f"connector_{k}": float(v) for k, v in vars(load.connector).items() if isinstance(v, (int, float))}
             )
         if self._store_stats is not None:
             stats.update(self._store_stats.latest)
         return P.Heartbeat(
             node_id=self.node_id,
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            free_blocks=self.engine.kv_manager.pool.num_free_blocks,
-            steps=engine_stats.steps,
+            running=load.running,
+            waiting=load.waiting,
+            free_blocks=load.free_blocks,
+            steps=load.stats.steps,
             stats=stats,
         )
 

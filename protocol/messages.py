@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: Heartbeat.steps (the router's progress watch relies on it)
+PROTOCOL_VERSION = 3  # 2: Heartbeat.steps (the router's progress watch relies on it); 3: typed Welcome, KV params
 # A 128k-token prompt is ~0.7 MB of msgpack; anything far bigger is a bug or an attack.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -31,10 +31,23 @@ class NodeRole(enum.Enum):
 
 
 class FinishReason(enum.Enum):
+    """Why a sequence ended: the ONE enum, from the engine's scheduler (engine/request.py imports it) through the
+    wire to the router's OpenAI `finish_reason` (its values are OpenAI's / vLLM's strings)."""
+
     STOP = "stop"  # EOS or a stop token / string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # aborted by the router
     ERROR = "error"
+
+
+class WelcomeCode(enum.Enum):
+    """The router's answer to a Register (or to a heartbeat it cannot place)."""
+
+    ACCEPTED = "accepted"
+    UNKNOWN_NODE = "unknown_node"  # a heartbeat from a node the router does not know: register again
+    PROTOCOL_MISMATCH = "protocol_mismatch"
+    MODEL_MISMATCH = "model_mismatch"  # the node serves another model (name) than the router
+    NAMESPACE_MISMATCH = "namespace_mismatch"  # fingerprint / dtype / block size differ from the other nodes
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_defaults=True):
@@ -78,6 +91,29 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True):
     # Output tokens produced before this job (a decode job: the prefill's first token, plus the tokens a resumed
     # job carries): they end the job's prompt + first token, and count towards min_tokens, penalties and guides.
     num_generated: int = 0
+
+
+class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """What a prefill node's connector hands the decode node with PrefillDone, sent back with the DecodeJob: which
+    blocks the producer saved and where. The engine's connectors speak the same fields as a dict (`as_dict`).
+    Unknown fields are refused: a field the connector adds is a protocol change, made here."""
+
+    block_keys: list[str] = []  # hex keys of the prompt's full blocks, as the producer computed them
+    num_cached_tokens: int = 0  # prompt tokens the producer did not compute (device prefix cache + store)
+    num_saved_tokens: int = 0
+    block_size: int = 0
+    store: str = ""  # the store address the blocks went to
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> KVTransferParams:
+        """ValueError for fields of the wrong type (a connector bug)."""
+        try:
+            return msgspec.convert(params, cls)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"bad kv_transfer_params: {e}") from e
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__struct_fields__}
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -131,7 +167,7 @@ class PrefillDone(_Msg, tag="prefill_done"):
     first_token_id: int
     finished: bool  # the first token already ended the request (EOS, stop token)
     finish_reason: FinishReason | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     logprob: TokenLogprob | None = None
     cache: CacheInfo = msgspec.field(default_factory=CacheInfo)
 
@@ -157,8 +193,12 @@ class Welcome(_Msg, tag="welcome"):
     """Answer to Register; also sent to a node whose heartbeat the router does not know (it re-registers)."""
 
     node_id: str
-    accepted: bool
-    reason: str = ""
+    code: WelcomeCode
+    reason: str = ""  # for the log, with any code but ACCEPTED
+
+    @property
+    def accepted(self) -> bool:
+        return self.code is WelcomeCode.ACCEPTED
 
 
 class PrefillJob(_Msg, tag="prefill_job"):
@@ -175,7 +215,7 @@ class DecodeJob(_Msg, tag="decode_job"):
     prompt_token_ids: list[int]
     params: SamplingSpec
     first_token_id: int | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EngineLoad, RequestOutput
 from engine.stats import EngineStats
-from ucm.keys import KeyNamespace
+from ucm.keys import BlockKey, KeyNamespace, block_keys, root_key
 
 HOLD = "hold"
 EXPLODE = "explode"
@@ -52,9 +52,9 @@ class FakeEngine:
         self.namespace = KeyNamespace("fake-model", "float32", 16)
         self.max_model_len = max_model_len
         self.model_config = SimpleNamespace(vocab_size=VOCAB)
-        self.kv_connector = None
+        self.kv_store = None
         self.scheduler = _Scheduler()
-        self.kv_manager = SimpleNamespace(num_blocks=num_blocks, pool=SimpleNamespace(num_free_blocks=num_blocks))
+        self.num_blocks = num_blocks
         self._stats = EngineStats()
         self._pending: list[RequestOutput] = []
         self.lock = threading.Lock()  # tests read `added` / `aborted` from their own thread
@@ -69,7 +69,7 @@ class FakeEngine:
         *,
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
-    ) -> None:
+    ) -> list[BlockKey]:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError("prompt too long")
         with self.lock:
@@ -78,6 +78,8 @@ class FakeEngine:
         # Held requests wait (never in a step), like requests the real scheduler has not admitted yet.
         (self.scheduler.waiting if cache_salt == HOLD else self.scheduler.running).append(seq)
         self._stats.num_requests += 1
+        ns = self.namespace
+        return block_keys(root_key(ns, cache_salt), list(prompt_token_ids), ns.block_size)
 
     def abort_request(self, request_ids: Any) -> None:
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
@@ -92,6 +94,16 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(**vars(self._stats))
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(len(s.running), len(s.waiting), self.num_blocks, self.num_blocks, self.stats())
+
+    def running_request_ids(self) -> set[str]:
+        return {s.request_id for s in self.scheduler.running}
+
+    def unfinished_request_ids(self) -> set[str]:
+        return set(self.scheduler.requests)
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []

@@ -21,15 +21,16 @@ MESSAGES: list[P.Message] = [
         42,
         False,
         None,
-        {"block_keys": ["ab" * 16], "num_cached_tokens": 16},
+        P.KVTransferParams(["ab" * 16], num_cached_tokens=16, block_size=16, store="tcp://127.0.0.1:1"),
         P.TokenLogprob(42, -0.5, [(42, -0.5), (7, -1.5)]),
         P.CacheInfo(20, 16, 16),
     ),
     P.TokenBatch("r1", [1, 2, 3], True, P.FinishReason.LENGTH, None, P.CacheInfo(20, 16, None)),
     P.JobFailed("r1", "boom"),
-    P.Welcome("p0", False, "unknown node; register again"),
+    P.Welcome("p0", P.WelcomeCode.UNKNOWN_NODE, "unknown node; register again"),
+    P.Welcome("p0", P.WelcomeCode.ACCEPTED),
     P.PrefillJob("r1", [1, 2, 3], SPEC, cache_salt="tenant"),
-    P.DecodeJob("r1", [1, 2, 3], SPEC, first_token_id=9, kv_transfer_params={"n": 1}),
+    P.DecodeJob("r1", [1, 2, 3], SPEC, first_token_id=9, kv_transfer_params=P.KVTransferParams(["cd" * 16])),
     P.DecodeJob("r2", [1], SPEC),
     P.Abort(["r1", "r2"]),
 ]
@@ -59,6 +60,27 @@ def test_union_is_tagged() -> None:
 def test_bad_frames_raise_value_error(frame: bytes) -> None:
     with pytest.raises(ValueError):
         P.decode(frame)
+
+
+def test_kv_transfer_params_from_the_connector_dict_and_back() -> None:
+    d = {"block_keys": ["ab" * 16], "num_cached_tokens": 16, "num_saved_tokens": 0, "block_size": 16, "store": "x"}
+    assert P.KVTransferParams.from_dict(d).as_dict() == d
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        P.KVTransferParams.from_dict({**d, "block_size": "sixteen"})
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        P.KVTransferParams.from_dict({**d, "new_field": 1})  # a field the connector adds is a protocol change
+
+
+def test_welcome_code_decides_accepted() -> None:
+    assert P.Welcome("p0", P.WelcomeCode.ACCEPTED).accepted
+    assert not P.decode(P.encode(P.Welcome("p0", P.WelcomeCode.MODEL_MISMATCH, "other model"))).accepted
+
+
+def test_one_finish_reason_from_engine_to_wire() -> None:
+    from engine.request import FinishReason, RequestStatus
+
+    assert FinishReason is P.FinishReason
+    assert RequestStatus.FINISHED_LENGTH.finish_reason is P.FinishReason.LENGTH
 
 
 def test_oversized_frame_rejected_before_parsing() -> None:
