@@ -19,6 +19,9 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "decode": ("decode_node.cli", "main", "run a decode node (KV consumer)"),
     "router": ("router.cli", "main", "run the OpenAI-compatible HTTP router"),
     "up": ("launch.launcher", "main", "start store, prefill and decode nodes and the router on this machine"),
+    "scale": ("launch.ray.cli", "scale_main", "add nodes to, or drain nodes from, a Ray deployment (up --ray)"),
+    "status": ("launch.ray.cli", "status_main", "a Ray deployment: where each actor runs, its load, the store's tiers"),
+    "down": ("launch.ray.cli", "down_main", "stop a Ray deployment (one started with up --ray --detach)"),
 }
 
 

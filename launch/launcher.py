@@ -15,6 +15,7 @@ import signal
 import threading
 
 from launch.cluster import Cluster, ClusterSpec, StoreMode
+from launch.ray.options import add_ray_args
 from launch.topology import DISAGG_MIN_CORES, Topology, choose_topology
 
 
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="no CURVE keys on the router and store sockets: anyone who reaches the ports can register "
         "nodes or use the store (default: keys generated per run in a private temporary folder)",
     )
+    add_ray_args(p)  # --ray [ADDRESS]: every role as a Ray actor (launch/ray/, docs/deploy.md)
     return p
 
 
@@ -74,6 +76,10 @@ def _cuda_available() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.ray is not None:
+        from launch.ray.cli import up_main
+
+        return up_main(args)
     cuda = args.device == "cuda" or (args.device is None and _cuda_available())
     try:
         choice = choose_topology(args.topology, args.prefill, args.decode, cuda=cuda)

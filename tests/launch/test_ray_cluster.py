@@ -17,7 +17,8 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
-from launch.ray.deploy import deploy  # noqa: I001  (needs ray: after the skip)
+# needs ray: imported after the skip
+from launch.ray.deploy import deploy
 from launch.ray.spec import ActorRole, DeploymentSpec, NodeKind
 from launch.ray.status import ActorState, format_status
 
@@ -175,7 +176,9 @@ def test_scale_decode_down_drains_without_failing_a_request(deployment, url, cli
         assert [f.result(timeout=300) for f in futures] == wants
     assert len(removed) == 1
     status = deployment.status()
-    assert [a.name for a in status.actors if a.role is ActorRole.DECODE] == [n for n in ("decode-0", "decode-1") if n not in removed]
+    assert [a.name for a in status.actors if a.role is ActorRole.DECODE] == [
+        n for n in ("decode-0", "decode-1") if n not in removed
+    ]
     # Drained, not failed over: no sequence had to resume on another decode node.
     assert metric(url, "ucm_decode_resumes_total") == resumes
     assert _ask(client, PROMPTS[0], 12) == offline(PROMPTS[0], 12)
