@@ -22,6 +22,8 @@
 #include <omp.h>
 #endif
 
+#include "bf16.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define EW_AVX512 1
@@ -35,50 +37,19 @@
 
 #define EW_INLINE static inline __attribute__((always_inline))
 
-/* ---------------------------------------------------------------- bf16 <-> fp32 (scalar) */
-
-EW_INLINE float ew_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as c10::BFloat16 does (not VCVTNEPS2BF16, which flushes denormals). */
-EW_INLINE uint16_t ew_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* keep NaN a NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+/* ---------------------------------------------------------------- bf16 rounding (conversions: bf16.h) */
 
 /* The fp32 value torch carries into the next op after storing a bf16 intermediate. */
-EW_INLINE float round_bf16(float f) { return ew_f32(ew_bf16(f)); }
+EW_INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* ---------------------------------------------------------------- bf16 <-> fp32 (16 lanes) */
+/* ---------------------------------------------------------------- bf16 <-> fp32, 16 lanes (bf16.h) */
 
 #ifdef EW_AVX512
-EW_INLINE __m512 load16(const uint16_t *p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+EW_INLINE __m512 load16(const uint16_t *p) { return bf16x16_to_f32(p); }
 
-/* ew_bf16 on 16 lanes; the bf16 bits sit in the low half of each 32-bit lane. */
-EW_INLINE __m512i bf16_bits16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i hi = _mm512_srli_epi32(u, 16);
-    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-}
+EW_INLINE void store16(uint16_t *p, __m512 f) { f32x16_store_bf16(p, f); }
 
-EW_INLINE void store16(uint16_t *p, __m512 f) {
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16_bits16(f)));
-}
-
-EW_INLINE __m512 round16(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(f), 16)); }
+EW_INLINE __m512 round16(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16x16_bits(f), 16)); }
 #endif
 
 /* ---------------------------------------------------------------- RMSNorm */
@@ -105,7 +76,7 @@ EW_INLINE void cascade_squares(const uint16_t *x, int64_t size, int width, float
         for (int64_t j = 0; j < level_step; j++, i++)
             for (int k = 0; k < SUM_ILP; k++)
                 for (int l = 0; l < width; l++) {
-                    const float v = ew_f32(x[(i * SUM_ILP + k) * width + l]);
+                    const float v = bf16_to_f32(x[(i * SUM_ILP + k) * width + l]);
                     acc[0][k][l] += v * v;
                 }
         for (int lev = 1; lev < SUM_LEVELS; lev++) {
@@ -120,7 +91,7 @@ EW_INLINE void cascade_squares(const uint16_t *x, int64_t size, int width, float
     for (; i < size_ilp; i++)
         for (int k = 0; k < SUM_ILP; k++)
             for (int l = 0; l < width; l++) {
-                const float v = ew_f32(x[(i * SUM_ILP + k) * width + l]);
+                const float v = bf16_to_f32(x[(i * SUM_ILP + k) * width + l]);
                 acc[0][k][l] += v * v;
             }
     for (int lev = 1; lev < SUM_LEVELS; lev++)
@@ -128,7 +99,7 @@ EW_INLINE void cascade_squares(const uint16_t *x, int64_t size, int width, float
             for (int l = 0; l < width; l++) acc[0][k][l] += acc[lev][k][l];
     for (int64_t e = size_ilp * SUM_ILP; e < size; e++) /* row_sum's leftover elements */
         for (int l = 0; l < width; l++) {
-            const float v = ew_f32(x[e * width + l]);
+            const float v = bf16_to_f32(x[e * width + l]);
             acc[0][0][l] += v * v;
         }
     for (int k = 1; k < SUM_ILP; k++)
@@ -149,7 +120,7 @@ static float sum_squares(const uint16_t *x, int64_t n) {
     cascade_squares(x, nvec, SUM_LANES, lanes);
     float total = 0.0f;
     for (int64_t i = nvec * SUM_LANES; i < n; i++) {
-        const float v = ew_f32(x[i]);
+        const float v = bf16_to_f32(x[i]);
         total += v * v;
     }
     for (int l = 0; l < SUM_LANES; l++) total += lanes[l];
@@ -168,7 +139,7 @@ static void rms_norm_row(const uint16_t *x, const uint16_t *w, uint16_t *out, in
         store16(out + i, _mm512_mul_ps(load16(w + i), h));
     }
 #endif
-    for (; i < n; i++) out[i] = ew_bf16(ew_f32(w[i]) * round_bf16(ew_f32(x[i]) * r));
+    for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * r));
 }
 
 /* residual = bf16(residual + x), in place. */
@@ -177,7 +148,7 @@ static void add_row(const uint16_t *x, uint16_t *residual, int64_t n) {
 #ifdef EW_AVX512
     for (; i + 16 <= n; i += 16) store16(residual + i, _mm512_add_ps(load16(residual + i), load16(x + i)));
 #endif
-    for (; i < n; i++) residual[i] = ew_bf16(ew_f32(residual[i]) + ew_f32(x[i]));
+    for (; i < n; i++) residual[i] = f32_to_bf16(bf16_to_f32(residual[i]) + bf16_to_f32(x[i]));
 }
 
 /* ---------------------------------------------------------------- SiLU */
@@ -216,8 +187,8 @@ static void silu_and_mul_row(const uint16_t *gate, const uint16_t *up, uint16_t 
     }
 #endif
     for (; i < n; i++) {
-        const float g = ew_f32(gate[i]);
-        out[i] = ew_bf16(round_bf16(g / (1.0f + expf(-g))) * ew_f32(up[i]));
+        const float g = bf16_to_f32(gate[i]);
+        out[i] = f32_to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16_to_f32(up[i]));
     }
 }
 
@@ -240,11 +211,11 @@ static void rope_head(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int
     }
 #endif
     for (; i < half; i++) {
-        const float x1 = ew_f32(x[i]), x2 = ew_f32(x[half + i]);
-        const float a1 = round_bf16(x1 * ew_f32(cos[i])), b1 = round_bf16(x2 * ew_f32(sin[i]));
-        const float a2 = round_bf16(x2 * ew_f32(cos[half + i])), b2 = round_bf16(x1 * ew_f32(sin[half + i]));
-        x[i] = ew_bf16(a1 + b1);
-        x[half + i] = ew_bf16(a2 + b2);
+        const float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[half + i]);
+        const float a1 = round_bf16(x1 * bf16_to_f32(cos[i])), b1 = round_bf16(x2 * bf16_to_f32(sin[i]));
+        const float a2 = round_bf16(x2 * bf16_to_f32(cos[half + i])), b2 = round_bf16(x1 * bf16_to_f32(sin[half + i]));
+        x[i] = f32_to_bf16(a1 + b1);
+        x[half + i] = f32_to_bf16(a2 + b2);
     }
 }
 

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 # One library, one compiler run: the sources share no symbols (their helpers are static), and a single load
 # keeps one build-or-fallback decision per process.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.c", "elementwise.c"))
+# Included by the sources: not compiled on their own, but part of what the library hash covers.
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h",))
 LIBRARY_STEM = "ucm_kernels"
 FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp")
 LIBS = ("-lm",)
@@ -106,7 +108,8 @@ def _compiler_version(cc: str) -> str:
 def library_path(cc: str, cache_root: Path) -> Path:
     """Where the library for these sources, compiler and CPU lives (built or not)."""
     h = hashlib.sha256()
-    parts = [src.name.encode() for src in SOURCES] + [src.read_bytes() for src in SOURCES]
+    inputs = SOURCES + HEADERS
+    parts = [src.name.encode() for src in inputs] + [src.read_bytes() for src in inputs]
     parts += [
         " ".join(FLAGS + LIBS).encode(),
         _compiler_version(cc).encode(),

@@ -37,6 +37,8 @@
 #include <omp.h>
 #endif
 
+#include "bf16.h"
+
 #define UCM_DTYPE_F32 0
 #define UCM_DTYPE_BF16 1
 
@@ -111,21 +113,6 @@ static inline int64_t cache_offset(const Problem *p, int32_t block, int32_t t, i
 }
 
 /* ---------------------------------------------------------------- dtype helpers (scalar) */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* keep NaN a NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                             /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 static inline float load_f(const void *base, int64_t i, int dtype) {
     return dtype == UCM_DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
@@ -207,11 +194,6 @@ ALWAYS_INLINE int has_bf16_dot(void) {
 #endif
 }
 
-ALWAYS_INLINE __m512 bf16x16_to_f32(const uint16_t *src) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)src);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 ALWAYS_INLINE __m512 load16(const void *base, int64_t i, int dtype) {
     return dtype == UCM_DTYPE_BF16 ? bf16x16_to_f32((const uint16_t *)base + i) : _mm512_loadu_ps((const float *)base + i);
 }
@@ -221,12 +203,7 @@ ALWAYS_INLINE void store_bf16x16(uint16_t *dst, __m512 y) {
 #if defined(__AVX512BF16__)
     _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(y));
 #else
-    __m512i u = _mm512_castps_si512(y);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    u = _mm512_mask_or_epi32(u, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_castps_si512(y),
-                             _mm512_set1_epi32(0x400000));
-    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    f32x16_store_bf16(dst, y);
 #endif
 }
 

@@ -234,14 +234,14 @@ def test_bad_shapes_raise_value_error():
         api.rotary_embedding_(torch.randn(3, 2, 7), torch.ones(3, 1, 7), torch.ones(3, 1, 7))
 
 
-def _unfused_forward(model, input_ids, positions, kv_caches, md) -> torch.Tensor:
+def _unfused_forward(model, input_ids, positions, kv_caches) -> torch.Tensor:
     """The layer loop as it was before the residual fusion: h = h + attn(norm(h)); h = h + mlp(norm(h))."""
     import torch.nn.functional as F
 
     h = F.embedding(input_ids, model.embed_tokens)
     cos, sin = model.rotary.cos_sin(positions, h.dtype)
     for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
-        h = h + layer.attn(layer.input_norm(h), cos, sin, kv_cache, md, None)
+        h = h + layer.attn(layer.input_norm(h), cos, sin, kv_cache)
         h = h + layer.mlp(layer.post_attn_norm(h))
     return model.norm(h)
 
@@ -250,6 +250,7 @@ def _unfused_forward(model, input_ids, positions, kv_caches, md) -> torch.Tensor
 def test_fused_residual_layout_matches_the_unfused_order(native_mode, dtype):
     """The vLLM-style loop is the same sums in the same order: bit-identical, in fp32 and in bf16 (where the
     norms use the same kernel either way)."""
+    from engine.attention import set_forward_context
     from engine.model_config import ModelConfig
     from engine.models.llama import LlamaForCausalLM
     from kernels.attention_metadata import AttentionMetadata
@@ -283,8 +284,8 @@ def test_fused_residual_layout_matches_the_unfused_order(native_mode, dtype):
             max_query_len=tokens,
             max_seq_len=tokens,
         )
-        with torch.inference_mode():
-            return forward(input_ids, positions, caches, md)
+        with torch.inference_mode(), set_forward_context(md):
+            return forward(input_ids, positions, caches)
 
     fused = run(model.forward)
     unfused = run(lambda *a: _unfused_forward(model, *a))

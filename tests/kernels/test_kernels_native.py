@@ -241,3 +241,25 @@ def test_concurrent_builds_share_one_library(lib, tmp_path):
     assert all(p.returncode == 0 for p in procs)
     built = sorted((tmp_path / "kernels").iterdir())
     assert [str(b) for b in built] == sorted(paths) and len(built) == 1, built
+
+
+def test_library_hash_covers_the_shared_header(monkeypatch, tmp_path):
+    """An edit to an included header (bf16.h) must name a new library, or a stale build would be loaded."""
+    monkeypatch.setattr(native, "_compiler_version", lambda cc: "cc 1.0")
+    header = tmp_path / "bf16.h"
+    header.write_text("/* v1 */\n")
+    monkeypatch.setattr(native, "HEADERS", (header,))
+    before = native.library_path("cc", tmp_path)
+    header.write_text("/* v2 */\n")
+    assert native.library_path("cc", tmp_path) != before
+
+
+def test_sources_include_the_shipped_headers():
+    """Every header the sources include is listed in HEADERS (hashed) and lives beside them (shipped as *.h)."""
+    import re
+
+    included = {
+        name for src in native.SOURCES for name in re.findall(r'#include "([^"]+)"', src.read_text(encoding="utf-8"))
+    }
+    assert included == {h.name for h in native.HEADERS} and included
+    assert all(h.parent == native.SOURCES[0].parent and h.suffix == ".h" for h in native.HEADERS)
