@@ -186,3 +186,20 @@ def test_scale_decode_down_drains_without_failing_a_request(deployment, url, cli
 
 def _decoding(url: str) -> set[str]:
     return {name for name, n in health_nodes(url).items() if n["role"] == "decode" and n.get("running")}
+
+
+def test_status_and_scale_commands(deployment, capsys) -> None:
+    from launch.ray.cli import scale_main, status_main
+
+    assert status_main(["--name", "ucm-test"]) == 0
+    out = capsys.readouterr().out
+    for name in ("store", "router", "prefill-0", "decode-0", "dram", "disk"):
+        assert name in out, out
+    assert status_main(["--name", "ucm-test", "--json"]) == 0
+    assert '"ray_node_id"' in capsys.readouterr().out
+    # Refused, nothing changes: the last decode node never goes, and no such deployment is found.
+    decoders = [a.name for a in deployment.status().actors if a.role is ActorRole.DECODE]
+    assert scale_main(["--name", "ucm-test", "--decode", f"-{len(decoders)}"]) == 1
+    assert "last decode" in capsys.readouterr().err
+    assert [a.name for a in deployment.status().actors if a.role is ActorRole.DECODE] == decoders
+    assert status_main(["--name", "no-such-deployment"]) == 1

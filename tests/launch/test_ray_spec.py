@@ -1,0 +1,63 @@
+"""The Ray deployment's pieces that need no Ray cluster: the spec from `up`'s flags, and which keys each actor gets."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from launch.launcher import build_parser
+from launch.ray.keys import KeyBundle
+from launch.ray.options import LOCAL, spec_from_args
+from launch.ray.spec import STATUS_CLIENT, DeploymentSpec, NodeKind, parse_kind
+
+
+def test_up_flags_build_the_spec() -> None:
+    args = build_parser().parse_args(["--ray", "--prefill", "2", "--node-cpus", "2", "--store-node", "10.0.0.5"])
+    assert args.ray == LOCAL
+    spec = spec_from_args(args)
+    assert (spec.prefill, spec.decode, spec.colocated, spec.node_cpus) == (2, 1, 0, 2)
+    assert spec.store_node == "10.0.0.5" and spec.secure and not spec.detached
+    args = build_parser().parse_args(["--ray", "auto", "--topology", "colocated", "--insecure", "--detach"])
+    spec = spec_from_args(args)
+    assert (spec.prefill, spec.decode, spec.colocated, spec.secure, spec.detached) == (0, 0, 1, False, True)
+    with pytest.raises(ValueError, match="--detach needs"):
+        spec_from_args(build_parser().parse_args(["--ray", "--detach"]))
+
+
+def test_spec_validation_and_node_ids() -> None:
+    with pytest.raises(ValueError, match="decode"):
+        DeploymentSpec(decode=0)
+    with pytest.raises(ValueError, match="at most 2"):
+        DeploymentSpec(prefill=3, max_nodes_per_kind=2)
+    assert parse_kind("colocated-3") == (NodeKind.COLOCATED, 3)
+    with pytest.raises(ValueError):
+        parse_kind("router")
+    assert len(DeploymentSpec(max_nodes_per_kind=2).key_names()) == 6
+
+
+def test_each_actor_gets_only_its_keys() -> None:
+    bundle = KeyBundle.generate(("prefill-0", "decode-0"))
+    router = set(bundle.for_router().files)
+    assert router == {"router.key", "router.key_secret", "authorized/prefill-0.key", "authorized/decode-0.key"}
+    store = set(bundle.for_store().files)
+    assert {f for f in store if f.endswith(".key_secret")} == {"server.key_secret", f"{STATUS_CLIENT}.key_secret"}
+    assert f"authorized/{STATUS_CLIENT}.key" in store and "authorized/decode-0.key" in store
+    node = bundle.for_node("decode-0")
+    assert set(node.files) == {"decode-0.key", "decode-0.key_secret", "router.key", "server.key"}
+    with pytest.raises(ValueError, match="no key"):
+        bundle.for_node("decode-7")
+    folder = node.write()
+    try:
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert stat.S_IMODE((folder / "decode-0.key_secret").stat().st_mode) == 0o600
+        # The folder is one a node's --curve-keys accepts: its pair for the router link and the store link.
+        from ucm.auth import ClientAuth, KeyPaths
+
+        ClientAuth.for_router(folder, "decode-0").load()
+        ClientAuth.from_dir(folder, "decode-0").load()
+        assert KeyPaths.of(folder).server_public.is_file()
+    finally:
+        import shutil
+
+        shutil.rmtree(folder)
