@@ -9,6 +9,7 @@ import functools
 import logging
 from dataclasses import dataclass, field
 
+from protocol import defaults
 from ucm.size import parse_size
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def resolve_dtype_name(dtype: str, device: str) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2-135m"
+    model: str = defaults.MODEL
     dtype: str = "auto"
     device: str = "cpu"
     # Seeds the engine's generator for requests without their own seed.

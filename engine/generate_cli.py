@@ -6,11 +6,13 @@ import argparse
 import logging
 import sys
 
+from protocol import defaults
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ucm-serve generate", description="Generate text offline, streaming to stdout.")
     p.add_argument("prompt", help="the prompt (a chat message with --chat)")
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a Hugging Face folder or a .gguf file")
+    p.add_argument("--model", default=defaults.MODEL, help=f"{defaults.MODEL}, a Hugging Face folder or a .gguf file")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

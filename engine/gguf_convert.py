@@ -8,12 +8,15 @@ first rename wins and the others discard their copy.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -38,11 +41,13 @@ def _write_folder(gguf_path: Path, out: Path) -> None:
 
     folder, name = str(gguf_path.parent), gguf_path.name
     with tqdm(total=4, desc=f"converting {name}", unit="step") as bar:
+        log.info("converting %s: reading its config", name)
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         config.dtype = torch.float32
         bar.update(1)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
+        log.info("converting %s: dequantizing its tensors", name)
         tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
         expected = set(skeleton.state_dict())
         if getattr(config, "tie_word_embeddings", False):
@@ -52,11 +57,13 @@ def _write_folder(gguf_path: Path, out: Path) -> None:
         assert not missing, f"GGUF {gguf_path} lacks tensors {sorted(missing)[:5]}"
         tensors = {k: v.to(torch.float32).contiguous() for k, v in tensors.items() if k in expected}
         bar.update(1)
+        log.info("converting %s: writing %d fp32 tensors", name, len(tensors))
         config.architectures = [type(skeleton).__name__]
         config.save_pretrained(out)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         GenerationConfig.from_model_config(config).save_pretrained(out)
         bar.update(1)
+        log.info("converting %s: building the tokenizer", name)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         tokenizer.save_pretrained(out)
         _embed_chat_template(out, tokenizer.chat_template)
@@ -72,6 +79,26 @@ def _embed_chat_template(out: Path, template: str | None) -> None:
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = template
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+
+@contextlib.contextmanager
+def _still_working(what: str, every_s: float = 10.0) -> Iterator[None]:
+    """A log line every `every_s` while a step runs: a conversion takes about a minute on a small CPU, and when
+    its output is not a terminal (a launcher's log) the progress bars show nothing until a step ends."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            log.info("%s: %.0f s so far", what, time.monotonic() - start)
+
+    thread = threading.Thread(target=tick, name="ucm-convert-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _remove_stale_tmp_dirs(parent: Path, max_age_s: float = 6 * 3600) -> None:
@@ -95,7 +122,8 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        _write_folder(gguf_path, tmp)
+        with _still_working(f"converting {gguf_path.name}"):
+            _write_folder(gguf_path, tmp)
         try:
             os.rename(tmp, target)
         except OSError:

@@ -10,6 +10,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig, canonical_
 from engine.engine_core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from protocol import defaults
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -17,7 +18,7 @@ PromptType = str | list[int] | dict[str, Any]
 class LLM:
     def __init__(
         self,
-        model: str = "smollm2-135m",
+        model: str = defaults.MODEL,
         dtype: Any = "auto",
         device: str = "cpu",
         kv_cache_memory: int | str = "1GiB",

@@ -18,6 +18,7 @@ from engine.model_source import cached_file_digest, resolve_model_dir
 from engine.models.llama import LlamaForCausalLM
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model
+from protocol import defaults
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def model_fingerprint(folder: Path, config: ModelConfig) -> str:
 
 
 def load_model(
-    spec: str | os.PathLike[str] = "smollm2-135m",
+    spec: str | os.PathLike[str] = defaults.MODEL,
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
 ) -> LoadedModel:

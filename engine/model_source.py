@@ -21,10 +21,11 @@ from pathlib import Path
 import xxhash
 
 from kernels.cache_dir import cache_dir
+from protocol import defaults
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL = defaults.MODEL
 _HASH_CHUNK = 8 << 20
 
 # alias -> (package holding the file, file name inside the package)

@@ -17,16 +17,27 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "keys": ("ucm.daemon_cli", "keys_main", "write CURVE keys for the router, the store and each node (one folder)"),
     "prefill": ("prefill_node.cli", "main", "run a prefill node (KV producer)"),
     "decode": ("decode_node.cli", "main", "run a decode node (KV consumer)"),
-    "router": ("router.cli", "main", "run the OpenAI-compatible HTTP router"),
+    "router": ("launch.model_prep", "router_main", "run the OpenAI-compatible HTTP router"),
     "up": ("launch.launcher", "main", "start store, prefill and decode nodes and the router on this machine"),
     "scale": ("launch.ray.cli", "scale_main", "add nodes to, or drain nodes from, a Ray deployment (up --ray)"),
     "status": ("launch.ray.cli", "status_main", "a Ray deployment: where each actor runs, its load, the store's tiers"),
     "down": ("launch.ray.cli", "down_main", "stop a Ray deployment (one started with up --ray --detach)"),
+    "serve": ("launch.launcher", "serve_main", "`serve MODEL`: the same as `up --model MODEL` (vLLM's one-line form)"),
 }
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("ucm-serve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
+
+
 def _usage() -> str:
-    lines = ["usage: ucm-serve <command> [options]", "", "commands:"]
+    lines = ["usage: ucm-serve <command> [options]   |   ucm-serve --version", "", "commands:"]
     lines += [f"  {name:<12} {help_}" for name, (_, _, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
@@ -35,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        print(f"ucm-serve {version()}")
         return 0
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:

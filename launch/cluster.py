@@ -15,7 +15,6 @@ import enum
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,7 +25,9 @@ from typing import TextIO
 import httpx
 
 from launch.child import Child
+from launch.model_prep import model_folder
 from launch.supervisor import RestartPolicy, Supervisor
+from protocol import defaults
 from ucm.auth import KeyPaths, generate_keys
 
 
@@ -37,19 +38,23 @@ class StoreMode(enum.Enum):
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    model: str = "smollm2-135m"
+    model: str = defaults.MODEL  # alias, HF folder or .gguf: resolved to a folder once, before anything starts
+    served_model_name: str | None = None  # the name clients send; default: `model` as given
+    max_model_len: int | None = None  # None: the model's (bounded by each node's KV cache)
+    enable_prefix_caching: bool = True  # the nodes' device prefix cache
     prefill: int = 1
     decode: int = 1
     colocated: int = 0  # nodes running prefill and decode in one engine
     store: StoreMode = StoreMode.DAEMON
+    host: str = defaults.HTTP_HOST  # the router's HTTP address
     port: int = 0  # 0: a free port
     api_key: str | None = None
-    dram: str = "2GiB"
-    disk: str = "4GiB"
+    dram: str = defaults.STORE_DRAM
+    disk: str = defaults.STORE_DISK
     disk_path: str | None = None  # None: a temporary folder, removed on stop
     dtype: str = "auto"
     device: str | None = None
-    kv_cache_memory: str = "512MiB"
+    kv_cache_memory: str = defaults.NODE_KV_CACHE_MEMORY
     max_num_seqs: int = 64
     node_timeout_s: float = 3.0
     heartbeat_interval_s: float = 0.5
@@ -72,6 +77,10 @@ class ClusterSpec:
             raise ValueError("node counts must be >= 0")
         if self.decode + self.colocated == 0:
             raise ValueError("a cluster needs at least one decode (or colocated) node")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
 
     def node_names(self) -> list[str]:
         return (
@@ -100,7 +109,10 @@ class Cluster:
         self._lock = threading.Lock()  # children: the supervisor thread replaces entries
         # Fixed for the cluster's life, so a restarted store or router is found where its clients look.
         self.port = spec.port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # Where we (and the user) reach the router: a wildcard bind is reached on loopback.
+        reach = "127.0.0.1" if spec.host in ("0.0.0.0", "::", "") else spec.host
+        self.url = f"http://{reach}:{self.port}"
+        self.model_dir: str | None = None  # the model folder, once `start` has prepared it
         self.nodes_addr = f"tcp://127.0.0.1:{free_port()}"
         self.store_addr: str | None = f"tcp://127.0.0.1:{free_port()}" if spec.store is StoreMode.DAEMON else None
         self._tmp: str | None = None
@@ -158,10 +170,10 @@ class Cluster:
         self.stop()
 
     def _prepare_model(self) -> None:
+        """BadModel (one line) when the spec names no usable model; a first start converts, with progress."""
         self.log(f"[up] preparing model {self.spec.model} (converted once, then cached)")
-        code = "import sys; from engine.model_source import resolve_model_dir; print(resolve_model_dir(sys.argv[1]))"
-        out = subprocess.run([sys.executable, "-c", code, self.spec.model], check=True, capture_output=True, text=True)
-        self.log(f"[up] model folder: {out.stdout.strip()}")
+        self.model_dir = str(model_folder(self.spec.model))
+        self.log(f"[up] model folder: {self.model_dir}")
 
     def start_store(self) -> None:
         path = self.spec.disk_path
@@ -193,13 +205,15 @@ class Cluster:
         args = [
             "router",
             "--host",
-            "127.0.0.1",
+            self.spec.host,
             "--port",
             str(self.port),
             "--bind-nodes",
             self.nodes_addr,
             "--model",
-            self.spec.model,
+            str(self.model_dir),  # the router takes a folder (its tokenizer), never a spec
+            "--served-model-name",
+            self.spec.model_name,
             "--node-timeout",
             str(self.spec.node_timeout_s),
             *self._auth_args(),
@@ -207,6 +221,8 @@ class Cluster:
         ]
         if self.spec.api_key:
             args += ["--api-key", self.spec.api_key]
+        if self.spec.max_model_len is not None:
+            args += ["--max-model-len", str(self.spec.max_model_len)]
         self._spawn("router", _cmd(*args)).wait_for(r"nodes connect to", 120)
         self.log(f"[up] router listening for nodes at {self.nodes_addr}")
 
@@ -235,6 +251,8 @@ class Cluster:
             store,
             "--model",
             self.spec.model,
+            "--served-model-name",
+            self.spec.model_name,
             *self._auth_args(),
             "--node-id",
             name,
@@ -250,6 +268,10 @@ class Cluster:
         ]
         if self.spec.device:
             args += ["--device", self.spec.device]
+        if self.spec.max_model_len is not None:
+            args += ["--max-model-len", str(self.spec.max_model_len)]
+        if not self.spec.enable_prefix_caching:
+            args.append("--no-enable-prefix-caching")
         if "--threads" not in self.spec.node_args:
             # Several CPU engines on one box: oversubscribed OpenMP threads spin against each other and every
             # step gets many times slower, so split the cores between the nodes.

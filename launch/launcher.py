@@ -1,4 +1,4 @@
-"""`ucm-serve up`: store daemon + nodes + router on this machine, until Ctrl-C / SIGTERM.
+"""`ucm-serve up` / `ucm-serve serve MODEL`: store daemon + nodes + router on this machine, until Ctrl-C / SIGTERM.
 
 Which nodes: `--topology auto` (the default) picks by the host (launch/topology.py says what and why, and `up`
 prints its choice): on a small CPU host one engine with every core plus the store; from 8 cores (or with a GPU)
@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 
 from launch.cluster import Cluster, ClusterSpec, StoreMode
+from launch.model_prep import BadModel, check_model_spec
 from launch.ray.options import add_ray_args
 from launch.topology import DISAGG_MIN_CORES, Topology, choose_topology
+from protocol import defaults
 
 
 def _auto_here() -> str:
@@ -24,10 +27,9 @@ def _auto_here() -> str:
     return f"{choice.topology.value} ({choice.reason})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ucm-serve up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_serving_args(p: argparse.ArgumentParser) -> None:
+    """The flags `up` and `serve` share (vLLM's names where vLLM has the flag); the model argument is each
+    command's own (`up --model`, `serve MODEL`)."""
     p.add_argument(
         "--topology",
         type=Topology,
@@ -41,12 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prefill", type=int, default=None, help="prefill nodes (implies --topology disagg; default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode nodes (implies --topology disagg; default 1)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port of the router")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--host", default=defaults.HTTP_HOST, help="HTTP address of the router (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port of the router")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="prompt + completion tokens per request (default: the model's)"
+    )
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt prefixes in each node's device cache (the store is --no-store)",
+    )
     p.add_argument("--no-store", action="store_true", help="run without the KV store (decode nodes recompute)")
-    p.add_argument("--dram", default="4GiB", help="store DRAM tier capacity")
-    p.add_argument("--disk", default="20GiB", help="store disk tier capacity")
+    p.add_argument("--dram", default=defaults.STORE_DRAM, help="store DRAM tier capacity")
+    p.add_argument("--disk", default=defaults.STORE_DISK, help="store disk tier capacity")
     p.add_argument("--disk-path", default=None, help="store LMDB folder (default: a temporary folder)")
     p.add_argument(
         "--dtype",
@@ -55,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto = bf16 on CPUs with native bf16 (and on CUDA), else fp32",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--kv-cache-memory", default="2GiB", help="each node's paged KV cache (the device tier)")
+    p.add_argument(
+        "--kv-cache-memory", default=defaults.NODE_KV_CACHE_MEMORY, help="each node's paged KV cache (the device tier)"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cluster to be healthy")
     p.add_argument(
         "--insecure",
@@ -63,6 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="no CURVE keys on the router and store sockets: anyone who reaches the ports can register "
         "nodes or use the store (default: keys generated per run in a private temporary folder)",
     )
+
+
+def build_parser(command: str = "up") -> argparse.ArgumentParser:
+    """`up` takes `--model`; `serve` takes the model as its first argument, like `vllm serve MODEL`."""
+    p = argparse.ArgumentParser(
+        prog=f"ucm-serve {command}", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    if command == "serve":
+        p.add_argument("model", nargs="?", default=defaults.MODEL, help="alias, Hugging Face folder or .gguf file")
+    else:
+        p.add_argument("--model", default=defaults.MODEL, help="alias, Hugging Face folder or .gguf file")
+    add_serving_args(p)
     add_ray_args(p)  # --ray [ADDRESS]: every role as a Ray actor (launch/ray/, docs/deploy.md)
     return p
 
@@ -74,17 +100,27 @@ def _cuda_available() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def serve_main(argv: list[str] | None = None) -> int:
+    """`ucm-serve serve MODEL`: the same cluster as `up`."""
+    return main(argv, command="serve")
+
+
+def main(argv: list[str] | None = None, command: str = "up") -> int:
+    args = build_parser(command).parse_args(argv)
     if args.ray is not None:
         from launch.ray.cli import up_main
 
         return up_main(args)
+    try:
+        check_model_spec(args.model)  # a typo fails here, in one line, before anything starts
+    except BadModel as e:
+        print(f"ucm-serve {command}: error: {e}", file=sys.stderr, flush=True)
+        return 2
     cuda = args.device == "cuda" or (args.device is None and _cuda_available())
     try:
         choice = choose_topology(args.topology, args.prefill, args.decode, cuda=cuda)
     except ValueError as e:
-        print(f"[up] {e}", flush=True)
+        print(f"ucm-serve {command}: error: {e}", file=sys.stderr, flush=True)
         return 2
     print(
         f"[up] topology {choice.topology.value}: {choice.prefill} prefill, {choice.decode} decode, "
@@ -96,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         prefill=choice.prefill,
         decode=choice.decode,
         colocated=choice.colocated,
+        host=args.host,
         port=args.port,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
         api_key=args.api_key,
         store=StoreMode.NONE if args.no_store else StoreMode.DAEMON,
         dram=args.dram,
@@ -125,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nucm-serve is up: {cluster.url}  (OpenAI API at {cluster.url}/v1, metrics at {cluster.url}/metrics)")
         print(
             f"try:\n  curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
-            f'    -d \'{{"model": "{args.model}", "messages": [{{"role": "user", "content": '
+            f'    -d \'{{"model": "{spec.model_name}", "messages": [{{"role": "user", "content": '
             f'"What is a KV cache?"}}], "max_tokens": 64}}\'\nCtrl-C stops everything.\n',
             flush=True,
         )
@@ -135,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         print("[up] shutting down", flush=True)
         return 0
+    except BadModel as e:
+        print(f"ucm-serve {command}: error: {e}", file=sys.stderr, flush=True)
+        return 2
     except RuntimeError as e:
         print(f"[up] failed: {e}", flush=True)
         return 1

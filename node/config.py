@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
+from protocol import defaults
 from protocol.messages import NodeRole
 from protocol.peer_identity import check_node_id
 from ucm.auth import ClientAuth
@@ -25,9 +26,9 @@ STEP_DELAY_ENV = "UCM_TEST_STEP_DELAY_S"
 @dataclass(frozen=True)
 class NodeConfig:
     role: NodeRole
-    router_addr: str  # the router's --bind-nodes address, e.g. tcp://127.0.0.1:5557
+    router_addr: str  # the router's --bind-nodes address (protocol/defaults.py NODES_ADDR by hand)
     store_addr: str | None  # tcp://… of a store daemon, "embedded", or None (no connector)
-    model: str = "smollm2-135m"
+    model: str = defaults.MODEL
     served_model_name: str | None = None  # the name clients use; defaults to `model`
     # "auto": bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 / AMX), else fp32.
     dtype: str = "auto"
@@ -35,7 +36,8 @@ class NodeConfig:
     node_id: str = ""
     max_num_seqs: int = 64
     max_model_len: int | None = None
-    kv_cache_memory: str = "512MiB"  # paged-cache size (the device tier of the KV cache)
+    kv_cache_memory: str = defaults.NODE_KV_CACHE_MEMORY  # paged-cache size (the device tier of the KV cache)
+    enable_prefix_caching: bool = True  # reuse prompt prefixes held in the paged cache
     heartbeat_interval_s: float = 0.5
     num_threads: int | None = None  # torch intra-op threads (several nodes on one small machine: 1 each)
     cached_keys_cap: int = 4096  # how many recent block keys a heartbeat carries
@@ -66,17 +68,25 @@ class NodeConfig:
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--router", required=True, help="router's node address (its --bind-nodes), e.g. tcp://127.0.0.1:5557"
+        "--router", required=True, help=f"router's node address (its --bind-nodes), e.g. {defaults.NODES_ADDR}"
     )
     parser.add_argument("--store", default="none", help="store daemon address (tcp://…), 'embedded', or 'none'")
-    parser.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
+    parser.add_argument("--model", default=defaults.MODEL, help="alias, Hugging Face folder or .gguf file")
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--node-id", default="", help="stable id (default: role-host-pid)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", default="512MiB", help="paged KV cache size, e.g. 512MiB, 4GiB")
+    parser.add_argument(
+        "--kv-cache-memory", default=defaults.NODE_KV_CACHE_MEMORY, help="paged KV cache size, e.g. 512MiB, 4GiB"
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt prefixes held in the paged cache",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
     auth = parser.add_argument_group("authentication (ZeroMQ CURVE, docs/security.md)")
@@ -143,6 +153,7 @@ def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching,
         heartbeat_interval_s=args.heartbeat_interval,
         num_threads=args.threads,
         step_delay_s=float(os.environ.get(STEP_DELAY_ENV) or 0.0),

@@ -38,7 +38,7 @@ def build_engine(config: NodeConfig, worker: RoleWorker) -> Any:
     from engine import EngineCore
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    cache = CacheConfig(kv_cache_memory=config.kv_cache_memory)
+    cache = CacheConfig(kv_cache_memory=config.kv_cache_memory, enable_prefix_caching=config.enable_prefix_caching)
     engine_config = EngineConfig(
         model=config.model,
         dtype=config.dtype,

@@ -4,41 +4,37 @@ from __future__ import annotations
 
 import argparse
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
+from protocol import defaults
 from router.config import RouterConfig
 from ucm.auth import KeyPaths, ServerAuth
 
 log = logging.getLogger("router")
 
 
-def tokenizer_dir(model: str) -> Path:
-    """The model's HF folder without importing torch here: a GGUF not yet converted is converted by a child
-    process (conversion needs torch; the router must never load it)."""
-    from engine import model_source
-
-    spec = Path(model).expanduser()
-    gguf = None
-    if model in model_source.ALIASES:
-        gguf = model_source.alias_path(model)
-    elif spec.is_file() and spec.suffix.lower() == ".gguf":
-        gguf = spec.resolve()
-    if gguf is not None and not model_source.is_hf_dir(model_source.converted_dir_for(gguf)):
-        log.info("converting %s once (in a child process)", gguf)
-        code = "import sys; from engine.model_source import resolve_model_dir; print(resolve_model_dir(sys.argv[1]))"
-        subprocess.run([sys.executable, "-c", code, model], check=True, stdout=subprocess.DEVNULL)
-    return model_source.resolve_model_dir(model)
+def model_folder(model: str | None) -> Path:
+    """The router takes a ready model folder (for its tokenizer): resolving an alias or converting a .gguf needs
+    torch, which the router never loads. `ucm-serve router`, `up` and `serve` resolve a spec before starting it."""
+    if not model:
+        raise ValueError("the router needs --model FOLDER (a model folder with a tokenizer.json)")
+    path = Path(model).expanduser()
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(
+            f"--model {model!r} is not a model folder with a tokenizer.json (`ucm-serve router`, `up` and `serve` "
+            "turn an alias or a .gguf into one)"
+        )
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ucm-serve router", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--bind-nodes", default="tcp://127.0.0.1:5557", help="ZeroMQ address nodes connect to")
-    p.add_argument("--model", default="smollm2-135m", help="model spec (for the tokenizer) and default served name")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default=defaults.HTTP_HOST)
+    p.add_argument("--port", type=int, default=defaults.HTTP_PORT)
+    p.add_argument("--bind-nodes", default=defaults.NODES_ADDR, help="ZeroMQ address nodes connect to")
+    p.add_argument("--model", default=None, help="the model folder (for the tokenizer); the default served name")
+    p.add_argument("--served-model-name", default=None, help="the name clients send (default: --model)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     d = RouterConfig
     p.add_argument(
@@ -156,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         node_auth = node_auth_from_args(args)
+        folder = model_folder(args.model)
     except ValueError as e:
         print(f"ucm-serve router: {e}", file=sys.stderr)
         return 2
@@ -183,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.tokenizer import Tokenizer
     from router.app import create_app
 
-    app = create_app(config, Tokenizer(tokenizer_dir(config.model)))
+    app = create_app(config, Tokenizer(folder))
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=config.host, port=config.port, log_level=args.log_level, loop="asyncio", access_log=False

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol import defaults
 from ucm.auth import ServerAuth
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     bind_nodes: str = "tcp://127.0.0.1:0"  # where nodes connect (ZeroMQ ROUTER)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str = "smollm2-135m"  # spec for the tokenizer files (alias, HF folder, .gguf)
+    host: str = defaults.HTTP_HOST
+    port: int = defaults.HTTP_PORT
+    model: str = defaults.MODEL  # the model (the CLI takes its folder); the served name defaults to it
     served_model_name: str | None = None  # the name clients send; defaults to `model`
     api_key: str | None = None
     node_timeout_s: float = 3.0  # a node silent this long is dropped

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 
+from protocol import defaults
 from ucm.auth import ClientAuth, KeyPaths, ServerAuth, generate_keys
 from ucm.client import StoreClient, StoreUnavailable
 from ucm.daemon import DaemonConfig, StoreDaemon
@@ -46,9 +47,13 @@ def _parser() -> argparse.ArgumentParser:
         "`ucm-serve store keys DIR` writes CURVE key pairs for --curve-keys (docs/security.md).",
     )
     ap.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ address; port 0 picks a free port")
-    ap.add_argument("--dram", type=_size, default=parse_size("4GiB"), help="DRAM tier capacity (e.g. 4GiB)")
+    ap.add_argument(
+        "--dram", type=_size, default=parse_size(defaults.STORE_DRAM), help="DRAM tier capacity (e.g. 4GiB)"
+    )
     ap.add_argument("--disk-path", default=None, help="LMDB directory; omit for a DRAM-only store")
-    ap.add_argument("--disk", type=_size, default=parse_size("20GiB"), help="disk tier capacity (e.g. 20GiB)")
+    ap.add_argument(
+        "--disk", type=_size, default=parse_size(defaults.STORE_DISK), help="disk tier capacity (e.g. 20GiB)"
+    )
     ap.add_argument("--map-size", type=_size, default=None, help="LMDB map size (default: 2x --disk + 64MiB)")
     choices = [p.value for p in PolicyName]
     ap.add_argument("--policy", choices=choices, default=PolicyName.LRU.value, help="DRAM eviction policy")

@@ -203,8 +203,8 @@ class RouterActor:
         import uvicorn
 
         from engine.tokenizer import Tokenizer
+        from launch.model_prep import model_folder
         from router.app import create_app
-        from router.cli import tokenizer_dir
         from router.config import RouterConfig
         from ucm.auth import KeyPaths
 
@@ -219,7 +219,7 @@ class RouterActor:
             node_timeout_s=launch.node_timeout_s,
             node_auth=KeyPaths.of(self._keys).router_auth() if self._keys is not None else None,
         )
-        self.app = create_app(config, Tokenizer(tokenizer_dir(config.model)))
+        self.app = create_app(config, Tokenizer(model_folder(config.model)))
         self._server = uvicorn.Server(
             uvicorn.Config(self.app, host=config.host, port=config.port, log_level="warning", access_log=False)
         )
