@@ -5,6 +5,7 @@ The router and the engine both use it; `hf` exposes the underlying tokenizer for
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Sequence
@@ -50,16 +51,59 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(ids))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the conversation rendered with the model's chat template."""
-        if not self.hf.chat_template:
-            raise ValueError(f"tokenizer in {self.path} has no chat template; use a completion prompt instead")
-        text = self.render_chat(messages, add_generation_prompt)
-        # The template already wrote any BOS/special tokens it wants.
-        return self.encode(text, add_special_tokens=False)
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of the conversation rendered with the model's chat template (or `chat_template`, a jinja
+        template: rendered in transformers' sandboxed environment)."""
+        text = self.render_chat(
+            messages,
+            add_generation_prompt,
+            chat_template=chat_template,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+        # By default the template already wrote any BOS/special tokens it wants.
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        if chat_template is None and not self.hf.chat_template:
+            raise ValueError(f"tokenizer in {self.path} has no chat template; use a completion prompt instead")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"chat message must be a dict with 'role' and 'content', got {m!r}")
-        return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        # template_kwargs are variables for the template only: none may set one of transformers' own arguments
+        # (tokenize, return_dict, ...), which would change what comes back.
+        reserved = set(inspect.signature(self.hf.apply_chat_template).parameters) | {"conversation", "messages"}
+        clash = sorted(set(template_kwargs or {}) & reserved)
+        if clash:
+            raise ValueError(f"chat template kwargs cannot set {', '.join(clash)}")
+        kwargs = dict(template_kwargs or {})
+        kwargs.update(
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            tools=tools,
+        )
+        return self.hf.apply_chat_template(list(messages), **kwargs)

@@ -35,12 +35,15 @@ class Delta:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: TextDecoder, stop: list[str], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: TextDecoder, stop: list[str], skip_special_tokens: bool = True, include_stop: bool = False
+    ) -> None:
         self._tok = tokenizer
         self._backend = tokenizer.hf.backend_tokenizer
         self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._stop = [s for s in stop if s]
+        self._include_stop = include_stop  # include_stop_str_in_output: the matched stop string ends the text
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self.token_ids: list[int] = []
         self._decoded = 0  # characters the stream produced so far (emitted + held)
@@ -66,9 +69,10 @@ class IncrementalDetokenizer:
             self._held += full[self._decoded :]
             self._decoded = len(full)
         if self._stop:
-            hits = [i for i in (self._held.find(s) for s in self._stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((self._held.find(s), s) for s in self._stop) if i >= 0]
             if hits:
-                return Delta(self._emit(min(hits)), stopped=True)
+                at, length = min(hits)
+                return Delta(self._emit(at + length if self._include_stop else at), stopped=True)
         return Delta(self._emit(len(self._held) if final else max(0, len(self._held) - self._hold)), stopped=False)
 
     def _emit(self, n: int) -> str:

@@ -1,15 +1,18 @@
 """OpenAI request models (validated, strict types) and the error body shape.
 
-Unknown fields are ignored like OpenAI does; known ones are checked strictly ("5" is not an int) so a
-client bug surfaces as a 400 naming the field instead of a silently coerced value. Numeric bounds come from
-protocol/job_limits.py, the module nodes check their jobs with, so the two sides cannot drift.
+Honour or refuse, never ignore: every field a model declares is applied (on the node through the SamplingSpec,
+or here: stop strings, detokenization, chat templating, echo, best_of, tool calls); a vLLM or OpenAI parameter
+we do not implement is a 400 naming it (`UNSUPPORTED`, unless sent with its no-op value), and so is any other
+unknown field. Known ones are checked strictly ("5" is not an int) so a client bug surfaces as a 400 naming the
+field instead of a silently coerced value. Numeric bounds come from protocol/job_limits.py, the module nodes
+check their jobs with, so the two sides cannot drift. Structured output and tools live in router/guides.py.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from protocol import job_limits as L
 
@@ -38,13 +41,97 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, "invalid_request_error", param, code)
 
 
-# Strict types, unknown fields ignored, and no NaN/Infinity: json accepts them, no sampling parameter can.
-_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+# Strict types, unknown fields refused, and no NaN/Infinity: json accepts them, no sampling parameter can.
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+# vLLM / OpenAI parameters this server does not implement → the value that asks for nothing (sent by clients
+# that fill in every default: accepted and dropped). Any other value is a 400 naming the parameter.
+UNSUPPORTED: dict[str, Any] = {
+    "suffix": None,
+    "prompt_logprobs": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "truncate_prompt_tokens": None,
+    "truncation_side": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "early_stopping": False,
+    "structured_outputs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "priority": 0,
+    "request_id": None,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "logprob_token_ids": None,
+    "prompt_embeds": None,
+    "documents": None,
+    "mm_processor_kwargs": None,
+    "media_io_kwargs": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "watermarking": False,
+    "reasoning_effort": None,
+    "thinking_token_budget": None,
+    "include_reasoning": True,
+    "functions": None,
+    "function_call": None,
+    "audio": None,
+    "modalities": None,
+    "prediction": None,
+    "web_search_options": None,
+    "service_tier": None,
+    "store": False,
+    "metadata": None,
+}
+
+
+def _refuse_unsupported(data: Any, model: type[BaseModel]) -> Any:
+    """Drop the unsupported parameters sent with their no-op value; a 400 naming any other unsupported or unknown
+    one. Raises ApiError itself (not ValueError, which pydantic would report without the parameter's name)."""
+    if not isinstance(data, dict):
+        return data
+    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    for key in list(data):
+        if key in known:
+            continue
+        if key in UNSUPPORTED:
+            if data[key] is None or data[key] == UNSUPPORTED[key]:
+                del data[key]
+                continue
+            raise bad_request(f"`{key}` is not supported by this server", key, "unsupported_parameter")
+        raise bad_request(f"unknown parameter `{key:.64}`", str(key)[:64], "unknown_parameter")
+    return data
 
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False  # vLLM's per-chunk usage: not implemented
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the grammar always enforces the schema
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_type(self) -> ResponseFormat:
+        # A model validator: a field validator would not run when json_schema is left out.
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
 
 
 _Stop = str | Annotated[list[str], Field(max_length=L.MAX_STOP_STRINGS)] | None
@@ -68,6 +155,30 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     cache_salt: str | None = Field(default=None, min_length=1, max_length=L.MAX_CACHE_SALT_CHARS)
     user: str | None = None
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=L.MAX_REPETITION_PENALTY)
+    presence_penalty: float = Field(default=0.0, ge=-L.MAX_PENALTY, le=L.MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-L.MAX_PENALTY, le=L.MAX_PENALTY)
+    min_tokens: int = Field(default=0, ge=0, le=L.MAX_TOKENS)
+    # OpenAI's shape: token ids as JSON object keys (strings), biases in [-100, 100]
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-L.MAX_LOGIT_BIAS, le=L.MAX_LOGIT_BIAS)]],
+            Field(max_length=L.MAX_LOGIT_BIAS_TOKENS),
+        ]
+        | None
+    ) = None
+    skip_special_tokens: bool = True
+    # Like vLLM with a fast tokenizer (the only kind served here): decoding never puts spaces between special
+    # tokens, so only True (the default) is what the output is.
+    spaces_between_special_tokens: Literal[True] = True
+    include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        return _refuse_unsupported(data, cls)
 
     @field_validator("stop")
     @classmethod
@@ -76,6 +187,18 @@ class _Common(BaseModel):
         if any(not s for s in items):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.isdigit() or int(key) > L.MAX_TOKEN_ID:
+                raise ValueError(f"keys must be token ids (decimal strings), got {key[:32]!r}")
+        return v
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
 
     @property
     def stop_list(self) -> list[str]:
@@ -95,6 +218,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(default=None, ge=0, le=L.MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=L.MAX_N)
+    add_special_tokens: bool = True
 
     # Field validators (not a model validator) so the 400 names the parameter.
     @field_validator("prompt")
@@ -106,17 +230,24 @@ class CompletionRequest(_Common):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
+    def _echo_without_logprobs(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs needs prompt logprobs, which are not supported")
         return v
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and v != info.data.get("n", 1):
-            raise ValueError("best_of other than n is not supported")
+    def _best_of_at_least_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v < info.data.get("n", 1):
+            raise ValueError(f"best_of must be >= n ({info.data.get('n', 1)})")
+        if v is not None and v > info.data.get("n", 1) and info.data.get("stream"):
+            raise ValueError("best_of > n cannot be streamed: the best are known only at the end")
         return v
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated per prompt (best_of of them, the n best returned)."""
+        return max(self.n, self.best_of or 1)
 
     @property
     def num_prompts(self) -> int:
@@ -142,16 +273,79 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer names the call
+    # What the OpenAI SDK writes back when a client returns its response message as is: only empty values
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's convention: arguments as a dict when they parse)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the grammar always enforces the parameters' schema
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
@@ -159,6 +353,22 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=L.MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=L.MAX_LOGPROBS)
+    chat_template: str | None = Field(default=None, min_length=1, max_length=L.MAX_GUIDE_CHARS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes the special tokens it wants
+    echo: Literal[False] = False  # vLLM's chat echo (prepend the last message): not implemented
+    tools: Annotated[list[Tool], Field(max_length=64)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # with "required": False allows exactly one call
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_xor_generation_prompt(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message needs add_generation_prompt=false")
+        return v
 
     @field_validator("top_logprobs")
     @classmethod

@@ -14,7 +14,7 @@ def logprobs_json(tok: Any, lps: list[P.TokenLogprob], chat: bool) -> dict[str, 
         return None
 
     def text(t: int) -> str:
-        return tok.decode([t], skip_special_tokens=False)
+        return str(tok.decode([t], skip_special_tokens=False))
 
     if chat:
         return {
@@ -42,13 +42,17 @@ def final_choice(tok: Any, c: Choice, chat: bool) -> dict[str, Any]:
     """One choice of a non-streamed answer."""
     lp = logprobs_json(tok, c.logprobs, chat) if c.num_logprobs is not None else None
     if chat:
+        calls = c.tool_calls()
+        if calls is not None:  # a forced tool call (router/guides.py)
+            message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": calls}
+            return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": "tool_calls"}
         return {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.detok.text},
+            "message": {"role": "assistant", "content": c.text},
             "logprobs": lp,
             "finish_reason": c.finish_reason,
         }
-    return {"index": c.index, "text": c.detok.text, "logprobs": lp, "finish_reason": c.finish_reason}
+    return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
 
 def delta_choice(tok: Any, ch: Chunk, chat: bool, first: bool) -> dict[str, Any]:

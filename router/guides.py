@@ -1,0 +1,119 @@
+"""Structured output at the router: `response_format` and `tools` / `tool_choice` → the grammar the node samples
+under (a wire GuideSpec, compiled there with xgrammar), and the generated text → OpenAI `tool_calls`.
+
+Tool calls are forced, never guessed: "required" makes the model write a JSON array of {"name", "parameters"}
+objects, one of the tools each (vLLM's form); a named function makes it write that function's arguments.
+"auto" would need a model-specific parser to tell a call from prose, so it is refused; "none" generates text
+(the tools still reach the chat template)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import job_limits as L
+from protocol import messages as P
+from router.openai_schema import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat, bad_request
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a choice's text becomes tool calls: `function` named (the text is its arguments) or, with None, a
+    JSON array of {"name", "parameters"} objects."""
+
+    function: str | None
+
+    def parse(self, text: str) -> list[dict[str, Any]] | None:
+        """OpenAI tool_calls, or None when the text is not a complete call (e.g. cut by max_tokens)."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if self.function is not None:
+            calls = [(self.function, value)]
+        elif isinstance(value, list) and all(isinstance(c, dict) and "name" in c for c in value):
+            calls = [(c["name"], c.get("parameters", {})) for c in value]
+        else:
+            return None
+        return [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": n, "arguments": json.dumps(a)},
+            }
+            for n, a in calls
+        ]
+
+
+def _schema_guide(schema: Any, param: str) -> P.GuideSpec:
+    text = json.dumps(schema)
+    if len(text) > L.MAX_GUIDE_CHARS:
+        raise bad_request(f"the schema has {len(text)} characters; the limit is {L.MAX_GUIDE_CHARS}", param)
+    return P.GuideSpec(P.GuideKind.JSON_SCHEMA, text)
+
+
+def _response_guide(fmt: ResponseFormat | None) -> P.GuideSpec | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return P.GuideSpec(P.GuideKind.JSON_OBJECT)
+    assert fmt.json_schema is not None, "the schema validator requires json_schema with type json_schema"
+    return _schema_guide(fmt.json_schema.schema_ or {"type": "object"}, "response_format")
+
+
+def _tool_guide(body: ChatCompletionRequest) -> tuple[P.GuideSpec | None, ToolCallFormat | None]:
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None, None
+    if choice == "none":
+        return None, None
+    if choice in (None, "auto"):
+        raise bad_request(
+            'tool_choice "auto" is not supported (a call cannot be told from text reliably): use "required", a '
+            'named function, or "none"',
+            "tool_choice",
+            "unsupported_parameter",
+        )
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request("response_format cannot be combined with forced tool calls", "response_format")
+    if body.stream:
+        raise bad_request("streaming tool calls is not supported: use stream=false", "stream", "unsupported_parameter")
+    params = {t.function.name: t.function.parameters or {"type": "object"} for t in body.tools}
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in params:
+            raise bad_request(f"tool_choice names {name[:64]!r}, which is not among the tools", "tool_choice")
+        return _schema_guide(params[name], "tools"), ToolCallFormat(name)
+    item = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": n}, "parameters": p},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for n, p in params.items()
+        ]
+    }
+    array: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
+    if not body.parallel_tool_calls:
+        array["maxItems"] = 1
+    return _schema_guide(array, "tools"), ToolCallFormat(None)
+
+
+def request_guide(body: CompletionRequest | ChatCompletionRequest) -> tuple[P.GuideSpec | None, ToolCallFormat | None]:
+    """The grammar a request's choices sample under, and how their text becomes tool calls (None: it does not)."""
+    if isinstance(body, ChatCompletionRequest):
+        guide, tools = _tool_guide(body)
+        if guide is not None:
+            return guide, tools
+    return _response_guide(body.response_format), None
+
+
+def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools as chat templates read them (HF's convention: OpenAI's JSON shape)."""
+    return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
