@@ -69,7 +69,7 @@ class StagingBuffer:
     def memoryviews(self, n: int) -> list[memoryview]:
         """One writable memoryview per payload (what the store reads from or writes into)."""
         size = self._layout.payload_nbytes
-        whole = memoryview(self._bytes[: n * size].numpy())
+        whole = self._bytes[: n * size].numpy().data
         return [whole[i * size : (i + 1) * size] for i in range(n)]
 
 

@@ -89,4 +89,7 @@ class StoreSpec:
     @property
     def display(self) -> str:
         """What a node tells the next hop about where its KV went."""
-        return self.address if self.kind is StoreKind.DAEMON else "embedded"
+        if self.kind is StoreKind.DAEMON:
+            assert self.address is not None, "a daemon spec has an address"
+            return self.address
+        return "embedded"

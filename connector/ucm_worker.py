@@ -148,7 +148,7 @@ class UCMWorkerConnector(KVConnectorWorker):
                 self._load_bufs[layer], rows, loads.num_rows, k_cache, v_cache, loads.device_ids.index_select(0, rows)
             )
             if k_cache.device.type == "cuda":
-                self._h2d_done = torch.cuda.Event()
+                self._h2d_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 self._h2d_done.record()
         self.stats.load_wait_seconds += time.perf_counter() - t0
 

@@ -15,7 +15,7 @@ a miss, or — once vLLM counted the tokens as cached — a reported load error,
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import vllm
@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from ucm.api import KVStore
+    from ucm.client import StoreClient
+
 log = logging.getLogger("connector.vllm")
 CPU_BACKEND = "CPU_ATTN"
 
@@ -70,7 +73,7 @@ class UCMConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
-def _open_client(spec: StoreSpec, layout: Layout | None = None, namespace: str | None = None):
+def _open_client(spec: StoreSpec, layout: Layout | None = None, namespace: str | None = None) -> StoreClient:
     from ucm.auth import ClientAuth
     from ucm.client import StoreClient
 
@@ -134,7 +137,7 @@ class UCMConnector(KVConnectorBase_V1):
         self._kv_role = KVConnectorRole(kvt.kv_role)
         self._stats = ConnectorStats()
         self._block_size = vllm_config.cache_config.block_size
-        self._scheduler: VllmSchedulerCore | None = None
+        self._scheduler_core: VllmSchedulerCore | None = None
         self._worker: VllmWorkerCore | None = None
         self._layer_index: dict[str, int] = {}
         if role is VllmRole.SCHEDULER:
@@ -151,7 +154,7 @@ class UCMConnector(KVConnectorBase_V1):
                 scope.layout_tag,
                 scope.block_size,
             )
-            self._scheduler = VllmSchedulerCore(
+            self._scheduler_core = VllmSchedulerCore(
                 _open_client(self._config.store),
                 scope,
                 self._kv_role,
@@ -165,8 +168,12 @@ class UCMConnector(KVConnectorBase_V1):
 
     # ==== scheduler side ========================================================================================
 
+    @property
+    def _scheduler(self) -> VllmSchedulerCore:
+        assert self._scheduler_core is not None, "scheduler hook on the worker side"
+        return self._scheduler_core
+
     def _track(self, request: Request) -> None:
-        assert self._scheduler is not None, "scheduler hook on the worker side"
         self._scheduler.track(
             request.request_id, lambda: request.all_token_ids, request.num_prompt_tokens, request.cache_salt
         )
@@ -240,7 +247,9 @@ class UCMConnector(KVConnectorBase_V1):
         self._layer_index = {name: i for i, name in enumerate(names)}
         num_blocks = self._kv_cache_config.num_blocks
         scope_tag = layout_tag(vllm.__version__, CPU_BACKEND, cpu_attention_isa(self._vllm_config))
-        worker = VllmWorkerCore(_NoStore(), self._kv_role, self._stats, task_timeout_s=self._config.task_timeout_s)
+        worker = VllmWorkerCore(
+            cast("KVStore", _NoStore()), self._kv_role, self._stats, task_timeout_s=self._config.task_timeout_s
+        )
         page = worker.register([kv_caches[n] for n in names], num_blocks)
         layout = Layout(len(names), page, self._block_size)
         namespace = f"vllm:{scope_tag}:{len(names)}x{page}x{self._block_size}"
@@ -309,9 +318,9 @@ class UCMConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if self._scheduler is not None:
-            self._scheduler.store.close()
-            self._scheduler = None
+        if self._scheduler_core is not None:
+            self._scheduler_core.store.close()
+            self._scheduler_core = None
 
 
 class _NoStore:

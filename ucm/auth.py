@@ -130,7 +130,7 @@ class ServerAuth:
         if not Path(self.authorized_dir).is_dir():
             raise ValueError(f"authorized client keys folder {self.authorized_dir} does not exist")
 
-    def apply(self, ctx: zmq.Context, sock: zmq.Socket) -> ThreadAuthenticator:
+    def apply(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes]) -> ThreadAuthenticator:
         """Make `sock` (not yet bound) a CURVE server; start and return the ZAP handler (stop it at shutdown)."""
         public, secret = _load_pair(Path(self.secret_file))
         authenticator = ThreadAuthenticator(ctx)
@@ -188,7 +188,7 @@ class CurveClientKeys:
     secret: bytes = field(repr=False)
     server_public: bytes
 
-    def apply(self, sock: zmq.Socket) -> None:
+    def apply(self, sock: zmq.Socket[bytes]) -> None:
         """Make `sock` (not yet connected) a CURVE client of the server whose public key we hold."""
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public

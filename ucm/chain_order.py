@@ -18,17 +18,18 @@ from ucm.record import BlockRecord
 T = TypeVar("T")
 
 
-def deepest_first(items: Sequence[T], key: Callable[[T], BlockKey], parent: Callable[[T], BlockKey]) -> list[T]:
+def deepest_first(items: Sequence[T], key: Callable[[T], BlockKey], parent: Callable[[T], BlockKey | None]) -> list[T]:
     """`items` with every block before its parent when both are in the batch, each chain deepest first;
     blocks of equal depth (unrelated ones) keep their given order."""
     index = {key(item): i for i, item in enumerate(items)}
     depth = [-1] * len(items)
     for i in range(len(items)):
-        path = []
+        path: list[int] = []
         j: int | None = i
         while j is not None and depth[j] < 0 and len(path) <= len(items):  # bounded: a forged cycle ends too
             path.append(j)
-            j = index.get(parent(items[j]))
+            up = parent(items[j])
+            j = index.get(up) if up is not None else None
         base = depth[j] if j is not None and depth[j] >= 0 else -1
         for k in reversed(path):
             base += 1

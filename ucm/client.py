@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -37,6 +38,7 @@ from ucm.record import as_bytes_view
 from ucm.task import Task
 
 log = logging.getLogger("ucm.client")
+R = TypeVar("R", bound=msgspec.Struct)  # a reply type
 _DATA_CALLS = (p.Dump, p.Load)  # the calls that move KV bytes get `timeout_s`; the rest `control_timeout_s`
 _BREAKER_POLL_S = 0.05  # with a breaker, a waiting call looks this often whether another call tripped it
 __all__ = ["StoreClient", "StoreRequestError", "StoreUnavailable"]
@@ -88,7 +90,7 @@ class StoreClient:
 
     # --- transport ------------------------------------------------------------------------------------
 
-    def _socket(self) -> zmq.Socket:
+    def _socket(self) -> zmq.Socket[bytes]:
         sock = getattr(self._local, "sock", None)
         if sock is None:
             with self._lock:
@@ -112,10 +114,10 @@ class StoreClient:
         self,
         make: type,
         *fields: object,
-        frames: Sequence[object] = (),
+        frames: Sequence[memoryview] = (),
         timeout_s: float | None = None,
         probe: bool = False,
-    ):
+    ) -> tuple[p.Reply, list[zmq.Frame]]:
         """Send one request and return (reply, data frames); raises StoreUnavailable / StoreRequestError.
         `probe`: the breaker's own ping, which goes through while the breaker is open."""
         with self._lock:
@@ -162,6 +164,17 @@ class StoreClient:
                 raise StoreRequestError(reply.code, reply.message)
             return reply, parts[1:]
 
+    def _ask(
+        self, expect: type[R], make: type, *fields: object, frames: Sequence[memoryview] = ()
+    ) -> tuple[R, list[zmq.Frame]]:
+        """`_call` for a request whose reply type is known; any other reply is a protocol error."""
+        reply, data = self._call(make, *fields, frames=frames)
+        if not isinstance(reply, expect):
+            raise StoreRequestError(
+                p.ErrorCode.MALFORMED, f"{make.__name__}: {self.address} answered {type(reply).__name__}"
+            )
+        return reply, data
+
     def _timed_out(self, breaker: CircuitBreaker | None, probe: bool) -> None:
         if probe:
             self._drop_socket()
@@ -190,14 +203,14 @@ class StoreClient:
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         try:
-            return self._call(p.Lookup, list(keys))[0].hit
+            return self._ask(p.LookupReply, p.Lookup, list(keys))[0].hit
         except StoreUnavailable as exc:
             _log_unavailable("lookup treated as a miss: %s", exc)
             return 0
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         try:
-            return self._call(p.Contains, list(keys))[0].present
+            return self._ask(p.ContainsReply, p.Contains, list(keys))[0].present
         except StoreUnavailable as exc:
             _log_unavailable("contains treated as a miss: %s", exc)
             return [False] * len(keys)
@@ -230,13 +243,13 @@ class StoreClient:
         if not opened:
             self.open_namespace(name, layout)
         try:
-            return self._call(p.Dump, wire, layer, num_layers, name, frames=views)[0].failed
+            return self._ask(p.DumpReply, p.Dump, wire, layer, num_layers, name, frames=views)[0].failed
         except StoreRequestError as exc:
             if exc.code is not p.ErrorCode.NO_NAMESPACE:
                 raise
         # The daemon restarted since this client opened the namespace: reopen once, resend once.
         self.open_namespace(name, layout)
-        return self._call(p.Dump, wire, layer, num_layers, name, frames=views)[0].failed
+        return self._ask(p.DumpReply, p.Dump, wire, layer, num_layers, name, frames=views)[0].failed
 
     def load(self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]) -> Task:
         if len(dst) != len(blocks) or any(len(row) != len(layers) for row in dst):
@@ -246,7 +259,7 @@ class StoreClient:
         return self._run_task(len(blocks), self._load, wire, list(layers), views)
 
     def _load(self, wire: list[p.WireBlock], layers: list[int], views: list[list[memoryview]]) -> list[int]:
-        reply, frames = self._call(p.Load, wire, layers)
+        reply, frames = self._ask(p.LoadReply, p.Load, wire, layers)
         failed = set(reply.failed)
         hits = [i for i in range(len(wire)) if i not in failed]
         if len(frames) != len(hits) * len(layers):
@@ -266,7 +279,7 @@ class StoreClient:
                     np.copyto(np.frombuffer(views[i][j], np.uint8), np.frombuffer(buf, np.uint8))
         return sorted(failed)
 
-    def _run_task(self, num_blocks: int, fn, *args: object) -> Task:
+    def _run_task(self, num_blocks: int, fn: Callable[..., list[int]], *args: object) -> Task:
         task = Task(num_blocks)
 
         def run() -> None:
@@ -301,7 +314,7 @@ class StoreClient:
             _log_unavailable(f"{make.__name__.lower()} dropped: %s", exc)
 
     def stats(self) -> StoreStats:
-        return self._call(p.GetStats)[0].stats
+        return self._ask(p.StatsReply, p.GetStats)[0].stats
 
     def close(self) -> None:
         with self._lock:

@@ -32,6 +32,7 @@ from ucm.dump_check import checked_dump
 from ucm.log_limit import LogLimiter
 from ucm.namespaces import NamespaceRegistry
 from ucm.ownership import OwnerTable
+from ucm.record import Buffer
 from ucm.refusal import Refused
 from ucm.store import Store
 from ucm.wire_limits import MAX_LOAD_FRAMES, LayoutCaps
@@ -87,7 +88,7 @@ class StoreDaemon:
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.bind(self._replies_addr)
         self._local = threading.local()
-        self._pushers: list[zmq.Socket] = []
+        self._pushers: list[zmq.Socket[bytes]] = []
         self._pushers_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="ucm-daemon")
         self._stop = threading.Event()
@@ -142,7 +143,7 @@ class StoreDaemon:
         except Exception as exc:
             self._count_bad(f"{type(exc).__name__} while receiving: {str(exc)[:200]}")
 
-    def _forward_reply(self, frames: list[zmq.Frame]) -> None:
+    def _forward_reply(self, frames: Sequence[zmq.Frame | bytes]) -> None:
         try:
             self._router.send_multipart(frames, copy=False)
         except zmq.ZMQError as exc:  # e.g. the peer's queue is full: its reply is lost, the loop goes on
@@ -165,7 +166,7 @@ class StoreDaemon:
             code, req_id = p.classify_undecodable(parts[0].buffer)
             return self._send_error(identity, req_id, code, str(exc)[:200])
         # With CURVE, ZAP stamped every frame with the peer's public key (z85): the identity ownership uses.
-        client = parts[0].get("User-Id") if self.authenticated else ANONYMOUS
+        client = str(parts[0].get("User-Id")) if self.authenticated else ANONYMOUS
         self._pool.submit(self._handle, identity, client, request, parts[1:])
 
     def _count_bad(self, why: str) -> None:
@@ -179,7 +180,7 @@ class StoreDaemon:
 
     # --- worker threads -------------------------------------------------------------------------------
 
-    def _pusher(self) -> zmq.Socket:
+    def _pusher(self) -> zmq.Socket[bytes]:
         sock = getattr(self._local, "sock", None)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
@@ -201,7 +202,7 @@ class StoreDaemon:
             reply, out = p.ErrorReply(request.req_id, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), []
         self._pusher().send_multipart([identity, p.encode(reply), *out], copy=False)
 
-    def _refuse(self, request: p.Request, code: p.ErrorCode, message: str) -> tuple[p.Reply, list]:
+    def _refuse(self, request: p.Request, code: p.ErrorCode, message: str) -> tuple[p.Reply, list[Buffer]]:
         with self._counts_lock:
             self._refused += 1
         self._bad_log.warning(
@@ -209,7 +210,7 @@ class StoreDaemon:
         )
         return p.ErrorReply(request.req_id, code, message), []
 
-    def _dispatch(self, client: str, req: p.Request, frames: Sequence[zmq.Frame]) -> tuple[p.Reply, list]:
+    def _dispatch(self, client: str, req: p.Request, frames: Sequence[zmq.Frame]) -> tuple[p.Reply, list[Buffer]]:
         store = self.store
         if not isinstance(req, p.Dump) and frames:
             raise BadRequest(f"{type(req).__name__} takes no data frames, got {len(frames)}")

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 
 from protocol import defaults
+from ucm.api import StoreStats
 from ucm.auth import ClientAuth, KeyPaths, ServerAuth, generate_keys
 from ucm.client import StoreClient, StoreUnavailable
 from ucm.daemon import DaemonConfig, StoreDaemon
@@ -203,7 +204,7 @@ def stats_main(argv: list[str]) -> int:
             time.sleep(args.watch)
 
 
-def _table(stats) -> str:
+def _table(stats: StoreStats) -> str:
     lines = [
         f"{'tier':<6}{'hits':>10}{'misses':>10}{'blocks':>9}{'used':>12}{'capacity':>12}{'evicted':>9}{'read GB/s':>11}{'write GB/s':>11}"
     ]

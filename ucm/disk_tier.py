@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
@@ -50,7 +50,7 @@ class DiskTier:
         capacity_bytes: int,
         map_size: int,
         policy: EvictionPolicy,
-        can_evict: Callable[[BlockKey], bool],
+        can_evict: Callable[[Hashable], bool],
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"disk capacity must be positive, got {capacity_bytes}")
@@ -95,6 +95,7 @@ class DiskTier:
         victims: list[BlockKey] = []
         while self.stats.bytes_used + size > self.capacity_bytes:
             victim = self._policy.evict(self._can_evict)
+            assert victim is None or isinstance(victim, bytes), "a tier's policy holds its BlockKeys"
             if victim is None:
                 log.debug("disk: no room for %d bytes: every resident block is pinned", size)
                 self.stats.blocks = len(self._sizes)

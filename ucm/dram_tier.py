@@ -8,7 +8,7 @@ request's blocks deepest first (`ucm.chain_order`) and each block's parent key.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from ucm.api import TierStats
 from ucm.chain_order import records_deepest_first
@@ -20,7 +20,7 @@ log = logging.getLogger("ucm.dram")
 
 
 class DramTier:
-    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, can_evict: Callable[[BlockKey], bool]) -> None:
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, can_evict: Callable[[Hashable], bool]) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"DRAM capacity must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -85,6 +85,7 @@ class DramTier:
             return False
         while self.stats.bytes_used + size > self.capacity_bytes:
             victim = self._policy.evict(self._can_evict)
+            assert victim is None or isinstance(victim, bytes), "a tier's policy holds its BlockKeys"
             if victim is None:
                 log.debug("dram: no room for %s (%d bytes): every resident block is pinned", key.hex(), size)
                 return False

@@ -59,19 +59,19 @@ class _Msg(msgspec.Struct, tag_field="type", frozen=True):
 # --- requests -----------------------------------------------------------------------------------------
 
 
-class Ping(_Msg, tag="ping"):
+class Ping(_Msg, tag="ping", frozen=True):
     pass
 
 
-class Lookup(_Msg, tag="lookup"):
+class Lookup(_Msg, tag="lookup", frozen=True):
     keys: KeyList
 
 
-class Contains(_Msg, tag="contains"):
+class Contains(_Msg, tag="contains", frozen=True):
     keys: KeyList
 
 
-class OpenNamespace(_Msg, tag="open_namespace"):
+class OpenNamespace(_Msg, tag="open_namespace", frozen=True):
     """Declare (or re-declare, idempotently) the layout of a namespace this client will dump into."""
 
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
@@ -79,37 +79,37 @@ class OpenNamespace(_Msg, tag="open_namespace"):
     protocol: int = PROTOCOL_VERSION
 
 
-class Dump(_Msg, tag="dump"):
+class Dump(_Msg, tag="dump", frozen=True):
     blocks: Annotated[list[WireBlock], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
     layer: int
     num_layers: int
     namespace: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)] = DEFAULT_NAMESPACE
 
 
-class Commit(_Msg, tag="commit"):
+class Commit(_Msg, tag="commit", frozen=True):
     keys: KeyList
     ok: bool
 
 
-class Load(_Msg, tag="load"):
+class Load(_Msg, tag="load", frozen=True):
     blocks: Annotated[list[WireBlock], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
     layers: Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)]
 
 
-class Prefetch(_Msg, tag="prefetch"):
+class Prefetch(_Msg, tag="prefetch", frozen=True):
     keys: KeyList
 
 
-class Remove(_Msg, tag="remove"):
+class Remove(_Msg, tag="remove", frozen=True):
     keys: KeyList
 
 
-class GetStats(_Msg, tag="stats"):
+class GetStats(_Msg, tag="stats", frozen=True):
     pass
 
 
 Request = Ping | Lookup | Contains | OpenNamespace | Dump | Commit | Load | Prefetch | Remove | GetStats
-REQUEST_TYPES = frozenset(t.__struct_config__.tag for t in Request.__args__)  # type: ignore[attr-defined]
+REQUEST_TYPES = frozenset(t.__struct_config__.tag for t in Request.__args__)
 
 # --- replies ------------------------------------------------------------------------------------------
 
@@ -126,31 +126,31 @@ class ErrorCode(enum.Enum):
     INTERNAL = "internal"
 
 
-class OkReply(_Msg, tag="ok"):
+class OkReply(_Msg, tag="ok", frozen=True):
     pass
 
 
-class LookupReply(_Msg, tag="lookup_reply"):
+class LookupReply(_Msg, tag="lookup_reply", frozen=True):
     hit: int
 
 
-class ContainsReply(_Msg, tag="contains_reply"):
+class ContainsReply(_Msg, tag="contains_reply", frozen=True):
     present: list[bool]
 
 
-class DumpReply(_Msg, tag="dump_reply"):
+class DumpReply(_Msg, tag="dump_reply", frozen=True):
     failed: list[int]
 
 
-class LoadReply(_Msg, tag="load_reply"):
+class LoadReply(_Msg, tag="load_reply", frozen=True):
     failed: list[int]
 
 
-class StatsReply(_Msg, tag="stats_reply"):
+class StatsReply(_Msg, tag="stats_reply", frozen=True):
     stats: StoreStats
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(_Msg, tag="error", frozen=True):
     code: ErrorCode
     message: str
 

@@ -240,7 +240,7 @@ def committed_seconds(buf: Buffer) -> int:
     view = as_bytes_view(buf)
     if len(view) < _FIXED.size:
         return 0
-    return _FIXED.unpack_from(view, 0)[4]
+    return int(_FIXED.unpack_from(view, 0)[4])
 
 
 def stated_parent(buf: Buffer) -> BlockKey | None:

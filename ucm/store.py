@@ -27,7 +27,7 @@ from ucm.dram_tier import DramTier
 from ucm.eviction import EvictionPolicy, PolicyName, make_policy
 from ucm.keys import KEY_NBYTES, BlockKey
 from ucm.pins import PinTable
-from ucm.record import BlockRecord, as_bytes_view, checksum
+from ucm.record import BlockRecord, Buffer, as_bytes_view, checksum
 from ucm.removal_clock import RemovalClock
 from ucm.store_config import StoreConfig
 from ucm.store_reader import BlockReader, StoreTiers
@@ -259,7 +259,7 @@ class Store:
             return Task.all_failed(len(blocks), "store is closed")
         return task
 
-    def read_payloads(self, blocks: Sequence[BlockRef], layers: Sequence[int]) -> list[list[bytes | memoryview] | None]:
+    def read_payloads(self, blocks: Sequence[BlockRef], layers: Sequence[int]) -> list[list[Buffer] | None]:
         """Verified payload buffers per block (None = miss), owned by the caller; the daemon sends these."""
         self._check_open()
         keys = [ref.key for ref in blocks]

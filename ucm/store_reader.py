@@ -26,7 +26,7 @@ from ucm.disk_tier import DiskTier
 from ucm.dram_tier import DramTier
 from ucm.keys import BlockKey
 from ucm.read_snapshot import StoredRecord
-from ucm.record import BlockRecord, RecordError, RecordMismatch, decode_record
+from ucm.record import BlockRecord, Buffer, RecordError, RecordMismatch, decode_record
 from ucm.removal_clock import RemovalClock
 
 log = logging.getLogger("ucm.store")
@@ -35,7 +35,7 @@ _GIL_FREE_COPY_BYTES = 64 << 10
 # Where payloads go: dst[i][j] a writable byte view to copy layers[j] of block i into, or None to have the
 # reader return the buffers themselves (owned by the caller: DRAM buffers are immutable, disk ones copied).
 Dest = list[list[memoryview]] | None
-Payload = bytes | memoryview
+Payload = Buffer  # a DRAM record's payload, or a view into the disk tier's memory map
 Rows = list[list[Payload]]
 Rejects = list[tuple[BlockKey, str]]  # (key, why): entries that failed verification, dropped after the read
 

@@ -56,7 +56,7 @@ class WriteBehind:
             first = self._queue.get()
             batch: list[BlockRecord] = []
             stop = first is _STOP
-            if not stop:
+            if first is not None:
                 batch.append(first)
             nbytes = sum(r.nbytes for r in batch)
             while not stop and len(batch) < _BATCH and nbytes < _BATCH_BYTES:

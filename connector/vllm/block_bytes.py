@@ -48,5 +48,5 @@ class StagingRows:
         return self._rows[:n]
 
     def memoryviews(self, n: int) -> list[memoryview]:
-        whole = memoryview(self.rows(n).numpy().reshape(-1))
+        whole = self.rows(n).numpy().reshape(-1).data
         return [whole[i * self.page_bytes : (i + 1) * self.page_bytes] for i in range(n)]

@@ -8,6 +8,8 @@ lives in `ucm.eviction.belady` and is for benchmarks only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ucm.eviction.adaptive import AdaptivePolicy
 from ucm.eviction.arc import ARCPolicy
 from ucm.eviction.base import EvictionPolicy, PolicyName
@@ -28,7 +30,7 @@ __all__ = [
     "make_policy",
 ]
 
-_POLICIES = {
+_POLICIES: dict[PolicyName, Callable[[int], EvictionPolicy]] = {
     PolicyName.LRU: LRUPolicy,
     PolicyName.S3FIFO: S3FIFOPolicy,
     PolicyName.ARC: ARCPolicy,

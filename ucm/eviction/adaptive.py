@@ -124,7 +124,11 @@ class AdaptivePolicy:
                 self.scores[i] += 1.0
                 shadow.touch(key)
                 continue
-            shadow.insert(key, size if size is not None else self._real[0].size(key), parent)
+            if size is None:
+                lru = self._real[0]
+                assert isinstance(lru, LRUPolicy), "EXPERTS[0] is LRU, which knows every resident size"
+                size = lru.size(key)
+            shadow.insert(key, size, parent)
             while shadow.used_bytes > self._shadow_capacity:
                 if shadow.evict(_everything) is None:
                     break

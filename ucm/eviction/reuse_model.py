@@ -162,7 +162,7 @@ class ReuseModel:
 
     def _update(self, now: int) -> None:
         bins, classes = len(self._widths), range(self.num_classes)
-        still_open = [[0] * bins for _ in classes]
+        still_open = [[0.0] * bins for _ in classes]
         for epoch, counts in self._open_counts.items():
             age_bin = self._bin(max(0, now - epoch * self._epoch_len - self._epoch_len // 2))
             for c in classes:
