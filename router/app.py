@@ -99,6 +99,7 @@ def _declare_request_schemas(app: FastAPI) -> None:
             components = base_openapi().setdefault("components", {}).setdefault("schemas", {})
             for model in (CompletionRequest, ChatCompletionRequest):
                 components.update(json_schema(model).get("$defs", {}))
+        assert app.openapi_schema is not None, "FastAPI.openapi() caches the schema it builds"
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

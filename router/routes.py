@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -90,7 +90,7 @@ async def answer(
     return response
 
 
-async def collect(request: Request, stream: AsyncIterator[Chunk]) -> None:
+async def collect(request: Request, stream: AsyncGenerator[Chunk, None]) -> None:
     """Drain the choices, aborting everything (cancelled choices send Abort to their nodes) if the client
     disconnects first."""
 

@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,7 +256,7 @@ class OpenAIServing:
                 if choice.num_tokens > 1:
                     self.metrics.tpot.observe((end - first_at) / (choice.num_tokens - 1))
 
-    async def run(self, choices: list[Choice], prompt_tokens: int, ticket: Ticket) -> AsyncIterator[Chunk]:
+    async def run(self, choices: list[Choice], prompt_tokens: int, ticket: Ticket) -> AsyncGenerator[Chunk, None]:
         """Chunks of all choices as they come, once admission lets them run; cancels every choice (→ aborts on
         the nodes) if stopped early. The caller owns `ticket` and releases it. With best_of > n (never streamed),
         `choices` is cut in place to each prompt's n best once all have finished."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -42,7 +42,7 @@ async def sse_events(
     body: CompletionRequest | ChatCompletionRequest,
     choices: list[Choice],
     prompt_tokens: int,
-    stream: AsyncIterator[Chunk],
+    stream: AsyncGenerator[Chunk, None],
     head: dict[str, Any],
     entry: AccessEntry,
 ) -> AsyncIterator[str]:

@@ -66,7 +66,7 @@ def _tokenize(ctx: RouterContext, body: TokenizeCompletionRequest | TokenizeChat
             return list(tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt))
         except Exception as e:  # a template error is the client's messages' fault
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
-    return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
 
 
 def _prompt_chars(body: TokenizeCompletionRequest | TokenizeChatRequest) -> int:

@@ -11,13 +11,13 @@ SCRIPT = textwrap.dedent("""
     import httpx, uvicorn
     from engine.tokenizer import Tokenizer
     from router.app import create_app
-    from router.cli import tokenizer_dir
+    from engine.model_source import resolve_model_dir
     from launch.cluster import free_port
     from router.config import RouterConfig
 
     port = free_port()
     cfg = RouterConfig(port=port, api_key="k")
-    app = create_app(cfg, Tokenizer(tokenizer_dir(cfg.model)))
+    app = create_app(cfg, Tokenizer(resolve_model_dir(cfg.model)))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -60,14 +60,14 @@ def wait_until(what: str, condition: Callable[[], bool], timeout: float = 30.0) 
 def live() -> Iterator[Live]:
     import uvicorn
 
+    from engine.model_source import resolve_model_dir
     from engine.tokenizer import Tokenizer
     from launch.cluster import free_port
     from router.app import create_app
-    from router.cli import tokenizer_dir
     from router.config import RouterConfig
 
     config = RouterConfig(port=free_port(), node_timeout_s=5.0)
-    app = create_app(config, Tokenizer(tokenizer_dir(config.model)))
+    app = create_app(config, Tokenizer(resolve_model_dir(config.model)))
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=config.port, loop="asyncio", log_level="warning")
     )
