@@ -9,6 +9,7 @@ objects, one of the tools each (vLLM's form); a named function makes it write th
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,50 @@ class ToolCallFormat:
         ]
 
 
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+
+
+def _schema_problem(schema: Any, root: Any) -> str | None:
+    """The first mistake the node's grammar compiler would refuse (unknown type, bad pattern, dangling local
+    $ref), found here so it is a 400 and not a failed job. Not a full meta-schema check: the node has the last
+    word, and what it refuses comes back as a failed request naming the reason."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        types = node.get("type")
+        for t in types if isinstance(types, list) else [types] if types is not None else []:
+            if t not in _JSON_TYPES:
+                return f"unknown type {str(t)[:32]!r}"
+        if isinstance(node.get("pattern"), str):
+            try:
+                re.compile(node["pattern"])
+            except re.error as e:
+                return f"bad pattern {node['pattern'][:32]!r}: {e}"
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            target = root
+            for part in filter(None, ref[1:].split("/")):
+                target = target.get(part) if isinstance(target, dict) else None
+            if target is None:
+                return f"$ref {ref[:64]!r} points nowhere"
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend(value.values())  # name → schema: the names are not keywords
+            elif key not in ("const", "enum", "default", "examples"):
+                stack.append(value)
+    return None
+
+
 def _schema_guide(schema: Any, param: str) -> P.GuideSpec:
+    problem = _schema_problem(schema, schema)
+    if problem is not None:
+        raise bad_request(f"the JSON schema cannot be enforced: {problem}", param)
     text = json.dumps(schema)
     if len(text) > L.MAX_GUIDE_CHARS:
         raise bad_request(f"the schema has {len(text)} characters; the limit is {L.MAX_GUIDE_CHARS}", param)
