@@ -100,9 +100,29 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's chat options: a jinja `chat_template` instead of the model's, the assistant turn opened or the
+        last message continued, `tools` and extra variables for the template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.tokenizer.apply_chat_template(c)} for c in conversations]
+        tok = self.engine.tokenizer
+        prompts = [
+            {
+                "prompt_token_ids": tok.apply_chat_template(
+                    c,
+                    add_generation_prompt,
+                    chat_template=chat_template,
+                    continue_final_message=continue_final_message,
+                    tools=tools,
+                    template_kwargs=chat_template_kwargs,
+                )
+            }
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

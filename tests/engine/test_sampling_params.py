@@ -84,3 +84,15 @@ def test_continuing_after_the_first_token_equals_one_run(llm, params) -> None:
     rest = _run(llm, {"prompt_token_ids": prompt + whole[:1]}, max_tokens=11, prior_output_tokens=1, **params)
     assert rest == whole[1:]
     assert whole != _run(llm, {"prompt_token_ids": prompt}, max_tokens=12)  # the penalty did something
+
+
+def test_chat_template_options(llm) -> None:
+    tok = llm.get_tokenizer()
+    convo = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hello! How"}]
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    cont = llm.chat(convo, sp, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    rendered = tok.render_chat(convo, False, continue_final_message=True)
+    assert rendered.endswith("Hello! How") and cont.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
+    assert cont.outputs[0].text == llm.generate(rendered, sp, use_tqdm=False)[0].outputs[0].text
+    custom = llm.chat(convo[:1], sp, use_tqdm=False, chat_template="Q: {{ messages[0].content }}\nA:")[0]
+    assert custom.prompt_token_ids == tok.encode("Q: Say hi.\nA:", add_special_tokens=False)
