@@ -85,7 +85,10 @@ def build_parser(command: str = "up") -> argparse.ArgumentParser:
         prog=f"ucm-serve {command}", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     if command == "serve":
-        p.add_argument("model", nargs="?", default=defaults.MODEL, help="alias, Hugging Face folder or .gguf file")
+        p.add_argument(
+            "model", nargs="?", default=None, help=f"alias, Hugging Face folder or .gguf file ({defaults.MODEL})"
+        )
+        p.add_argument("--model", dest="model_flag", default=None, help="the same as the positional MODEL")
     else:
         p.add_argument("--model", default=defaults.MODEL, help="alias, Hugging Face folder or .gguf file")
     add_serving_args(p)
@@ -106,7 +109,12 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None, command: str = "up") -> int:
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    if command == "serve":
+        if args.model and args.model_flag and args.model != args.model_flag:
+            parser.error(f"two models: {args.model!r} and --model {args.model_flag!r}")
+        args.model = args.model or args.model_flag or defaults.MODEL
     if args.ray is not None:
         from launch.ray.cli import up_main
 

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from launch.cluster import Cluster, ClusterSpec
+from tests.cluster_helpers import health_nodes, wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -323,7 +324,11 @@ def test_kill_prefill_in_flight_then_store_serves_prefill(cluster, client, offli
     prefills = ("prefill-0", "prefill-1")
     before = {n: node_stat(cluster, n, "prompt_tokens") for n in prefills}
     assert client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0).choices[0].text == want_long
-    time.sleep(1.5)  # heartbeats carry the new counters
+    wait_until(
+        "a heartbeat carrying LONG's prefill",
+        lambda: any(node_stat(cluster, n, "prompt_tokens") > before[n] for n in prefills),
+        timeout=30,
+    )
     # The victim is the node that prefilled LONG: afterwards no device cache holds it.
     victim = max(prefills, key=lambda n: node_stat(cluster, n, "prompt_tokens") - before[n])
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" + " Think step by step." * 12 for i in range(4)]
@@ -333,11 +338,21 @@ def test_kill_prefill_in_flight_then_store_serves_prefill(cluster, client, offli
     def ask(p: str) -> str:
         return client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
 
+    # Frozen first, so the kill certainly lands while the victim holds requests: with a delay instead, they could
+    # all finish before it and the failover would be skipped without the test noticing.
+    cluster.children[victim].proc.send_signal(signal.SIGSTOP)
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(ask, p) for p in prompts]
-        time.sleep(0.3)
-        cluster.children[victim].kill()  # SIGKILL while requests are in flight
+        wait_until(
+            f"the router to send {victim} a job",
+            lambda: health_nodes(cluster.url).get(victim, {}).get("load", 0) > 0,
+            timeout=30,
+            poll_s=0.05,
+        )
+        cluster.children[victim].kill()  # SIGKILL (a stopped process dies too) with its jobs in flight
         assert [f.result(timeout=120) for f in futures] == wants
+    # Every job the victim held was prefilled again on the other node.
+    assert metric(cluster, "ucm_prefill_retries_total") >= retries_before + 1
     # The dead node is dropped, then comes back under the same id and registers again.
     deadline = time.monotonic() + 15
     while victim in httpx.get(cluster.url + "/health").json()["nodes"]:
@@ -347,7 +362,6 @@ def test_kill_prefill_in_flight_then_store_serves_prefill(cluster, client, offli
     cluster.start_node(kind, int(index))
     cluster.wait_healthy(120)
     assert metric(cluster, "ucm_node_events_total", node=victim, event="registered") >= 2
-    assert metric(cluster, "ucm_prefill_retries_total") + metric(cluster, "ucm_local_prefills_total") >= retries_before
     # Neither prefill node holds LONG in its device cache now: the prefill must load it from the store.
     store_before = metric(cluster, "ucm_prefix_cache_hit_tokens_total", role="prefill", source="store")
     assert client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0).choices[0].text == want_long
