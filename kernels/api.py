@@ -190,7 +190,7 @@ def prefill_attention(
         )
     lib = _native_lib(supports(q, k_cache, v_cache))
     plan = _auto_plan(lib, q, k_cache) if lib is not None else None
-    if plan is not None:
+    if lib is not None and plan is not None:
         chunks_native = plan[ShapeClass.CHUNK].impl == calibration.NATIVE
         prompts_native = plan[ShapeClass.PROMPT].impl == calibration.NATIVE
         # Chunks on native: the kernel leaves whole prompts to torch when they measured faster there. Chunks on

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -130,7 +131,7 @@ class ServerAuth:
         if not Path(self.authorized_dir).is_dir():
             raise ValueError(f"authorized client keys folder {self.authorized_dir} does not exist")
 
-    def apply(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes]) -> ThreadAuthenticator:
+    def apply(self, ctx: zmq.Context[Any], sock: zmq.Socket[Any]) -> ThreadAuthenticator:
         """Make `sock` (not yet bound) a CURVE server; start and return the ZAP handler (stop it at shutdown)."""
         public, secret = _load_pair(Path(self.secret_file))
         authenticator = ThreadAuthenticator(ctx)
@@ -188,7 +189,7 @@ class CurveClientKeys:
     secret: bytes = field(repr=False)
     server_public: bytes
 
-    def apply(self, sock: zmq.Socket[bytes]) -> None:
+    def apply(self, sock: zmq.Socket[Any]) -> None:
         """Make `sock` (not yet connected) a CURVE client of the server whose public key we hold."""
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public

@@ -69,6 +69,7 @@ class LlamaForCausalLM(nn.Module):
         """Pre-pack the matmul weights for the CPU backend (see engine/models/dense.py); call once the weights
         are loaded and on their final device/dtype. The packed copies add the matmul weights' size in memory."""
         for layer in self.layers:
+            assert isinstance(layer, DecoderLayer), f"layers holds DecoderLayers, got {type(layer).__name__}"
             layer.attn.pack_weights()
             layer.mlp.pack_weights()
         self.lm_head_packed = pack_weight(self.lm_head_weight)

@@ -38,6 +38,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

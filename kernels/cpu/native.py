@@ -23,10 +23,14 @@ import platform
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kernels.cache_dir import cache_dir  # stdlib-only: kernels/ stays clear of engine/
+
+# A ctypes foreign function with argtypes set; each returns an int32 status.
+CFunction = Callable[..., int]
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +60,12 @@ class NativeLib:
 
     path: Path
     cdll: ctypes.CDLL
-    paged_attention: ctypes._CFuncPtr  # see ucm_paged_attention in paged_attention.c
-    write_kv: ctypes._CFuncPtr  # ucm_write_kv
-    rms_norm: ctypes._CFuncPtr  # ucm_rms_norm in elementwise.c
-    fused_add_rms_norm: ctypes._CFuncPtr  # ucm_fused_add_rms_norm
-    silu_and_mul: ctypes._CFuncPtr  # ucm_silu_and_mul
-    rotary_embedding: ctypes._CFuncPtr  # ucm_rotary_embedding
+    paged_attention: CFunction  # see ucm_paged_attention in paged_attention.c
+    write_kv: CFunction  # ucm_write_kv
+    rms_norm: CFunction  # ucm_rms_norm in elementwise.c
+    fused_add_rms_norm: CFunction  # ucm_fused_add_rms_norm
+    silu_and_mul: CFunction  # ucm_silu_and_mul
+    rotary_embedding: CFunction  # ucm_rotary_embedding
     has_avx512: bool
     has_openmp: bool
     vector_path: str  # what head_dims that are multiples of 16 run: "avx512", "avx2", "neon" or "scalar"
