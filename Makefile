@@ -28,6 +28,9 @@ run: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+# mypy (configured in pyproject.toml) joins lint once the whole tree is clean: ucm/, connector/, kernels/ are;
+# engine/, router/, protocol/, node/, launch/ still report errors (`$(BIN)/mypy` lists them).
+#	$(BIN)/mypy
 
 test: install lint vllm-plugin
 	$(BIN)/python -m pytest -q tests
