@@ -51,8 +51,6 @@ UNSUPPORTED: dict[str, Any] = {
     "prompt_logprobs": None,
     "allowed_token_ids": None,
     "bad_words": [],
-    "truncate_prompt_tokens": None,
-    "truncation_side": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
     "early_stopping": False,
@@ -174,6 +172,9 @@ class _Common(BaseModel):
     spaces_between_special_tokens: Literal[True] = True
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
+    # vLLM's: keep only this many prompt tokens, dropping from the left (or the right) end
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=L.MAX_PROMPT_TOKENS)
+    truncation_side: Literal["left", "right"] = "left"
 
     @model_validator(mode="before")
     @classmethod
@@ -358,7 +359,7 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the template writes the special tokens it wants
-    echo: Literal[False] = False  # vLLM's chat echo (prepend the last message): not implemented
+    echo: bool = False  # vLLM's: the answer starts with the last message's content when that is the assistant's
     tools: Annotated[list[Tool], Field(max_length=64)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # with "required": False allows exactly one call

@@ -80,3 +80,25 @@ def keep_best(choices: Sequence[C], samples: int, n: int) -> list[C]:
     for i, c in enumerate(kept):
         c.index = i
     return kept
+
+
+def truncate(ids: list[int], body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    """truncate_prompt_tokens: the last (truncation_side left) or first k tokens of the prompt."""
+    k = body.truncate_prompt_tokens
+    if k is None or len(ids) <= k:
+        return ids
+    return ids[-k:] if body.truncation_side == "left" else ids[:k]
+
+
+def echo_text(tok: Any, body: CompletionRequest | ChatCompletionRequest, prompt_index: int, ids: list[int]) -> str:
+    """What echo=true puts before the generated text: a completion's prompt (as sent, or decoded when it was
+    token ids or truncated); in a chat, the last message's content when the assistant wrote it (vLLM's)."""
+    if not body.echo:
+        return ""
+    if isinstance(body, ChatCompletionRequest):
+        last = body.messages[-1]
+        return last.text() if last.role == "assistant" else ""
+    prompt = body.prompts[prompt_index]
+    if isinstance(prompt, str) and body.truncate_prompt_tokens is None:
+        return prompt
+    return str(tok.decode(ids, skip_special_tokens=False))

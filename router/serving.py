@@ -26,7 +26,7 @@ from router.dispatcher import Dispatcher, SeqRequest, SeqTrace
 from router.guides import ToolCallFormat, request_guide
 from router.metrics import RouterMetrics
 from router.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, bad_request
-from router.sampling import chat_prompt, keep_best, sampling_spec
+from router.sampling import chat_prompt, echo_text, keep_best, sampling_spec, truncate
 
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -125,7 +125,7 @@ class OpenAIServing:
     def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         if isinstance(body, ChatCompletionRequest):
             try:
-                return [chat_prompt(self.tok, body)]
+                return [truncate(chat_prompt(self.tok, body), body)]
             except Exception as e:  # a template error is the client's messages' (or template's) fault
                 raise bad_request(
                     f"cannot apply the chat template: {e}", "chat_template" if body.chat_template else "messages"
@@ -135,7 +135,7 @@ class OpenAIServing:
             ids = self.tok.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else p
             if any(t < 0 or t >= self.tok.vocab_size for t in ids):
                 raise bad_request("prompt token ids must be in [0, vocab_size)", "prompt")
-            prompts.append(ids)
+            prompts.append(truncate(ids, body))
         return prompts
 
     async def build_choices(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[Choice], int]:
@@ -170,10 +170,7 @@ class OpenAIServing:
                     "max_tokens",
                     "context_length_exceeded",
                 )
-            echo = ""
-            if isinstance(body, CompletionRequest) and body.echo:
-                prompt = body.prompts[pi]
-                echo = prompt if isinstance(prompt, str) else self.tok.decode(prompt, skip_special_tokens=False)
+            echo = echo_text(self.tok, body, pi, ids)
             for i in range(samples):
                 params = sampling_spec(body, max_tokens, i, num_logprobs, guide)
                 seq = SeqRequest(f"{base}-{pi}-{i}", list(ids), params, body.cache_salt)

@@ -110,6 +110,18 @@ def test_echo_prepends_the_prompt(http) -> None:
     assert "".join(e["choices"][0]["text"] for e in events).startswith(PROMPT)
 
 
+def test_truncate_prompt_tokens_and_chat_echo(http, llm) -> None:
+    ids = llm.get_tokenizer().encode(PROMPT)
+    out = complete(http, truncate_prompt_tokens=3)
+    assert out["usage"]["prompt_tokens"] == 3
+    assert out["choices"][0]["text"] == offline(llm, {"prompt_token_ids": ids[-3:]})
+    convo = [*HI, {"role": "assistant", "content": "Hello! How"}]
+    body = {"max_tokens": 4, "add_generation_prompt": False, "continue_final_message": True}
+    plain = chat(http, messages=convo, **body)["choices"][0]["message"]["content"]
+    echoed = chat(http, messages=convo, echo=True, **body)["choices"][0]["message"]["content"]
+    assert echoed == "Hello! How" + plain
+
+
 def test_best_of_returns_the_highest_cumulative_logprob(http) -> None:
     body = {"temperature": 1.0, "seed": 11, "max_tokens": 6}
     all3 = complete(http, n=3, logprobs=0, **body)["choices"]
@@ -201,7 +213,7 @@ REFUSED = [
     (C, {"use_beam_search": True}, "use_beam_search"),
     (C, {"prompt_logprobs": 1}, "prompt_logprobs"),
     (C, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-    (C, {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    (C, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     (C, {"structured_outputs": {"json": {}}}, "structured_outputs"),
     (C, {"frobnicate": 1}, "frobnicate"),
     (C, {"echo": True, "logprobs": 1}, "echo"),
@@ -212,7 +224,7 @@ REFUSED = [
     (C, {"logit_bias": {"3": 101.0}}, "logit_bias"),
     (C, {"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     (C, {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
-    (CH, {"echo": True}, "echo"),
+    (C, {"truncation_side": "middle"}, "truncation_side"),
     (CH, {"tools": TOOLS}, "tool_choice"),  # OpenAI's default with tools is "auto"
     (CH, {"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
     (CH, {"tools": TOOLS, "tool_choice": "required", "stream": True}, "stream"),

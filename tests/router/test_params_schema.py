@@ -108,3 +108,25 @@ def test_tool_call_parsing() -> None:
     named = ToolCallFormat("g").parse('{"y": "z"}')
     assert named is not None and named[0]["function"] == {"name": "g", "arguments": '{"y": "z"}'}
     assert ToolCallFormat("g").parse('{"y": ') is None  # cut by max_tokens: no call
+
+
+def test_truncate_and_echo_text() -> None:
+    from router.sampling import echo_text, truncate
+
+    body = CompletionRequest.model_validate({**BASE_C, "truncate_prompt_tokens": 2})
+    assert truncate([1, 2, 3], body) == [2, 3] and truncate([1], body) == [1]
+    right = CompletionRequest.model_validate({**BASE_C, "truncate_prompt_tokens": 2, "truncation_side": "right"})
+    assert truncate([1, 2, 3], right) == [1, 2]
+
+    class Tok:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(f"<{i}>" for i in ids)
+
+    echo = CompletionRequest.model_validate({**BASE_C, "echo": True})
+    assert echo_text(Tok(), echo, 0, [5]) == "hi"
+    ids_prompt = CompletionRequest.model_validate({**BASE_C, "echo": True, "prompt": [7, 8]})
+    assert echo_text(Tok(), ids_prompt, 0, [7, 8]) == "<7><8>"
+    convo = [*BASE_CH["messages"], {"role": "assistant", "content": "Hello"}]
+    chat = ChatCompletionRequest.model_validate({**BASE_CH, "messages": convo, "echo": True})
+    assert echo_text(Tok(), chat, 0, [1]) == "Hello"
+    assert echo_text(Tok(), ChatCompletionRequest.model_validate({**BASE_CH, "echo": True}), 0, [1]) == ""
