@@ -46,6 +46,9 @@ class BlockPool:
         # Free blocks in eviction order (front = evicted first). OrderedDict: O(1) removal on a cache hit.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockKey, KVCacheBlock] = {}
+        # Bumped whenever a key enters or leaves the prefix cache: a prefix match made at one version holds
+        # until the next (lookups read nothing else), so callers may keep it that long.
+        self.cache_version = 0
 
     # -- allocation ---------------------------------------------------------------------------------------
     @property
@@ -101,6 +104,7 @@ class BlockPool:
             return False
         block.key, block.parent_key, block.token_ids = key, parent_key, token_ids
         self._cached[key] = block
+        self.cache_version += 1
         return True
 
     def uncache(self, block: KVCacheBlock) -> None:
@@ -112,6 +116,7 @@ class BlockPool:
             if self._cached.get(block.key) is block:
                 del self._cached[block.key]
             block.key = block.parent_key = block.token_ids = None
+            self.cache_version += 1
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):

@@ -41,6 +41,11 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     # -- prefix cache -----------------------------------------------------------------------------------
+    @property
+    def cache_version(self) -> int:
+        """Changes whenever the prefix cache does: `get_computed_blocks` answers the same until it changes."""
+        return self.pool.cache_version
+
     def get_computed_blocks(self, request: Request) -> PrefixMatch:
         """Longest cached prefix, leaving at least one token to compute (its logits give the next token)."""
         if not self.enable_caching:

@@ -59,6 +59,9 @@ class Scheduler:
         self._finished_since_step: set[str] = set()
         # Finished sequences whose blocks the connector still reads (request_finished said delay_free).
         self._delayed_free: dict[str, Request] = {}
+        # Waiting sequences' device prefix matches: request id -> (cache version, num_tokens, match). Every step
+        # with room orders (and admits) by them; they are recomputed only once the prefix cache has changed.
+        self._matches: dict[str, tuple[int, int, PrefixMatch]] = {}
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -169,11 +172,11 @@ class Scheduler:
 
     def _admission_order(self) -> list[tuple[Request, PrefixMatch]]:
         """Waiting sequences in the order they may start, each with its device-cache prefix hit at this moment."""
+        waiting_ids = {r.request_id for r in self.waiting}
+        self._matches = {rid: m for rid, m in self._matches.items() if rid in waiting_ids}  # admitted or aborted
         if self.policy is SchedulingPolicy.FCFS:
             return [(r, PrefixMatch()) for r in self.waiting]
-        matched = [
-            (r, self.kv.get_computed_blocks(r) if r.num_computed_tokens == 0 else PrefixMatch()) for r in self.waiting
-        ]
+        matched = [(r, self._prefix_match(r)) for r in self.waiting]
         now = self._clock()
         matched.sort(key=lambda m: (
             m[0].priority,
@@ -182,6 +185,19 @@ class Scheduler:
             m[0].sort_key,
         ))  # fmt: skip
         return matched
+
+    def _prefix_match(self, req: Request) -> PrefixMatch:
+        """The waiting sequence's device prefix-cache hit now: remembered until the prefix cache changes."""
+        if req.num_computed_tokens:
+            return PrefixMatch()
+        version = self.kv.cache_version
+        known = self._matches.get(req.request_id)
+        if known is not None and known[0] == version and known[1] == req.num_tokens:
+            return known[2]
+        self.stats.prefix_matches += 1
+        match = self.kv.get_computed_blocks(req)
+        self._matches[req.request_id] = (version, req.num_tokens, match)
+        return match
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         if not self.waiting or budget <= 0 or (self.running and len(self.running) >= self.max_num_seqs):
@@ -193,8 +209,8 @@ class Scheduler:
             seats = 1 if req.forked else req.sampling_params.n
             if self.running and len(self.running) + seats > self.max_num_seqs:
                 break
-            # Matched again: an admission before this one in the loop may have evicted blocks of the order's match.
-            prefix = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else PrefixMatch()
+            # Matched again if an admission before this one in the loop changed the prefix cache (evicted blocks).
+            prefix = self._prefix_match(req)
             num_computed = req.num_computed_tokens + prefix.num_tokens
             next_block = num_computed // self.kv.block_size
             if next_block < len(req.block_keys) and req.block_keys[next_block] in in_flight:
@@ -216,6 +232,7 @@ class Scheduler:
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, block_ids, num_external)
             self.waiting.remove(req)
+            self._matches.pop(req.request_id, None)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed + num_external
             if req.num_cached_tokens < 0:

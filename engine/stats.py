@@ -14,6 +14,7 @@ class EngineStats:
     external_hit_tokens: int = 0  # tokens loaded by the KV connector (failed loads are subtracted)
     load_error_tokens: int = 0  # tokens recomputed because their blocks failed to load
     preemptions: int = 0
+    prefix_matches: int = 0  # device prefix-cache matches the scheduler ran (remembered until the cache changes)
     prefix_deferrals: int = 0  # (step, sequence) pairs held back while a running sequence computed their prefix
     generated_tokens: int = 0  # tokens sampled and kept
     steps: int = 0

@@ -334,3 +334,60 @@ def test_cache_aware_admits_the_fewest_tokens_to_compute_first_and_ages_the_rest
     sched.add_request(short)
     out = step(sched)
     assert next(iter(out.num_scheduled_tokens)) == "old", out.num_scheduled_tokens
+
+
+class _AlwaysChangedCache(KVCacheManager):
+    """A prefix cache that reports a change on every look: the scheduler re-matches every time (no memo)."""
+
+    _ticks = itertools.count()
+
+    @property
+    def cache_version(self) -> int:
+        return next(self._ticks)
+
+
+def _run_waiting_behind_a_long_request(kv: KVCacheManager) -> tuple[list[dict[str, int]], int]:
+    """One request decodes in a small pool; three others compete for the rest of it, and one of them (preempted)
+    waits, ordered again every step, until the long one ends."""
+    sched = Scheduler(
+        kv,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+        max_model_len=64,
+        eos_token_ids=frozenset([EOS]),
+        policy=SchedulingPolicy.CACHE_AWARE,
+        clock=lambda: 0.0,
+    )
+    sched.add_request(make_request("big", 20, max_tokens=12, start=1))
+    step(sched)
+    for i, tokens in enumerate((24, 22, 23)):
+        sched.add_request(make_request(f"w{i}", tokens, max_tokens=2, start=1 if i != 1 else 100))
+    steps = []
+    while sched.has_unfinished_requests():
+        steps.append(step(sched).num_scheduled_tokens)
+    return steps, sched.stats.prefix_matches
+
+
+def test_admission_order_reuses_prefix_matches_until_the_cache_changes():
+    """Remembering each waiting sequence's match (until a block enters or leaves the prefix cache) changes
+    nothing that is scheduled, and runs fewer matches than matching every waiting sequence every step."""
+    remembered, matches = _run_waiting_behind_a_long_request(KVCacheManager(10, BS))
+    every_time, matches_every_time = _run_waiting_behind_a_long_request(_AlwaysChangedCache(10, BS))
+    assert remembered == every_time
+    assert sum(1 for s in remembered if list(s) == ["big"]) >= 5, "a sequence waited for several steps"
+    assert 0 < matches < matches_every_time, (matches, matches_every_time)
+
+
+def test_prefix_cache_version_changes_when_a_key_enters_or_leaves():
+    kv = KVCacheManager(4, BS)
+    pool = kv.pool
+    (block,) = pool.get_new_blocks(1)
+    before = kv.cache_version
+    assert pool.cache_block(block, b"k" * 16, b"p" * 16, (1, 2, 3, 4))
+    assert kv.cache_version > before
+    cached = kv.cache_version
+    pool.touch([block])  # references do not change what a lookup returns
+    pool.free_blocks([block, block])
+    assert kv.cache_version == cached
+    pool.get_new_blocks(4)  # reuses the freed block: its key leaves the cache
+    assert kv.cache_version > cached
