@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import socket
 import threading
@@ -355,6 +356,25 @@ def test_a_step_that_raises_fails_its_requests_only(live: Live) -> None:
         "the heartbeat to report the step error",
         lambda: metric(live, "ucm_node_stat", node=NODE, name="jobs_step_errors") >= 1,
     )
+    assert_served(live)
+
+
+def test_a_stream_that_fails_midway_leaves_an_access_line(live: Live, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="router.access")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True, "cache_salt": EXPLODE}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as r:
+        text = "".join(r.iter_text())
+    assert r.status_code == 200 and "engine step failed" in text, text  # the error arrives in-band
+
+    def line() -> str | None:
+        return next(
+            (m.getMessage() for m in caplog.records if m.name == "router.access" and "in-band" in m.getMessage()), None
+        )
+
+    wait_until("the failed stream's access line", lambda: line() is not None)
+    found = line()
+    assert found is not None and re.match(r"cmpl-\w+ POST /v1/completions 200 prompt=\d+ ", found), found
+    assert "engine step failed" in found, found
     assert_served(live)
 
 
