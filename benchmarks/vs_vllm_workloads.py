@@ -1,0 +1,169 @@
+"""benchmarks/vs_vllm.py's workloads and the two clients that run them (vLLM's `vllm bench serve`, or
+benchmarks.serve's generator), each result in one summary shape."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+
+from benchmarks.serve import Req, one_request, run_workload, summarize
+
+if TYPE_CHECKING:
+    from benchmarks.vs_vllm import Server
+
+TOKEN_LO, TOKEN_HI = 1000, 40000  # plain word pieces: no special tokens in synthetic prompts
+
+
+# ---------------------------------------------------------------------------------------------- workloads
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
+
+
+def random_reqs(seed: int, n: int = 32, prompt_len: int = 512, out_len: int = 64) -> list[Req]:
+    rng = random.Random(seed)
+    return [Req(_ids(rng, prompt_len), out_len) for _ in range(n)]
+
+
+def prefix_rep_reqs(
+    seed: int, n: int = 32, prefixes: int = 4, prefix_len: int = 1024, suffix_len: int = 128, out_len: int = 64
+) -> list[Req]:
+    rng = random.Random(seed)
+    heads = [_ids(rng, prefix_len) for _ in range(prefixes)]
+    return [Req(heads[rng.randrange(prefixes)] + _ids(rng, suffix_len), out_len) for _ in range(n)]
+
+
+VLLM_CLIENT_ARGS = {
+    "random": [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "512",
+        "--random-output-len",
+        "64",
+        "--num-prompts",
+        "32",
+        "--max-concurrency",
+        "8",
+    ],
+    "prefix-rep": [
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        "1024",
+        "--prefix-repetition-suffix-len",
+        "128",
+        "--prefix-repetition-num-prefixes",
+        "4",
+        "--prefix-repetition-output-len",
+        "64",
+        "--num-prompts",
+        "32",
+    ],
+    "warm": [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "256",
+        "--random-output-len",
+        "16",
+        "--num-prompts",
+        "8",
+        "--max-concurrency",
+        "4",
+    ],
+}
+OWN_CLIENT = {  # the same shapes for our generator: (requests, concurrency)
+    "random": (lambda seed: random_reqs(seed), 8),
+    "prefix-rep": (lambda seed: prefix_rep_reqs(seed), 32),
+    "warm": (lambda seed: random_reqs(seed, 8, 256, 16), 4),
+}
+
+
+def run_vllm_client(
+    args: argparse.Namespace, srv: Server, url: str, model_dir: Path, workload: str, seed: int, out_dir: Path
+) -> dict:
+    """`vllm bench serve` (vLLM's own client); its result JSON in our summary's shape."""
+    result = out_dir / f"{srv.name}__{workload}_{seed}.json"
+    argv = [
+        str(Path(args.vllm_venv) / "bin" / "vllm"),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--model",
+        str(model_dir),
+        "--tokenizer",
+        str(model_dir),
+        "--served-model-name",
+        srv.served_name,
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--request-rate",
+        "inf",
+        "--disable-tqdm",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        result.name,
+        *VLLM_CLIENT_ARGS[workload],
+    ]
+    log = out_dir / f"{srv.name}__{workload}_{seed}.txt"
+    proc = subprocess.run(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **srv.env})
+    if proc.returncode != 0 or not result.exists():
+        return {"completed": 0, "failed": -1, "error": log.read_text()[-500:]}
+    d = json.loads(result.read_text())
+    num = d.get("num_prompts") or len(d.get("ttfts", [])) or d["completed"]
+    return {
+        "completed": d["completed"],
+        "failed": num - d["completed"],
+        "duration_s": d["duration"],
+        "output_tok_per_s": d["output_throughput"],
+        "ttft_mean_ms": d["mean_ttft_ms"],
+        "ttft_p99_ms": d["p99_ttft_ms"],
+        "tpot_mean_ms": d["mean_tpot_ms"],
+    }
+
+
+def run_own_client(srv: Server, url: str, workload: str, seed: int) -> dict:
+    make, concurrency = OWN_CLIENT[workload]
+    results, duration = asyncio.run(run_workload(url, make(seed), concurrency, float("inf"), seed, srv.served_name))
+    s = summarize(results, duration)
+    return {
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "duration_s": duration,
+        "output_tok_per_s": s["output_tok_per_s"],
+        "ttft_mean_ms": s["ttft_ms"]["mean"],
+        "ttft_p99_ms": s["ttft_ms"]["p99"],
+        "tpot_mean_ms": s["tpot_ms"]["mean"],
+        "errors": s["errors"],
+    }
+
+
+async def ttft_probe(url: str, model: str, seed: int, tokens: int = 2048, repeats: int = 3) -> list[float]:
+    """The same prompt sent `repeats` times, one after another: [cold TTFT, repeated TTFTs...] in ms."""
+    prompt = _ids(random.Random(seed), tokens)
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+        for _ in range(repeats):
+            res = await one_request(client, prompt, 8, model)
+            out.append(res.ttft * 1000 if res.ok else float("nan"))
+    return out
