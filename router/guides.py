@@ -124,8 +124,6 @@ def _tool_guide(body: ChatCompletionRequest) -> tuple[P.GuideSpec | None, ToolCa
         )
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request("response_format cannot be combined with forced tool calls", "response_format")
-    if body.stream:
-        raise bad_request("streaming tool calls is not supported: use stream=false", "stream", "unsupported_parameter")
     params = {t.function.name: t.function.parameters or {"type": "object"} for t in body.tools}
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name

@@ -60,5 +60,7 @@ def delta_choice(tok: Any, ch: Chunk, chat: bool, first: bool) -> dict[str, Any]
     lp = logprobs_json(tok, ch.logprobs, chat)
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ch.text} if first else {"content": ch.text}
+        if ch.tool_calls is not None:  # streamed whole, like a parser that has seen the complete call
+            delta.update(content=None, tool_calls=[{"index": i, **c} for i, c in enumerate(ch.tool_calls)])
         return {"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": ch.finish_reason}
     return {"index": ch.index, "text": ch.text, "logprobs": lp, "finish_reason": ch.finish_reason}

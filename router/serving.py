@@ -64,6 +64,7 @@ class Chunk:
     text: str
     logprobs: list[P.TokenLogprob]
     finish_reason: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # a forced tool call, whole, in the choice's last chunk
 
 
 class OpenAIServing:
@@ -224,6 +225,14 @@ class OpenAIServing:
                     text = delta.text
                     if choice.echo and not echoed:  # echo: the prompt's text leads the choice's first chunk
                         text, echoed = choice.echo + text, True
+                    if choice.tools is not None:  # a forced call streams as one tool_calls delta at its end
+                        text = ""
+                        if choice.finish_reason:
+                            calls = choice.tool_calls()
+                            if calls is not None:
+                                out.put_nowait(Chunk(choice.index, "", lps, "tool_calls", calls))
+                                break
+                            text = choice.detok.text  # not a complete call (cut by max_tokens): the text as is
                     if text or lps or choice.finish_reason:
                         out.put_nowait(Chunk(choice.index, text, lps, choice.finish_reason))
                     if choice.finish_reason:

@@ -201,6 +201,21 @@ def test_forced_tool_calls(http, tool_choice) -> None:
         assert [c["function"]["name"] for c in calls] == ["get_weather"]
 
 
+def test_streamed_tool_call_with_the_openai_sdk(cluster) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=80, temperature=0, tools=TOOLS, tool_choice=named, stream=True
+    )
+    chunks = list(stream)
+    calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMA)
+    assert not "".join(ch.choices[0].delta.content or "" for ch in chunks)
+
+
 def _error(http: httpx.Client, path: str, body: dict) -> dict:
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
@@ -227,7 +242,6 @@ REFUSED = [
     (C, {"truncation_side": "middle"}, "truncation_side"),
     (CH, {"tools": TOOLS}, "tool_choice"),  # OpenAI's default with tools is "auto"
     (CH, {"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
-    (CH, {"tools": TOOLS, "tool_choice": "required", "stream": True}, "stream"),
     (CH, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     (CH, {"tool_choice": "required"}, "tool_choice"),
     (CH, {"response_format": {"type": "json_schema"}}, "response_format"),
