@@ -28,7 +28,7 @@ _COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:p
 
 
 @dataclass(frozen=True)
-class _Snapshot:
+class Snapshot:
     at: float
     counters: tuple[float, ...]  # _COUNTERS, in order
     tiers: dict[str, tuple[float, float]]  # tier -> (hits, misses)
@@ -47,7 +47,7 @@ class StatsLogger:
         self.interval_s = interval_s
         self._labels = {"model_name": registry.model_name, "engine": ROUTER_ENGINE}
 
-    def _snapshot(self) -> _Snapshot:
+    def snapshot(self) -> Snapshot:
         r = self._metrics.registry
         counters = tuple(r.get_sample_value(name, self._labels) or 0.0 for name in _COUNTERS)
         tiers: dict[str, tuple[float, float]] = {}
@@ -55,9 +55,9 @@ class StatsLogger:
             hits = max((n.stats.get(f"store_{tier}_hits", 0.0) for n in self._nodes.nodes.values()), default=0.0)
             misses = max((n.stats.get(f"store_{tier}_misses", 0.0) for n in self._nodes.nodes.values()), default=0.0)
             tiers[tier] = (hits, misses)
-        return _Snapshot(time.monotonic(), counters, tiers)
+        return Snapshot(time.monotonic(), counters, tiers)
 
-    def line(self, before: _Snapshot, now: _Snapshot) -> str | None:
+    def line(self, before: Snapshot, now: Snapshot) -> str | None:
         """The line for the interval between two snapshots; None when nothing happened."""
         prompt, generated, cached = (b - a for a, b in zip(before.counters, now.counters, strict=True))
         nodes = list(self._nodes.nodes.values())
@@ -83,10 +83,10 @@ class StatsLogger:
 
     async def run(self) -> None:
         """Log every interval until cancelled."""
-        before = self._snapshot()
+        before = self.snapshot()
         while True:
             await asyncio.sleep(self.interval_s)
-            now = self._snapshot()
+            now = self.snapshot()
             text = self.line(before, now)
             if text is not None:
                 log.info("%s", text)
