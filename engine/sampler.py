@@ -68,6 +68,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, rows)
         logits = self._apply_logit_bias(logits, rows)
+        logits = self._apply_allowed(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
         logits = self._apply_guided(logits, rows)
         tokens = self._sample(logits, rows)
@@ -111,6 +112,19 @@ class Sampler:
             ids = [t for t in bias if t < vocab]  # ids beyond this model's vocabulary name no logit
             if ids:
                 logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype)
+        return logits
+
+    @staticmethod
+    def _apply_allowed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        idx = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+        if not idx:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in idx:
+            keep = torch.zeros(vocab, dtype=torch.bool)
+            keep[[t for t in rows[i].params.allowed_token_ids or () if t < vocab]] = True
+            logits[i] = logits[i].masked_fill(~keep, float("-inf"))
         return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

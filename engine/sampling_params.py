@@ -33,6 +33,7 @@ class SamplingParams:
     detokenize: bool = True
     # token id → added to its logit before sampling (OpenAI's logit_bias; -100 bans, +100 forces in practice)
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (vLLM's); None: any
     guided_decoding: GuidedDecoding | None = None
     # The last k prompt tokens are this request's earlier output (a decode node continuing after a prefill
     # node's first token): presence/frequency penalties and guided decoding count them as output.
@@ -47,6 +48,8 @@ class SamplingParams:
             self.stop = tuple(self.stop or ())
         if not isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = tuple(self.stop_token_ids or ())
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = tuple(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
@@ -92,6 +95,10 @@ class SamplingParams:
                     raise ValueError(
                         f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {tok!r}: {bias!r}"
                     )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecoding):
             raise ValueError(f"guided_decoding must be a GuidedDecoding, got {type(self.guided_decoding).__name__}")
         if not isinstance(self.prior_output_tokens, int) or self.prior_output_tokens < 0:

@@ -35,6 +35,7 @@ def sampling_params(spec: P.SamplingSpec, max_tokens: int) -> SamplingParams:
         ignore_eos=spec.ignore_eos,
         logprobs=spec.logprobs,
         logit_bias=dict(spec.logit_bias) or None,
+        allowed_token_ids=tuple(spec.allowed_token_ids) or None,
         guided_decoding=None if guide is None else GuidedDecoding(GuidedKind(guide.kind.value), guide.schema),
         prior_output_tokens=spec.num_generated,
         detokenize=False,  # the router detokenizes (and applies stop strings)

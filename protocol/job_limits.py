@@ -36,6 +36,7 @@ MAX_PENALTY = 2.0  # presence / frequency penalties: OpenAI's range is [-2, 2]
 MAX_REPETITION_PENALTY = 10.0  # > 0; far above any useful value
 MAX_LOGIT_BIAS = 100.0  # OpenAI: a bias in [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 16
 MAX_GUIDE_CHARS = 64 * 1024  # a JSON schema or regular expression (compiled on the node)
 
 
@@ -88,6 +89,10 @@ def check_spec(spec: P.SamplingSpec) -> None:
     for tok, bias in spec.logit_bias.items():
         _int_in("logit_bias", tok, 0, MAX_TOKEN_ID)
         _float_in("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    if not isinstance(spec.allowed_token_ids, list) or len(spec.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise OutOfBounds("allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} token ids")
+    for t in spec.allowed_token_ids:
+        _int_in("allowed_token_ids", t, 0, MAX_TOKEN_ID)
     guide = spec.guide
     if guide is not None:
         if not isinstance(guide, P.GuideSpec) or not isinstance(guide.kind, P.GuideKind):
@@ -134,6 +139,8 @@ def check_job(job: P.PrefillJob | P.DecodeJob, vocab_size: int | None = None) ->
     check_spec(job.params)
     if vocab_size is not None and any(t > top for t in job.params.stop_token_ids):
         raise OutOfBounds("stop_token_ids", f"token ids must be below the vocabulary size {vocab_size}")
+    if vocab_size is not None and any(t > top for t in job.params.allowed_token_ids):
+        raise OutOfBounds("allowed_token_ids", f"token ids must be below the vocabulary size {vocab_size}")
     if vocab_size is not None and any(t > top for t in job.params.logit_bias):
         raise OutOfBounds("logit_bias", f"token ids must be below the vocabulary size {vocab_size}")
     # Earlier output ends the prompt + first token, so only a decode job continuing one can carry any.

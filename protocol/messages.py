@@ -87,6 +87,7 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True):
     frequency_penalty: float = 0.0
     min_tokens: int = 0  # counted from the request's first output token, wherever it was sampled
     logit_bias: dict[int, float] = {}
+    allowed_token_ids: list[int] = []  # empty: any token
     guide: GuideSpec | None = None
     # Output tokens produced before this job (a decode job: the prefill's first token, plus the tokens a resumed
     # job carries): they end the job's prompt + first token, and count towards min_tokens, penalties and guides.

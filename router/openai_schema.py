@@ -49,7 +49,6 @@ _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_
 UNSUPPORTED: dict[str, Any] = {
     "suffix": None,
     "prompt_logprobs": None,
-    "allowed_token_ids": None,
     "bad_words": [],
     "use_beam_search": False,
     "length_penalty": 1.0,
@@ -172,6 +171,7 @@ class _Common(BaseModel):
     spaces_between_special_tokens: Literal[True] = True
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
+    allowed_token_ids: Annotated[list[_TokenId], Field(min_length=1, max_length=L.MAX_ALLOWED_TOKEN_IDS)] | None = None
     # vLLM's: keep only this many prompt tokens, dropping from the left (or the right) end
     truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=L.MAX_PROMPT_TOKENS)
     truncation_side: Literal["left", "right"] = "left"

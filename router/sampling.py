@@ -43,6 +43,7 @@ def sampling_spec(
         frequency_penalty=body.frequency_penalty,
         min_tokens=body.min_tokens,
         logit_bias=body.logit_bias_ids,
+        allowed_token_ids=list(body.allowed_token_ids or []),
         guide=guide,
     )
 

@@ -33,6 +33,19 @@ def test_logit_bias_forces_and_bans_tokens() -> None:
     assert far == top  # an id beyond this vocabulary biases nothing
 
 
+def test_allowed_token_ids_restrict_sampling() -> None:
+    x = logits()
+    allowed = (3, 9, 41)
+    (greedy,), _ = Sampler()(x, [row(SamplingParams(temperature=0, allowed_token_ids=list(allowed)))])
+    assert greedy == max(allowed, key=lambda t: float(x[0, t]))
+    for seed in range(20):
+        params = SamplingParams(temperature=1.5, allowed_token_ids=allowed)
+        (tok,), _ = Sampler()(x, [SamplingRow(params, seed, 0, 0, [1], [], frozenset([EOS]))])
+        assert tok in allowed
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+
+
 def test_logit_bias_keys_as_strings_and_bounds() -> None:
     assert SamplingParams(logit_bias={"12": 1.5}).logit_bias == {12: 1.5}  # OpenAI's JSON object keys
     with pytest.raises(ValueError, match="logit_bias"):

@@ -94,6 +94,12 @@ def test_min_tokens_delays_eos_across_prefill_and_decode(http) -> None:
     assert one["choices"][0]["message"]["content"] == free["choices"][0]["message"]["content"]
 
 
+def test_allowed_token_ids_restrict_the_output(http) -> None:
+    out = complete(http, allowed_token_ids=[28, 7042], logprobs=0, max_tokens=6)["choices"][0]
+    assert out["logprobs"]["tokens"] and set(out["logprobs"]["tokens"]) <= {",", " Paris"}
+    assert set(complete(http, max_tokens=6, logprobs=0)["choices"][0]["logprobs"]["tokens"]) - {",", " Paris"}
+
+
 def test_min_p_one_keeps_only_the_top_token(http) -> None:
     greedy = complete(http)["choices"][0]["text"]
     assert complete(http, temperature=1.0, min_p=1.0, seed=3)["choices"][0]["text"] == greedy
@@ -227,7 +233,8 @@ REFUSED = [
     (C, {"suffix": "x"}, "suffix"),
     (C, {"use_beam_search": True}, "use_beam_search"),
     (C, {"prompt_logprobs": 1}, "prompt_logprobs"),
-    (C, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    (C, {"allowed_token_ids": []}, "allowed_token_ids"),
+    (C, {"allowed_token_ids": [49152]}, "allowed_token_ids"),  # beyond the vocabulary
     (C, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     (C, {"structured_outputs": {"json": {}}}, "structured_outputs"),
     (C, {"frobnicate": 1}, "frobnicate"),
