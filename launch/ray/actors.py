@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,12 +45,15 @@ def _placement(child: Child | None) -> Placement:
     import ray
 
     ctx = ray.get_runtime_context()
+    with warnings.catch_warnings():  # Ray 2.60 warns from inside its own property (it reads a deprecated field)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        restarted = ctx.was_current_actor_reconstructed
     return Placement(
         ray_node_id=ctx.get_node_id(),
         ip=ray.util.get_node_ip_address(),
         actor_pid=os.getpid(),
         child_pid=child.proc.pid if child is not None and child.alive else None,
-        restarted=ctx.was_current_actor_reconstructed,
+        restarted=restarted,
     )
 
 

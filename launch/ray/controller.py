@@ -34,6 +34,7 @@ class Controller:
         self.spec = spec
         self.keys = keys
         self._lock = threading.RLock()
+        self._closing = threading.Event()  # shutdown() stops a deploy or scale that is still waiting
         self.host: str | None = None
         self.store: Any = None
         self.store_address: str | None = None
@@ -51,6 +52,9 @@ class Controller:
             spec = self.spec
             nodes = alive_nodes()
             self.host = bind_host(spec, nodes)
+            want = (spec.store_cpus if spec.store else 0.0) + spec.router_cpus
+            want += spec.node_cpus * (spec.prefill + spec.decode + spec.colocated)
+            _check_free_cpus(want, "the deployment")
             if spec.store:
                 options, note = store_options(spec, nodes)
                 if note:
@@ -115,8 +119,11 @@ class Controller:
                 if self._state(self.nodes[name]) is ActorState.DEAD:
                     raise RuntimeError(f"node actor {name} died before registering (see its output above)")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"nodes {missing} did not register within {timeout_s:.0f}s")
-            time.sleep(_POLL_S)
+                raise RuntimeError(
+                    f"nodes {missing} did not register within {timeout_s:.0f}s (an actor Ray cannot place waits "
+                    "for free CPUs/GPUs on one host: see `ray status`)"
+                )
+            self._pause()
 
     # ------------------------------------------------------------------ scale
 
@@ -140,6 +147,7 @@ class Controller:
                 f"at most {self.spec.max_nodes_per_kind} {kind.value} nodes (keys exist for those; redeploy with "
                 "a larger --max-nodes)"
             )
+        _check_free_cpus(self.spec.node_cpus * count, f"{count} more {kind.value} node(s)")
         names = [self._start_node(kind, i) for i in free]
         self._wait_registered(names, timeout_s)
         return names
@@ -162,9 +170,13 @@ class Controller:
             while (view := self._views().get(name)) is not None and view.inflight:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{name} still holds {view.inflight} request(s) after {timeout_s:.0f}s")
-                time.sleep(_POLL_S)
+                self._pause()
             self._stop_node(name)
         return victims
+
+    def _pause(self) -> None:
+        if self._closing.wait(_POLL_S):
+            raise RuntimeError("the deployment is shutting down")
 
     def _stop_node(self, name: str) -> None:
         handle = self.nodes.pop(name)
@@ -235,6 +247,7 @@ class Controller:
 
     def shutdown(self) -> None:
         """Nodes first (no more saves), then the router, then the store."""
+        self._closing.set()
         with self._lock:
             for name in list(self.nodes):
                 self._stop_node(name)
@@ -247,6 +260,16 @@ class Controller:
                     pass
                 ray.kill(handle, no_restart=True)
             self.router = self.store = None
+
+
+def _check_free_cpus(want: float, what: str) -> None:
+    """Fail at once when the whole cluster lacks the CPUs (Ray would leave the actors pending forever)."""
+    free = ray.available_resources().get("CPU", 0.0)
+    if want > free + 1e-9:
+        raise ValueError(
+            f"{what} needs {want:g} CPUs, the Ray cluster has {free:g} free: add a host (`ray start --address ...`) "
+            "or ask for fewer (--node-cpus)"
+        )
 
 
 def parse_kind_order(node_id: str) -> tuple[int, int]:

@@ -58,8 +58,13 @@ class RayDeployment:
         return ray.get(self.controller.handles.remote())
 
     def shutdown(self) -> None:
+        """Stop every actor in order; whatever does not stop in time dies with the controller (owned actors)."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+
         try:
             ray.get(self.controller.shutdown.remote(), timeout=120)
+        except (RayActorError, GetTimeoutError):
+            pass
         finally:
             ray.kill(self.controller, no_restart=True)
 

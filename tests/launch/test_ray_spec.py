@@ -61,3 +61,15 @@ def test_each_actor_gets_only_its_keys() -> None:
         import shutil
 
         shutil.rmtree(folder)
+
+
+def test_up_and_the_cli_do_not_import_ray() -> None:
+    # Ray is an optional extra: only a Ray path (up --ray, scale, status, down) may load it.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, launch.cli, launch.launcher; launch.launcher.build_parser().parse_args(['--ray']); "
+        "assert 'ray' not in sys.modules, 'ray imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
