@@ -31,6 +31,11 @@ def _have_ray() -> bool:
     return True
 
 
+def _why(e: BaseException) -> BaseException:
+    """The controller's own exception, without Ray's remote traceback around it."""
+    return getattr(e, "cause", None) or e
+
+
 def up_main(args: argparse.Namespace) -> int:
     """`ucm-serve up --ray`: `args` parsed by launch/launcher.py (up's own flags plus options.add_ray_args)."""
     try:
@@ -55,7 +60,7 @@ def up_main(args: argparse.Namespace) -> int:
     try:
         deployment = deploy(spec, args.timeout)
     except (RuntimeError, ValueError) as e:
-        print(f"[up] failed: {e}", flush=True)
+        print(f"[up] failed: {_why(e)}", flush=True)
         return 1
     status = deployment.status()
     print(format_status(status), flush=True)
@@ -65,10 +70,14 @@ def up_main(args: argparse.Namespace) -> int:
         return 0
     print("Ctrl-C stops everything (`ucm-serve scale` / `status` from another shell meanwhile).\n", flush=True)
     try:
-        done.wait()
+        while not done.wait(2.0):
+            if not deployment.alive():
+                print("[up] the deployment was stopped (`ucm-serve down`)", flush=True)
+                return 0
         print("[up] shutting down", flush=True)
     finally:
-        deployment.shutdown()
+        if deployment.alive():
+            deployment.shutdown()
     return 0
 
 
@@ -104,7 +113,7 @@ def scale_main(argv: list[str]) -> int:
             names = deployment.scale(kind, delta, args.timeout)
             print(f"{'added' if delta > 0 else 'drained and removed'}: {', '.join(names)}", flush=True)
     except (ValueError, RuntimeError) as e:
-        print(f"ucm-serve scale: {e}", file=sys.stderr)
+        print(f"ucm-serve scale: {_why(e)}", file=sys.stderr)
         return 1
     return 0
 

@@ -54,6 +54,14 @@ class RayDeployment:
         """Add (delta > 0) or drain and remove (delta < 0) nodes of `kind`; the node ids added or removed."""
         return ray.get(self.controller.scale.remote(kind, delta, timeout_s))
 
+    def alive(self) -> bool:
+        """False once the controller is gone (`ucm-serve down`, or killed)."""
+        try:
+            ray.get_actor(self.name, namespace=NAMESPACE)
+        except ValueError:
+            return False
+        return True
+
     def handles(self) -> dict[str, Any]:
         return ray.get(self.controller.handles.remote())
 
