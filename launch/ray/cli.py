@@ -54,14 +54,15 @@ def up_main(args: argparse.Namespace) -> int:
         f"colocated node(s), store {'on' if spec.store else 'off'}",
         flush=True,
     )
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
     try:
+        # Ctrl-C meanwhile raises KeyboardInterrupt: deploy() stops whatever it started.
         deployment = deploy(spec, args.timeout)
     except (RuntimeError, ValueError) as e:
         print(f"[up] failed: {_why(e)}", flush=True)
         return 1
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
     status = deployment.status()
     print(format_status(status), flush=True)
     print(f"\nucm-serve is up on Ray: {status.url}  (OpenAI API at {status.url}/v1, metrics at {status.url}/metrics)")
