@@ -16,7 +16,8 @@ from typing import Any
 
 from protocol import job_limits as L
 from protocol import messages as P
-from router.openai_schema import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat, bad_request
+from router.guide_schema import NamedToolChoice, ResponseFormat, StructuredOutputs
+from router.openai_schema import ChatCompletionRequest, CompletionRequest, bad_request
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,39 @@ def _response_guide(fmt: ResponseFormat | None) -> P.GuideSpec | None:
     return _schema_guide(fmt.json_schema.schema_ or {"type": "object"}, "response_format")
 
 
+_REGEX_SPECIAL = frozenset("\\.^$*+?()[]{}|")
+
+
+def _literal_regex(text: str) -> str:
+    """`text` as a regular expression matching itself (only metacharacters escaped: xgrammar warns on others)."""
+    return "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in text)
+
+
+def _structured_guide(so: StructuredOutputs) -> P.GuideSpec:
+    param = "structured_outputs"
+    if so.json_object:
+        return P.GuideSpec(P.GuideKind.JSON_OBJECT)
+    if so.json_ is not None:
+        schema = so.json_
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise bad_request(f"structured_outputs.json is not valid JSON: {e}", param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request("structured_outputs.json must be a JSON schema (an object)", param)
+        return _schema_guide(schema, param)
+    if so.choice is not None:
+        return P.GuideSpec(P.GuideKind.REGEX, "(" + "|".join(_literal_regex(c) for c in so.choice) + ")")
+    if so.regex is not None:
+        try:
+            re.compile(so.regex)
+        except re.error as e:
+            raise bad_request(f"structured_outputs.regex is not a regular expression: {e}", param) from None
+        return P.GuideSpec(P.GuideKind.REGEX, so.regex)
+    raise bad_request("structured_outputs.json_object must be true when it is the constraint", param)
+
+
 def _tool_guide(body: ChatCompletionRequest) -> tuple[P.GuideSpec | None, ToolCallFormat | None]:
     choice = body.tool_choice
     if not body.tools:
@@ -124,6 +158,8 @@ def _tool_guide(body: ChatCompletionRequest) -> tuple[P.GuideSpec | None, ToolCa
         )
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request("response_format cannot be combined with forced tool calls", "response_format")
+    if body.structured_outputs is not None:
+        raise bad_request("structured_outputs cannot be combined with forced tool calls", "structured_outputs")
     params = {t.function.name: t.function.parameters or {"type": "object"} for t in body.tools}
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
@@ -153,7 +189,12 @@ def request_guide(body: CompletionRequest | ChatCompletionRequest) -> tuple[P.Gu
         guide, tools = _tool_guide(body)
         if guide is not None:
             return guide, tools
-    return _response_guide(body.response_format), None
+    response = _response_guide(body.response_format)
+    if body.structured_outputs is None:
+        return response, None
+    if response is not None:
+        raise bad_request("use response_format or structured_outputs, not both", "structured_outputs")
+    return _structured_guide(body.structured_outputs), None
 
 
 def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:

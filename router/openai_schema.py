@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from protocol import job_limits as L
+from router.guide_schema import STRICT, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolCall
 
 
 class ApiError(Exception):
@@ -41,8 +42,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, "invalid_request_error", param, code)
 
 
-# Strict types, unknown fields refused, and no NaN/Infinity: json accepts them, no sampling parameter can.
-_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+_STRICT = STRICT  # strict types, unknown fields refused, no NaN/Infinity (router/guide_schema.py)
 
 # vLLM / OpenAI parameters this server does not implement → the value that asks for nothing (sent by clients
 # that fill in every default: accepted and dropped). Any other value is a 400 naming the parameter.
@@ -53,7 +53,6 @@ UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "early_stopping": False,
-    "structured_outputs": None,
     "guided_json": None,
     "guided_regex": None,
     "guided_choice": None,
@@ -110,27 +109,6 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: Literal[False] = False  # vLLM's per-chunk usage: not implemented
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = _STRICT
-    name: str = Field(default="response", max_length=64)
-    description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None  # the grammar always enforces the schema
-
-
-class ResponseFormat(BaseModel):
-    model_config = _STRICT
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_for_type(self) -> ResponseFormat:
-        # A model validator: a field validator would not run when json_schema is left out.
-        if (self.json_schema is not None) != (self.type == "json_schema"):
-            raise ValueError("json_schema is required with type json_schema, and only then")
-        return self
-
-
 _Stop = str | Annotated[list[str], Field(max_length=L.MAX_STOP_STRINGS)] | None
 _TokenId = Annotated[int, Field(ge=0, le=L.MAX_TOKEN_ID)]
 
@@ -171,6 +149,7 @@ class _Common(BaseModel):
     spaces_between_special_tokens: Literal[True] = True
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     allowed_token_ids: Annotated[list[_TokenId], Field(min_length=1, max_length=L.MAX_ALLOWED_TOKEN_IDS)] | None = None
     # vLLM's: keep only this many prompt tokens, dropping from the left (or the right) end
     truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=L.MAX_PROMPT_TOKENS)
@@ -274,19 +253,6 @@ class TextPart(BaseModel):
     text: str
 
 
-class ToolCallFunction(BaseModel):
-    model_config = _STRICT
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    model_config = _STRICT
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "user", "assistant", "developer", "tool"]
@@ -322,31 +288,6 @@ class ChatMessage(BaseModel):
                 for c in self.tool_calls
             ]
         return out
-
-
-class FunctionDef(BaseModel):
-    model_config = _STRICT
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the grammar always enforces the parameters' schema
-
-
-class Tool(BaseModel):
-    model_config = _STRICT
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(BaseModel):
-    model_config = _STRICT
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = _STRICT
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):

@@ -190,6 +190,12 @@ TOOLS = [
 ]
 
 
+def test_structured_outputs_choice(http) -> None:
+    so = {"choice": ["Paris", "London", "Berlin"]}
+    text = complete(http, max_tokens=8, structured_outputs=so)["choices"][0]["text"]
+    assert text in so["choice"]
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_calls(http, tool_choice) -> None:
     # One call: this small model repeats a call until max_tokens when the grammar allows more (parallel calls).
@@ -236,7 +242,7 @@ REFUSED = [
     (C, {"allowed_token_ids": []}, "allowed_token_ids"),
     (C, {"allowed_token_ids": [49152]}, "allowed_token_ids"),  # beyond the vocabulary
     (C, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    (C, {"structured_outputs": {"json": {}}}, "structured_outputs"),
+    (C, {"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
     (C, {"frobnicate": 1}, "frobnicate"),
     (C, {"echo": True, "logprobs": 1}, "echo"),
     (C, {"n": 3, "best_of": 2}, "best_of"),

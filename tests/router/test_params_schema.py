@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from protocol import messages as P
+from router.errors import validate
 from router.guides import ToolCallFormat, request_guide
 from router.openai_schema import UNSUPPORTED, ApiError, ChatCompletionRequest, CompletionRequest
 from router.sampling import keep_best, sampling_spec
@@ -85,6 +86,25 @@ def test_json_schema_guide_and_refused_schemas() -> None:
         with pytest.raises(ApiError, match=why) as e:
             request_guide(body)
         assert e.value.param == "response_format"
+
+
+def test_structured_outputs_guides() -> None:
+    def guide(so: object) -> P.GuideSpec | None:
+        return request_guide(CompletionRequest.model_validate({**BASE_C, "structured_outputs": so}))[0]
+
+    assert guide({"choice": ["a.b", "c d"]}) == P.GuideSpec(P.GuideKind.REGEX, "(a\\.b|c d)")
+    assert guide({"regex": "[0-9]+"}) == P.GuideSpec(P.GuideKind.REGEX, "[0-9]+")
+    assert guide({"json_object": True}) == P.GuideSpec(P.GuideKind.JSON_OBJECT)
+    spec = guide({"json": '{"type": "integer"}'})
+    assert spec is not None and json.loads(spec.schema or "") == {"type": "integer"}
+    for bad in [{"regex": "("}, {"json": "{nope"}, {"json_object": False}]:
+        with pytest.raises(ApiError) as e:
+            guide(bad)
+        assert e.value.param == "structured_outputs"
+    for bad in [{"regex": "a", "choice": ["b"]}, {"grammar": "root ::= x"}, {}]:
+        with pytest.raises(ApiError) as e:  # as the router parses a body: a 400 naming the parameter
+            validate(json.dumps({**BASE_C, "structured_outputs": bad}).encode(), CompletionRequest)
+        assert e.value.param == "structured_outputs"
 
 
 def test_tool_guides() -> None:
