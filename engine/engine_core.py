@@ -162,8 +162,9 @@ class EngineCore:
             raise ValueError(f"request {request_id!r}: prompt token ids must be ints") from None
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"request {request_id!r}: prompt token ids must be ints in [0, {vocab})")
-        if params.guided_decoding is not None:
-            self.runner.sampler.guided.check(params.guided_decoding)  # a schema it cannot compile: ValueError now
+        guided = self.runner.sampler.guided
+        if params.guided_decoding is not None and guided is not None:
+            guided.check(params.guided_decoding)  # a schema it cannot compile: ValueError now, not mid-step
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(
             request_id,

@@ -31,7 +31,7 @@ def sampling_params(spec: P.SamplingSpec, max_tokens: int) -> SamplingParams:
         presence_penalty=spec.presence_penalty,
         frequency_penalty=spec.frequency_penalty,
         min_tokens=min(max(0, spec.min_tokens - spec.num_generated), max_tokens),
-        stop_token_ids=list(spec.stop_token_ids),
+        stop_token_ids=tuple(spec.stop_token_ids),
         ignore_eos=spec.ignore_eos,
         logprobs=spec.logprobs,
         logit_bias=dict(spec.logit_bias) or None,

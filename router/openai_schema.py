@@ -243,7 +243,7 @@ class CompletionRequest(_Common):
         if isinstance(self.prompt, str):
             return [self.prompt]
         if self.prompt and isinstance(self.prompt[0], int):
-            return [list(self.prompt)]  # type: ignore[arg-type]
+            return [list(self.prompt)]
         return list(self.prompt)  # type: ignore[arg-type]
 
 
