@@ -161,7 +161,12 @@ def test_scale_prefill_up_gets_jobs(deployment, url, client, offline) -> None:
     wants = [offline(p, 4) for p in prompts]
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         assert list(pool.map(lambda p: _ask(client, p, 4), prompts)) == wants
-    assert metric(url, "ucm_node_stat", node="prefill-1", name="jobs_prefill_started") > 0
+    # The node's job counters reach /metrics with its next heartbeat.
+    wait_until(
+        "prefill-1 started prefill jobs",
+        lambda: metric(url, "ucm_node_stat", node="prefill-1", name="jobs_prefill_started") > 0,
+        30,
+    )
 
 
 def test_scale_decode_down_drains_without_failing_a_request(deployment, url, client, offline) -> None:
