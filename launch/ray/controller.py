@@ -167,7 +167,10 @@ class Controller:
             ray.get(self.router.drain.remote(name), timeout=_CALL_S)
         deadline = time.monotonic() + timeout_s
         for name in victims:
-            while (view := self._views().get(name)) is not None and view.inflight:
+            while (view := self._views().get(name)) is not None and (view.inflight or not view.draining):
+                if not view.draining:  # Ray restarted it meanwhile: the new incarnation must not take jobs either
+                    ray.get(self.router.drain.remote(name), timeout=_CALL_S)
+                    continue
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{name} still holds {view.inflight} request(s) after {timeout_s:.0f}s")
                 self._pause()
