@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 # keeps one build-or-fallback decision per process.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.c", "elementwise.c"))
 # Included by the sources: not compiled on their own, but part of what the library hash covers.
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h",))
+HEADERS = tuple(
+    Path(__file__).with_name(name)
+    for name in ("bf16.h", "paged_attention_common.h", "paged_attention_avx512.h", "paged_attention_vec.h")
+)
 LIBRARY_STEM = "ucm_kernels"
 FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp")
 LIBS = ("-lm",)

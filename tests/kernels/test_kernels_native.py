@@ -255,11 +255,14 @@ def test_library_hash_covers_the_shared_header(monkeypatch, tmp_path):
 
 
 def test_sources_include_the_shipped_headers():
-    """Every header the sources include is listed in HEADERS (hashed) and lives beside them (shipped as *.h)."""
+    """Every header the sources or the headers include is listed in HEADERS (hashed) and lives beside them
+    (shipped as *.h)."""
     import re
 
     included = {
-        name for src in native.SOURCES for name in re.findall(r'#include "([^"]+)"', src.read_text(encoding="utf-8"))
+        name
+        for src in native.SOURCES + native.HEADERS
+        for name in re.findall(r'#include "([^"]+)"', src.read_text(encoding="utf-8"))
     }
     assert included == {h.name for h in native.HEADERS} and included
     assert all(h.parent == native.SOURCES[0].parent and h.suffix == ".h" for h in native.HEADERS)

@@ -1,0 +1,126 @@
+/* What paged_attention.c's bodies share: the problem and work-item types, limits, status codes, row and cache
+ * addressing, scalar dtype helpers and the spread-out prefetcher.
+ *
+ * Part of one translation unit: included by paged_attention.c and its per-ISA bodies
+ * (paged_attention_avx512.h, paged_attention_vec.h), never compiled on its own; its functions are static.
+ */
+#ifndef UCM_PAGED_ATTENTION_COMMON_H
+#define UCM_PAGED_ATTENTION_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "bf16.h"
+
+#define UCM_DTYPE_F32 0
+#define UCM_DTYPE_BF16 1
+
+#if defined(__AVX512F__)
+#define MAX_ROWS 32 /* rows per work item: a prefill chunk's tokens share the K/V they stream from L1/L2 */
+#else
+#define MAX_ROWS 64 /* the vector path: more rows share each transposed chunk of keys (paged_attention_vec.h) */
+#endif
+#define MAX_D 256   /* largest head_dim: per-row accumulators live on the stack */
+#define CHUNK 16    /* keys per online-softmax step: one AVX-512 vector of scores, two AVX2, four NEON */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Error codes returned to Python (which turns them into ValueError with the sequence index). */
+#define UCM_OK 0
+#define UCM_ERR_QUERY_LONGER_THAN_CONTEXT 1
+#define UCM_ERR_BLOCK_TABLE_TOO_NARROW 2
+#define UCM_ERR_BLOCK_ID_OUT_OF_RANGE 3
+#define UCM_ERR_BAD_QUERY_START_LOC 4
+#define UCM_ERR_BAD_SHAPE 5
+
+static const float LOG2E = 1.4426950408889634f;
+
+typedef struct {
+    const void *q;
+    int64_t q_stride_tok, q_stride_head; /* elements */
+    const void *k_cache, *v_cache;
+    void *out;
+    const int32_t *query_start_loc, *seq_lens, *block_tables;
+    int64_t block_table_stride;
+    int32_t num_q_heads, num_kv_heads, head_dim, block_size;
+    float scale_log2;           /* softmax scale folded with log2(e): scores live in base 2 */
+    int32_t skip_whole_prompts; /* leave sequences whose queries are their whole context (n == L > 1) alone */
+} Problem;
+
+typedef struct {
+    int32_t seq, row0; /* row0: first row (token * num_q_heads + query head) of the item */
+} Item;
+
+/* One item's rows, resolved: where each row's query and output live, its kv head and last visible key. */
+typedef struct {
+    int32_t n, len, nrows;
+    int64_t q_off[MAX_ROWS], o_off[MAX_ROWS];
+    int32_t kv_head[MAX_ROWS], pos[MAX_ROWS];
+} Rows;
+
+static inline int32_t num_queries(const Problem *p, int32_t seq) {
+    return p->query_start_loc ? p->query_start_loc[seq + 1] - p->query_start_loc[seq] : 1;
+}
+
+static void resolve_rows(const Problem *p, const Item *it, Rows *r) {
+    const int32_t q0 = p->query_start_loc ? p->query_start_loc[it->seq] : it->seq;
+    const int32_t hq = p->num_q_heads, group = hq / p->num_kv_heads;
+    r->n = num_queries(p, it->seq);
+    r->len = p->seq_lens[it->seq];
+    r->nrows = r->n * hq - it->row0 < MAX_ROWS ? r->n * hq - it->row0 : MAX_ROWS;
+    for (int32_t i = 0; i < r->nrows; i++) {
+        const int32_t row = it->row0 + i, tok = row / hq, head = row % hq;
+        r->q_off[i] = (int64_t)(q0 + tok) * p->q_stride_tok + (int64_t)head * p->q_stride_head;
+        r->o_off[i] = ((int64_t)(q0 + tok) * hq + head) * p->head_dim;
+        r->kv_head[i] = head / group;
+        r->pos[i] = r->len - r->n + tok;
+    }
+}
+
+static inline const int32_t *table_of(const Problem *p, int32_t seq) {
+    return p->block_tables + (int64_t)seq * p->block_table_stride;
+}
+
+/* Element offset of (token t of block, kv head) inside a cache. */
+static inline int64_t cache_offset(const Problem *p, int32_t block, int32_t t, int32_t kv_head) {
+    return (((int64_t)block * p->block_size + t) * p->num_kv_heads + kv_head) * p->head_dim;
+}
+
+/* ---------------------------------------------------------------- dtype helpers (scalar) */
+
+static inline float load_f(const void *base, int64_t i, int dtype) {
+    return dtype == UCM_DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static void store_zero_rows(const Problem *p, const Rows *r, int dtype) {
+    const int esize = dtype == UCM_DTYPE_BF16 ? 2 : 4;
+    for (int32_t i = 0; i < r->nrows; i++) memset((char *)p->out + r->o_off[i] * esize, 0, (size_t)p->head_dim * esize);
+}
+
+/* The cache lines of the next chunk, handed to the prefetcher a few at a time between rows: a burst of a
+ * few hundred prefetches at once stalls on the core's miss buffers (measured with DRAM-resident caches on huge
+ * pages: a burst 1516 us a layer, spread out 668, no prefetch 1773). */
+typedef struct {
+    const char *k, *v;
+    int64_t stride, bytes; /* bytes between key rows, bytes per key row */
+    int rows, row;
+    int64_t at;
+} Prefetch;
+
+ALWAYS_INLINE void prefetch_some(Prefetch *pf, int lines) {
+    for (; lines > 0 && pf->row < pf->rows; lines--) {
+        __builtin_prefetch(pf->k + pf->row * pf->stride + pf->at, 0, 3); /* prefetcht0 on x86 */
+        __builtin_prefetch(pf->v + pf->row * pf->stride + pf->at, 0, 3);
+        pf->at += 64;
+        if (pf->at >= pf->bytes) {
+            pf->at = 0;
+            pf->row++;
+        }
+    }
+}
+
+#endif /* UCM_PAGED_ATTENTION_COMMON_H */
