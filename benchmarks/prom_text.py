@@ -16,10 +16,12 @@ def metric(url: str, metric_name: str, /, **labels: str) -> float:
 
 
 def node_stats(url: str, name: str) -> dict[str, float]:
-    """`ucm_node_stat{name=...}` of every node reporting it: node id -> value."""
+    """Heartbeat stat `name` of every node reporting it: node id -> value. A counter is exported as
+    `ucm_node_<name>_total{node}`, a level as `ucm_node_<name>{node}` (router/node_metrics.py)."""
+    base = "ucm_node_" + name.removesuffix("_total")
     out: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("ucm_node_stat{") and f'name="{name}"' in line:
+        if line.startswith((base + "_total{", base + "{")):
             node = line.split('node="', 1)[1].split('"', 1)[0]
             out[node] = float(line.rsplit(" ", 1)[1])
     return out

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from connector.request_view import ConnectorRequest, ConnectorSchedulerOutput
+from ucm.api import Tier
 
 if TYPE_CHECKING:  # importing this package stays torch-free
     import torch
@@ -125,6 +126,11 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device block ids whose load failed since the last call; the scheduler recomputes them."""
+
+    def take_loaded_by_tier(self) -> dict[str, dict[Tier, int]]:
+        """Blocks each request loaded since the last call, by the store tier they were read from (only blocks
+        that loaded and verified). A connector without tiers reports nothing."""
+        return {}
 
     def close(self) -> None:
         """The engine shuts down (called once, after the last step); release store connections."""

@@ -51,6 +51,7 @@ class ConnectorStats:
     lookups: int = 0
     lookup_hit_blocks: int = 0
     blocks_loaded: int = 0  # every layer arrived and was scattered; only these count as hits
+    blocks_loaded_disk: int = 0  # of blocks_loaded, served from the store's disk tier (the rest: DRAM)
     blocks_load_failed: int = 0  # reported through get_block_ids_with_load_errors (prefix semantics)
     blocks_saved: int = 0  # committed with every layer
     blocks_save_failed: int = 0  # a dump failed, or the store was unreachable

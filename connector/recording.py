@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.base import ConnectorMetadata, ConnectorPair, KVConnectorScheduler, KVConnectorWorker
 from connector.request_view import ConnectorRequest, ConnectorSchedulerOutput
+from ucm.api import Tier
 
 if TYPE_CHECKING:
     import torch
@@ -117,6 +118,9 @@ class RecordingWorker(KVConnectorWorker):
     def get_block_ids_with_load_errors(self) -> set[int]:
         self.log.add(Call("get_block_ids_with_load_errors"))
         return self.inner.get_block_ids_with_load_errors()
+
+    def take_loaded_by_tier(self) -> dict[str, dict[Tier, int]]:
+        return self.inner.take_loaded_by_tier()  # bookkeeping, not a lifecycle call: not logged
 
     def close(self) -> None:
         self.inner.close()

@@ -19,7 +19,7 @@ import torch
 from connector.base import ConnectorMetadata, KVConnectorRole, KVConnectorWorker
 from connector.kv_layout import KVLayout, StagingBuffer, pack_blocks, unpack_blocks
 from connector.metadata import BlockSpec, ConnectorStats, UCMConnectorMetadata, commit_saves, failed_rows, store_failed
-from ucm.api import BlockRef, KVStore, StoreTask
+from ucm.api import BlockRef, KVStore, StoreTask, Tier
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class _StepLoads:
     blocks: list[BlockRef]  # [rows]
     tasks: dict[int, StoreTask | None] = field(default_factory=dict)  # layer -> task
     failed_rows: set[int] = field(default_factory=set)
+    disk_rows: set[int] = field(default_factory=set)  # rows some layer of which the store read off disk
 
     @property
     def num_rows(self) -> int:
@@ -68,6 +69,8 @@ class UCMWorkerConnector(KVConnectorWorker):
         self._saves: list[tuple[int, StoreTask | None]] = []  # (layer, task) of this step
         self._load_errors: set[int] = set()
         self._errored_requests: set[str] = set()  # this step's requests with a failed load
+        # request id -> blocks it loaded, by the store tier they came from: for the per-tier prompt-token split
+        self._loaded_by_tier: dict[str, dict[Tier, int]] = {}
         self._h2d_done: torch.cuda.Event | None = None  # CUDA event after the last staging -> cache copy
         self._warn_at = 0.0  # when the last store-failure warning was logged
 
@@ -140,6 +143,8 @@ class UCMWorkerConnector(KVConnectorWorker):
         if stuck:  # leave the buffer to the straggler; later steps get a new one
             self._load_bufs[layer] = StagingBuffer(self.layout)
         loads.failed_rows |= failed
+        if task is not None and not stuck:
+            loads.disk_rows.update(task.disk_blocks)
         good = [r for r in range(loads.num_rows) if r not in failed]
         if good:
             k_cache, v_cache = self._caches[layer]
@@ -163,7 +168,14 @@ class UCMWorkerConnector(KVConnectorWorker):
         for spec, first in zip(loads.specs, loads.row_of_spec):
             bad = [i for i in range(len(spec.blocks)) if first + i in loads.failed_rows]
             ok = bad[0] if bad else len(spec.blocks)
+            # Only the loaded prefix counts; a block is a disk hit if any of its layers came off disk.
+            disk = sum(1 for i in range(ok) if first + i in loads.disk_rows)
+            if ok:
+                tiers = self._loaded_by_tier.setdefault(spec.request_id, {})
+                tiers[Tier.DRAM] = tiers.get(Tier.DRAM, 0) + ok - disk
+                tiers[Tier.DISK] = tiers.get(Tier.DISK, 0) + disk
             self.stats.blocks_loaded += ok
+            self.stats.blocks_loaded_disk += disk
             self.stats.bytes_loaded += ok * nbytes
             self.stats.blocks_load_failed += len(spec.blocks) - ok
             self._load_errors.update(spec.block_ids[ok:])
@@ -234,6 +246,13 @@ class UCMWorkerConnector(KVConnectorWorker):
         self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_loaded_by_tier(self) -> dict[str, dict[Tier, int]]:
+        """Blocks each request loaded since the last call, by the store tier they came from (loaded and verified
+        only: a failed block and every later one of its request count nothing)."""
+        self._finish_loads()
+        out, self._loaded_by_tier = self._loaded_by_tier, {}
+        return out
 
     def close(self) -> None:
         if self.owns_store:

@@ -304,5 +304,6 @@ class EngineCore:
             finished=finished,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             num_external_tokens=seq.num_external_tokens,
+            external_tokens_by_tier={t.value: n for t, n in seq.external_tokens_by_tier.items()},
             kv_transfer_params=parent.kv_transfer_params if finished else None,
         )

@@ -180,6 +180,8 @@ def _merge(results: dict[str, RequestOutput], delta: RequestOutput) -> None:
     acc.finished = delta.finished
     acc.num_cached_tokens = max(acc.num_cached_tokens, delta.num_cached_tokens)
     acc.num_external_tokens = max(acc.num_external_tokens, delta.num_external_tokens)
+    if delta.external_tokens_by_tier:
+        acc.external_tokens_by_tier = dict(delta.external_tokens_by_tier)
     if delta.kv_transfer_params is not None:
         acc.kv_transfer_params = delta.kv_transfer_params
 

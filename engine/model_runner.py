@@ -93,6 +93,7 @@ class ModelRunner:
             result.finished_sending = set(sending or ())
             result.finished_recving = set(recving or ())
             result.failed_block_ids = set(conn.get_block_ids_with_load_errors())
+            result.loaded_by_tier = conn.take_loaded_by_tier()
             conn.clear_connector_metadata()
         if hidden is not None:
             self._sample(out, hidden, result)

@@ -52,6 +52,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from a cache (device prefix cache + connector)
     num_external_tokens: int = 0  # of those, loaded by the KV connector
+    external_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # of those, by store tier (Tier.value)
     kv_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 

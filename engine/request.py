@@ -78,6 +78,8 @@ class Request:
         self.num_cached_tokens = -1
         # Of those, tokens the KV connector loaded (failed loads subtracted).
         self.num_external_tokens = 0
+        # Tokens the connector loaded, by store tier (ucm.api.Tier -> tokens): only blocks that loaded count.
+        self.external_tokens_by_tier: dict[Any, int] = {}
         self.num_preemptions = 0
         self.forked = sampling_params.n == 1
         self.stop_reason: int | str | None = None
@@ -155,6 +157,7 @@ class Request:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.num_external_tokens = self.num_external_tokens
+        child.external_tokens_by_tier = dict(self.external_tokens_by_tier)
         child.forked = True
         return child
 

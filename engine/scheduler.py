@@ -274,6 +274,11 @@ class Scheduler:
             req = s.request
             if req.is_finished:
                 continue
+            tiers = result.loaded_by_tier.get(req.request_id)
+            if tiers:  # the connector counts only blocks that loaded and verified
+                by_tier = req.external_tokens_by_tier
+                for tier, blocks in tiers.items():
+                    by_tier[tier] = by_tier.get(tier, 0) + blocks * self.kv.block_size
             if result.failed_block_ids and self._recover_load_error(s, result.failed_block_ids):
                 continue
             req.num_computed_tokens = s.num_computed_tokens + s.num_scheduled_tokens

@@ -72,5 +72,7 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     failed_block_ids: set[int] = field(default_factory=set)
+    # request id -> blocks the connector loaded for it this step, by store tier (ucm.api.Tier)
+    loaded_by_tier: dict[str, dict[Any, int]] = field(default_factory=dict)
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol import messages as P
+from ucm.api import Tier
 
 if TYPE_CHECKING:  # the runtime stays importable without torch; only the types are needed here
     from connector.base import KVConnectorRole
@@ -100,4 +101,15 @@ def cache_info(out: RequestOutput, job: LiveJob) -> P.CacheInfo:
     params = out.kv_transfer_params
     if store is None and isinstance(params, dict) and "num_cached_tokens" in params:
         store = int(params["num_cached_tokens"])  # the producer connector's count of tokens it loaded
-    return P.CacheInfo(prompt_tokens=job.prompt_tokens, cached_tokens=cached, store_hit_tokens=store)
+    by_tier: dict[str, int] = getattr(out, "external_tokens_by_tier", None) or {}
+    # The connector counted the blocks it loaded; a block a preempted request loaded twice is one hit: clamp to
+    # the engine's own count so that DRAM + disk == store_hit_tokens.
+    disk = min(by_tier.get(Tier.DISK.value, 0), store or 0)
+    dram = (store or 0) - disk if by_tier else 0
+    return P.CacheInfo(
+        prompt_tokens=job.prompt_tokens,
+        cached_tokens=cached,
+        store_hit_tokens=store,
+        store_dram_tokens=dram,
+        store_disk_tokens=disk,
+    )

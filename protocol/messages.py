@@ -129,6 +129,10 @@ class CacheInfo(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0  # not computed: the node's device prefix cache plus the store
     store_hit_tokens: int | None = None  # the part loaded through the connector, when the node knows it
+    # Of store_hit_tokens, the part read from the store's DRAM tier and from its disk tier (loaded and verified
+    # blocks only); both 0 when the node does not know. The router clamps them to store_hit_tokens.
+    store_dram_tokens: int = 0
+    store_disk_tokens: int = 0
 
 
 # ---------------------------------------------------------------- node → router

@@ -3,8 +3,7 @@
 Names follow vLLM's where one exists (`…time_to_first_token_seconds`, `…time_per_output_token_seconds`,
 `…e2e_request_latency_seconds`, `…prompt_tokens_total`, `…generation_tokens_total`), prefixed `ucm_`; vLLM's own
 names are exported beside them (router/vllm_metrics.py, router/node_metrics.py). Node heartbeat stats are named
-counters / gauges (`ucm_node_<stat>_total`); `ucm_node_stat{name}` keeps them under one gauge name for the tools
-that read it that way.
+counters / gauges (`ucm_node_<stat>_total`, router/node_metrics.py): counters are exported as counters only.
 
 Every label set is bounded, since label values come from clients and nodes: endpoints are the app's routes (any
 other path is `other`, see router/http_gate.py), a node's series go when it leaves the registry, at most
@@ -15,7 +14,6 @@ node ids (departed ones forgotten first).
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections import OrderedDict
 from typing import Protocol
 
@@ -23,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from protocol import messages as P
 from router.admission import AdmissionQueue
-from router.node_metrics import MAX_STATS_PER_NODE, NodeCollector
+from router.node_metrics import NodeCollector
 from router.registry import Registry
 from router.vllm_metrics import VllmMetrics
 
@@ -148,9 +146,6 @@ class RouterMetrics:
         self.node_running = Gauge("ucm_node_running_requests", "running requests per node", ["node"], registry=r)
         self.node_waiting = Gauge("ucm_node_waiting_requests", "waiting requests per node", ["node"], registry=r)
         self.node_free_blocks = Gauge("ucm_node_free_kv_blocks", "free KV blocks per node", ["node"], registry=r)
-        self.node_stat = Gauge(
-            "ucm_node_stat", "engine / connector / store counters reported in heartbeats", ["node", "name"], registry=r
-        )
         self.store_tier = Gauge(
             "ucm_store_tier",
             "the KV store's per-tier counters (hits, misses, blocks, bytes_used, evictions…) as reported by its nodes",
@@ -162,7 +157,7 @@ class RouterMetrics:
             "messages from nodes the router could not decode or handle (counted, logged rate-limited, skipped)",
             registry=r,
         )
-        self._known: dict[str, tuple[P.NodeRole, frozenset[str]]] = {}  # exported node -> (role, stat names)
+        self._known: dict[str, P.NodeRole] = {}  # exported node -> role
         self._tiers: set[tuple[str, str]] = set()
         self._event_nodes: OrderedDict[str, set[str]] = OrderedDict()  # node -> its events, least recent first
 
@@ -204,40 +199,26 @@ class RouterMetrics:
         self.running_seqs.set(self._admission.running)
         return generate_latest(self.registry)
 
-    def _forget(self, node_id: str, role: P.NodeRole, names: frozenset[str]) -> None:
+    def _forget(self, node_id: str, role: P.NodeRole) -> None:
         with contextlib.suppress(KeyError):
             self.node_up.remove(node_id, role.value)
         for gauge in (self.node_running, self.node_waiting, self.node_free_blocks):
             with contextlib.suppress(KeyError):
                 gauge.remove(node_id)
-        for name in names:
-            with contextlib.suppress(KeyError):
-                self.node_stat.remove(node_id, name)
 
     def _refresh_nodes(self) -> None:
         alive = self._nodes.nodes
-        for node_id, (role, names) in list(self._known.items()):
+        for node_id, role in list(self._known.items()):
             node = alive.get(node_id)
             if node is None or node.role is not role:
-                self._forget(node_id, role, names)
+                self._forget(node_id, role)
                 del self._known[node_id]
         for node in alive.values():
-            stats = dict(
-                itertools.islice(
-                    ((k, v) for k, v in node.stats.items() if len(k) <= _MAX_LABEL_CHARS), MAX_STATS_PER_NODE
-                )
-            )
-            _, before = self._known.get(node.node_id, (node.role, frozenset()))
-            for name in before - stats.keys():
-                with contextlib.suppress(KeyError):
-                    self.node_stat.remove(node.node_id, name)
-            self._known[node.node_id] = (node.role, frozenset(stats))
+            self._known[node.node_id] = node.role
             self.node_up.labels(node.node_id, node.role.value).set(1)
             self.node_running.labels(node.node_id).set(node.running)
             self.node_waiting.labels(node.node_id).set(node.waiting)
             self.node_free_blocks.labels(node.node_id).set(node.free_blocks)
-            for name, value in stats.items():
-                self.node_stat.labels(node.node_id, name).set(value)
         # Every node of a deployment talks to the same store: show its tiers once (the freshest report).
         tiers: dict[tuple[str, str], float] = {}
         for node in alive.values():

@@ -2,11 +2,12 @@
 activity (tokens served, or requests running or waiting), on the `router.stats` logger:
 
     Avg prompt throughput: 61.2 tokens/s, Avg generation throughput: 12.4 tokens/s, Running: 2 reqs, Waiting: 0
-    reqs, KV cache usage: 3.1%, Prefix cache hit rate: 48.0%, Store hit rate: dram 75.0%, disk 0.0%
+    reqs, KV cache usage: 3.1%, Prefix cache hit rate: 48.0%, Store hit rate: dram 30.0%, disk 5.0%
 
 Running is the sequences admitted to the nodes, Waiting those queued in the router plus those the nodes hold back;
-KV cache usage is the mean over nodes; the hit rates are over the interval (prefix: prompt tokens not computed,
-store tiers: block hits / lookups, from the nodes' store counters).
+KV cache usage is the mean over nodes; the hit rates are over the interval (prefix: prompt tokens not computed;
+store tiers: the share of the prefilled prompt tokens loaded from each tier, the numbers behind
+`ucm_prompt_tokens_by_tier_total` and `vllm:prefix_cache_queries_total`).
 """
 
 from __future__ import annotations
@@ -19,19 +20,23 @@ from dataclasses import dataclass
 from router.admission import AdmissionQueue
 from router.metrics import RouterMetrics
 from router.registry import Registry
-from router.vllm_metrics import ROUTER_ENGINE
+from router.vllm_metrics import ROUTER_ENGINE, StoreTier
 
 log = logging.getLogger("router.stats")
 
-_TIERS = ("dram", "disk")
-_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prompt_tokens_cached_total")
+_COUNTERS = (
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_cached_total",
+    "vllm:prefix_cache_queries_total",
+)
 
 
 @dataclass(frozen=True)
 class Snapshot:
     at: float
     counters: tuple[float, ...]  # _COUNTERS, in order
-    tiers: dict[str, tuple[float, float]]  # tier -> (hits, misses)
+    tiers: dict[StoreTier, float]  # tier -> prompt tokens loaded from it
 
 
 def _percent(part: float, whole: float) -> str:
@@ -50,16 +55,15 @@ class StatsLogger:
     def snapshot(self) -> Snapshot:
         r = self._metrics.registry
         counters = tuple(r.get_sample_value(name, self._labels) or 0.0 for name in _COUNTERS)
-        tiers: dict[str, tuple[float, float]] = {}
-        for tier in _TIERS:  # every node reports the same store: the freshest (largest) counters
-            hits = max((n.stats.get(f"store_{tier}_hits", 0.0) for n in self._nodes.nodes.values()), default=0.0)
-            misses = max((n.stats.get(f"store_{tier}_misses", 0.0) for n in self._nodes.nodes.values()), default=0.0)
-            tiers[tier] = (hits, misses)
+        tiers = {
+            t: r.get_sample_value("ucm_prompt_tokens_by_tier_total", {**self._labels, "tier": t.value}) or 0.0
+            for t in StoreTier
+        }
         return Snapshot(time.monotonic(), counters, tiers)
 
     def line(self, before: Snapshot, now: Snapshot) -> str | None:
         """The line for the interval between two snapshots; None when nothing happened."""
-        prompt, generated, cached = (b - a for a, b in zip(before.counters, now.counters, strict=True))
+        prompt, generated, cached, queried = (b - a for a, b in zip(before.counters, now.counters, strict=True))
         nodes = list(self._nodes.nodes.values())
         running = self._admission.running
         waiting = self._admission.depth + sum(n.waiting for n in nodes)
@@ -67,11 +71,7 @@ class StatsLogger:
             return None
         seconds = max(now.at - before.at, 1e-9)
         usage = [1.0 - n.free_blocks / n.info.num_blocks for n in nodes if n.info.num_blocks > 0]
-        tiers = []
-        for tier in _TIERS:
-            hits = now.tiers[tier][0] - before.tiers[tier][0]
-            misses = now.tiers[tier][1] - before.tiers[tier][1]
-            tiers.append(f"{tier} {_percent(hits, hits + misses)}")
+        tiers = [f"{t.value} {_percent(now.tiers[t] - before.tiers[t], queried)}" for t in StoreTier]
         return (
             f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, "
             f"Avg generation throughput: {generated / seconds:.1f} tokens/s, "

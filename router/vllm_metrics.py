@@ -5,7 +5,9 @@ dashboard works unchanged: same names, types, label names (`model_name`, `engine
 The router measures requests, so its series carry `engine="router"`; the per-node scheduler gauges
 (router/node_metrics.py) carry each node's id. A sequence's prompt is counted where it was prefilled (the prefill
 node's cache report, or the decode node's when it prefilled locally): vLLM's `local_cache_hit` is our device
-prefix cache and `external_kv_transfer` the KV store.
+prefix cache and `external_kv_transfer` the KV store. The store's own tiers are split out in a separate family,
+`ucm_prompt_tokens_by_tier_total{tier="dram"|"disk"}`, not as extra `source` values: vLLM documents its three
+sources as adding up to the prompt tokens, and a panel summing every source would count store hits twice.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ class PromptSource(enum.StrEnum):
     LOCAL_COMPUTE = "local_compute"
     LOCAL_CACHE_HIT = "local_cache_hit"  # our device prefix cache
     EXTERNAL_KV_TRANSFER = "external_kv_transfer"  # our KV store (any tier)
+
+
+class StoreTier(enum.StrEnum):
+    """The `tier` label of ucm_prompt_tokens_by_tier: ucm.api.Tier's values (the router does not import ucm)."""
+
+    DRAM = "dram"
+    DISK = "disk"
 
 
 class FinishedReason(enum.StrEnum):
@@ -84,6 +93,14 @@ class VllmMetrics:
             "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", [*labels, "source"], registry=r
         )
         self.by_source = {s: by_source.labels(*values, s.value) for s in PromptSource}
+        by_tier = Counter(
+            "ucm_prompt_tokens_by_tier",
+            "Prompt tokens loaded from the KV store, by the store tier they were read from (sums to "
+            'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} when the nodes report tiers).',
+            [*labels, "tier"],
+            registry=r,
+        )
+        self.by_tier = {t: by_tier.labels(*values, t.value) for t in StoreTier}
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -129,6 +146,11 @@ class VllmMetrics:
         self.by_source[PromptSource.LOCAL_COMPUTE].inc(cache.prompt_tokens - cached)
         self.by_source[PromptSource.LOCAL_CACHE_HIT].inc(device)
         self.by_source[PromptSource.EXTERNAL_KV_TRANSFER].inc(store)
+        # Node-reported and so clamped: the tiers never add up to more than the store hits.
+        dram = min(max(cache.store_dram_tokens, 0), store)
+        disk = min(max(cache.store_disk_tokens, 0), store - dram)
+        self.by_tier[StoreTier.DRAM].inc(dram)
+        self.by_tier[StoreTier.DISK].inc(disk)
 
     def record_finish(self, reason: str | None) -> None:
         """A choice's end: OpenAI's finish_reason (None: it failed or was aborted)."""

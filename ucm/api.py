@@ -55,6 +55,11 @@ class StoreTask(Protocol):
         """Indices (into the task's block list) that failed: missing, corrupt, mismatched or I/O error."""
         ...
 
+    @property
+    def disk_blocks(self) -> list[int]:
+        """Of a load's blocks that did not fail, those served from the disk tier (the others: from DRAM)."""
+        ...
+
 
 @dataclass
 class TierStats:

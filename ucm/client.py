@@ -258,8 +258,12 @@ class StoreClient:
         wire = [p.WireBlock.of(ref) for ref in blocks]
         return self._run_task(len(blocks), self._load, wire, list(layers), views)
 
-    def _load(self, wire: list[p.WireBlock], layers: list[int], views: list[list[memoryview]]) -> list[int]:
+    def _load(
+        self, wire: list[p.WireBlock], layers: list[int], views: list[list[memoryview]]
+    ) -> tuple[list[int], list[int]]:
         reply, frames = self._ask(p.LoadReply, p.Load, wire, layers)
+        if any(not 0 <= i < len(wire) for i in (*reply.failed, *reply.from_disk)):
+            raise StoreRequestError(p.ErrorCode.INTERNAL, "load reply names a block outside the request")
         failed = set(reply.failed)
         hits = [i for i in range(len(wire)) if i not in failed]
         if len(frames) != len(hits) * len(layers):
@@ -277,14 +281,19 @@ class StoreClient:
                     failed.add(i)
                 else:  # numpy releases the GIL while copying
                     np.copyto(np.frombuffer(views[i][j], np.uint8), np.frombuffer(buf, np.uint8))
-        return sorted(failed)
+        return sorted(failed), reply.from_disk  # Task.finish drops a failed block from from_disk
 
-    def _run_task(self, num_blocks: int, fn: Callable[..., list[int]], *args: object) -> Task:
+    def _run_task(
+        self, num_blocks: int, fn: Callable[..., list[int] | tuple[list[int], list[int]]], *args: object
+    ) -> Task:
+        """`fn` returns the failed blocks, or for a load (failed, served from disk)."""
         task = Task(num_blocks)
 
         def run() -> None:
             try:
-                task.finish(fn(*args))
+                result = fn(*args)
+                failed, from_disk = result if isinstance(result, tuple) else (result, [])
+                task.finish(failed, from_disk=from_disk)
             except (StoreUnavailable, StoreRequestError) as exc:
                 _log_unavailable("store task failed: %s", exc)
                 task.finish(range(num_blocks), str(exc))

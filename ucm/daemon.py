@@ -237,9 +237,11 @@ class StoreDaemon:
                     raise BadRequest(
                         f"load of {len(blocks)} blocks x {len(layers)} layers: reply over {MAX_LOAD_FRAMES} frames"
                     )
-                rows = store.read_payloads([b.ref() for b in blocks], layers)
+                rows, from_disk = store.read_payloads([b.ref() for b in blocks], layers)
                 failed = [i for i, row in enumerate(rows) if row is None]
-                return p.LoadReply(req.req_id, failed), [buf for row in rows if row is not None for buf in row]
+                return p.LoadReply(req.req_id, failed, from_disk), [
+                    buf for row in rows if row is not None for buf in row
+                ]
             case p.Prefetch(keys=keys):
                 store.prefetch(keys)
                 return p.OkReply(req.req_id), []

@@ -144,6 +144,7 @@ class DumpReply(_Msg, tag="dump_reply", frozen=True):
 
 class LoadReply(_Msg, tag="load_reply", frozen=True):
     failed: list[int]
+    from_disk: list[int] = []  # the loaded blocks the daemon read off its disk tier (the others came from DRAM)
 
 
 class StatsReply(_Msg, tag="stats_reply", frozen=True):

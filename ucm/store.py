@@ -241,16 +241,18 @@ class Store:
 
         def run() -> None:
             failed: list[int] = list(range(len(blocks)))
+            from_disk: list[int] = []
             try:
                 if self.load_hook is not None:
                     self.load_hook(blocks)
-                hits, _ = self._reader.read_many(blocks, layers, views)
+                hits, _, from_disk = self._reader.read_many(blocks, layers, views)
                 failed = [i for i, hit in enumerate(hits) if not hit]
             except Exception:
                 log.exception("load of %d blocks failed", len(blocks))
+                from_disk = []
             finally:
                 self._pins.unpin(keys)
-                task.finish(failed)
+                task.finish(failed, from_disk=from_disk)
 
         try:
             self._pool.submit(run)
@@ -259,14 +261,17 @@ class Store:
             return Task.all_failed(len(blocks), "store is closed")
         return task
 
-    def read_payloads(self, blocks: Sequence[BlockRef], layers: Sequence[int]) -> list[list[Buffer] | None]:
-        """Verified payload buffers per block (None = miss), owned by the caller; the daemon sends these."""
+    def read_payloads(
+        self, blocks: Sequence[BlockRef], layers: Sequence[int]
+    ) -> tuple[list[list[Buffer] | None], list[int]]:
+        """Verified payload buffers per block (None = miss), owned by the caller, and the indices of the hits
+        served from the disk tier; the daemon sends these."""
         self._check_open()
         keys = [ref.key for ref in blocks]
         self._pins.pin(keys)
         try:
-            hits, rows = self._reader.read_many(blocks, layers, None)
-            return [row if hit else None for row, hit in zip(rows, hits)]
+            hits, rows, from_disk = self._reader.read_many(blocks, layers, None)
+            return [row if hit else None for row, hit in zip(rows, hits)], from_disk
         finally:
             self._pins.unpin(keys)
 

@@ -59,8 +59,11 @@ class BlockReader:
     def __init__(self, tiers: StoreTiers) -> None:
         self._tiers = tiers
 
-    def read_many(self, refs: Sequence[BlockRef], layers: Sequence[int], dst: Dest) -> tuple[list[bool], Rows]:
-        """Serve `layers` of each block into `dst` (or as returned rows); per block, whether it hit."""
+    def read_many(
+        self, refs: Sequence[BlockRef], layers: Sequence[int], dst: Dest
+    ) -> tuple[list[bool], Rows, list[int]]:
+        """Serve `layers` of each block into `dst` (or as returned rows); per block, whether it hit, and which
+        of the hits were served from the disk tier (the rest came from DRAM or the write-behind map)."""
         tiers = self._tiers
         n = len(refs)
         if any(layer < 0 for layer in layers):
@@ -190,7 +193,8 @@ class BlockReader:
                 ok[i] = hit
         for key, why in bad:
             self._drop(key, why)
-        return ok, rows
+        # Not in DRAM at the lookup and verified now: it came off disk (a block that failed is in no tier).
+        return ok, rows, [i for i in on_disk if ok[i]] if disk is not None else []
 
     @staticmethod
     def _serve_layer(

@@ -15,22 +15,28 @@ class Task:
         self._num_blocks = num_blocks
         self._event = threading.Event()
         self._failed: list[int] = []
+        self._from_disk: list[int] = []
         self.error: str | None = None  # why the whole task failed (e.g. store unreachable), for logs
 
     @classmethod
-    def completed(cls, num_blocks: int, failed: Iterable[int] = (), error: str | None = None) -> Task:
+    def completed(
+        cls, num_blocks: int, failed: Iterable[int] = (), error: str | None = None, from_disk: Iterable[int] = ()
+    ) -> Task:
         task = cls(num_blocks)
-        task.finish(failed, error)
+        task.finish(failed, error, from_disk)
         return task
 
     @classmethod
     def all_failed(cls, num_blocks: int, error: str) -> Task:
         return cls.completed(num_blocks, range(num_blocks), error)
 
-    def finish(self, failed: Iterable[int] = (), error: str | None = None) -> None:
+    def finish(self, failed: Iterable[int] = (), error: str | None = None, from_disk: Iterable[int] = ()) -> None:
+        """`from_disk`: blocks of a load served from the disk tier; a failed one is dropped (it loaded nothing)."""
         assert not self._event.is_set(), "a task is finished exactly once"
         self._failed = sorted(set(failed))
         assert all(0 <= i < self._num_blocks for i in self._failed), f"failed index out of range: {self._failed}"
+        self._from_disk = sorted(set(from_disk) - set(self._failed))
+        assert all(0 <= i < self._num_blocks for i in self._from_disk), f"disk index out of range: {self._from_disk}"
         self.error = error
         self._event.set()
 
@@ -49,6 +55,12 @@ class Task:
     def failed_blocks(self) -> list[int]:
         """Failed block indices; only meaningful once the task finished."""
         return list(self._failed)
+
+    @property
+    def disk_blocks(self) -> list[int]:
+        """Loaded block indices served from the disk tier (the other loaded ones came from DRAM); only
+        meaningful once the task finished."""
+        return list(self._from_disk)
 
     def __repr__(self) -> str:
         return f"Task(blocks={self._num_blocks}, status={self.check().value}, failed={self._failed})"

@@ -87,7 +87,7 @@ def metric(cluster: Cluster, metric_name: str, **labels: str) -> float:
 
 
 def node_stat(cluster: Cluster, node: str, stat: str) -> float:
-    return metric(cluster, "ucm_node_stat", node=node, name=stat)
+    return metric(cluster, f"ucm_node_{stat}_total", node=node)
 
 
 def test_models_and_health(cluster, client) -> None:
@@ -249,7 +249,7 @@ def test_non_streaming_disconnect_aborts_and_frees_blocks(cluster) -> None:
     nodes = _wait_idle(cluster)
     assert all(n["running"] == 0 for n in nodes.values()), nodes
     free_before = metric(cluster, "ucm_node_free_kv_blocks", node="decode-0")
-    aborted_before = metric(cluster, "ucm_node_stat", name="jobs_aborted")
+    aborted_before = metric(cluster, "ucm_node_jobs_aborted_total")
     body = json.dumps(
         {
             "model": MODEL,
@@ -271,7 +271,7 @@ def test_non_streaming_disconnect_aborts_and_frees_blocks(cluster) -> None:
     # Closing the connection of a non-streaming request must abort it on the nodes and free its blocks.
     deadline = time.monotonic() + 60
     while (
-        metric(cluster, "ucm_node_stat", name="jobs_aborted") < aborted_before + 1
+        metric(cluster, "ucm_node_jobs_aborted_total") < aborted_before + 1
         or metric(cluster, "ucm_node_free_kv_blocks", node="decode-0") < free_before
     ):
         assert time.monotonic() < deadline, "the disconnected request was never aborted"

@@ -76,7 +76,7 @@ def metric(cluster: Cluster, metric_name: str, **labels: str) -> float:
 
 
 def jobs(cluster: Cluster, node: str, kind: str) -> float:
-    return metric(cluster, "ucm_node_stat", node=node, name=f"jobs_{kind}_started")
+    return metric(cluster, f"ucm_node_jobs_{kind}_started_total", node=node)
 
 
 def wait_until(what: str, condition, timeout: float = 60.0) -> None:

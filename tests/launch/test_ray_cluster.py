@@ -164,7 +164,7 @@ def test_scale_prefill_up_gets_jobs(deployment, url, client, offline) -> None:
     # The node's job counters reach /metrics with its next heartbeat.
     wait_until(
         "prefill-1 started prefill jobs",
-        lambda: metric(url, "ucm_node_stat", node="prefill-1", name="jobs_prefill_started") > 0,
+        lambda: metric(url, "ucm_node_jobs_prefill_started_total", node="prefill-1") > 0,
         30,
     )
 

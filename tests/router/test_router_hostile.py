@@ -354,7 +354,7 @@ def test_a_step_that_raises_fails_its_requests_only(live: Live) -> None:
     assert isinstance(live.run(_ask(live, _job()))[-1], P.TokenBatch)
     wait_until(
         "the heartbeat to report the step error",
-        lambda: metric(live, "ucm_node_stat", node=NODE, name="jobs_step_errors") >= 1,
+        lambda: metric(live, "ucm_node_jobs_step_errors_total", node=NODE) >= 1,
     )
     assert_served(live)
 
@@ -429,7 +429,7 @@ def test_garbage_on_the_node_socket_is_counted_and_the_router_serves_on(live: Li
 
 
 def test_non_streaming_client_disconnect_aborts_on_the_node(live: Live) -> None:
-    before_added, before_aborted = set(_added(live)), metric(live, "ucm_node_stat", node=NODE, name="jobs_aborted")
+    before_added, before_aborted = set(_added(live)), metric(live, "ucm_node_jobs_aborted_total", node=NODE)
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 50, "cache_salt": HOLD}).encode()
     port = int(live.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as s:
@@ -442,7 +442,7 @@ def test_non_streaming_client_disconnect_aborts_on_the_node(live: Live) -> None:
     wait_until("the node to abort the request", lambda: rid in _aborted(live))
     wait_until(
         "the heartbeat to count the abort",
-        lambda: metric(live, "ucm_node_stat", node=NODE, name="jobs_aborted") >= before_aborted + 1,
+        lambda: metric(live, "ucm_node_jobs_aborted_total", node=NODE) >= before_aborted + 1,
     )
     wait_until("the router to free the slot", lambda: metric(live, "ucm_running_sequences") == 0)
 
