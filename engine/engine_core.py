@@ -32,7 +32,7 @@ import torch
 import kernels
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.guided import GuidedBackend
+from engine.guided.backend import GuidedBackend
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner

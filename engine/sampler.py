@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.guided import GuidedBackend
+from engine.guided.backend import GuidedBackend
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import TokenLogprobs
 
