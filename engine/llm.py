@@ -189,9 +189,9 @@ def _merge(results: dict[str, RequestOutput], delta: RequestOutput) -> None:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if not prompts:
+    items: list[Any] = list(prompts)
+    if not items:
         raise ValueError("no prompts given")
-    if all(isinstance(p, int) for p in prompts):
-        return [prompts]  # one prompt given as token ids
-    return prompts
+    if all(isinstance(p, int) for p in items):
+        return [items]  # one prompt given as token ids
+    return items

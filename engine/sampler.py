@@ -211,8 +211,8 @@ class Sampler:
             if k is None:
                 out.append(None)
                 continue
-            ids = top_ids[i, :k].tolist() if k > 0 else []
-            vals = top_vals[i, :k].tolist() if k > 0 else []
+            ids = top_ids[i, :k].tolist() if top_ids is not None and k > 0 else []
+            vals = top_vals[i, :k].tolist() if top_vals is not None and k > 0 else []
             tok = int(tokens[i])
             entry = TokenLogprobs([tok], [float(sampled_lp[i])], [int(ranks[i])])
             for rank, (tid, val) in enumerate(zip(ids, vals), start=1):

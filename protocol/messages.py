@@ -259,6 +259,7 @@ def decode(buf: bytes | memoryview) -> Message:
     if len(buf) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {len(buf)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     try:
-        return _decoder.decode(buf)
+        message: Message = _decoder.decode(buf)
+        return message
     except msgspec.DecodeError as e:  # a ValueError subclass; re-raised with context
         raise ValueError(f"bad wire message: {e}") from e

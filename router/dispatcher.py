@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -32,7 +32,7 @@ from router.arrivals import NodeArrivals
 from router.node_client import NodeClient, NodeLost, NodeUnavailable
 from router.openai_schema import ApiError
 from router.pairing import pick_decode, pick_prefill
-from router.registry import NodeState
+from router.registry import NodeState, Registry
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +119,14 @@ class Dispatcher:
         client.on_node_event.append(self.arrivals.node_event)
 
     @property
-    def registry(self):
+    def registry(self) -> Registry:
         return self.client.registry
 
     def check_available(self) -> None:
         if not self.registry.alive(*DECODE_ROLES):
             raise ApiError(503, "no decode node is alive", "service_unavailable", None, "no_decode_node")
 
-    async def generate(self, req: SeqRequest, trace: SeqTrace) -> AsyncIterator[SeqEvent]:
+    async def generate(self, req: SeqRequest, trace: SeqTrace) -> AsyncGenerator[SeqEvent, None]:
         first = await self._prefill(req, trace)
         if first is not None:
             yield SeqEvent(
@@ -183,7 +183,9 @@ class Dispatcher:
             return f"job failed: {reply.message}"
         return f"unexpected reply {type(reply).__name__}"
 
-    async def _decode(self, req: SeqRequest, first: P.PrefillDone | None, trace: SeqTrace) -> AsyncIterator[SeqEvent]:
+    async def _decode(
+        self, req: SeqRequest, first: P.PrefillDone | None, trace: SeqTrace
+    ) -> AsyncGenerator[SeqEvent, None]:
         state = _DecodeState(req, first, [first.first_token_id] if first is not None else [])
         while True:
             node = await self._decode_node(state)
@@ -227,7 +229,7 @@ class Dispatcher:
 
     async def _decode_on(
         self, node: NodeState, job: P.DecodeJob, trace: SeqTrace, record_cache: bool
-    ) -> AsyncIterator[SeqEvent]:
+    ) -> AsyncGenerator[SeqEvent, None]:
         """`record_cache`: only the first attempt's prompt counts in the cache metrics (a resumed job's prompt
         holds the generated tokens too)."""
         queue = self.client.open(job.request_id, node)

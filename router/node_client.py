@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -51,7 +52,8 @@ Reply = P.PrefillDone | P.TokenBatch | P.JobFailed | NodeLost
 
 def _user_id(frame: zmq.Frame) -> str | None:
     try:
-        return frame.get("User-Id")
+        user_id = frame.get("User-Id")
+        return str(user_id)
     except zmq.ZMQError:  # no such property: not a frame ZAP authenticated (the gate drops it as an unknown key)
         return None
 
@@ -80,7 +82,7 @@ class NodeClient:
             self.gate = NodeGate(None)
             log.warning(INSECURE_WARNING)
         self._sock.bind(bind_addr)
-        self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.address: str = bytes(self._sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
         self._streams: dict[str, tuple[str, asyncio.Queue[Reply]]] = {}
         # node id -> job socket identities of its current and previous incarnation (an Abort may be for either)
         self._routes: dict[str, tuple[bytes, bytes | None]] = {}
@@ -89,7 +91,7 @@ class NodeClient:
         self._bad_log = log_limit.LogLimiter(log)
         self._drop_log = LogLimiter(log)
         self._undecodable = 0
-        self.on_node_event: list = []  # callables(node_id, event) for metrics
+        self.on_node_event: list[Callable[[str, str], None]] = []  # callables(node_id, event) for metrics
 
     @property
     def bad_messages(self) -> int:

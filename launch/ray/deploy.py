@@ -109,7 +109,7 @@ def deploy(spec: DeploymentSpec, timeout_s: float = 600.0) -> RayDeployment:
     )
     deployment = RayDeployment(controller, spec.name)
     try:
-        ray.get(controller.deploy.remote(timeout_s))
+        ray.get(controller.deploy.remote(timeout_s))  # type: ignore[attr-defined]  # Ray types handles as the class
     except BaseException:
         deployment.shutdown()
         raise
