@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vllm_plugin_ttft import (
+from benchmarks.vllm_harness import (
     DEFAULT_VENV,
     INSTALL_HINT,
     StoreDaemon,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vllm_plugin_ttft import DEFAULT_VENV
+from benchmarks.vllm_harness import DEFAULT_VENV
 from engine.model_source import resolve_model_dir
 from launch.child import Child
 from launch.cli import SUBCOMMANDS
