@@ -18,6 +18,7 @@ import pytest
 
 from launch.cluster import Cluster, ClusterSpec
 from tests.cluster_helpers import health_nodes, wait_until
+from tests.cluster_helpers import metric as cluster_metric
 
 openai = pytest.importorskip("openai")
 
@@ -76,14 +77,7 @@ def offline():
 
 
 def metric(cluster: Cluster, metric_name: str, **labels: str) -> float:
-    text = httpx.get(cluster.url + "/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(metric_name + "{") and not line.startswith(metric_name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return cluster_metric(cluster.url, metric_name, **labels)
 
 
 def node_stat(cluster: Cluster, node: str, stat: str) -> float:
