@@ -23,6 +23,7 @@ import platform
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,7 +221,11 @@ def build(cache_root: Path | None = None) -> NativeLib:
     cc = compiler()
     path = library_path(cc, cache_root)
     if not path.exists():
+        # First use on this CPU / compiler / source: a few seconds of gcc the operator should see, not a silent stall.
+        log.info("building the native CPU kernels for this machine (%s, once) into %s", cc, path.parent)
+        t0 = time.perf_counter()
         _compile(cc, path)
+        log.info("native CPU kernels built in %.1f s", time.perf_counter() - t0)
     try:
         return _bind(path)
     except OSError as e:
