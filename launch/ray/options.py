@@ -7,6 +7,7 @@ import argparse
 
 from launch.ray.spec import DEFAULT_NAME, STORE_RESOURCE, DeploymentSpec
 from launch.topology import Topology
+from protocol import defaults
 
 LOCAL = "local"  # `--ray` without an address: start a Ray on this machine for this deployment
 
@@ -55,6 +56,19 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
     """ValueError for a bad combination."""
     if args.detach and args.ray == LOCAL:
         raise ValueError("--detach needs a Ray cluster address (a local Ray ends with `up`)")
+    # Honour or refuse: these serving flags are not carried into the Ray actors yet, so saying so beats ignoring them.
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--served-model-name", args.served_model_name is not None),
+            ("--max-model-len", args.max_model_len is not None),
+            ("--no-enable-prefix-caching", not args.enable_prefix_caching),
+            ("--host (use --ray-host)", args.host != defaults.HTTP_HOST),
+        )
+        if given
+    ]
+    if unsupported:
+        raise ValueError(f"not supported with --ray yet: {', '.join(unsupported)}")
     if args.topology is Topology.COLOCATED and args.prefill is None and args.decode is None:
         prefill, decode, colocated = 0, 0, 1
     else:

@@ -23,6 +23,15 @@ def test_up_flags_build_the_spec() -> None:
     assert (spec.prefill, spec.decode, spec.colocated, spec.secure, spec.detached) == (0, 0, 1, False, True)
     with pytest.raises(ValueError, match="--detach needs"):
         spec_from_args(build_parser().parse_args(["--ray", "--detach"]))
+    # Serving flags the actors do not carry yet are refused by name, never ignored.
+    for flags, named in (
+        (["--served-model-name", "chat"], "--served-model-name"),
+        (["--max-model-len", "512"], "--max-model-len"),
+        (["--no-enable-prefix-caching"], "--no-enable-prefix-caching"),
+        (["--host", "0.0.0.0"], "--host"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            spec_from_args(build_parser().parse_args(["--ray", *flags]))
 
 
 def test_spec_validation_and_node_ids() -> None:
