@@ -21,6 +21,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.process_group import stop_group
+from benchmarks.prom_text import metric
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = Path(
@@ -244,19 +245,6 @@ def complete(url: str, prompt: list[int], max_tokens: int = 16) -> Completion:
     if ttft is None:
         raise RuntimeError("no text came back")
     return Completion(ttft, time.perf_counter() - t0, "".join(parts))
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus sample over every series whose labels include `labels`."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        head, _, value = line.rpartition(" ")
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 def external_tokens(url: str) -> float:

@@ -7,16 +7,7 @@ from collections.abc import Callable
 
 import httpx
 
-
-def metric(url: str, metric_name: str, **labels: str) -> float:
-    """Sum of `metric_name` over the series whose labels include `labels`."""
-    total = 0.0
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if not line.startswith(metric_name + "{") and not line.startswith(metric_name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+from benchmarks.prom_text import metric  # the one Prometheus-text reader; re-exported for the tests
 
 
 def health_nodes(url: str) -> dict:
@@ -33,3 +24,6 @@ def wait_until(what: str, condition: Callable[[], bool], timeout: float = 120.0,
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(poll_s)
+
+
+__all__ = ["health_nodes", "metric", "wait_until"]

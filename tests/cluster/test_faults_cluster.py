@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +23,7 @@ from benchmarks.prom_text import metric, node_stats
 from benchmarks.sse_client import StreamThread
 from launch.child import Child
 from launch.cluster import Cluster, ClusterSpec
+from tests.cluster_helpers import wait_until as cluster_wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -115,10 +115,7 @@ def body(prompt: str) -> dict:
 
 
 def wait_until(what: str, condition, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.1)
+    cluster_wait_until(what, condition, timeout, poll_s=0.1)
 
 
 def health(cluster: Cluster) -> dict:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import time
 
 import httpx
 import pytest
 
 from launch.cluster import Cluster, ClusterSpec
+from tests.cluster_helpers import metric as cluster_metric
+from tests.cluster_helpers import wait_until as cluster_wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -66,13 +67,7 @@ def client(cluster):
 
 
 def metric(cluster: Cluster, metric_name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(cluster.url + "/metrics").text.splitlines():
-        if (line.startswith(metric_name + "{") or line.startswith(metric_name + " ")) and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return cluster_metric(cluster.url, metric_name, **labels)
 
 
 def jobs(cluster: Cluster, node: str, kind: str) -> float:
@@ -80,10 +75,7 @@ def jobs(cluster: Cluster, node: str, kind: str) -> float:
 
 
 def wait_until(what: str, condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.1)
+    cluster_wait_until(what, condition, timeout, poll_s=0.1)
 
 
 def wait_idle(cluster: Cluster) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.prom_text import metric as prom_metric
+from tests.cluster_helpers import wait_until as cluster_wait_until
 from tests.node_helpers import FakeNode
 
 MODEL = "smollm2-135m"
@@ -33,10 +34,7 @@ class Live:
 
 
 def wait_until(what: str, condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.02)
+    cluster_wait_until(what, condition, timeout, poll_s=0.02)  # in-process: poll fast
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +70,7 @@ def complete(live: Live, **body: Any) -> httpx.Response:
 
 
 def metric(live: Live, metric_name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(live.url + "/metrics").text.splitlines():
-        if (line.startswith(metric_name + "{") or line.startswith(metric_name + " ")) and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return prom_metric(live.url, metric_name, **labels)
 
 
 def assert_served(live: Live) -> None:

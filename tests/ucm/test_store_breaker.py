@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import signal
 import socket
-import time
 
+from tests.cluster_helpers import wait_until as cluster_wait_until
 from tests.store_helpers import NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, load_all, make_refs, run_daemon
 from ucm.api import Tier
 from ucm.circuit_breaker import BreakerConfig, BreakerState, BreakerStats
@@ -22,10 +22,7 @@ def free_address() -> str:
 
 
 def wait_until(what: str, condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.02)
+    cluster_wait_until(what, condition, timeout, poll_s=0.02)
 
 
 def test_dead_store_costs_one_timeout_then_is_skipped_until_a_probe_answers() -> None:
