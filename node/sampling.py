@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # the node runtime stays importable without torch
 
 
 def sampling_params(spec: P.SamplingSpec, max_tokens: int) -> SamplingParams:
-    from engine.guided import GuidedDecoding, GuidedKind
+    from engine.guided import GuidedDecoding
     from engine.sampling_params import SamplingParams
 
     guide = spec.guide
@@ -36,7 +36,7 @@ def sampling_params(spec: P.SamplingSpec, max_tokens: int) -> SamplingParams:
         logprobs=spec.logprobs,
         logit_bias=dict(spec.logit_bias) or None,
         allowed_token_ids=tuple(spec.allowed_token_ids) or None,
-        guided_decoding=None if guide is None else GuidedDecoding(GuidedKind(guide.kind.value), guide.schema),
+        guided_decoding=None if guide is None else GuidedDecoding(guide.kind, guide.schema),
         prior_output_tokens=spec.num_generated,
         detokenize=False,  # the router detokenizes (and applies stop strings)
     )

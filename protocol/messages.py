@@ -55,11 +55,11 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_d
 
 
 class GuideKind(enum.Enum):
-    """Mirrors engine.guided.GuidedKind (the engine is not imported here: this module stays torch-free)."""
+    """What a structured-output guide is (the engine's `GuidedKind` is this enum)."""
 
-    JSON_OBJECT = "json_object"
-    JSON_SCHEMA = "json_schema"
-    REGEX = "regex"
+    JSON_OBJECT = "json_object"  # any JSON object (OpenAI's response_format {"type": "json_object"})
+    JSON_SCHEMA = "json_schema"  # a JSON value valid under `schema`
+    REGEX = "regex"  # text matching the regular expression `schema`
 
 
 class GuideSpec(msgspec.Struct, omit_defaults=True):

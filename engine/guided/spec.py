@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import enum
 import json
 from dataclasses import dataclass
 
-
-class GuidedKind(enum.Enum):
-    JSON_OBJECT = "json_object"  # any JSON object (OpenAI's response_format {"type": "json_object"})
-    JSON_SCHEMA = "json_schema"  # a JSON value valid under `schema`
-    REGEX = "regex"  # text matching the regular expression `schema`
+# One enum end to end, like FinishReason: the wire's (protocol/ is torch-free and below the engine).
+from protocol.messages import GuideKind as GuidedKind
 
 
 @dataclass(frozen=True)
