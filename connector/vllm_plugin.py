@@ -73,13 +73,15 @@ class UCMConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
-def _open_client(spec: StoreSpec, layout: Layout | None = None, namespace: str | None = None) -> StoreClient:
+def _open_client(
+    spec: StoreSpec, layout: Layout | None = None, namespace: str | None = None, *, shared_memory: bool = False
+) -> StoreClient:
     from ucm.auth import ClientAuth
     from ucm.client import StoreClient
 
     assert spec.address is not None, "PluginConfig only accepts daemon addresses"
     auth = ClientAuth.from_dir(spec.curve_keys, spec.curve_client) if spec.curve_keys else None
-    kwargs: dict[str, Any] = {"auth": auth, "layout": layout, "namespace": namespace}
+    kwargs: dict[str, Any] = {"auth": auth, "layout": layout, "namespace": namespace, "shared_memory": shared_memory}
     if spec.timeout_s is not None:
         kwargs.update(timeout_s=spec.timeout_s, retry_after_s=max(1.0, 4 * spec.timeout_s))
     return StoreClient(spec.address, **kwargs)
@@ -253,7 +255,7 @@ class UCMConnector(KVConnectorBase_V1):
         page = worker.register([kv_caches[n] for n in names], num_blocks)
         layout = Layout(len(names), page, self._block_size)
         namespace = f"vllm:{scope_tag}:{len(names)}x{page}x{self._block_size}"
-        worker.store = _open_client(self._config.store, layout, namespace)
+        worker.use_store(_open_client(self._config.store, layout, namespace, shared_memory=self._config.shared_memory))
         self._worker = worker
         log.info(
             "UCMConnector worker side: %d layers, %d blocks of %d bytes per layer, store %s",
@@ -325,6 +327,9 @@ class UCMConnector(KVConnectorBase_V1):
 
 class _NoStore:
     """Placeholder until the worker knows its page size (the daemon namespace declares it)."""
+
+    def staging_buffer(self, nbytes: int) -> memoryview:
+        return memoryview(bytearray(nbytes))
 
     def close(self) -> None:
         pass

@@ -116,6 +116,10 @@ class KVStore(Protocol):
         """Copy the payload of `layers[j]` of `blocks[i]` into `dst[i][j]`; pins blocks until done."""
         ...
 
+    def staging_buffer(self, nbytes: int) -> memoryview:
+        """Writable host memory that loads reach fastest (a daemon on this host writes it directly)."""
+        ...
+
     def prefetch(self, keys: Sequence[BlockKey]) -> None:
         """Hint: promote these blocks from disk to DRAM."""
         ...

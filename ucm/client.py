@@ -13,6 +13,11 @@ socket a CURVE client; without the right keys a CURVE daemon never answers (call
 Dumps go into a namespace whose layout the daemon checks: `layout=` declares it up front; otherwise the first
 dump declares (num_layers, payload bytes, tokens per block) of what it sends, under `namespace` or a name
 derived from that layout. The namespace is (re)opened on the first dump and after a daemon restart.
+
+Loads into memory from `staging_buffer` skip the socket when the daemon runs on this host: the buffer is a
+shared-memory segment (ucm/shared_segment.py) the daemon attaches, and it writes the payloads there itself.
+Where the daemon cannot attach it (another host, another user, an older daemon) loads come back as frames,
+copied into the same buffer; after a daemon restart the segment is attached again.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from ucm.auth import ClientAuth
 from ucm.circuit_breaker import BreakerConfig, BreakerStats, CircuitBreaker, CircuitOpen
 from ucm.keys import BlockKey
 from ucm.record import as_bytes_view
+from ucm.shared_segment import SharedSegment, shm_available, sweep_dead_segments
 from ucm.task import Task
 
 log = logging.getLogger("ucm.client")
@@ -66,6 +72,7 @@ class StoreClient:
         control_timeout_s: float | None = None,
         breaker: BreakerConfig | None = None,
         on_breaker_change: Callable[[BreakerStats], None] | None = None,
+        shared_memory: bool = True,
     ) -> None:
         if timeout_s <= 0 or (control_timeout_s is not None and control_timeout_s <= 0):
             raise ValueError(f"timeouts must be positive, got {timeout_s}, {control_timeout_s}")
@@ -87,6 +94,10 @@ class StoreClient:
         self._down_until = 0.0
         self._closed = False
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ucm-client")
+        self._shared_memory = shared_memory and shm_available()
+        self._segments: list[SharedSegment] = []
+        self._attached: dict[str, bool] = {}  # segment name -> attached (False: the daemon refused it: frames)
+        self.shared_loads = 0  # loads the daemon wrote into shared memory (the others came as frames)
 
     # --- transport ------------------------------------------------------------------------------------
 
@@ -258,9 +269,80 @@ class StoreClient:
         wire = [p.WireBlock.of(ref) for ref in blocks]
         return self._run_task(len(blocks), self._load, wire, list(layers), views)
 
+    def staging_buffer(self, nbytes: int) -> memoryview:
+        """Writable memory to load into: shared with the daemon where it runs on this host (see the module doc)."""
+        if not self._shared_memory:
+            return memoryview(bytearray(nbytes))
+        with self._lock:
+            first = not self._segments
+        if first:
+            sweep_dead_segments()
+        segment = SharedSegment(nbytes)
+        with self._lock:
+            self._segments.append(segment)
+        try:
+            self._attach(segment)
+        except (StoreUnavailable, StoreRequestError) as exc:  # tried again on the first load into it
+            log.debug("segment %s not attached yet: %s", segment.name, exc)
+        return segment.payload()
+
+    def _attach(self, segment: SharedSegment) -> bool:
+        """Whether the daemon writes into `segment`; raises StoreUnavailable if it cannot be asked now."""
+        try:
+            self._ask(p.OkReply, p.AttachShm, segment.name, segment.nbytes, segment.token)
+            attached = True
+        except StoreRequestError as exc:
+            log.info("store at %s cannot write into shared memory (%s); loads come over the socket", self.address, exc)
+            attached = False
+        with self._lock:
+            self._attached[segment.name] = attached
+        return attached
+
+    def _shm_dest(self, views: list[list[memoryview]]) -> tuple[SharedSegment, p.ShmDest] | None:
+        """Where `views` lie in one segment the daemon may write, if they all do."""
+        with self._lock:
+            segments = list(self._segments)
+        first = views[0][0] if views and views[0] else None
+        segment = next((s for s in segments if first is not None and s.offset_of(first) is not None), None)
+        if segment is None or self._attached.get(segment.name) is False:
+            return None
+        offsets: list[int] = []
+        for row in views:
+            for view in row:
+                off = segment.offset_of(view)
+                if off is None:
+                    return None
+                offsets.append(off)
+        return segment, p.ShmDest(segment.name, offsets, [len(v) for row in views for v in row])
+
+    def _load_shared(
+        self, segment: SharedSegment, dest: p.ShmDest, wire: list[p.WireBlock], layers: list[int]
+    ) -> p.LoadReply | None:
+        """A load the daemon writes into `segment`; None if it will not (then the caller asks for frames)."""
+        for attempt in range(2):
+            if not self._attached.get(segment.name) and not self._attach(segment):
+                return None
+            try:
+                return self._ask(p.LoadReply, p.Load, wire, layers, dest)[0]
+            except StoreRequestError as exc:
+                if exc.code is not p.ErrorCode.NO_SEGMENT or attempt:
+                    raise
+                with self._lock:  # the daemon restarted or dropped the mapping: attach again, once
+                    self._attached.pop(segment.name, None)
+        return None
+
     def _load(
         self, wire: list[p.WireBlock], layers: list[int], views: list[list[memoryview]]
     ) -> tuple[list[int], list[int]]:
+        shared = self._shm_dest(views)
+        if shared is not None:
+            reply = self._load_shared(*shared, wire, layers)
+            if reply is not None:
+                with self._lock:
+                    self.shared_loads += 1
+                if any(not 0 <= i < len(wire) for i in (*reply.failed, *reply.from_disk)):
+                    raise StoreRequestError(p.ErrorCode.INTERNAL, "load reply names a block outside the request")
+                return sorted(set(reply.failed)), reply.from_disk
         reply, frames = self._ask(p.LoadReply, p.Load, wire, layers)
         if any(not 0 <= i < len(wire) for i in (*reply.failed, *reply.from_disk)):
             raise StoreRequestError(p.ErrorCode.INTERNAL, "load reply names a block outside the request")
@@ -329,10 +411,21 @@ class StoreClient:
         with self._lock:
             if self._closed:
                 return
+            attached = [name for name, ok in self._attached.items() if ok]
+        for name in attached:  # let the daemon unmap now rather than when its table is full
+            try:
+                self._call(p.DetachShm, name, timeout_s=min(self.control_timeout_s, 1.0))
+            except (StoreUnavailable, StoreRequestError):
+                break
+        with self._lock:
+            if self._closed:
+                return
             self._closed = True
         if self.breaker is not None:
             self.breaker.stop()
         self._pool.shutdown(wait=True)
+        for segment in self._segments:
+            segment.unlink()  # the daemon keeps its mapping until it drops it; the name goes now
         self._ctx.destroy(linger=0)
 
     def __enter__(self) -> StoreClient:

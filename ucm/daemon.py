@@ -13,6 +13,8 @@ What a client may do (docs/security.md):
   matches it and every key chains from its parent and token ids (`ucm.dump_check`).
 - With CURVE, a client commits only what it dumped and removes only what it owns (`ucm.ownership`); without,
   all peers are one identity and no ownership is tracked.
+- A client on the same host may attach shared memory (`AttachShm`, checks in ucm/shared_segment.py) and have
+  its loads written there; a segment serves only the client that attached it (`ucm.segment_table`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ucm.namespaces import NamespaceRegistry
 from ucm.ownership import OwnerTable
 from ucm.record import Buffer
 from ucm.refusal import Refused
+from ucm.segment_table import SegmentTable
 from ucm.store import Store
 from ucm.wire_limits import MAX_LOAD_FRAMES, LayoutCaps
 
@@ -49,6 +52,8 @@ class DaemonConfig:
     max_request_bytes: int = 1 << 30
     max_control_bytes: int = 16 << 20
     caps: LayoutCaps = field(default_factory=LayoutCaps)
+    max_segments: int = 1024  # attached shared-memory segments, all clients together (a vLLM worker: one per layer)
+    max_segment_bytes: int = 1 << 40
     auth: ServerAuth | None = None  # None: no authentication (logs INSECURE_WARNING)
 
     def __post_init__(self) -> None:
@@ -56,6 +61,8 @@ class DaemonConfig:
             raise ValueError(f"bind address must be tcp://, ipc:// or inproc://, got {self.bind!r}")
         if self.workers <= 0 or self.max_frames < 2 or self.max_request_bytes <= 0 or self.max_control_bytes <= 0:
             raise ValueError("workers and limits must be positive (max_frames >= 2)")
+        if self.max_segments <= 0 or self.max_segment_bytes <= 0:
+            raise ValueError("segment limits must be positive")
 
 
 class BadRequest(Refused):
@@ -94,6 +101,7 @@ class StoreDaemon:
         self._stop = threading.Event()
         self._namespaces = NamespaceRegistry(config.caps)
         self._owners = OwnerTable(store.config.pending_timeout_s)
+        self._segments = SegmentTable(config.max_segments, config.max_segment_bytes)
         self._counts_lock = threading.Lock()
         self._bad_frames = 0
         self._refused = 0
@@ -232,11 +240,13 @@ class StoreDaemon:
                 # With CURVE, only what this client dumped; without, one identity owns everything (no table).
                 store.commit(self._owners.settle(keys, client, ok) if self.authenticated else keys, ok)
                 return p.OkReply(req.req_id), []
-            case p.Load(blocks=blocks, layers=layers):
+            case p.Load(blocks=blocks, layers=layers, shm=shm):
                 if len(blocks) * len(layers) > MAX_LOAD_FRAMES:
                     raise BadRequest(
                         f"load of {len(blocks)} blocks x {len(layers)} layers: reply over {MAX_LOAD_FRAMES} frames"
                     )
+                if shm is not None:
+                    return self._load_into_segment(client, req, shm), []
                 rows, from_disk = store.read_payloads([b.ref() for b in blocks], layers)
                 failed = [i for i, row in enumerate(rows) if row is None]
                 return p.LoadReply(req.req_id, failed, from_disk), [
@@ -258,12 +268,27 @@ class StoreDaemon:
                 if self.authenticated:
                     self._owners.forget(keys)
                 return p.OkReply(req.req_id), []
+            case p.AttachShm(name=name, nbytes=nbytes, token=token):
+                self._segments.attach(client, name, nbytes, token)
+                return p.OkReply(req.req_id), []
+            case p.DetachShm(name=name):
+                self._segments.detach(client, name)
+                return p.OkReply(req.req_id), []
             case p.GetStats():
                 stats = store.stats()
                 with self._counts_lock:
                     stats.bad_frames, stats.refused_requests = self._bad_frames, self._refused
                 return p.StatsReply(req.req_id, stats), []
         raise BadRequest(f"unhandled request {type(req).__name__}")
+
+    def _load_into_segment(self, client: str, req: p.Load, shm: p.ShmDest) -> p.LoadReply:
+        width = len(req.layers)
+        if len(shm.offsets) != len(req.blocks) * width:
+            raise BadRequest(f"shm load: {len(shm.offsets)} offsets for {len(req.blocks)} blocks x {width} layers")
+        views = self._segments.get(client, shm.name).views(shm.offsets, shm.lengths)
+        dst = [views[i * width : (i + 1) * width] for i in range(len(req.blocks))]
+        failed, from_disk = self.store.read_into([b.ref() for b in req.blocks], req.layers, dst)
+        return p.LoadReply(req.req_id, failed, from_disk)
 
     def _dump(self, client: str, req: p.Dump, frames: Sequence[zmq.Frame]) -> list[int]:
         """Indices of the blocks not stored; Refused (nothing stored) if the request is inconsistent."""

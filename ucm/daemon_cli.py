@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, default=4, help="request worker threads")
     ap.add_argument("--max-request-bytes", type=_size, default=parse_size("1GiB"))
     ap.add_argument("--max-frames", type=int, default=1 + 65536)
+    ap.add_argument(
+        "--max-segments",
+        type=int,
+        default=DaemonConfig.max_segments,
+        help="shared-memory segments of same-host clients mapped at once (loads are written into them)",
+    )
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     auth = ap.add_argument_group("authentication (ZeroMQ CURVE)")
     auth.add_argument(
@@ -159,6 +165,7 @@ def main(argv: list[str]) -> int:
             workers=args.workers,
             max_frames=args.max_frames,
             max_request_bytes=args.max_request_bytes,
+            max_segments=args.max_segments,
             auth=_server_auth(args),
         )
     except ValueError as exc:

@@ -5,8 +5,11 @@ says so (never pickle). Every request carries a `req_id` echoed by its reply so 
 reply to a request it already gave up on.
 
     Dump     + one frame per block: that block's payload for `layer`
-    LoadReply + len(layers) frames for each block not in `failed`, in block order
+    LoadReply + len(layers) frames for each block not in `failed`, in block order (none for a `Load` with
+                `shm`: the daemon wrote the payloads into the client's attached segment, ucm/shared_segment.py)
 
+`AttachShm` / `DetachShm` and `Load.shm` (a same-host daemon writes loads into the client's shared memory) are
+optional: an older daemon answers UNKNOWN_TYPE and the client keeps receiving frames.
 Version 2 adds `OpenNamespace` (a client declares its KV layout once; each `Dump` names it and is refused
 unless every size matches) and the error codes a refusal carries. Every list has a fixed maximum length
 (`ucm.wire_limits`) so that decoding one frame can never allocate without bound.
@@ -20,7 +23,7 @@ from typing import Annotated
 import msgspec
 
 from ucm.api import BlockRef, StoreStats
-from ucm.wire_limits import MAX_BLOCK_TOKENS, MAX_KEYS_PER_REQUEST, MAX_LAYERS, MAX_NAME_CHARS
+from ucm.wire_limits import MAX_BLOCK_TOKENS, MAX_KEYS_PER_REQUEST, MAX_LAYERS, MAX_LOAD_FRAMES, MAX_NAME_CHARS
 
 PROTOCOL_VERSION = 2
 DEFAULT_NAMESPACE = "default"
@@ -91,9 +94,31 @@ class Commit(_Msg, tag="commit", frozen=True):
     ok: bool
 
 
+class ShmDest(msgspec.Struct, array_like=True, frozen=True):
+    """Where a load's payloads go in a segment the client attached: entry `i * len(layers) + j` is block i's
+    layer j, written at `offsets[...]`; its payload must be exactly `lengths[...]` bytes (else the block fails)."""
+
+    name: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+    offsets: Annotated[list[int], msgspec.Meta(max_length=MAX_LOAD_FRAMES)]
+    lengths: Annotated[list[int], msgspec.Meta(max_length=MAX_LOAD_FRAMES)]
+
+
 class Load(_Msg, tag="load", frozen=True):
     blocks: Annotated[list[WireBlock], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
     layers: Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)]
+    shm: ShmDest | None = None  # None: the payloads come back as frames
+
+
+class AttachShm(_Msg, tag="attach_shm", frozen=True):
+    """Map the client's segment `/dev/shm/<name>` of `nbytes` (header included) whose header starts with `token`."""
+
+    name: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+    nbytes: Annotated[int, msgspec.Meta(gt=0)]
+    token: Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
+class DetachShm(_Msg, tag="detach_shm", frozen=True):
+    name: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 
 class Prefetch(_Msg, tag="prefetch", frozen=True):
@@ -108,7 +133,20 @@ class GetStats(_Msg, tag="stats", frozen=True):
     pass
 
 
-Request = Ping | Lookup | Contains | OpenNamespace | Dump | Commit | Load | Prefetch | Remove | GetStats
+Request = (
+    Ping
+    | Lookup
+    | Contains
+    | OpenNamespace
+    | Dump
+    | Commit
+    | Load
+    | Prefetch
+    | Remove
+    | GetStats
+    | AttachShm
+    | DetachShm
+)
 REQUEST_TYPES = frozenset(t.__struct_config__.tag for t in Request.__args__)
 
 # --- replies ------------------------------------------------------------------------------------------
@@ -123,6 +161,7 @@ class ErrorCode(enum.Enum):
     FORBIDDEN = "forbidden"  # the keys belong to another client
     VERSION = "version"  # the client speaks another protocol version
     BUSY = "busy"  # a fixed cap on pending state is reached; retry later
+    NO_SEGMENT = "no_segment"  # a load into a segment this client has not attached (e.g. the daemon restarted)
     INTERNAL = "internal"
 
 

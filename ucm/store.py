@@ -237,7 +237,7 @@ class Store:
             raise ValueError("load: dst buffers must be writable")
         keys = [ref.key for ref in blocks]
         task = Task(len(blocks))
-        self._pins.pin(keys)
+        self._pins.pin(keys)  # from now: nothing evicts them before the load thread reads them
 
         def run() -> None:
             failed: list[int] = list(range(len(blocks)))
@@ -245,11 +245,9 @@ class Store:
             try:
                 if self.load_hook is not None:
                     self.load_hook(blocks)
-                hits, _, from_disk = self._reader.read_many(blocks, layers, views)
-                failed = [i for i, hit in enumerate(hits) if not hit]
+                failed, from_disk = self.read_into(blocks, layers, views)
             except Exception:
                 log.exception("load of %d blocks failed", len(blocks))
-                from_disk = []
             finally:
                 self._pins.unpin(keys)
                 task.finish(failed, from_disk=from_disk)
@@ -260,6 +258,20 @@ class Store:
             self._pins.unpin(keys)
             return Task.all_failed(len(blocks), "store is closed")
         return task
+
+    def read_into(
+        self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]
+    ) -> tuple[list[int], list[int]]:
+        """`load` on the calling thread: (failed blocks, blocks served from disk); the daemon writes a
+        same-host client's shared memory with it."""
+        self._check_open()
+        keys = [ref.key for ref in blocks]
+        self._pins.pin(keys)
+        try:
+            hits, _, from_disk = self._reader.read_many(blocks, layers, [list(row) for row in dst])
+        finally:
+            self._pins.unpin(keys)
+        return [i for i, hit in enumerate(hits) if not hit], from_disk
 
     def read_payloads(
         self, blocks: Sequence[BlockRef], layers: Sequence[int]
@@ -274,6 +286,9 @@ class Store:
             return [row if hit else None for row, hit in zip(rows, hits)], from_disk
         finally:
             self._pins.unpin(keys)
+
+    def staging_buffer(self, nbytes: int) -> memoryview:
+        return memoryview(bytearray(nbytes))  # in process: any memory is as close as it gets
 
     def prefetch(self, keys: Sequence[BlockKey]) -> None:
         if self._disk is None or self._closed:

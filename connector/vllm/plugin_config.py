@@ -8,7 +8,7 @@ from typing import Any
 
 from connector.store_spec import StoreKind, StoreSpec
 
-_KNOWN = {"store", "save_decode_blocks", "task_timeout_s"}
+_KNOWN = {"store", "save_decode_blocks", "task_timeout_s", "shared_memory"}
 DEFAULT_TASK_TIMEOUT_S = 30.0
 
 
@@ -17,6 +17,7 @@ class PluginConfig:
     store: StoreSpec  # always a daemon: vLLM's scheduler and worker are separate processes
     save_decode_blocks: bool = False  # prompts are what gets reused; decode blocks only help multi-turn chats
     task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S  # a store task still running after this is a failed one
+    shared_memory: bool = True  # a daemon on this host writes loads into shared memory (ucm/shared_segment.py)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> PluginConfig:
@@ -43,4 +44,7 @@ class PluginConfig:
         timeout = extra.get("task_timeout_s", DEFAULT_TASK_TIMEOUT_S)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ValueError(f"task_timeout_s must be a positive number, got {timeout!r}")
-        return cls(spec, save_decode, float(timeout))
+        shared = extra.get("shared_memory", True)
+        if not isinstance(shared, bool):
+            raise ValueError(f"shared_memory must be true or false, got {shared!r}")
+        return cls(spec, save_decode, float(timeout), shared)

@@ -23,11 +23,12 @@ import torch
 
 from connector.base import KVConnectorRole
 from connector.metadata import ConnectorStats, commit_saves, failed_rows, store_failed
-from connector.vllm.block_bytes import StagingRows, block_rows
+from connector.vllm.block_bytes import StagingRows, block_rows, copy_rows
 from connector.vllm.step import BlockLoad, StepPlan
 from ucm.api import BlockRef, KVStore, StoreTask
 
 log = logging.getLogger(__name__)
+LOAD_STAGING_BLOCKS = 16  # rows per layer reserved at start: a 2048-token prompt in 128-token blocks
 
 
 @dataclass
@@ -36,7 +37,7 @@ class _StepLoads:
 
     loads: list[BlockLoad]
     first_row: list[int]
-    device_ids: torch.Tensor  # [rows]
+    device_ids: list[int]  # [rows]
     blocks: list[BlockRef]  # [rows]
     tasks: dict[int, StoreTask | None] = field(default_factory=dict)  # layer -> its load
     failed_rows: set[int] = field(default_factory=set)
@@ -77,9 +78,15 @@ class VllmWorkerCore:
         if any(r.device.type != "cpu" for r in rows):
             raise ValueError("UCMConnector moves host-memory caches only (vLLM's CPU platform)")
         self._rows = rows
-        self._load_bufs = [StagingRows(page) for _ in rows]
         self._save_bufs = [StagingRows(page) for _ in rows]
+        self.use_store(self.store, reserve_blocks=0)
         return int(page)
+
+    def use_store(self, store: KVStore, reserve_blocks: int = LOAD_STAGING_BLOCKS) -> None:
+        """Load and save through `store`; load staging comes from its fastest memory (`staging_buffer`),
+        reserved now rather than on the first load."""
+        self.store = store
+        self._load_bufs = [StagingRows(self.page_bytes, store.staging_buffer, reserve_blocks) for _ in self._rows]
 
     @property
     def num_layers(self) -> int:
@@ -122,7 +129,7 @@ class VllmWorkerCore:
             firsts.append(len(blocks))
             ids.extend(load.block_ids)
             blocks.extend(load.blocks)
-        loads = _StepLoads(good, firsts, torch.tensor(ids, dtype=torch.long), blocks)
+        loads = _StepLoads(good, firsts, ids, blocks)
         for layer in range(self.num_layers):  # every layer at once: the store serves them in parallel
             buf = self._load_bufs[layer]
             try:
@@ -147,9 +154,8 @@ class VllmWorkerCore:
         loads.failed_rows |= failed
         good = [r for r in range(loads.num_rows) if r not in failed]
         if good and not stuck:
-            sel = torch.tensor(good, dtype=torch.long)
             staged = self._load_bufs[layer].rows(loads.num_rows)
-            self._rows[layer].index_copy_(0, loads.device_ids.index_select(0, sel), staged.index_select(0, sel))
+            copy_rows(self._rows[layer], [loads.device_ids[r] for r in good], staged, good)
         self.stats.load_wait_seconds += time.perf_counter() - t0
 
     def _finish_loads(self) -> None:

@@ -1,0 +1,192 @@
+"""Loads a same-host daemon writes straight into the client's shared memory (ucm/shared_segment.py): the bytes,
+the fallback to frames, re-attaching after the daemon dropped a mapping, and what a hostile peer cannot make the
+daemon do. Real daemon processes, real /dev/shm, real ZeroMQ."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zmq
+
+from tests.store_helpers import NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, make_refs, run_daemon
+from ucm import protocol as p
+from ucm.client import StoreClient
+from ucm.shared_segment import HEADER_NBYTES, SHM_DIR, SharedSegment, shm_available, sweep_dead_segments
+
+pytestmark = pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on this host")
+
+
+def _load_into_staging(client: StoreClient, refs, staging: memoryview):
+    """Load every layer of `refs` into consecutive PAYLOAD-sized slices of `staging`; (ok, failed, rows)."""
+    rows = [
+        [staging[(i * NUM_LAYERS + j) * PAYLOAD : (i * NUM_LAYERS + j + 1) * PAYLOAD] for j in range(NUM_LAYERS)]
+        for i in range(len(refs))
+    ]
+    task = client.load(refs, list(range(NUM_LAYERS)), rows)
+    return task.wait(10), task.failed_blocks, rows
+
+
+def _segment_files() -> set[str]:
+    return {f.name for f in SHM_DIR.glob(f"ucm-seg-{os.getpid()}-*")}
+
+
+def test_shared_load_equals_stored_bytes_and_skips_frames() -> None:
+    refs = make_refs(list(range(1, 1 + 4 * 16)))
+    with run_daemon() as daemon, StoreClient(daemon.address, timeout_s=10) as client:
+        dump_all(client, refs)
+        staging = client.staging_buffer(len(refs) * NUM_LAYERS * PAYLOAD)
+        ok, failed, rows = _load_into_staging(client, refs, staging)
+        assert ok and failed == []
+        assert_loaded(refs, rows)
+        assert client.shared_loads == 1, "a same-host daemon writes the load into shared memory"
+        # A miss in the middle: the block fails, the others still land, nothing counts it as loaded.
+        ghost = make_refs(list(range(1000, 1000 + 16)))[0]
+        ok, failed, rows = _load_into_staging(client, [refs[0], ghost], staging)
+        assert not ok and failed == [1]
+        assert_loaded([refs[0]], rows[:1])
+        names = _segment_files()
+        assert len(names) == 1
+    assert _segment_files() == set(), "close() unlinks the client's segments"
+
+
+def test_without_shared_memory_the_same_bytes_come_as_frames() -> None:
+    refs = make_refs(list(range(1, 1 + 3 * 16)))
+    with run_daemon() as daemon, StoreClient(daemon.address, timeout_s=10, shared_memory=False) as client:
+        dump_all(client, refs)
+        staging = client.staging_buffer(len(refs) * NUM_LAYERS * PAYLOAD)
+        ok, _, rows = _load_into_staging(client, refs, staging)
+        assert ok
+        assert_loaded(refs, rows)
+        assert client.shared_loads == 0 and _segment_files() == set()
+
+
+def test_a_dropped_mapping_is_attached_again() -> None:
+    """The daemon maps at most --max-segments: the second segment pushes the first out, whose next load gets
+    NO_SEGMENT, attaches again and still lands in shared memory (a daemon restart looks the same to the client)."""
+    refs = make_refs(list(range(1, 1 + 2 * 16)))
+    nbytes = len(refs) * NUM_LAYERS * PAYLOAD
+    with run_daemon(None, "--max-segments", "1") as daemon, StoreClient(daemon.address, timeout_s=10) as client:
+        dump_all(client, refs)
+        first = client.staging_buffer(nbytes)
+        second = client.staging_buffer(nbytes)  # attaching it drops the first's mapping
+        for staging in (first, second, first):
+            ok, _, rows = _load_into_staging(client, refs, staging)
+            assert ok
+            assert_loaded(refs, rows)
+        assert client.shared_loads == 3
+
+
+def test_daemon_restart_then_load_reattaches(tmp_path) -> None:
+    """The same client and segment across a daemon restart: the new daemon answers NO_SEGMENT, the client attaches
+    the segment again and the load lands in it."""
+    refs = make_refs(list(range(1, 1 + 2 * 16)))
+    with run_daemon(tmp_path / "lmdb") as daemon:
+        address = daemon.address
+        client = StoreClient(address, timeout_s=10)
+        try:
+            dump_all(client, refs)
+            staging = client.staging_buffer(len(refs) * NUM_LAYERS * PAYLOAD)
+            assert _load_into_staging(client, refs, staging)[0]
+            daemon.stop()
+            with run_daemon(tmp_path / "lmdb", "--bind", address) as again:
+                assert again.address == address
+                ok, _, rows = _load_into_staging(client, refs, staging)
+                assert ok, "the restarted daemon serves its LMDB blocks into the re-attached segment"
+                assert_loaded(refs, rows)
+                assert client.shared_loads == 2
+        finally:
+            client.close()
+
+
+# --- what a peer cannot make the daemon do ----------------------------------------------------------------
+
+
+def _ask(address: str, msg: p.Request) -> p.Reply:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send(p.encode(msg))
+        assert sock.poll(5000), "the daemon did not answer"
+        return p.reply_decoder.decode(sock.recv_multipart()[0])
+    finally:
+        sock.close()
+
+
+def _code(reply: p.Reply) -> p.ErrorCode | None:
+    return reply.code if isinstance(reply, p.ErrorReply) else None
+
+
+def test_attach_checks_name_token_and_size(tmp_path) -> None:
+    segment = SharedSegment(64 << 10)
+    try:
+        with run_daemon() as daemon:
+            a = daemon.address
+            assert _code(_ask(a, p.AttachShm(1, segment.name, segment.nbytes, secrets.token_bytes(16)))) is (
+                p.ErrorCode.BAD_REQUEST
+            ), "a peer that cannot read the file does not know its token"
+            assert _code(_ask(a, p.AttachShm(2, segment.name, segment.nbytes + 4096, segment.token))) is (
+                p.ErrorCode.BAD_REQUEST
+            ), "the size must be the file's"
+            for name in ("../../etc/passwd", "ucm-seg-1-" + "0" * 31 + "/", str(tmp_path)):
+                assert _code(_ask(a, p.AttachShm(3, name, 8192, segment.token))) is p.ErrorCode.BAD_REQUEST
+            link = SHM_DIR / f"ucm-seg-{os.getpid()}-{secrets.token_hex(16)}"
+            link.symlink_to(segment.path)
+            try:
+                assert _code(_ask(a, p.AttachShm(4, link.name, segment.nbytes, segment.token))) is (
+                    p.ErrorCode.BAD_REQUEST
+                ), "links are not followed"
+            finally:
+                link.unlink()
+            assert isinstance(_ask(a, p.AttachShm(5, segment.name, segment.nbytes, segment.token)), p.OkReply)
+    finally:
+        segment.unlink()
+
+
+def test_loads_stay_inside_the_segment_payload() -> None:
+    refs = make_refs(list(range(1, 1 + 16)))
+    segment = SharedSegment(NUM_LAYERS * PAYLOAD)
+    try:
+        with run_daemon() as daemon, StoreClient(daemon.address, timeout_s=10) as client:
+            dump_all(client, refs)
+            wire = [p.WireBlock.of(refs[0])]
+            assert isinstance(
+                _ask(daemon.address, p.AttachShm(1, segment.name, segment.nbytes, segment.token)), p.OkReply
+            )
+            # Not into the header (the token), not past the end: refused, and nothing is written.
+            for offsets in ([0], [segment.nbytes - PAYLOAD + 1], [-HEADER_NBYTES]):
+                dest = p.ShmDest(segment.name, offsets, [PAYLOAD])
+                assert _code(_ask(daemon.address, p.Load(2, wire, [0], dest))) is p.ErrorCode.BAD_REQUEST
+            assert segment.array[:16].tobytes() == segment.token
+            assert not segment.array[HEADER_NBYTES:].any()
+            # A segment this peer never attached (a DEALER is its own client only with CURVE; without it every
+            # peer is one identity, so use a name no one attached).
+            other = p.ShmDest(f"ucm-seg-{os.getpid()}-{secrets.token_hex(16)}", [HEADER_NBYTES], [PAYLOAD])
+            assert _code(_ask(daemon.address, p.Load(3, wire, [0], other))) is p.ErrorCode.NO_SEGMENT
+            good = p.ShmDest(segment.name, [HEADER_NBYTES], [PAYLOAD])
+            reply = _ask(daemon.address, p.Load(4, wire, [0], good))
+            assert isinstance(reply, p.LoadReply) and reply.failed == []
+            got = segment.array[HEADER_NBYTES : HEADER_NBYTES + PAYLOAD].tobytes()
+            assert_loaded(refs[:1], [[got]], layers=[0])
+    finally:
+        segment.unlink()
+
+
+def test_segments_of_dead_processes_are_swept() -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    stale = SHM_DIR / f"ucm-seg-{pid}-{secrets.token_hex(16)}"
+    stale.write_bytes(np.zeros(16, np.uint8).tobytes())
+    mine = SharedSegment(4096)
+    try:
+        assert sweep_dead_segments() >= 1
+        assert not stale.exists(), "a dead process's segment is removed"
+        assert mine.path.exists(), "a live process's segment stays"
+    finally:
+        stale.unlink(missing_ok=True)
+        mine.unlink()
