@@ -88,6 +88,7 @@ class StoreStats:
     # it refused (sizes not matching the namespace's layout, forged keys, another client's keys...).
     bad_frames: int = 0
     refused_requests: int = 0
+    shared_memory_loads: int = 0  # loads the daemon wrote into a same-host client's shared memory (no frames)
 
 
 class KVStore(Protocol):

@@ -105,6 +105,7 @@ class StoreDaemon:
         self._counts_lock = threading.Lock()
         self._bad_frames = 0
         self._refused = 0
+        self._shared_loads = 0
         self._bad_log = LogLimiter(log)
 
     @property
@@ -278,6 +279,7 @@ class StoreDaemon:
                 stats = store.stats()
                 with self._counts_lock:
                     stats.bad_frames, stats.refused_requests = self._bad_frames, self._refused
+                    stats.shared_memory_loads = self._shared_loads
                 return p.StatsReply(req.req_id, stats), []
         raise BadRequest(f"unhandled request {type(req).__name__}")
 
@@ -288,6 +290,8 @@ class StoreDaemon:
         views = self._segments.get(client, shm.name).views(shm.offsets, shm.lengths)
         dst = [views[i * width : (i + 1) * width] for i in range(len(req.blocks))]
         failed, from_disk = self.store.read_into([b.ref() for b in req.blocks], req.layers, dst)
+        with self._counts_lock:
+            self._shared_loads += 1
         return p.LoadReply(req.req_id, failed, from_disk)
 
     def _dump(self, client: str, req: p.Dump, frames: Sequence[zmq.Frame]) -> list[int]:

@@ -64,6 +64,7 @@ def test_prompt_kv_survives_a_vllm_restart(vllm_venv, tmp_path):
         stats = store.stats()
         assert stats.lookup_hit_blocks - saved.lookup_hit_blocks >= PROMPT_TOKENS // BLOCK
         assert stats.tiers[Tier.DRAM].hits > saved.tiers[Tier.DRAM].hits
+        assert stats.shared_memory_loads > saved.shared_memory_loads, "a same-host daemon writes into shared memory"
         assert loaded.text == cold.text, "greedy output differs from the cache-free run"
         for complaint in (
             "load failed",

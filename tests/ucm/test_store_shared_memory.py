@@ -44,6 +44,7 @@ def test_shared_load_equals_stored_bytes_and_skips_frames() -> None:
         assert ok and failed == []
         assert_loaded(refs, rows)
         assert client.shared_loads == 1, "a same-host daemon writes the load into shared memory"
+        assert client.stats().shared_memory_loads == 1
         # A miss in the middle: the block fails, the others still land, nothing counts it as loaded.
         ghost = make_refs(list(range(1000, 1000 + 16)))[0]
         ok, failed, rows = _load_into_staging(client, [refs[0], ghost], staging)
@@ -63,6 +64,7 @@ def test_without_shared_memory_the_same_bytes_come_as_frames() -> None:
         assert ok
         assert_loaded(refs, rows)
         assert client.shared_loads == 0 and _segment_files() == set()
+        assert client.stats().shared_memory_loads == 0
 
 
 def test_a_dropped_mapping_is_attached_again() -> None:
