@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.attention import paged_attention_forward
 from engine.model_config import ModelConfig
-from engine.models.dense import dense, pack_weight
+from engine.models.dense import Packed, dense, pack_weight
 from kernels.api import rotary_embedding_
 
 
@@ -25,8 +25,8 @@ class PagedSelfAttention(nn.Module):
         self.qkv_bias = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size)) if config.qkv_bias else None
         self.o_weight = nn.Parameter(torch.empty(config.hidden_size, self.q_size))
         self.o_bias = nn.Parameter(torch.empty(config.hidden_size)) if config.o_bias else None
-        self.qkv_packed: torch.Tensor | None = None
-        self.o_packed: torch.Tensor | None = None
+        self.qkv_packed: Packed = None
+        self.o_packed: Packed = None
 
     def pack_weights(self) -> None:
         self.qkv_packed = pack_weight(self.qkv_weight)

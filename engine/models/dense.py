@@ -4,15 +4,24 @@
 format on every call; at decode batch sizes that reorder is a large part of the matmul. Packing once at load
 time gives bit-identical results and, measured on this project's AVX-512-BF16 dev machine (1 thread),
 25–45% faster matmuls at 1–32 rows and 3–8% at 512–2048 rows (`python -m benchmarks.kernels` has no row for
-this; see docs/benchmarks.md). fp32 is left alone: the HF-equality tests run fp32 and its plain path is MKL.
+this; see docs/benchmarks.md).
+
+fp32 on CPU: a decode step's few rows go through a panel-packed copy of the weight (kernels/cpu/skinny_gemm.c),
+which reads it once per call where the BLAS also repacks it: 2.4x faster matmuls at 8 rows on a 2-core AVX2 EPYC.
+Up to how many rows is measured per weight shape on the machine (kernels/cpu/skinny_gemm.py); more rows, and
+any machine where the kernel never wins or the native build is missing, keep `F.linear`. The packed copies add
+the weights' size in memory, as for bf16.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Union
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu.skinny_gemm import PanelWeight, panel_weight, skinny_linear
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +36,13 @@ def packing_supported(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-packed copy of `weight` [out, in], or None where packing does not apply (then use F.linear)."""
+Packed = Union[torch.Tensor, "PanelWeight", None]  # oneDNN bf16 weight, fp32 panels, or nothing
+
+
+def pack_weight(weight: torch.Tensor) -> Packed:
+    """The packed copy of `weight` [out, in] for this machine, or None where packing does not apply (F.linear)."""
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
+        return _panel_weight(weight)
     if not packing_supported(weight):
         return None
     try:
@@ -39,10 +53,19 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def dense(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
-) -> torch.Tensor:
+def _panel_weight(weight: torch.Tensor) -> PanelWeight | None:
+    from kernels.cpu.native import load
+
+    lib = load()
+    return panel_weight(lib, weight) if lib is not None else None
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed) -> torch.Tensor:
     """x @ weight.T + bias, through the packed weight when there is one."""
     if packed is None:
+        return F.linear(x, weight, bias)
+    if isinstance(packed, PanelWeight):
+        if x.dim() == 2 and x.shape[0] <= packed.max_rows:
+            return skinny_linear(packed.lib, x, packed.panels, packed.out_features, bias)
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

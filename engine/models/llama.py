@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.models.attention_layer import PagedSelfAttention
-from engine.models.dense import dense, pack_weight
+from engine.models.dense import Packed, dense, pack_weight
 from engine.models.mlp import GatedMLP
 from engine.models.rmsnorm import RMSNorm
 from engine.models.rope import RotaryEmbedding
@@ -63,7 +63,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: Packed = None
 
     def pack_weights(self) -> None:
         """Pre-pack the matmul weights for the CPU backend (see engine/models/dense.py); call once the weights

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.dense import dense, pack_weight
+from engine.models.dense import Packed, dense, pack_weight
 from kernels.api import silu_and_mul
 
 
@@ -18,8 +18,8 @@ class GatedMLP(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.empty(2 * intermediate_size)) if bias else None
         self.down_weight = nn.Parameter(torch.empty(hidden_size, intermediate_size))
         self.down_bias = nn.Parameter(torch.empty(hidden_size)) if bias else None
-        self.gate_up_packed: torch.Tensor | None = None
-        self.down_packed: torch.Tensor | None = None
+        self.gate_up_packed: Packed = None
+        self.down_packed: Packed = None
 
     def pack_weights(self) -> None:
         self.gate_up_packed = pack_weight(self.gate_up_weight)

@@ -128,12 +128,12 @@ def calibration_key(lib: NativeLib, threads: int) -> dict[str, object]:
             "torch": torch.__version__, "threads": threads}  # fmt: skip
 
 
-def _key_file(kind: str, key: dict[str, object], root: Path | None) -> Path:
+def key_file(kind: str, key: dict[str, object], root: Path | None) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return (root if root is not None else cache_dir()) / "kernels" / f"{kind}-{digest}.json"
 
 
-def _read_entries(path: Path, key: dict[str, object]) -> dict[str, dict]:
+def read_entries(path: Path, key: dict[str, object]) -> dict[str, dict]:
     """The file's entries if it is ours (same version and key); else none (absent, stale or damaged)."""
     try:
         data = json.loads(path.read_text())
@@ -145,9 +145,9 @@ def _read_entries(path: Path, key: dict[str, object]) -> dict[str, dict]:
     return entries if isinstance(entries, dict) else {}
 
 
-def _write_entry(path: Path, key: dict[str, object], name: str, entry: dict) -> None:
+def write_entry(path: Path, key: dict[str, object], name: str, entry: dict) -> None:
     """Add one entry; written to a temporary file and renamed, so concurrent readers see an old or a new file."""
-    entries = _read_entries(path, key)
+    entries = read_entries(path, key)
     entries[name] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -254,9 +254,9 @@ def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
         if found is not None:
             return found
         key = calibration_key(lib, threads)
-        path = _key_file("calibration", key, root)
+        path = key_file("calibration", key, root)
         name = g.label()
-        stored = _read_entries(path, key).get(name)
+        stored = read_entries(path, key).get(name)
         try:
             result = {ShapeClass(c): Pick(**p) for c, p in stored.items()} if stored else None
         except (TypeError, ValueError):  # written by another version of this code: measure again
@@ -269,7 +269,7 @@ def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
             if unsure:  # the machine's load changed the answer: use it now, measure again in the next process
                 where = f"not stored: rounds disagreed on {', '.join(unsure)} (other load on the CPU?)"
             else:
-                _write_entry(path, key, name, {c.value: asdict(p) for c, p in result.items()})
+                write_entry(path, key, name, {c.value: asdict(p) for c, p in result.items()})
                 where = f"stored in {path}"
             log.info("%s (measured in %.2f s; %s)", _describe(g, threads, result, "calibrated"),
                      time.perf_counter() - t0, where)  # fmt: skip
@@ -305,9 +305,9 @@ def bf16_matmul_faster(root: Path | None = None) -> tuple[bool, dict[str, float]
     model, flags = cpu_info()
     key = {"cpu": model, "flags": flags, "machine": platform.machine(), "torch": torch.__version__,
            "threads": torch.get_num_threads()}  # fmt: skip
-    path = _key_file("dtype", key, root)
-    times = _read_entries(path, key).get("matmul")
+    path = key_file("dtype", key, root)
+    times = read_entries(path, key).get("matmul")
     if not (isinstance(times, dict) and set(times) == {"bfloat16", "float32"}):
         times = measure_matmul()
-        _write_entry(path, key, "matmul", times)
+        write_entry(path, key, "matmul", times)
     return times["bfloat16"] < times["float32"], times

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 # One library, one compiler run: the sources share no symbols (their helpers are static), and a single load
 # keeps one build-or-fallback decision per process.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.c", "elementwise.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.c", "elementwise.c", "skinny_gemm.c"))
 # Included by the sources: not compiled on their own, but part of what the library hash covers.
 HEADERS = tuple(
     Path(__file__).with_name(name)
@@ -70,6 +70,8 @@ class NativeLib:
     fused_add_rms_norm: CFunction  # ucm_fused_add_rms_norm
     silu_and_mul: CFunction  # ucm_silu_and_mul
     rotary_embedding: CFunction  # ucm_rotary_embedding
+    pack_panels: CFunction  # ucm_pack_panels in skinny_gemm.c
+    skinny_gemm: CFunction  # ucm_skinny_gemm
     has_avx512: bool
     has_openmp: bool
     vector_path: str  # what head_dims that are multiples of 16 run: "avx512", "avx2", "neon" or "scalar"
@@ -196,6 +198,12 @@ def _bind(path: Path) -> NativeLib:
     rope = cdll.ucm_rotary_embedding
     rope.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i32]  # qk, token stride, rows, heads, head_dim, cos, sin, ...
     rope.restype = None
+    pack = cdll.ucm_pack_panels
+    pack.argtypes = [ptr, ptr, i64, i64]  # w, packed out, N, K
+    pack.restype = None
+    skinny = cdll.ucm_skinny_gemm
+    skinny.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]  # x, M, K, packed w, N, bias (or NULL), y, threads
+    skinny.restype = None
     cdll.ucm_has_avx512.restype = i32
     cdll.ucm_has_openmp.restype = i32
     cdll.ucm_vector_path.restype = ctypes.c_char_p
@@ -208,6 +216,8 @@ def _bind(path: Path) -> NativeLib:
         add_norm,
         silu,
         rope,
+        pack,
+        skinny,
         bool(cdll.ucm_has_avx512()),
         bool(cdll.ucm_has_openmp()),
         cdll.ucm_vector_path().decode(),

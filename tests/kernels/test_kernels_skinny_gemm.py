@@ -1,0 +1,129 @@
+"""The skinny fp32 GEMM (kernels/cpu/skinny_gemm.c) against F.linear, and its dispatch in `engine.models.dense`:
+the row counts the calibration names go to the kernel, the others to F.linear, the choice is cached per machine,
+and a model run either way gives the same greedy text. No timing asserts: `skinny_gemm.measure` is replaced by
+fixed numbers wherever a choice is tested."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models import dense as dense_mod
+from kernels.cpu import skinny_gemm
+from kernels.cpu.skinny_gemm import ROW_LADDER, PanelWeight, pack_panels, skinny_linear
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "bias"),
+    [(1, 576, 960, False), (3, 64, 17, True), (8, 1536, 576, False), (13, 100, 48, True), (64, 576, 3072, True)],
+)
+def test_matches_f_linear(native_lib, m, k, n, bias) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = skinny_linear(native_lib, x, pack_panels(native_lib, w), n, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    # fp32 sums of k products, in another order than the BLAS: a few ulps of the sum of |products|.
+    bound = 4 * k * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T).max()
+    assert got.shape == (m, n)
+    assert (got - want).abs().max() <= bound
+
+
+def test_non_contiguous_input_and_bad_arguments(native_lib) -> None:
+    w = torch.randn(32, 16)
+    x = torch.randn(16, 5).T  # [5, 16], not contiguous
+    torch.testing.assert_close(skinny_linear(native_lib, x, pack_panels(native_lib, w), 32, None), F.linear(x, w))
+    with pytest.raises(ValueError, match="fp32"):
+        pack_panels(native_lib, w.bfloat16())
+    with pytest.raises(ValueError, match="not 33 x 16"):
+        skinny_linear(native_lib, x, pack_panels(native_lib, w), 33, None)
+
+
+@pytest.fixture
+def forced(monkeypatch, tmp_path):
+    """UCM_CPU_LINEAR=auto, a fresh cache dir, and `measure` replaced: returns `set(win_up_to)`, making the kernel
+    win at row counts <= win_up_to, and the list of (k, n) measured."""
+    monkeypatch.setenv("UCM_CPU_LINEAR", "auto")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("UCM_CACHE_DIR", str(cache))
+    skinny_gemm.forget()
+    state = {"up_to": 8}
+    measured: list[tuple[int, int]] = []
+
+    def fake_measure(lib, k, n):
+        measured.append((k, n))
+        return [{r: (1.0, 2.0) if r <= state["up_to"] else (2.0, 1.0) for r in ROW_LADDER}] * 2
+
+    monkeypatch.setattr(skinny_gemm, "measure", fake_measure)
+
+    def set_up_to(rows: int) -> list[tuple[int, int]]:
+        skinny_gemm.forget()
+        for stored in cache.glob("kernels/linear-*.json"):
+            stored.unlink()
+        state["up_to"] = rows
+        measured.clear()
+        return measured
+
+    yield set_up_to
+    skinny_gemm.forget()
+
+
+def test_dispatch_follows_the_calibration(native_lib, forced, monkeypatch) -> None:
+    measured = forced(16)
+    w = torch.randn(48, 32)
+    packed = dense_mod.pack_weight(w)
+    assert isinstance(packed, PanelWeight) and packed.max_rows == 16
+    assert measured == [(32, 48)]
+    calls: list[int] = []
+    real = dense_mod.skinny_linear
+    monkeypatch.setattr(dense_mod, "skinny_linear", lambda lib, x, *a: calls.append(x.shape[0]) or real(lib, x, *a))
+    for rows in (1, 16, 17, 200):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(dense_mod.dense(x, w, None, packed), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    assert calls == [1, 16], "rows past the calibrated count go to F.linear"
+    # Cached per machine: a new process (no memo) reads the file instead of measuring.
+    skinny_gemm.forget()
+    assert dense_mod.pack_weight(w).max_rows == 16 and measured == [(32, 48)]
+    (stored,) = (Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json")
+    assert json.loads(stored.read_text())["entries"] == {"fp32 48x32": {"max_rows": 16}}
+
+
+def test_never_faster_means_no_packed_copy(native_lib, forced, monkeypatch) -> None:
+    forced(0)
+    assert dense_mod.pack_weight(torch.randn(48, 32)) is None, "no memory spent where the kernel never wins"
+    monkeypatch.setenv("UCM_CPU_LINEAR", "torch")
+    forced(128)
+    assert dense_mod.pack_weight(torch.randn(48, 32)) is None
+    monkeypatch.setenv("UCM_CPU_LINEAR", "native")
+    assert dense_mod.pack_weight(torch.randn(48, 32)).max_rows == ROW_LADDER[-1]
+    monkeypatch.setenv("UCM_CPU_LINEAR", "fastest")
+    with pytest.raises(ValueError, match="UCM_CPU_LINEAR"):
+        dense_mod.pack_weight(torch.randn(48, 32))
+
+
+def test_greedy_text_is_the_same_either_way(monkeypatch, tmp_path) -> None:
+    """The embedded model, fp32, greedy: decode steps through the kernel (forced on) and through F.linear (forced
+    off) give the same tokens."""
+    from engine import LLM, SamplingParams
+
+    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path / "cache"))
+    params = SamplingParams(max_tokens=24, temperature=0)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    calls: list[int] = []
+    real = dense_mod.skinny_linear
+    monkeypatch.setattr(dense_mod, "skinny_linear", lambda lib, x, *a: calls.append(x.shape[0]) or real(lib, x, *a))
+    outs = {}
+    for mode in ("native", "torch"):
+        monkeypatch.setenv("UCM_CPU_LINEAR", mode)
+        skinny_gemm.forget()
+        calls.clear()
+        llm = LLM(model="smollm2-135m", dtype="float32")
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert bool(calls) == (mode == "native"), f"{mode}: {len(calls)} kernel calls"
+        del llm
+    assert outs["native"] == outs["torch"]
