@@ -7,7 +7,11 @@ CPU: tokens/s of what `kernels` dispatches to ("dispatched (native|torch)": the 
 kernels/cpu/calibration.py, measured faster for that shape class) next to the native C kernel (kernels/cpu/), the
 torch path (`UCM_CPU_ATTENTION=torch`) and SDPA on pre-gathered K/V, in the same run; a last table puts each
 dispatched time beside the best of native and torch. The "cold" shape cycles through one cache per layer (30,
-> the last-level cache) as the engine does, so K/V come from DRAM.
+> the last-level cache) as the engine does, so K/V come from DRAM. "linear" rows: SmolLM2-135M's fp32 matmuls of
+one step (30 layers' qkv, o, gate_up, down, then lm_head: 0.54 GB of weights, read from DRAM as in the engine) at a
+few token counts, through `engine.models.dense` as dispatched (kernels/cpu/skinny_gemm.py's calibration), F.linear
+("torch path") and the packed kernel ("native (in place)"); GB/s is the weight bytes over the time, against a
+measured read of 256 MB (the memory's limit for a step that streams the weights).
 
     .venv/bin/python -m benchmarks.kernels [--json out.json] [--quick] [--threads N]
 """
@@ -277,6 +281,52 @@ def bench_blocks(s: Shape, num_blocks: int, dtype: torch.dtype, device: torch.de
     return rows
 
 
+SMOLLM2_MATMULS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # [out, in] per call
+
+
+def read_gbps() -> float:
+    """The host's memory read rate: the best of a few sums over 256 MB."""
+    big = torch.ones(64 << 20)
+    return 256 / 1024 / (time_ms(big.sum, torch.device("cpu"), 0.3) / 1000)
+
+
+def bench_linear_cpu(token_counts: list[int], min_s: float) -> list[Row]:
+    from engine.models.dense import dense, pack_weight
+    from kernels.cpu.skinny_gemm import pack_panels, skinny_linear
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) for n, k in SMOLLM2_MATMULS]
+    dispatch = [pack_weight(w) for w in weights]
+    lib = native.load()
+    panels = [pack_panels(lib, w) for w in weights] if lib is not None else []
+    nbytes = sum(w.numel() * 4 for w in weights)
+    rows = []
+    for t in token_counts:
+        xs = {k: torch.randn(t, k, generator=gen) for k in {k for _, k in SMOLLM2_MATMULS}}
+        picks = {isinstance(d, torch.Tensor) or d is None or t > d.max_rows for d in dispatch}
+        label = (
+            "dispatched (torch)"
+            if picks == {True}
+            else "dispatched (native)"
+            if picks == {False}
+            else "dispatched (mixed)"
+        )
+        runs = {
+            label: lambda: [dense(xs[w.shape[1]], w, None, d) for w, d in zip(weights, dispatch)],
+            "torch path": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+        }
+        if lib is not None:
+            runs["native (in place)"] = lambda: [
+                skinny_linear(lib, xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, panels)
+            ]
+        for impl, fn in runs.items():
+            ms = time_ms(fn, torch.device("cpu"), min_s)
+            rows.append(
+                Row("linear", f"smollm2 fp32 step of {t} tokens", impl, ms, nbytes / ms / 1e6, None, t / ms * 1e3)
+            )
+    return rows
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -343,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
             if not cuda and s.layers == 1:
                 rows += bench_prefill_cpu(s, dtype, min_s)
         rows += bench_blocks(shapes[0], 4096 if cuda else 256, dtype, device, peak, min_s)
+    if not cuda:
+        mem = read_gbps()
+        print(f"memory read: {mem:.1f} GB/s (256 MB sum); a linear step's floor: {0.538 / mem * 1000:.1f} ms")
+        rows += bench_linear_cpu([1, 8, 32] if args.quick else [1, 8, 32, 128, 512], min_s)
     print_table(rows)
     check = [] if cuda else dispatch_check(rows)
     if check:

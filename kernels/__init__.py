@@ -7,8 +7,9 @@ Map (caches are per layer `[num_blocks, block_size, num_kv_heads, head_dim]`):
   api.py                       the entry points below: validate, then pick a backend per call from the device
   backend.py                   AttentionBackend {TORCH, TRITON}, CpuAttention {AUTO, NATIVE, TORCH}, the selection rules
   cpu/                         native CPU kernels (paged attention, write_kv, residual-add+RMSNorm, RMSNorm,
-                               silu_and_mul, in-place RoPE): C sources built on first use, ctypes wrappers;
-                               calibration.py times native vs torch attention once per machine (auto dispatch)
+                               silu_and_mul, in-place RoPE, the fp32 skinny GEMM of decode steps): C sources
+                               built on first use, ctypes wrappers; calibration.py times native vs torch
+                               attention once per machine (auto dispatch), skinny_gemm.py the matmul rows
   reference/                   pure-torch implementations: the CPU fallback path and the test oracle
   triton_write_kv.py           reshape-and-cache (slot -1 skips)
   triton_decode_attention.py   one query per sequence, GQA, split-KV + merge kernel for long contexts
