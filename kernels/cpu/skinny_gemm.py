@@ -5,7 +5,8 @@
 every weight from memory; a warm-cache micro-benchmark would flatter the BLAS), and uses the kernel for the row
 counts up to the last one where it won every time. The result is logged and cached beside the attention
 calibration (kernels/cpu/calibration.py: same key, same file rules, stored only when both rounds agree).
-`UCM_CPU_LINEAR=native` uses the kernel up to the ladder's top, `torch` never.
+Weights under `MIN_PACK_BYTES` are left to `F.linear` unmeasured. `UCM_CPU_LINEAR=native` uses the kernel up to the
+ladder's top, `torch` never.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 NR = 16  # output columns per packed panel (skinny_gemm.c)
 ROW_LADDER = (1, 4, 8, 16, 32, 64, 128)
 STACK_BYTES = 64 << 20  # weights per measured row count: past the last-level cache of the CPUs we run on
+MAX_STACK = 32  # ... but no more calls than this per measurement (small weights: Python overhead, not memory)
+# A weight under this stays in the caches between steps, where the BLAS's repacking costs little: not measured, not
+# packed (the tests' tiny random models would otherwise spend seconds per shape measuring noise).
+MIN_PACK_BYTES = 1 << 20
 REPS = 2
 ENV = "UCM_CPU_LINEAR"
 
@@ -95,7 +100,7 @@ Timings = dict[int, tuple[float, float]]  # rows -> (native ms, torch ms), best 
 def measure(lib: NativeLib, k: int, n: int) -> list[Timings]:
     """One Timings per round (tests replace this to force a result)."""
     gen = torch.Generator().manual_seed(0)
-    count = max(2, -(-STACK_BYTES // (4 * n * k)))
+    count = min(MAX_STACK, max(2, -(-STACK_BYTES // (4 * n * k))))
     weights = [torch.randn(n, k, generator=gen) for _ in range(count)]
     packed = [pack_panels(lib, w) for w in weights]
     rounds: list[Timings] = []
@@ -155,6 +160,8 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None) -> int:
         return 0
     if mode is CpuLinear.NATIVE:
         return ROW_LADDER[-1]
+    if 4 * k * n < MIN_PACK_BYTES:
+        return 0
     threads = torch.get_num_threads()
     memo_key = (str(root), lib.path.name, threads, k, n)
     with _memo.lock:

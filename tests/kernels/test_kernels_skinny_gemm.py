@@ -60,6 +60,7 @@ def forced(monkeypatch, tmp_path):
         return [{r: (1.0, 2.0) if r <= state["up_to"] else (2.0, 1.0) for r in ROW_LADDER}] * 2
 
     monkeypatch.setattr(skinny_gemm, "measure", fake_measure)
+    monkeypatch.setattr(skinny_gemm, "MIN_PACK_BYTES", 0)  # the tests' weights are small
 
     def set_up_to(rows: int) -> list[tuple[int, int]]:
         skinny_gemm.forget()
@@ -96,6 +97,10 @@ def test_dispatch_follows_the_calibration(native_lib, forced, monkeypatch) -> No
 def test_never_faster_means_no_packed_copy(native_lib, forced, monkeypatch) -> None:
     forced(0)
     assert dense_mod.pack_weight(torch.randn(48, 32)) is None, "no memory spent where the kernel never wins"
+    measured = forced(128)
+    monkeypatch.setattr(skinny_gemm, "MIN_PACK_BYTES", 48 * 32 * 4 + 1)
+    assert dense_mod.pack_weight(torch.randn(48, 32)) is None and measured == [], "a cache-sized weight: not measured"
+    monkeypatch.setattr(skinny_gemm, "MIN_PACK_BYTES", 0)
     monkeypatch.setenv("UCM_CPU_LINEAR", "torch")
     forced(128)
     assert dense_mod.pack_weight(torch.randn(48, 32)) is None
