@@ -38,9 +38,10 @@ from ucm import protocol as p
 from ucm.api import BlockRef, StoreStats, StoreUnavailable
 from ucm.auth import ClientAuth
 from ucm.circuit_breaker import BreakerConfig, BreakerStats, CircuitBreaker, CircuitOpen
+from ucm.client_segments import ClientSegments
 from ucm.keys import BlockKey
 from ucm.record import as_bytes_view
-from ucm.shared_segment import SharedSegment, shm_available, sweep_dead_segments
+from ucm.shared_segment import SharedSegment
 from ucm.task import Task
 
 log = logging.getLogger("ucm.client")
@@ -94,9 +95,7 @@ class StoreClient:
         self._down_until = 0.0
         self._closed = False
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ucm-client")
-        self._shared_memory = shared_memory and shm_available()
-        self._segments: list[SharedSegment] = []
-        self._attached: dict[str, bool] = {}  # segment name -> attached (False: the daemon refused it: frames)
+        self._segments = ClientSegments(shared_memory)
         self.shared_loads = 0  # loads the daemon wrote into shared memory (the others came as frames)
 
     # --- transport ------------------------------------------------------------------------------------
@@ -271,15 +270,9 @@ class StoreClient:
 
     def staging_buffer(self, nbytes: int) -> memoryview:
         """Writable memory to load into: shared with the daemon where it runs on this host (see the module doc)."""
-        if not self._shared_memory:
+        if not self._segments.enabled:
             return memoryview(bytearray(nbytes))
-        with self._lock:
-            first = not self._segments
-        if first:
-            sweep_dead_segments()
-        segment = SharedSegment(nbytes)
-        with self._lock:
-            self._segments.append(segment)
+        segment = self._segments.new(nbytes)
         try:
             self._attach(segment)
         except (StoreUnavailable, StoreRequestError) as exc:  # tried again on the first load into it
@@ -294,58 +287,39 @@ class StoreClient:
         except StoreRequestError as exc:
             log.info("store at %s cannot write into shared memory (%s); loads come over the socket", self.address, exc)
             attached = False
-        with self._lock:
-            self._attached[segment.name] = attached
+        self._segments.mark(segment.name, attached)
         return attached
-
-    def _shm_dest(self, views: list[list[memoryview]]) -> tuple[SharedSegment, p.ShmDest] | None:
-        """Where `views` lie in one segment the daemon may write, if they all do."""
-        with self._lock:
-            segments = list(self._segments)
-        first = views[0][0] if views and views[0] else None
-        segment = next((s for s in segments if first is not None and s.offset_of(first) is not None), None)
-        if segment is None or self._attached.get(segment.name) is False:
-            return None
-        offsets: list[int] = []
-        for row in views:
-            for view in row:
-                off = segment.offset_of(view)
-                if off is None:
-                    return None
-                offsets.append(off)
-        return segment, p.ShmDest(segment.name, offsets, [len(v) for row in views for v in row])
 
     def _load_shared(
         self, segment: SharedSegment, dest: p.ShmDest, wire: list[p.WireBlock], layers: list[int]
     ) -> p.LoadReply | None:
         """A load the daemon writes into `segment`; None if it will not (then the caller asks for frames)."""
         for attempt in range(2):
-            if not self._attached.get(segment.name) and not self._attach(segment):
+            if not self._segments.attached(segment.name) and not self._attach(segment):
                 return None
             try:
                 return self._ask(p.LoadReply, p.Load, wire, layers, dest)[0]
             except StoreRequestError as exc:
                 if exc.code is not p.ErrorCode.NO_SEGMENT or attempt:
                     raise
-                with self._lock:  # the daemon restarted or dropped the mapping: attach again, once
-                    self._attached.pop(segment.name, None)
+                self._segments.mark(segment.name, None)  # the daemon restarted or dropped it: attach again, once
         return None
 
     def _load(
         self, wire: list[p.WireBlock], layers: list[int], views: list[list[memoryview]]
     ) -> tuple[list[int], list[int]]:
-        shared = self._shm_dest(views)
-        if shared is not None:
-            reply = self._load_shared(*shared, wire, layers)
-            if reply is not None:
-                with self._lock:
-                    self.shared_loads += 1
-                if any(not 0 <= i < len(wire) for i in (*reply.failed, *reply.from_disk)):
-                    raise StoreRequestError(p.ErrorCode.INTERNAL, "load reply names a block outside the request")
-                return sorted(set(reply.failed)), reply.from_disk
-        reply, frames = self._ask(p.LoadReply, p.Load, wire, layers)
+        shared = self._segments.dest(views)
+        reply = self._load_shared(*shared, wire, layers) if shared is not None else None
+        frames: list[zmq.Frame] | None = None
+        if reply is None:
+            reply, frames = self._ask(p.LoadReply, p.Load, wire, layers)
+        else:
+            with self._lock:
+                self.shared_loads += 1
         if any(not 0 <= i < len(wire) for i in (*reply.failed, *reply.from_disk)):
             raise StoreRequestError(p.ErrorCode.INTERNAL, "load reply names a block outside the request")
+        if frames is None:  # the daemon wrote the payloads into the segment
+            return sorted(set(reply.failed)), reply.from_disk
         failed = set(reply.failed)
         hits = [i for i in range(len(wire)) if i not in failed]
         if len(frames) != len(hits) * len(layers):
@@ -411,8 +385,7 @@ class StoreClient:
         with self._lock:
             if self._closed:
                 return
-            attached = [name for name, ok in self._attached.items() if ok]
-        for name in attached:  # let the daemon unmap now rather than when its table is full
+        for name in self._segments.attached_names():  # let the daemon unmap now rather than when its table is full
             try:
                 self._call(p.DetachShm, name, timeout_s=min(self.control_timeout_s, 1.0))
             except (StoreUnavailable, StoreRequestError):
@@ -424,8 +397,7 @@ class StoreClient:
         if self.breaker is not None:
             self.breaker.stop()
         self._pool.shutdown(wait=True)
-        for segment in self._segments:
-            segment.unlink()  # the daemon keeps its mapping until it drops it; the name goes now
+        self._segments.unlink_all()
         self._ctx.destroy(linger=0)
 
     def __enter__(self) -> StoreClient:
