@@ -18,11 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "bf16.h"
+#include "row_loop.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -221,10 +218,6 @@ static void rope_head(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int
 
 /* ---------------------------------------------------------------- entry points */
 
-/* Below this many elements a call stays on the calling thread: waking the OpenMP pool costs a few us, about
- * what a 32-token decode step's norm or SiLU takes on one core. */
-#define EW_PARALLEL_MIN_ELEMS 65536
-
 typedef struct {
     const uint16_t *x, *weight;
     uint16_t *residual, *out;
@@ -234,39 +227,26 @@ typedef struct {
     const uint16_t *cos, *sin;
 } Rows;
 
-typedef void (*RowFn)(const Rows *a, int64_t r);
-
-/* Rows split statically over num_threads OpenMP threads when the call is big enough to pay for them; with
- * one thread no parallel region is entered at all (an if(0) region still builds a team). */
-static void for_rows(RowFn fn, const Rows *a, int64_t rows, int32_t num_threads, int64_t elems) {
-#ifdef _OPENMP
-    if (num_threads > 1 && rows > 1 && elems >= EW_PARALLEL_MIN_ELEMS) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t r = 0; r < rows; r++) fn(a, r);
-        return;
-    }
-#endif
-    (void)num_threads;
-    (void)elems;
-    for (int64_t r = 0; r < rows; r++) fn(a, r);
-}
-
-static void norm_one(const Rows *a, int64_t r) {
+static void norm_one(const void *args, int64_t r) {
+    const Rows *a = args;
     rms_norm_row(a->x + r * a->width, a->weight, a->out + r * a->width, a->width, a->eps);
 }
 
-static void add_norm_one(const Rows *a, int64_t r) {
+static void add_norm_one(const void *args, int64_t r) {
+    const Rows *a = args;
     uint16_t *res = a->residual + r * a->width;
     add_row(a->x + r * a->width, res, a->width);
     rms_norm_row(res, a->weight, a->out + r * a->width, a->width, a->eps);
 }
 
-static void silu_one(const Rows *a, int64_t r) {
+static void silu_one(const void *args, int64_t r) {
+    const Rows *a = args;
     const uint16_t *row = a->x + r * 2 * a->width;
     silu_and_mul_row(row, row + a->width, a->out + r * a->width, a->width);
 }
 
-static void rope_one(const Rows *a, int64_t r) {
+static void rope_one(const void *args, int64_t r) {
+    const Rows *a = args;
     uint16_t *tok = a->out + r * a->stride;
     const int64_t d = a->head_dim;
     for (int32_t h = 0; h < a->heads; h++) rope_head(tok + h * d, a->cos + r * d, a->sin + r * d, a->head_dim);

@@ -1,31 +1,42 @@
-"""Python side of the fused elementwise kernels (`elementwise.c`): layout checks and the ctypes calls.
+"""Python side of the fused elementwise kernels: layout checks and the ctypes calls.
 
-bf16 only: that is the serving dtype, and the one where torch spends a dispatch per tiny op (fp32 is what the
-HF-equality tests run, and keeps torch's math). Each call allocates at most its output; threads as in
-paged_attention.py (`torch.get_num_threads()`, small calls stay on the calling thread).
+bf16 runs `elementwise.c` (bit for bit torch's bf16 math), fp32 its twin `elementwise_f32.c` (torch's math to a
+few ulps: see that file). Both are serving dtypes, and torch spends a dispatch and a pass over memory per op in
+either. Each call allocates at most its output; threads as in paged_attention.py (`torch.get_num_threads()`,
+small calls stay on the calling thread). `UCM_CPU_ATTENTION=torch` keeps torch's own math for every op.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu.native import NativeLib
+from kernels.cpu.native import CFunction, NativeLib
+
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _bf16_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
+def _native_cpu(first: torch.Tensor, *others: torch.Tensor) -> bool:
+    """CPU tensors of one dtype that the kernels take."""
+    return first.dtype in NATIVE_DTYPES and all(
+        t.device.type == "cpu" and t.dtype == first.dtype for t in (first, *others)
+    )
+
+
+def _op(lib: NativeLib, name: str, x: torch.Tensor) -> CFunction:
+    """The entry point for x's dtype: `name` (bf16) or its fp32 twin."""
+    return getattr(lib, name + ("_f32" if x.dtype == torch.float32 else ""))
 
 
 def supports_rows(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Norms and SiLU: contiguous bf16 CPU rows (weights and residuals alike)."""
-    return _bf16_cpu(x, *others) and x.dim() >= 1 and all(t.is_contiguous() for t in (x, *others))
+    """Norms and SiLU: contiguous CPU rows of one native dtype (weights and residuals alike)."""
+    return _native_cpu(x, *others) and x.dim() >= 1 and all(t.is_contiguous() for t in (x, *others))
 
 
 def supports_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """qk [T, H, D] with heads and head_dim contiguous inside a token (any token stride: a view into qkv);
     cos and sin [T, 1, D] contiguous."""
     return (
-        _bf16_cpu(qk, cos, sin)
+        _native_cpu(qk, cos, sin)
         and qk.dim() == 3
         and qk.stride(2) == 1
         and qk.stride(1) == qk.shape[2]
@@ -44,7 +55,7 @@ def rms_norm_native(lib: NativeLib, x: torch.Tensor, weight: torch.Tensor, eps: 
     """`kernels.rms_norm`'s contract; the caller checked `supports_rows` and the weight's shape."""
     out = torch.empty_like(x)
     rows, hidden = _rows(x)
-    lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, eps, torch.get_num_threads())
+    _op(lib, "rms_norm", x)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, eps, torch.get_num_threads())
     return out
 
 
@@ -54,7 +65,7 @@ def fused_add_rms_norm_native(
     """`kernels.fused_add_rms_norm`'s contract (residual updated in place); the caller checked the layout."""
     out = torch.empty_like(x)
     rows, hidden = _rows(x)
-    lib.fused_add_rms_norm(
+    _op(lib, "fused_add_rms_norm", x)(
         x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
         torch.get_num_threads(),
     )  # fmt: skip
@@ -65,13 +76,13 @@ def silu_and_mul_native(lib: NativeLib, x: torch.Tensor) -> torch.Tensor:
     """`kernels.silu_and_mul`'s contract: [..., 2I] -> [..., I]."""
     rows, width = _rows(x)
     out = torch.empty((*x.shape[:-1], width // 2), dtype=x.dtype)
-    lib.silu_and_mul(x.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    _op(lib, "silu_and_mul", x)(x.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
 
 
 def rotary_embedding_native(lib: NativeLib, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """`kernels.rotary_embedding_`'s contract (in place); the caller checked `supports_rope`."""
     tokens, heads, head_dim = qk.shape
-    lib.rotary_embedding(
+    _op(lib, "rotary_embedding", qk)(
         qk.data_ptr(), qk.stride(0), tokens, heads, head_dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
     )

@@ -37,11 +37,20 @@ log = logging.getLogger(__name__)
 
 # One library, one compiler run: the sources share no symbols (their helpers are static), and a single load
 # keeps one build-or-fallback decision per process.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.c", "elementwise.c", "skinny_gemm.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.c", "elementwise.c", "elementwise_f32.c", "skinny_gemm.c")
+)
 # Included by the sources: not compiled on their own, but part of what the library hash covers.
 HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("bf16.h", "paged_attention_common.h", "paged_attention_avx512.h", "paged_attention_vec.h")
+    for name in (
+        "bf16.h",
+        "row_loop.h",
+        "paged_attention_common.h",
+        "paged_attention_avx512.h",
+        "paged_attention_vec.h",
+    )
 )
 LIBRARY_STEM = "ucm_kernels"
 FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp")
@@ -70,6 +79,10 @@ class NativeLib:
     fused_add_rms_norm: CFunction  # ucm_fused_add_rms_norm
     silu_and_mul: CFunction  # ucm_silu_and_mul
     rotary_embedding: CFunction  # ucm_rotary_embedding
+    rms_norm_f32: CFunction  # ucm_rms_norm_f32 in elementwise_f32.c (same arguments, fp32 data)
+    fused_add_rms_norm_f32: CFunction  # ucm_fused_add_rms_norm_f32
+    silu_and_mul_f32: CFunction  # ucm_silu_and_mul_f32
+    rotary_embedding_f32: CFunction  # ucm_rotary_embedding_f32
     pack_panels: CFunction  # ucm_pack_panels in skinny_gemm.c
     skinny_gemm: CFunction  # ucm_skinny_gemm
     has_avx512: bool
@@ -186,18 +199,19 @@ def _bind(path: Path) -> NativeLib:
     write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
     write.restype = i64
     f32 = ctypes.c_float
-    norm = cdll.ucm_rms_norm
-    norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]  # x, weight, out, rows, hidden, eps, num_threads
-    norm.restype = None
-    add_norm = cdll.ucm_fused_add_rms_norm
-    add_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]  # x, residual, weight, out, rows, hidden, ...
-    add_norm.restype = None
-    silu = cdll.ucm_silu_and_mul
-    silu.argtypes = [ptr, ptr, i64, i64, i32]  # gate_up, out, rows, intermediate, num_threads
-    silu.restype = None
-    rope = cdll.ucm_rotary_embedding
-    rope.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i32]  # qk, token stride, rows, heads, head_dim, cos, sin, ...
-    rope.restype = None
+    elementwise = {
+        "rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32],  # x, weight, out, rows, hidden, eps, num_threads
+        "fused_add_rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, i32],  # x, residual, weight, out, rows, ...
+        "silu_and_mul": [ptr, ptr, i64, i64, i32],  # gate_up, out, rows, intermediate, num_threads
+        "rotary_embedding": [ptr, i64, i64, i32, i32, ptr, ptr, i32],  # qk, token stride, rows, heads, head_dim, ..
+    }
+    ops = {}
+    for name, argtypes in elementwise.items():
+        for suffix in ("", "_f32"):  # the bf16 op and its fp32 twin take the same arguments
+            op = getattr(cdll, f"ucm_{name}{suffix}")
+            op.argtypes = argtypes
+            op.restype = None
+            ops[name + suffix] = op
     pack = cdll.ucm_pack_panels
     pack.argtypes = [ptr, ptr, i64, i64]  # w, packed out, N, K
     pack.restype = None
@@ -212,10 +226,14 @@ def _bind(path: Path) -> NativeLib:
         cdll,
         fn,
         write,
-        norm,
-        add_norm,
-        silu,
-        rope,
+        ops["rms_norm"],
+        ops["fused_add_rms_norm"],
+        ops["silu_and_mul"],
+        ops["rotary_embedding"],
+        ops["rms_norm_f32"],
+        ops["fused_add_rms_norm_f32"],
+        ops["silu_and_mul_f32"],
+        ops["rotary_embedding_f32"],
         pack,
         skinny,
         bool(cdll.ucm_has_avx512()),

@@ -14,6 +14,7 @@ from kernels.reference import (
     rotary_embedding_torch,
     silu_and_mul_torch,
 )
+from tests.kernels.native_spy import spy as _spy
 
 # Odd row counts; hidden sizes with and without a scalar tail past the 16-lane vectors, one long enough for
 # the cascaded sum's higher levels (more than 16 rows of 4 vectors).
@@ -44,29 +45,6 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert int(ulps.max()) <= 1, f"max {int(ulps.max())} ulps apart at {int(ulps.argmax())}"
     same = float((ulps == 0).float().mean())
     assert same >= 0.99, f"only {same:.4f} of elements bit-identical"
-
-
-def _spy(monkeypatch, lib: native.NativeLib, name: str) -> list[int]:
-    """Count calls into one entry point of the library."""
-    calls: list[int] = []
-    real = getattr(lib, name)
-
-    def counting(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(native, "load", lambda: _Lib(lib, name, counting))
-    return calls
-
-
-class _Lib:
-    """The loaded library with one entry point wrapped (the real one is a frozen dataclass)."""
-
-    def __init__(self, lib: native.NativeLib, name: str, fn) -> None:
-        self._lib, self._name, self._fn = lib, name, fn
-
-    def __getattr__(self, attr: str):
-        return self._fn if attr == self._name else getattr(self._lib, attr)
 
 
 def _norm_inputs(rows: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -187,28 +165,6 @@ def test_torch_fallback_when_native_is_off(lib, monkeypatch):
     want_qk = rotary_embedding_torch(qk, cos, sin)
     api.rotary_embedding_(qk, cos, sin)
     assert torch.equal(qk, want_qk)
-
-
-def test_fp32_takes_the_torch_path(lib, native_mode, monkeypatch):
-    """fp32 is the HF-equality dtype: its math stays torch's, bit for bit."""
-    monkeypatch.setattr(native, "load", lambda: pytest.fail("fp32 must not reach the library"))
-    g = torch.Generator().manual_seed(8)
-    x, residual = torch.randn(7, 96, generator=g), torch.randn(7, 96, generator=g)
-    weight = torch.rand(96, generator=g) + 0.5
-    assert torch.equal(api.rms_norm(x, weight, EPS), rms_norm_torch(x, weight, EPS))
-    want_residual = residual.clone()
-    assert torch.equal(
-        api.fused_add_rms_norm(x, residual, weight, EPS), fused_add_rms_norm_torch(x, want_residual, weight, EPS)
-    )
-    assert torch.equal(residual, want_residual)
-    gate_up = torch.randn(7, 96, generator=g)
-    assert torch.equal(api.silu_and_mul(gate_up), silu_and_mul_torch(gate_up))
-    qkv = torch.randn(4, 5 * 16, generator=g)
-    qk = qkv[:, : 4 * 16].view(4, 4, 16)
-    cos, sin = torch.randn(4, 1, 16, generator=g), torch.randn(4, 1, 16, generator=g)
-    want = rotary_embedding_torch(qk, cos, sin)
-    api.rotary_embedding_(qk, cos, sin)
-    assert torch.equal(qk, want)
 
 
 def test_non_contiguous_bf16_takes_the_torch_path(lib, native_mode, monkeypatch):
