@@ -61,16 +61,19 @@ class JobRunner:
         try:
             self._submit(job)
         except Exception as e:
-            _errors.warning("job %s refused: %r", rid, e)
             self.jobs.pop(rid, None)
             with contextlib.suppress(Exception):
                 self.engine.abort_request([rid])
+            if isinstance(e, ValueError):  # the engine's answer to a bad request: the client's fault, not ours
+                _errors.warning("job %s refused as invalid: %s", rid, e)
+                return self._refuse(rid, f"invalid request: {e}", P.FailureCode.INVALID_REQUEST)
+            _errors.warning("job %s refused: %r", rid, e)
             return self._refuse(rid, f"the engine refused the job: {type(e).__name__}: {e}")
         return []
 
-    def _refuse(self, rid: str, message: str) -> list[P.Message]:
+    def _refuse(self, rid: str, message: str, code: P.FailureCode = P.FailureCode.SERVER) -> list[P.Message]:
         self.counters.refused += 1
-        return [P.JobFailed(rid, message)]
+        return [P.JobFailed(rid, message, code)]
 
     def _submit(self, job: P.PrefillJob | P.DecodeJob) -> None:
         want = self.worker.engine_job(job, self.counters)

@@ -50,6 +50,13 @@ class WelcomeCode(enum.Enum):
     NAMESPACE_MISMATCH = "namespace_mismatch"  # fingerprint / dtype / block size differ from the other nodes
 
 
+class FailureCode(enum.Enum):
+    """Why a node failed a job: the router answers the client 400 for the request's own fault, else 500."""
+
+    SERVER = "server"
+    INVALID_REQUEST = "invalid_request"  # the engine refused the request itself (e.g. a schema it cannot compile)
+
+
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_defaults=True):
     pass
 
@@ -189,6 +196,7 @@ class TokenBatch(_Msg, tag="tokens"):
 class JobFailed(_Msg, tag="job_failed"):
     request_id: str
     message: str
+    code: FailureCode = FailureCode.SERVER
 
 
 # ---------------------------------------------------------------- router → node

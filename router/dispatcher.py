@@ -30,7 +30,7 @@ import msgspec
 from protocol import messages as P
 from router.arrivals import NodeArrivals
 from router.node_client import NodeClient, NodeLost, NodeUnavailable
-from router.openai_schema import ApiError
+from router.openai_schema import ApiError, bad_request
 from router.pairing import pick_decode, pick_prefill
 from router.registry import NodeState, Registry
 
@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 DECODE_ROLES = (P.NodeRole.DECODE, P.NodeRole.BOTH)
 # How long a request whose decode node died waits for another one to register before it fails.
 DEFAULT_DECODE_WAIT_S = 60.0
+
+
+def _raise_if_invalid(reply: P.JobFailed) -> None:
+    """A request the engine refused as invalid fails the same on every node: 400 now, no retry elsewhere."""
+    if reply.code is P.FailureCode.INVALID_REQUEST:
+        raise bad_request(reply.message)
 
 
 class _DecodeNodeFailed(Exception):
@@ -180,6 +186,7 @@ class Dispatcher:
         if isinstance(reply, NodeLost):
             return f"node lost: {reply.reason}"
         if isinstance(reply, P.JobFailed):
+            _raise_if_invalid(reply)
             return f"job failed: {reply.message}"
         return f"unexpected reply {type(reply).__name__}"
 
@@ -247,6 +254,7 @@ class Dispatcher:
                     raise _DecodeNodeFailed(f"decode node {node.node_id} lost: {reply.reason}")
                 elif isinstance(reply, P.JobFailed):
                     done = True
+                    _raise_if_invalid(reply)
                     raise ApiError(500, f"decode failed on {node.node_id}: {reply.message}", "server_error")
         except NodeUnavailable as e:
             raise _DecodeNodeFailed(str(e)) from e

@@ -1,23 +1,22 @@
 """`StoreClient`: the `KVStore` interface over ZeroMQ to a store daemon.
 
-Never hangs on a dead store: every call polls with a timeout (`control_timeout_s` for the small calls,
-`timeout_s` for dump/load). An unreachable store reads as a miss —
-`lookup` returns 0, `contains` all False, dump/load tasks fail every block, `commit`/`remove`/`prefetch`
-are dropped (logged) — and `ping`/`stats` raise `StoreUnavailable`. After a timeout the client fails fast
-for `retry_after_s` instead of waiting out every call; with `breaker=BreakerConfig()` it fails fast until the
-store answers a background probe instead (ucm/circuit_breaker.py), and calls in flight give up at once.
-Thread-safe: one DEALER socket per thread.
+Never hangs on a dead store: every call polls with a timeout (`control_timeout_s` for the small calls, `timeout_s` for
+dump/load). An unreachable store reads as a miss — `lookup` returns 0, `contains` all False, dump/load tasks fail
+every block, `commit`/`remove`/`prefetch` are dropped (logged) — and `ping`/`stats` raise `StoreUnavailable`. After a
+timeout the client fails fast for `retry_after_s` instead of waiting out every call; with `breaker=BreakerConfig()` it
+fails fast until the store answers a background probe instead (ucm/circuit_breaker.py), and calls in flight give up at
+once. Thread-safe: one DEALER socket per thread.
 
-`auth=ClientAuth(...)` (or `ClientAuth.from_dir(DIR)` for a folder from `ucm.auth.generate_keys`) makes every
-socket a CURVE client; without the right keys a CURVE daemon never answers (calls time out as above).
-Dumps go into a namespace whose layout the daemon checks: `layout=` declares it up front; otherwise the first
-dump declares (num_layers, payload bytes, tokens per block) of what it sends, under `namespace` or a name
-derived from that layout. The namespace is (re)opened on the first dump and after a daemon restart.
+`auth=ClientAuth(...)` (or `ClientAuth.from_dir(DIR)` for a folder from `ucm.auth.generate_keys`) makes every socket a
+CURVE client; without the right keys a CURVE daemon never answers (calls time out as above). Dumps go into a namespace
+whose layout the daemon checks: `layout=` declares it up front; otherwise the first dump declares (num_layers, payload
+bytes, tokens per block) of what it sends, under `namespace` or a name derived from that layout. The namespace is
+(re)opened on the first dump and after a daemon restart.
 
 Loads into memory from `staging_buffer` skip the socket when the daemon runs on this host: the buffer is a
-shared-memory segment (ucm/shared_segment.py) the daemon attaches, and it writes the payloads there itself.
-Where the daemon cannot attach it (another host, another user, an older daemon) loads come back as frames,
-copied into the same buffer; after a daemon restart the segment is attached again.
+shared-memory segment (ucm/shared_segment.py) the daemon attaches, and it writes the payloads there itself. Where the
+daemon cannot attach it (another host, another user, an older daemon) loads come back as frames, copied into the same
+buffer; after a daemon restart the segment is attached again.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import msgspec
-import numpy as np
 import zmq
 
 from ucm import protocol as p
@@ -40,6 +38,7 @@ from ucm.auth import ClientAuth
 from ucm.circuit_breaker import BreakerConfig, BreakerStats, CircuitBreaker, CircuitOpen
 from ucm.client_segments import ClientSegments
 from ucm.keys import BlockKey
+from ucm.load_frames import copy_frames
 from ucm.record import as_bytes_view
 from ucm.shared_segment import SharedSegment
 from ucm.task import Task
@@ -322,21 +321,9 @@ class StoreClient:
             return sorted(set(reply.failed)), reply.from_disk
         failed = set(reply.failed)
         hits = [i for i in range(len(wire)) if i not in failed]
-        if len(frames) != len(hits) * len(layers):
-            raise StoreRequestError(
-                p.ErrorCode.INTERNAL, f"load reply has {len(frames)} frames, expected {len(hits) * len(layers)}"
-            )
-        frame_iter = iter(frames)
-        for i in hits:
-            for j in range(len(layers)):
-                buf = next(frame_iter).buffer
-                if len(buf) != len(views[i][j]):
-                    log.warning(
-                        "load: block %d layer %d has %d bytes, dst holds %d", i, layers[j], len(buf), len(views[i][j])
-                    )
-                    failed.add(i)
-                else:  # numpy releases the GIL while copying
-                    np.copyto(np.frombuffer(views[i][j], np.uint8), np.frombuffer(buf, np.uint8))
+        if len(frames) != (want := len(hits) * len(layers)):
+            raise StoreRequestError(p.ErrorCode.INTERNAL, f"load reply has {len(frames)} frames, expected {want}")
+        failed |= copy_frames(frames, hits, layers, views)
         return sorted(failed), reply.from_disk  # Task.finish drops a failed block from from_disk
 
     def _run_task(

@@ -9,8 +9,10 @@ this; see docs/benchmarks.md).
 fp32 on CPU: a decode step's few rows go through a panel-packed copy of the weight (kernels/cpu/skinny_gemm.c),
 which reads it once per call where the BLAS also repacks it: 2.4x faster matmuls at 8 rows on a 2-core AVX2 EPYC.
 Up to how many rows is measured per weight shape on the machine (kernels/cpu/skinny_gemm.py); more rows, and
-any machine where the kernel never wins or the native build is missing, keep `F.linear`. The packed copies add
-the weights' size in memory, as for bf16.
+any machine where the kernel never wins or the native build is missing, keep `F.linear`. A weight that is exactly
+4-bit (the embedded model's layers: its GGUF is Q4_1) is packed as 4-bit panels instead (kernels/cpu/q4_panels.py):
+the same results bit for bit from a sixth of the memory reads, and a sixth of the extra memory; other fp32 packed
+copies add the weights' size, as for bf16.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.skinny_gemm import PanelWeight, panel_weight, skinny_linear
+from kernels.cpu.skinny_gemm import PanelWeight, panel_weight
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,6 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack
         return F.linear(x, weight, bias)
     if isinstance(packed, PanelWeight):
         if x.dim() == 2 and x.shape[0] <= packed.max_rows:
-            return skinny_linear(packed.lib, x, packed.panels, packed.out_features, bias)
+            return packed.linear(x, bias)
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

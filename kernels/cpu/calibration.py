@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,7 @@ from kernels.cpu.paged_attention import paged_attention_native
 from kernels.reference import decode_attention_chunked_torch, prefill_attention_torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 NATIVE, TORCH = "native", "torch"
 ROUNDS = 2  # independent rounds per class; a winner they disagree on is used but not stored (see `plan`)
@@ -240,6 +242,67 @@ class _Memo:
 _memo = _Memo()
 
 
+def _parse_plan(stored: object) -> Plan | None:
+    if not isinstance(stored, dict):
+        return None
+    try:
+        result = {ShapeClass(c): Pick(**p) for c, p in stored.items()}
+    except (TypeError, ValueError):  # written by another version of this code: measure again
+        return None
+    return result if set(result) == set(ShapeClass) else None
+
+
+def _measure_plan(lib: NativeLib, g: Geometry) -> tuple[Plan, bool]:
+    picked = {c: _pick(measure(lib, g, c)) for c in ShapeClass}
+    return {c: pick for c, (pick, _) in picked.items()}, all(agreed for _, agreed in picked.values())
+
+
+def _encode_plan(result: Plan) -> dict[str, object]:
+    return {c.value: asdict(p) for c, p in result.items()}
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a calibrated value came from, for the log line."""
+
+    path: Path
+    measured: bool
+    seconds: float = 0.0
+    stored: bool = False
+
+    def __str__(self) -> str:
+        if not self.measured:
+            return f"from {self.path}"
+        if self.stored:
+            return f"measured in {self.seconds:.2f} s; stored in {self.path}"
+        return f"measured in {self.seconds:.2f} s; not stored: rounds disagreed (other load on the CPU?)"
+
+
+def stored_or_measured(
+    file_kind: str,
+    name: str,
+    lib: NativeLib,
+    threads: int,
+    root: Path | None,
+    parse: Callable[[object], T | None],
+    measure_fn: Callable[[], tuple[T, bool]],
+    encode: Callable[[T], dict[str, object]],
+) -> tuple[T, Source]:
+    """Entry `name` of this machine's `file_kind` cache file where `parse` accepts it, else `measure_fn()`'s
+    (value, whether its rounds agreed), stored only when they agreed: a loaded machine's answer is used now and
+    measured again by the next process. The caller memoises and logs."""
+    key = calibration_key(lib, threads)
+    path = key_file(file_kind, key, root)
+    found = parse(read_entries(path, key).get(name))
+    if found is not None:
+        return found, Source(path, measured=False)
+    t0 = time.perf_counter()
+    value, agreed = measure_fn()
+    if agreed:
+        write_entry(path, key, name, encode(value))
+    return value, Source(path, measured=True, seconds=time.perf_counter() - t0, stored=agreed)
+
+
 def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
     """The path per shape class for this geometry on this machine: memoised, else read from the cache file,
     else measured (and stored). `root` overrides the cache dir (tests)."""
@@ -253,28 +316,10 @@ def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
         found = _memo.plans.get(memo_key)
         if found is not None:
             return found
-        key = calibration_key(lib, threads)
-        path = key_file("calibration", key, root)
-        name = g.label()
-        stored = read_entries(path, key).get(name)
-        try:
-            result = {ShapeClass(c): Pick(**p) for c, p in stored.items()} if stored else None
-        except (TypeError, ValueError):  # written by another version of this code: measure again
-            result = None
-        if result is None or set(result) != set(ShapeClass):
-            t0 = time.perf_counter()
-            picked = {c: _pick(measure(lib, g, c)) for c in ShapeClass}
-            result = {c: pick for c, (pick, _) in picked.items()}
-            unsure = [c.value for c, (_, agreed) in picked.items() if not agreed]
-            if unsure:  # the machine's load changed the answer: use it now, measure again in the next process
-                where = f"not stored: rounds disagreed on {', '.join(unsure)} (other load on the CPU?)"
-            else:
-                write_entry(path, key, name, {c.value: asdict(p) for c, p in result.items()})
-                where = f"stored in {path}"
-            log.info("%s (measured in %.2f s; %s)", _describe(g, threads, result, "calibrated"),
-                     time.perf_counter() - t0, where)  # fmt: skip
-        else:
-            log.info("%s (from %s)", _describe(g, threads, result, "calibration"), path)
+        result, where = stored_or_measured(
+            "calibration", g.label(), lib, threads, root, _parse_plan, lambda: _measure_plan(lib, g), _encode_plan
+        )
+        log.info("%s (%s)", _describe(g, threads, result, "calibrated" if where.measured else "calibration"), where)
         _memo.plans[memo_key] = result
         return result
 

@@ -85,6 +85,7 @@ class NativeLib:
     rotary_embedding_f32: CFunction  # ucm_rotary_embedding_f32
     pack_panels: CFunction  # ucm_pack_panels in skinny_gemm.c
     skinny_gemm: CFunction  # ucm_skinny_gemm
+    skinny_gemm_q4: CFunction  # ucm_skinny_gemm_q4 (4-bit panels: kernels/cpu/q4_panels.py)
     has_avx512: bool
     has_openmp: bool
     vector_path: str  # what head_dims that are multiples of 16 run: "avx512", "avx2", "neon" or "scalar"
@@ -218,6 +219,9 @@ def _bind(path: Path) -> NativeLib:
     skinny = cdll.ucm_skinny_gemm
     skinny.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]  # x, M, K, packed w, N, bias (or NULL), y, threads
     skinny.restype = None
+    skinny_q4 = cdll.ucm_skinny_gemm_q4
+    skinny_q4.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i32]  # x, M, K, q panels, d|m, N, bias, y, threads
+    skinny_q4.restype = i32
     cdll.ucm_has_avx512.restype = i32
     cdll.ucm_has_openmp.restype = i32
     cdll.ucm_vector_path.restype = ctypes.c_char_p
@@ -236,6 +240,7 @@ def _bind(path: Path) -> NativeLib:
         ops["rotary_embedding_f32"],
         pack,
         skinny,
+        skinny_q4,
         bool(cdll.ucm_has_avx512()),
         bool(cdll.ucm_has_openmp()),
         cdll.ucm_vector_path().decode(),

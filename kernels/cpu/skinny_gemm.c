@@ -13,6 +13,7 @@
  */
 
 #include <stdint.h>
+#include <stdlib.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -86,23 +87,89 @@ static inline void tile(const float *x, int64_t k, int64_t mr, const float *wp, 
 #endif
 }
 
+/* y[:, panel p] = x @ panel (+ bias): every MR-row block of x over one [K][16] panel in cache. */
+static void panel_rows(const float *x, int64_t m, int64_t k, const float *panel, int64_t p, int64_t n,
+                       const float *bias, float *y) {
+    const int64_t n0 = p * NR, valid = n - n0 < NR ? n - n0 : NR;
+    float out[MR][NR];
+    for (int64_t m0 = 0; m0 < m; m0 += MR) {
+        const int64_t mr = m - m0 < MR ? m - m0 : MR;
+        tile(x + m0 * k, k, mr, panel, out);
+        for (int64_t r = 0; r < mr; r++) {
+            float *row = y + (m0 + r) * n + n0;
+            for (int64_t j = 0; j < valid; j++) row[j] = out[r][j] + (bias ? bias[n0 + j] : 0.0f);
+        }
+    }
+}
+
 /* x [m, k] contiguous, wp from ucm_pack_panels(W [n, k]), bias [n] or NULL, y [m, n] contiguous. */
 void ucm_skinny_gemm(const float *x, int64_t m, int64_t k, const float *wp, int64_t n, const float *bias, float *y,
                      int32_t num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t n0 = p * NR, valid = n - n0 < NR ? n - n0 : NR;
-        const float *panel = wp + p * k * NR;
-        float out[MR][NR];
-        for (int64_t m0 = 0; m0 < m; m0 += MR) {
-            const int64_t mr = m - m0 < MR ? m - m0 : MR;
-            tile(x + m0 * k, k, mr, panel, out);
-            for (int64_t r = 0; r < mr; r++) {
-                float *row = y + (m0 + r) * n + n0;
-                for (int64_t j = 0; j < valid; j++) row[j] = out[r][j] + (bias ? bias[n0 + j] : 0.0f);
-            }
+    for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, wp + p * k * NR, p, n, bias, y);
+}
+
+/* ---------------------------------------------------------------- 4-bit weights (kernels/cpu/q4_panels.py)
+ *
+ * A weight whose every 32-wide block of a row is exactly d * q + m (q in 0..15, fp32 mul then add: GGUF's
+ * Q4_1, which the embedded model's layers are) is packed as 4-bit panels: qp [panels][K][8] bytes, byte j of
+ * row k holding output j's q in its low nibble and output j + 8's in its high one, and dm [panels][K / 32][32]
+ * floats, the 16 outputs' d then their m for each block of 32 k. A thread expands one panel at a time into
+ * fp32 in a scratch panel (the same two roundings, so the same floats as the fp32 panels hold) and runs the
+ * fp32 tiles over it: results are bit-identical to ucm_skinny_gemm on the fp32 weight, for 0.16x the memory
+ * reads (a decode step streams every weight). */
+
+#define QB 32 /* k per scale block */
+
+static void expand_q4_panel(const uint8_t *qp, const float *dm, int64_t k, float *dst) {
+    for (int64_t kb = 0; kb < k / QB; kb++) {
+        const float *d = dm + kb * 2 * NR, *mn = d + NR;
+        const uint8_t *q = qp + kb * QB * (NR / 2);
+        float *w = dst + kb * QB * NR;
+#ifdef SG_AVX2
+        const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+        const __m256 m0 = _mm256_loadu_ps(mn), m1 = _mm256_loadu_ps(mn + 8);
+        const __m256i low = _mm256_set1_epi32(0xF);
+        for (int64_t kk = 0; kk < QB; kk++) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + kk * (NR / 2))));
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+            _mm256_storeu_ps(w + kk * NR, _mm256_add_ps(_mm256_mul_ps(q0, d0), m0));
+            _mm256_storeu_ps(w + kk * NR + 8, _mm256_add_ps(_mm256_mul_ps(q1, d1), m1));
         }
+#else
+        for (int64_t kk = 0; kk < QB; kk++)
+            for (int64_t j = 0; j < NR / 2; j++) {
+                const uint8_t byte = q[kk * (NR / 2) + j];
+                w[kk * NR + j] = (float)(byte & 0xF) * d[j] + mn[j];
+                w[kk * NR + j + NR / 2] = (float)(byte >> 4) * d[j + NR / 2] + mn[j + NR / 2];
+            }
+#endif
     }
+}
+
+/* As ucm_skinny_gemm, W given as 4-bit panels (k a multiple of 32). Returns 0, or -1 if no scratch memory. */
+int32_t ucm_skinny_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
+                           const float *bias, float *y, int32_t num_threads) {
+    const int64_t panels = (n + NR - 1) / NR;
+    int32_t status = 0;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = malloc((size_t)(k * NR) * sizeof *scratch);
+        if (scratch == NULL) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            if (scratch == NULL) continue;
+            expand_q4_panel(qp + p * k * (NR / 2), dm + p * (k / QB) * 2 * NR, k, scratch);
+            panel_rows(x, m, k, scratch, p, n, bias, y);
+        }
+        free(scratch);
+    }
+    return status;
 }

@@ -5,8 +5,9 @@
 every weight from memory; a warm-cache micro-benchmark would flatter the BLAS), and uses the kernel for the row
 counts up to the last one where it won every time. The result is logged and cached beside the attention
 calibration (kernels/cpu/calibration.py: same key, same file rules, stored only when both rounds agree).
-Weights under `MIN_PACK_BYTES` are left to `F.linear` unmeasured. `UCM_CPU_LINEAR=native` uses the kernel up to the
-ladder's top, `torch` never.
+Weights under `MIN_PACK_BYTES` are left to `F.linear` unmeasured. A weight that is exactly 4-bit
+(kernels/cpu/q4_panels.py) is packed and measured as 4-bit panels ("q4 NxK" in the cache file), others as fp32.
+`UCM_CPU_LINEAR=native` uses the kernel up to the ladder's top, `torch` never.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.calibration import ROUNDS, calibration_key, cpu_info, key_file, read_entries, vector_flags, write_entry
+from kernels.cpu.calibration import ROUNDS, cpu_info, stored_or_measured, vector_flags
 from kernels.cpu.native import NativeLib
+from kernels.cpu.q4_panels import Q4Panels, pack_q4, random_q4_weight, skinny_linear_q4
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +57,21 @@ def cpu_linear_mode() -> CpuLinear:
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """W [N, K] packed for skinny_gemm.c; `dense` uses it for at most `max_rows` rows, else `F.linear` on W."""
+    """W [N, K] packed for skinny_gemm.c, as fp32 `panels` or, where W is exactly 4-bit, `q4` panels (then
+    `panels` is None); `dense` uses it for at most `max_rows` rows, else `F.linear` on W."""
 
-    panels: torch.Tensor
+    panels: torch.Tensor | None
     out_features: int
     in_features: int
     max_rows: int
     lib: NativeLib
+    q4: Q4Panels | None = None
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.q4 is not None:
+            return skinny_linear_q4(self.lib, x, self.q4, self.out_features, bias)
+        assert self.panels is not None, "a PanelWeight holds fp32 or 4-bit panels"
+        return skinny_linear(self.lib, x, self.panels, self.out_features, bias)
 
 
 def pack_panels(lib: NativeLib, weight: torch.Tensor) -> torch.Tensor:
@@ -97,12 +107,12 @@ def skinny_linear(
 Timings = dict[int, tuple[float, float]]  # rows -> (native ms, torch ms), best of REPS
 
 
-def measure(lib: NativeLib, k: int, n: int) -> list[Timings]:
-    """One Timings per round (tests replace this to force a result)."""
+def measure(lib: NativeLib, k: int, n: int, quantized: bool = False) -> list[Timings]:
+    """One Timings per round (tests replace this to force a result). `quantized`: 4-bit weights and panels."""
     gen = torch.Generator().manual_seed(0)
     count = min(MAX_STACK, max(2, -(-STACK_BYTES // (4 * n * k))))
-    weights = [torch.randn(n, k, generator=gen) for _ in range(count)]
-    packed = [pack_panels(lib, w) for w in weights]
+    weights = [random_q4_weight(n, k, gen) if quantized else torch.randn(n, k, generator=gen) for _ in range(count)]
+    packed = [_packed(lib, w, quantized) for w in weights]
     rounds: list[Timings] = []
     for _ in range(ROUNDS):
         timings: Timings = {}
@@ -123,13 +133,19 @@ def measure(lib: NativeLib, k: int, n: int) -> list[Timings]:
     return rounds
 
 
+def _packed(lib: NativeLib, weight: torch.Tensor, quantized: bool) -> PanelWeight:
+    n, k = weight.shape
+    q4 = pack_q4(weight) if quantized else None
+    assert not quantized or q4 is not None, "random_q4_weight must give an exactly 4-bit weight"
+    return PanelWeight(None if quantized else pack_panels(lib, weight), n, k, ROW_LADDER[-1], lib, q4)
+
+
 def _runs(
-    lib: NativeLib, x: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Tensor]
+    lib: NativeLib, x: torch.Tensor, weights: list[torch.Tensor], packed: list[PanelWeight]
 ) -> list[Callable[[], object]]:
     """The packed kernel, then F.linear, each over the whole stack of weights."""
-    n = weights[0].shape[0]
     return [
-        lambda: [skinny_linear(lib, x, p, n, None) for p in packed],
+        lambda: [p.linear(x, None) for p in packed],
         lambda: [F.linear(x, w) for w in weights],
     ]
 
@@ -144,17 +160,31 @@ def _rows_won(timings: Timings) -> int:
     return won
 
 
+def _parse_rows(stored: object) -> int | None:
+    rows = stored.get("max_rows") if isinstance(stored, dict) else None
+    return rows if isinstance(rows, int) else None
+
+
+def _table(rounds: list[Timings]) -> str:
+    return ", ".join(
+        f"{r}: {min(t[r][0] for t in rounds if r in t):.1f} vs {min(t[r][1] for t in rounds if r in t):.1f} ms"
+        for r in ROW_LADDER
+        if any(r in t for t in rounds)
+    )
+
+
 class _Memo:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.rows: dict[tuple[str, str, int, int, int], int] = {}
+        self.rows: dict[tuple[str, str, int, int, int, bool], int] = {}
 
 
 _memo = _Memo()
 
 
-def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None) -> int:
-    """Up to how many rows the packed kernel runs for a [n, k] weight on this machine (see the module doc)."""
+def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, quantized: bool = False) -> int:
+    """Up to how many rows the packed kernel (4-bit with `quantized`) runs for a [n, k] weight on this machine
+    (see the module doc)."""
     mode = cpu_linear_mode()
     if mode is CpuLinear.TORCH:
         return 0
@@ -163,50 +193,43 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None) -> int:
     if 4 * k * n < MIN_PACK_BYTES:
         return 0
     threads = torch.get_num_threads()
-    memo_key = (str(root), lib.path.name, threads, k, n)
+    memo_key = (str(root), lib.path.name, threads, k, n, quantized)
     with _memo.lock:
         found = _memo.rows.get(memo_key)
         if found is not None:
             return found
-        key = calibration_key(lib, threads)
-        path = key_file("linear", key, root)
-        name = f"fp32 {n}x{k}"
-        stored = read_entries(path, key).get(name)
-        if isinstance(stored, dict) and isinstance(stored.get("max_rows"), int):
-            rows = int(stored["max_rows"])
-            log.info("CPU linear %s: packed kernel up to %d rows (from %s)", name, rows, path)
-        else:
-            t0 = time.perf_counter()
-            rounds = measure(lib, k, n)
+        name = f"{'q4' if quantized else 'fp32'} {n}x{k}"
+        tables: list[str] = []
+
+        def run() -> tuple[int, bool]:
+            rounds = measure(lib, k, n, quantized)
             picks = [_rows_won(t) for t in rounds]
-            rows = min(picks)
-            table = ", ".join(
-                f"{r}: {min(t[r][0] for t in rounds if r in t):.1f} vs {min(t[r][1] for t in rounds if r in t):.1f} ms"
-                for r in ROW_LADDER
-                if any(r in t for t in rounds)
-            )
-            if len(set(picks)) == 1:
-                write_entry(path, key, name, {"max_rows": rows})
-                where = f"stored in {path}"
-            else:  # the machine's load changed the answer: take the smaller one now, measure again next time
-                where = f"not stored: rounds disagreed ({picks})"
-            log.info(
-                "CPU linear %s for %s [%s], %d thread(s): packed kernel up to %d rows (rows: packed vs F.linear "
-                "over %d MB of weights: %s; measured in %.2f s; %s)",
-                name, cpu_info()[0], " ".join(vector_flags()), threads, rows, STACK_BYTES >> 20, table,
-                time.perf_counter() - t0, where,
-            )  # fmt: skip
+            tables.append(_table(rounds))
+            return min(picks), len(set(picks)) == 1  # disagreeing rounds: the smaller answer now
+
+        rows, where = stored_or_measured(
+            "linear", name, lib, threads, root, _parse_rows, run, lambda r: {"max_rows": r}
+        )
+        measured = f" (rows: packed vs F.linear over {STACK_BYTES >> 20} MB of weights: {tables[0]})" if tables else ""
+        log.info(
+            "CPU linear %s for %s [%s], %d thread(s): packed kernel up to %d rows%s (%s)",
+            name, cpu_info()[0], " ".join(vector_flags()), threads, rows, measured, where,
+        )  # fmt: skip
         _memo.rows[memo_key] = rows
         return rows
 
 
 def panel_weight(lib: NativeLib, weight: torch.Tensor) -> PanelWeight | None:
-    """`weight` packed for the row counts where the kernel wins here, or None where it never does."""
+    """`weight` packed (4-bit where it is exactly that, else fp32) for the row counts where the kernel wins here,
+    or None where it never does."""
     n, k = weight.shape
-    rows = max_rows(lib, k, n)
+    if 4 * k * n < MIN_PACK_BYTES and cpu_linear_mode() is CpuLinear.AUTO:
+        return None
+    q4 = pack_q4(weight)
+    rows = max_rows(lib, k, n, quantized=q4 is not None)
     if rows == 0:
         return None
-    return PanelWeight(pack_panels(lib, weight), n, k, rows, lib)
+    return PanelWeight(None if q4 is not None else pack_panels(lib, weight), n, k, rows, lib, q4)
 
 
 def forget() -> None:

@@ -55,7 +55,7 @@ def forced(monkeypatch, tmp_path):
     state = {"up_to": 8}
     measured: list[tuple[int, int]] = []
 
-    def fake_measure(lib, k, n):
+    def fake_measure(lib, k, n, quantized=False):
         measured.append((k, n))
         return [{r: (1.0, 2.0) if r <= state["up_to"] else (2.0, 1.0) for r in ROW_LADDER}] * 2
 
@@ -81,8 +81,8 @@ def test_dispatch_follows_the_calibration(native_lib, forced, monkeypatch) -> No
     assert isinstance(packed, PanelWeight) and packed.max_rows == 16
     assert measured == [(32, 48)]
     calls: list[int] = []
-    real = dense_mod.skinny_linear
-    monkeypatch.setattr(dense_mod, "skinny_linear", lambda lib, x, *a: calls.append(x.shape[0]) or real(lib, x, *a))
+    real = PanelWeight.linear
+    monkeypatch.setattr(PanelWeight, "linear", lambda self, x, b: calls.append(x.shape[0]) or real(self, x, b))
     for rows in (1, 16, 17, 200):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(dense_mod.dense(x, w, None, packed), F.linear(x, w), atol=1e-4, rtol=1e-4)
@@ -112,16 +112,18 @@ def test_never_faster_means_no_packed_copy(native_lib, forced, monkeypatch) -> N
 
 
 def test_greedy_text_is_the_same_either_way(monkeypatch, tmp_path) -> None:
-    """The embedded model, fp32, greedy: decode steps through the kernel (forced on) and through F.linear (forced
-    off) give the same tokens."""
+    """The embedded model, fp32, greedy: decode steps through the kernel (forced on; its layers are exactly 4-bit,
+    so the 4-bit panels) and through F.linear (forced off) give the same tokens."""
     from engine import LLM, SamplingParams
 
     monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path / "cache"))
     params = SamplingParams(max_tokens=24, temperature=0)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     calls: list[int] = []
-    real = dense_mod.skinny_linear
-    monkeypatch.setattr(dense_mod, "skinny_linear", lambda lib, x, *a: calls.append(x.shape[0]) or real(lib, x, *a))
+    real = skinny_gemm.skinny_linear_q4
+    monkeypatch.setattr(
+        skinny_gemm, "skinny_linear_q4", lambda lib, x, *a: calls.append(x.shape[0]) or real(lib, x, *a)
+    )
     outs = {}
     for mode in ("native", "torch"):
         monkeypatch.setenv("UCM_CPU_LINEAR", mode)
@@ -129,6 +131,6 @@ def test_greedy_text_is_the_same_either_way(monkeypatch, tmp_path) -> None:
         calls.clear()
         llm = LLM(model="smollm2-135m", dtype="float32")
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert bool(calls) == (mode == "native"), f"{mode}: {len(calls)} kernel calls"
+        assert bool(calls) == (mode == "native"), f"{mode}: {len(calls)} 4-bit kernel calls"
         del llm
     assert outs["native"] == outs["torch"]

@@ -293,3 +293,16 @@ def test_openai_sdk_extra_body_is_honoured(cluster) -> None:
     assert biased.choices[0].text != plain.choices[0].text
     with pytest.raises(openai.BadRequestError, match="top_a"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"top_a": 0.1})
+
+
+# Valid to the router (a Python regex, a JSON document), but not to xgrammar on the node: back-references and a
+# $ref to nothing. The request's own fault, so a 400, on the first node, with no retry elsewhere.
+ENGINE_REFUSED = [{"regex": r"(a)\1"}, {"json": {"$ref": "#/$defs/missing"}}]
+
+
+@pytest.mark.parametrize("so", ENGINE_REFUSED, ids=["backreference", "dangling-ref"])
+def test_a_guide_only_the_engine_refuses_is_a_400(http, so) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "structured_outputs": so}
+    err = _error(http, C, body)
+    assert err["type"] == "invalid_request_error" and "cannot compile" in err["message"], err
+    assert complete(http)["choices"][0]["finish_reason"] in {"stop", "length"}, "the cluster must keep serving"

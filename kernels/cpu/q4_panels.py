@@ -1,0 +1,118 @@
+"""fp32 weights that are exactly 4-bit, packed for skinny_gemm.c's q4 kernel: a decode step reads 0.16x the bytes.
+
+The embedded model is a GGUF Q4_1: each 32-wide block of a weight row is d * q + m with q in 0..15 (d and m
+fp16), and its fp32 weights are exactly those values (fp32 mul, then add). `find_q4` recovers (q, d, m) from the
+fp32 weight and keeps them only if every block reproduces every weight bit for bit with those two roundings, the
+ones the kernel makes when it expands a panel; so the q4 kernel's output is bit-identical to the fp32 panel
+kernel's. A weight that is not exactly 4-bit (random test weights, another model's) gets None and stays fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.cpu.native import NativeLib
+
+QB = 32  # k per scale block (skinny_gemm.c)
+NR = 16  # outputs per panel (skinny_gemm.c)
+_D_STEPS = (1, -1, 2, -2)  # fp16 neighbours of the first guess for d, for the blocks it does not reproduce
+
+
+@dataclass(frozen=True)
+class Q4Panels:
+    """qp [panels, K, 8] uint8 (outputs j and j + 8 of a panel in one byte) and dm [panels, K / 32, 2, 16] fp32."""
+
+    qp: torch.Tensor
+    dm: torch.Tensor
+
+
+def find_q4(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(q [N, K] uint8, d [N, K / 32], m [N, K / 32] fp32) with weight == q * d + m exactly, or None."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % QB or weight.numel() == 0:
+        return None
+    n, k = weight.shape
+    w = weight.detach().contiguous().numpy().reshape(n, k // QB, QB)
+    if not np.isfinite(w).all():
+        return None
+    m = w.min(-1)  # the block's q = 0 element is m itself (0 * d + m)
+    guess = ((w.max(-1) - m) / 15).astype(np.float16)
+    d = guess.astype(np.float32)
+    ok = _reproduces(w, d, m)
+    for step in _D_STEPS:
+        if ok.all():
+            break
+        bad = ~ok
+        cand = (guess[bad].view(np.int16) + step).view(np.float16).astype(np.float32)
+        cand_ok = _reproduces(w[bad], cand, m[bad])
+        d_bad = d[bad]
+        d_bad[cand_ok] = cand[cand_ok]
+        d[bad] = d_bad
+        ok[bad] = cand_ok
+    if not ok.all():
+        return None
+    return _quantize(w, d, m).reshape(n, k), d, m
+
+
+def _quantize(w: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[..., None] > 0, np.rint((w - m[..., None]) / d[..., None]), 0)
+    return np.clip(q, 0, 15).astype(np.uint8)
+
+
+def _reproduces(w: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Per block: q * d + m (fp32 product, then fp32 sum) gives w's exact bits."""
+    if d.size and (d < 0).any():
+        return np.zeros(d.shape, dtype=bool)
+    rec = _quantize(w, d, m).astype(np.float32) * d[..., None] + m[..., None]
+    return (rec.view(np.int32) == w.view(np.int32)).all(-1)
+
+
+def pack_q4(weight: torch.Tensor) -> Q4Panels | None:
+    """`weight` [N, K] as 4-bit panels, or None where it is not exactly 4-bit (see the module doc)."""
+    found = find_q4(weight)
+    if found is None:
+        return None
+    q, d, m = found
+    n, k = q.shape
+    pad = -n % NR
+    q = np.pad(q, ((0, pad), (0, 0)))  # padded outputs: q = d = m = 0, so 0, like the fp32 panels' zeros
+    d, m = np.pad(d, ((0, pad), (0, 0))), np.pad(m, ((0, pad), (0, 0)))
+    panels = q.shape[0] // NR
+    qn = q.reshape(panels, NR, k)
+    qp = (qn[:, : NR // 2] | (qn[:, NR // 2 :] << 4)).transpose(0, 2, 1)  # [panels, K, 8]
+    dm = np.stack([x.reshape(panels, NR, k // QB).transpose(0, 2, 1) for x in (d, m)], axis=2)  # [P, K/32, 2, 16]
+    return Q4Panels(torch.from_numpy(np.ascontiguousarray(qp)), torch.from_numpy(np.ascontiguousarray(dm)))
+
+
+def skinny_linear_q4(
+    lib: NativeLib, x: torch.Tensor, panels: Q4Panels, n: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M, K] @ W.T + bias with W packed by `pack_q4`: bit-identical to skinny_linear on the fp32 panels."""
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"skinny_linear_q4 takes a 2-D fp32 input, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    m, k = x.shape
+    if panels.qp.numel() != -(-n // NR) * k * NR // 2:
+        raise ValueError(f"4-bit panels of {panels.qp.numel()} bytes are not {n} x {k}")
+    y = torch.empty((m, n), dtype=torch.float32)
+    b = bias.detach().contiguous().float() if bias is not None else None
+    status = lib.skinny_gemm_q4(
+        x.data_ptr(), m, k, panels.qp.data_ptr(), panels.dm.data_ptr(), n, b.data_ptr() if b is not None else None,
+        y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("skinny_gemm_q4: no memory for a scratch panel")
+    return y
+
+
+def random_q4_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """An [n, k] fp32 weight that is exactly 4-bit, with scales like a trained model's (calibration, tests)."""
+    blocks = (n, k // QB)
+    d = (torch.rand(blocks, generator=gen) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(blocks, generator=gen) * 0.08).half().float()
+    q = torch.randint(0, 16, (n, k // QB, QB), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # each block spans its full range, as a quantizer's blocks do
+    return (q * d[..., None] + m[..., None]).reshape(n, k)
