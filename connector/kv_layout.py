@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from connector.row_copy import copy_rows
 from kernels import gather_blocks, scatter_blocks
 
 
@@ -78,6 +79,11 @@ def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.T
     n = int(block_ids.numel())
     out.reserve(n)
     dst = out.blocks(n)
+    if k_cache.device.type == "cpu":  # straight into the staging rows: no gathered copy in between
+        ids, rows = block_ids.tolist(), list(range(n))
+        copy_rows(dst[:, 0], rows, k_cache, ids)
+        copy_rows(dst[:, 1], rows, v_cache, ids)
+        return
     dst[:, 0].copy_(gather_blocks(k_cache, block_ids))
     dst[:, 1].copy_(gather_blocks(v_cache, block_ids))
 

@@ -23,7 +23,8 @@ import torch
 
 from connector.base import KVConnectorRole
 from connector.metadata import ConnectorStats, commit_saves, failed_rows, store_failed
-from connector.vllm.block_bytes import StagingRows, block_rows, copy_rows
+from connector.row_copy import copy_rows
+from connector.vllm.block_bytes import StagingRows, block_rows
 from connector.vllm.step import BlockLoad, StepPlan
 from ucm.api import BlockRef, KVStore, StoreTask
 

@@ -27,11 +27,6 @@ def lib(native_lib) -> native.NativeLib:
     return native_lib
 
 
-@pytest.fixture
-def native_mode(monkeypatch):
-    monkeypatch.delenv("UCM_CPU_ATTENTION", raising=False)
-
-
 def _ordered(t: torch.Tensor) -> torch.Tensor:
     """bf16 bit patterns mapped to integers in value order, so a difference counts ulps (across zero too)."""
     bits = t.view(torch.int16).to(torch.int32)

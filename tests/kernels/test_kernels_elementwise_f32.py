@@ -19,16 +19,6 @@ MAX_ULPS = 16
 NORM_SHAPES = [(1, 576), (37, 576), (5, 100), (3, 7), (2, 17), (129, 1024)]
 
 
-@pytest.fixture(scope="module")
-def lib(native_lib) -> native.NativeLib:
-    return native_lib
-
-
-@pytest.fixture
-def native_mode(monkeypatch):
-    monkeypatch.delenv("UCM_CPU_ATTENTION", raising=False)
-
-
 def _ordered(t: torch.Tensor) -> torch.Tensor:
     """fp32 bit patterns mapped to integers in value order, so a difference counts ulps (across zero too)."""
     bits = t.view(torch.int32).to(torch.int64)
@@ -56,18 +46,18 @@ def _threads(n: int):
 
 
 @pytest.mark.parametrize("rows,hidden", NORM_SHAPES)
-def test_rms_norm_and_fused_add_match_torch(lib, native_mode, monkeypatch, rows, hidden):
+def test_rms_norm_and_fused_add_match_torch(native_lib, native_mode, monkeypatch, rows, hidden):
     g = torch.Generator().manual_seed(rows * 7919 + hidden)
     x = torch.randn(rows, hidden, generator=g) * 3
     weight = torch.rand(hidden, generator=g) + 0.5
     residual = torch.randn(rows, hidden, generator=g)
-    calls = spy(monkeypatch, lib, "rms_norm_f32")
+    calls = spy(monkeypatch, native_lib, "rms_norm_f32")
     with _threads(2):
         assert_f32_close(api.rms_norm(x, weight, EPS), rms_norm_torch(x, weight, EPS))
     assert calls == [1], "a contiguous fp32 CPU norm must take the native kernel"
     want_residual = residual.clone()
     want = fused_add_rms_norm_torch(x, want_residual, weight, EPS)
-    calls = spy(monkeypatch, lib, "fused_add_rms_norm_f32")
+    calls = spy(monkeypatch, native_lib, "fused_add_rms_norm_f32")
     with _threads(2):
         got = api.fused_add_rms_norm(x, residual, weight, EPS)
     assert calls == [1]
@@ -76,17 +66,17 @@ def test_rms_norm_and_fused_add_match_torch(lib, native_mode, monkeypatch, rows,
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (33, 1536), (7, 40), (3, 5)])
-def test_silu_and_mul_matches_torch(lib, native_mode, monkeypatch, rows, inter):
+def test_silu_and_mul_matches_torch(native_lib, native_mode, monkeypatch, rows, inter):
     g = torch.Generator().manual_seed(rows + inter)
     gate_up = torch.randn(rows, 2 * inter, generator=g) * 6
-    calls = spy(monkeypatch, lib, "silu_and_mul_f32")
+    calls = spy(monkeypatch, native_lib, "silu_and_mul_f32")
     with _threads(2):
         got = api.silu_and_mul(gate_up)
     assert calls == [1]
     assert_f32_close(got, silu_and_mul_torch(gate_up))
 
 
-def test_silu_edge_values(lib, native_mode):
+def test_silu_edge_values(native_lib, native_mode):
     """Far into exp's under- and overflow, signed zeros, infinities and NaN, in the vector body (first 8 lanes
     ... 16) and the scalar tail (the rest)."""
     edge = [-200.0, -104.0, -88.5, -87.0, -20.0, -1e-30, 0.0, -0.0, 1e-30, 5.0, 88.0, 89.0, 100.0, 200.0]
@@ -108,18 +98,18 @@ def _qkv_case(tokens: int, hq: int, hkv: int, d: int, seed: int):
 
 
 @pytest.mark.parametrize("tokens,hq,hkv,d", [(33, 9, 3, 64), (1, 9, 3, 64), (5, 4, 2, 40), (3, 2, 1, 8)])
-def test_rotary_embedding_is_bit_identical_on_a_qkv_view(lib, native_mode, monkeypatch, tokens, hq, hkv, d):
+def test_rotary_embedding_is_bit_identical_on_a_qkv_view(native_lib, native_mode, monkeypatch, tokens, hq, hkv, d):
     qkv, qk, cos, sin = _qkv_case(tokens, hq, hkv, d, seed=tokens * 31 + d)
     want = rotary_embedding_torch(qk, cos, sin)
     v_before = qkv[:, (hq + hkv) * d :].clone()
-    calls = spy(monkeypatch, lib, "rotary_embedding_f32")
+    calls = spy(monkeypatch, native_lib, "rotary_embedding_f32")
     api.rotary_embedding_(qk, cos, sin)
     assert calls == [1]
     assert torch.equal(qk, want)
     assert torch.equal(qkv[:, (hq + hkv) * d :], v_before), "v must not be touched"
 
 
-def test_fp32_keeps_torch_math_when_native_is_off(lib, monkeypatch):
+def test_fp32_keeps_torch_math_when_native_is_off(native_lib, monkeypatch):
     monkeypatch.setenv("UCM_CPU_ATTENTION", "torch")
     monkeypatch.setattr(native, "load", lambda: pytest.fail("UCM_CPU_ATTENTION=torch must keep the library out"))
     g = torch.Generator().manual_seed(8)
@@ -129,7 +119,7 @@ def test_fp32_keeps_torch_math_when_native_is_off(lib, monkeypatch):
     assert torch.equal(api.silu_and_mul(gate_up), silu_and_mul_torch(gate_up))
 
 
-def test_mixed_dtypes_and_strided_rows_take_the_torch_path(lib, native_mode, monkeypatch):
+def test_mixed_dtypes_and_strided_rows_take_the_torch_path(native_lib, native_mode, monkeypatch):
     monkeypatch.setattr(native, "load", lambda: pytest.fail("these inputs must not reach the row kernels"))
     x = torch.randn(5, 100)
     assert torch.equal(
