@@ -1,17 +1,20 @@
 """Block <-> bytes for one layer: a block's payload is its K then its V, `[2, block_size, num_kv_heads, head_dim]`.
 
 The store sees opaque bytes; this module is the only place that knows the layout (bump
-`ucm.keys.KV_LAYOUT_VERSION` when it changes). Staging buffers live in host memory (pinned when the cache is
-on CUDA) and are reused from step to step: a save or load is always finished within the step that started it.
+`ucm.keys.KV_LAYOUT_VERSION` when it changes). Staging buffers live in host memory (the store's shared memory for
+a CPU cache, pinned memory for a CUDA one) and are reused from step to step: a save or load is always finished
+within the step that started it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from connector.row_copy import copy_rows
+from connector.staging_rows import StagingRows
 from kernels import gather_blocks, scatter_blocks
 
 
@@ -50,28 +53,27 @@ class KVLayout:
 
 
 class StagingBuffer:
-    """A growable host buffer of `n` payloads, seen both as bytes (for the store) and as typed blocks."""
+    """Growable host staging of payloads, seen both as bytes (for the store) and as typed blocks.
 
-    def __init__(self, layout: KVLayout) -> None:
+    `alloc`: where the memory comes from (`KVStore.staging_buffer` for a cache on the CPU: a store daemon on this
+    host then reads saves and writes loads there itself); a CUDA cache stages through pinned private memory."""
+
+    def __init__(self, layout: KVLayout, alloc: Callable[[int], memoryview] | None = None) -> None:
         self._layout = layout
-        self._bytes = torch.empty(0, dtype=torch.uint8)
+        pin = layout.device.type == "cuda"
+        self._rows = StagingRows(layout.payload_nbytes, None if pin else alloc, pin=pin)
 
     def reserve(self, n: int) -> None:
-        need = n * self._layout.payload_nbytes
-        if self._bytes.numel() < need:
-            pin = self._layout.device.type == "cuda"
-            self._bytes = torch.empty(need, dtype=torch.uint8, pin_memory=pin)
+        self._rows.rows(n)
 
     def blocks(self, n: int) -> torch.Tensor:
         """`[n, 2, block_size, num_kv_heads, head_dim]` view of the first n payloads."""
         lay = self._layout
-        return self._bytes[: n * lay.payload_nbytes].view(lay.dtype).view(n, *lay.block_shape)
+        return self._rows.rows(n).view(lay.dtype).view(n, *lay.block_shape)
 
     def memoryviews(self, n: int) -> list[memoryview]:
         """One writable memoryview per payload (what the store reads from or writes into)."""
-        size = self._layout.payload_nbytes
-        whole = self._bytes[: n * size].numpy().data
-        return [whole[i * size : (i + 1) * size] for i in range(n)]
+        return self._rows.memoryviews(n)
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, out: StagingBuffer) -> None:

@@ -82,8 +82,12 @@ class UCMWorkerConnector(KVConnectorWorker):
     def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self._layout = KVLayout.from_caches(kv_caches)
         self._caches = list(kv_caches)
-        self._load_bufs = [StagingBuffer(self._layout) for _ in kv_caches]
-        self._save_bufs = [StagingBuffer(self._layout) for _ in kv_caches]
+        self._load_bufs = [self._staging() for _ in kv_caches]
+        self._save_bufs = [self._staging() for _ in kv_caches]
+
+    def _staging(self) -> StagingBuffer:
+        """Staging in the store's fastest memory: a daemon on this host maps it (no payload frames)."""
+        return StagingBuffer(self.layout, self.store.staging_buffer)
 
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
         assert isinstance(metadata, UCMConnectorMetadata), f"expected UCMConnectorMetadata, got {type(metadata)}"
@@ -141,7 +145,7 @@ class UCMWorkerConnector(KVConnectorWorker):
         task = loads.tasks.pop(layer)
         failed, stuck = failed_rows(task, loads.num_rows, self.task_timeout_s)
         if stuck:  # leave the buffer to the straggler; later steps get a new one
-            self._load_bufs[layer] = StagingBuffer(self.layout)
+            self._load_bufs[layer] = self._staging()
         loads.failed_rows |= failed
         if task is not None and not stuck:
             loads.disk_rows.update(task.disk_blocks)
@@ -228,7 +232,7 @@ class UCMWorkerConnector(KVConnectorWorker):
             bad_rows, stuck = failed_rows(task, num_rows, self.task_timeout_s)
             failed |= bad_rows
             if stuck:
-                self._save_bufs[layer] = StagingBuffer(self.layout)
+                self._save_bufs[layer] = self._staging()
         if len(tasks) != self.layout.num_layers:
             failed = set(range(num_rows))  # a layer never dumped: the block would be incomplete
         nbytes = self.layout.payload_nbytes * self.layout.num_layers

@@ -89,6 +89,7 @@ class StoreStats:
     bad_frames: int = 0
     refused_requests: int = 0
     shared_memory_loads: int = 0  # loads the daemon wrote into a same-host client's shared memory (no frames)
+    shared_memory_dumps: int = 0  # dumps the daemon read from a same-host client's shared memory (no frames)
 
 
 class KVStore(Protocol):

@@ -13,9 +13,10 @@ whose layout the daemon checks: `layout=` declares it up front; otherwise the fi
 bytes, tokens per block) of what it sends, under `namespace` or a name derived from that layout. The namespace is
 (re)opened on the first dump and after a daemon restart.
 
-Loads into memory from `staging_buffer` skip the socket when the daemon runs on this host: the buffer is a
-shared-memory segment (ucm/shared_segment.py) the daemon attaches, and it writes the payloads there itself. Where the
-daemon cannot attach it (another host, another user, an older daemon) loads come back as frames, copied into the same
+Loads into and dumps from memory from `staging_buffer` skip the socket's payload frames when the daemon runs on this
+host: the buffer is a shared-memory segment (ucm/shared_segment.py) the daemon attaches, and it writes a load's
+payloads there or copies a dump's from there itself (no frames, no CURVE encryption of KV bytes). Where the daemon
+cannot attach it (another host, another user, an older daemon) the payloads go as frames, from and into the same
 buffer; after a daemon restart the segment is attached again.
 """
 
@@ -41,7 +42,7 @@ from ucm.keys import BlockKey
 from ucm.load_frames import copy_frames
 from ucm.record import as_bytes_view
 from ucm.shared_segment import SharedSegment
-from ucm.task import Task
+from ucm.task import Outcome, Task, run_task
 
 log = logging.getLogger("ucm.client")
 R = TypeVar("R", bound=msgspec.Struct)  # a reply type
@@ -96,6 +97,7 @@ class StoreClient:
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ucm-client")
         self._segments = ClientSegments(shared_memory)
         self.shared_loads = 0  # loads the daemon wrote into shared memory (the others came as frames)
+        self.shared_dumps = 0  # dumps the daemon read from shared memory (the others went as frames)
 
     # --- transport ------------------------------------------------------------------------------------
 
@@ -252,12 +254,24 @@ class StoreClient:
         if not opened:
             self.open_namespace(name, layout)
         try:
-            return self._ask(p.DumpReply, p.Dump, wire, layer, num_layers, name, frames=views)[0].failed
+            return self._send_dump(wire, layer, num_layers, name, views)
         except StoreRequestError as exc:
             if exc.code is not p.ErrorCode.NO_NAMESPACE:
                 raise
         # The daemon restarted since this client opened the namespace: reopen once, resend once.
         self.open_namespace(name, layout)
+        return self._send_dump(wire, layer, num_layers, name, views)
+
+    def _send_dump(
+        self, wire: list[p.WireBlock], layer: int, num_layers: int, name: str, views: list[memoryview]
+    ) -> list[int]:
+        shared = self._segments.ranges([[view] for view in views])
+        if shared is not None:
+            reply = self._ask_shared(shared[0], p.DumpReply, p.Dump, wire, layer, num_layers, name, shared[1])
+            if reply is not None:
+                with self._lock:
+                    self.shared_dumps += 1
+                return reply.failed
         return self._ask(p.DumpReply, p.Dump, wire, layer, num_layers, name, frames=views)[0].failed
 
     def load(self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]) -> Task:
@@ -284,20 +298,19 @@ class StoreClient:
             self._ask(p.OkReply, p.AttachShm, segment.name, segment.nbytes, segment.token)
             attached = True
         except StoreRequestError as exc:
-            log.info("store at %s cannot write into shared memory (%s); loads come over the socket", self.address, exc)
+            log.info("store at %s cannot map shared memory (%s); payloads go over the socket", self.address, exc)
             attached = False
         self._segments.mark(segment.name, attached)
         return attached
 
-    def _load_shared(
-        self, segment: SharedSegment, dest: p.ShmDest, wire: list[p.WireBlock], layers: list[int]
-    ) -> p.LoadReply | None:
-        """A load the daemon writes into `segment`; None if it will not (then the caller asks for frames)."""
+    def _ask_shared(self, segment: SharedSegment, expect: type[R], make: type, *fields: object) -> R | None:
+        """A request whose payloads the daemon reads or writes in `segment`; None if it will not attach it (then
+        the caller sends frames)."""
         for attempt in range(2):
             if not self._segments.attached(segment.name) and not self._attach(segment):
                 return None
             try:
-                return self._ask(p.LoadReply, p.Load, wire, layers, dest)[0]
+                return self._ask(expect, make, *fields)[0]
             except StoreRequestError as exc:
                 if exc.code is not p.ErrorCode.NO_SEGMENT or attempt:
                     raise
@@ -307,8 +320,8 @@ class StoreClient:
     def _load(
         self, wire: list[p.WireBlock], layers: list[int], views: list[list[memoryview]]
     ) -> tuple[list[int], list[int]]:
-        shared = self._segments.dest(views)
-        reply = self._load_shared(*shared, wire, layers) if shared is not None else None
+        shared = self._segments.ranges(views)
+        reply = None if shared is None else self._ask_shared(shared[0], p.LoadReply, p.Load, wire, layers, shared[1])
         frames: list[zmq.Frame] | None = None
         if reply is None:
             reply, frames = self._ask(p.LoadReply, p.Load, wire, layers)
@@ -326,29 +339,8 @@ class StoreClient:
         failed |= copy_frames(frames, hits, layers, views)
         return sorted(failed), reply.from_disk  # Task.finish drops a failed block from from_disk
 
-    def _run_task(
-        self, num_blocks: int, fn: Callable[..., list[int] | tuple[list[int], list[int]]], *args: object
-    ) -> Task:
-        """`fn` returns the failed blocks, or for a load (failed, served from disk)."""
-        task = Task(num_blocks)
-
-        def run() -> None:
-            try:
-                result = fn(*args)
-                failed, from_disk = result if isinstance(result, tuple) else (result, [])
-                task.finish(failed, from_disk=from_disk)
-            except (StoreUnavailable, StoreRequestError) as exc:
-                _log_unavailable("store task failed: %s", exc)
-                task.finish(range(num_blocks), str(exc))
-            except Exception as exc:
-                log.exception("store task failed")
-                task.finish(range(num_blocks), f"{type(exc).__name__}: {exc}")
-
-        try:
-            self._pool.submit(run)
-        except RuntimeError:  # the client was closed
-            return Task.all_failed(num_blocks, "client is closed")
-        return task
+    def _run_task(self, num_blocks: int, fn: Callable[..., Outcome], *args: object) -> Task:
+        return run_task(self._pool, num_blocks, lambda: fn(*args), _task_failed)
 
     def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:
         self._fire(p.Commit, list(keys), ok)
@@ -392,6 +384,14 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _task_failed(exc: Exception) -> str:
+    if isinstance(exc, (StoreUnavailable, StoreRequestError)):
+        _log_unavailable("store task failed: %s", exc)
+        return str(exc)
+    log.error("store task failed", exc_info=exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _log_unavailable(msg: str, exc: Exception) -> None:

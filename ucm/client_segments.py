@@ -1,5 +1,5 @@
 """`ClientSegments`: a `StoreClient`'s shared-memory segments (ucm/shared_segment.py) and whether the daemon writes
-into each: attached, refused (loads into it come as frames), or not asked yet."""
+into each: attached, refused (payloads from and into it go as frames), or not asked yet."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ class ClientSegments:
             else:
                 self._attached[name] = attached
 
-    def dest(self, views: Sequence[Sequence[memoryview]]) -> tuple[SharedSegment, p.ShmDest] | None:
-        """Where `views` lie in one segment the daemon may write, if they all do."""
+    def ranges(self, views: Sequence[Sequence[memoryview]]) -> tuple[SharedSegment, p.ShmRanges] | None:
+        """Where `views` (row after row) lie in one segment the daemon may map, if they all do."""
         first = views[0][0] if views and views[0] else None
         with self._lock:
             segment = next((s for s in self._segments if first is not None and s.offset_of(first) is not None), None)
@@ -54,7 +54,7 @@ class ClientSegments:
                 if off is None:
                     return None
                 offsets.append(off)
-        return segment, p.ShmDest(segment.name, offsets, [len(v) for row in views for v in row])
+        return segment, p.ShmRanges(segment.name, offsets, [len(v) for row in views for v in row])
 
     def attached_names(self) -> list[str]:
         with self._lock:

@@ -106,6 +106,7 @@ class StoreDaemon:
         self._bad_frames = 0
         self._refused = 0
         self._shared_loads = 0
+        self._shared_dumps = 0
         self._bad_log = LogLimiter(log)
 
     @property
@@ -279,11 +280,11 @@ class StoreDaemon:
                 stats = store.stats()
                 with self._counts_lock:
                     stats.bad_frames, stats.refused_requests = self._bad_frames, self._refused
-                    stats.shared_memory_loads = self._shared_loads
+                    stats.shared_memory_loads, stats.shared_memory_dumps = self._shared_loads, self._shared_dumps
                 return p.StatsReply(req.req_id, stats), []
         raise BadRequest(f"unhandled request {type(req).__name__}")
 
-    def _load_into_segment(self, client: str, req: p.Load, shm: p.ShmDest) -> p.LoadReply:
+    def _load_into_segment(self, client: str, req: p.Load, shm: p.ShmRanges) -> p.LoadReply:
         width = len(req.layers)
         if len(shm.offsets) != len(req.blocks) * width:
             raise BadRequest(f"shm load: {len(shm.offsets)} offsets for {len(req.blocks)} blocks x {width} layers")
@@ -296,8 +297,8 @@ class StoreDaemon:
 
     def _dump(self, client: str, req: p.Dump, frames: Sequence[zmq.Frame]) -> list[int]:
         """Indices of the blocks not stored; Refused (nothing stored) if the request is inconsistent."""
-        sizes = [len(f.buffer) for f in frames]
-        refs = checked_dump(req, sizes, lambda name: self._namespaces.get(client, name))
+        payloads = self._dump_payloads(client, req, frames)
+        refs = checked_dump(req, [len(v) for v in payloads], lambda name: self._namespaces.get(client, name))
         present = self.store.contains([r.key for r in refs])
         new = [i for i, have in enumerate(present) if not have]  # stored blocks are skipped by the store anyway
         cap = self.config.caps.max_pending_blocks
@@ -310,6 +311,20 @@ class StoreDaemon:
             allowed = self._owners.claim_pending([refs[i].key for i in new], client)
             taken = [i for i, ok in zip(new, allowed) if not ok]  # being dumped by another client
         keep = sorted(set(range(len(refs))) - set(taken))
-        task = self.store.dump([refs[i] for i in keep], req.layer, req.num_layers, [frames[i].buffer for i in keep])
+        task = self.store.dump([refs[i] for i in keep], req.layer, req.num_layers, [payloads[i] for i in keep])
         task.wait()
         return sorted(taken + [keep[j] for j in task.failed_blocks])
+
+    def _dump_payloads(self, client: str, req: p.Dump, frames: Sequence[zmq.Frame]) -> list[memoryview]:
+        """The dump's payloads: its frames, or its ranges of a segment this client attached (the store copies them
+        before the reply, so the client may reuse the memory once answered)."""
+        if req.shm is None:
+            return [memoryview(f.buffer) for f in frames]
+        if frames:
+            raise BadRequest(f"a dump from shared memory takes no data frames, got {len(frames)}")
+        if len(req.shm.offsets) != len(req.blocks):
+            raise BadRequest(f"shm dump: {len(req.shm.offsets)} ranges for {len(req.blocks)} blocks")
+        views = self._segments.get(client, req.shm.name).views(req.shm.offsets, req.shm.lengths)
+        with self._counts_lock:
+            self._shared_dumps += 1
+        return views

@@ -226,6 +226,6 @@ def _table(stats: StoreStats) -> str:
         f"lookups {stats.lookups}: {stats.lookup_hit_blocks}/{stats.lookup_blocks} blocks hit; "
         f"corrupt dropped {stats.corrupt_dropped}; pending {stats.pending_blocks}; "
         f"bad frames {stats.bad_frames}; refused {stats.refused_requests}; "
-        f"loads into shared memory {stats.shared_memory_loads}"
+        f"loads into / dumps from shared memory {stats.shared_memory_loads} / {stats.shared_memory_dumps}"
     )
     return "\n".join(lines)

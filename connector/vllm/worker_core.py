@@ -24,7 +24,8 @@ import torch
 from connector.base import KVConnectorRole
 from connector.metadata import ConnectorStats, commit_saves, failed_rows, store_failed
 from connector.row_copy import copy_rows
-from connector.vllm.block_bytes import StagingRows, block_rows
+from connector.staging_rows import StagingRows
+from connector.vllm.block_bytes import block_rows
 from connector.vllm.step import BlockLoad, StepPlan
 from ucm.api import BlockRef, KVStore, StoreTask
 
@@ -79,15 +80,18 @@ class VllmWorkerCore:
         if any(r.device.type != "cpu" for r in rows):
             raise ValueError("UCMConnector moves host-memory caches only (vLLM's CPU platform)")
         self._rows = rows
-        self._save_bufs = [StagingRows(page) for _ in rows]
         self.use_store(self.store, reserve_blocks=0)
         return int(page)
 
     def use_store(self, store: KVStore, reserve_blocks: int = LOAD_STAGING_BLOCKS) -> None:
-        """Load and save through `store`; load staging comes from its fastest memory (`staging_buffer`),
+        """Load and save through `store`; staging comes from its fastest memory (`staging_buffer`), the load rows
         reserved now rather than on the first load."""
         self.store = store
-        self._load_bufs = [StagingRows(self.page_bytes, store.staging_buffer, reserve_blocks) for _ in self._rows]
+        self._load_bufs = [self._staging(reserve_blocks) for _ in self._rows]
+        self._save_bufs = [self._staging() for _ in self._rows]
+
+    def _staging(self, reserve: int = 0) -> StagingRows:
+        return StagingRows(self.page_bytes, self.store.staging_buffer, reserve)
 
     @property
     def num_layers(self) -> int:
@@ -151,7 +155,7 @@ class VllmWorkerCore:
         task = loads.tasks.pop(layer)
         failed, stuck = failed_rows(task, loads.num_rows, self.task_timeout_s)
         if stuck:  # the straggler keeps its buffer; later steps get a new one
-            self._load_bufs[layer] = StagingRows(self.page_bytes)
+            self._load_bufs[layer] = self._staging()
         loads.failed_rows |= failed
         good = [r for r in range(loads.num_rows) if r not in failed]
         if good and not stuck:
@@ -186,7 +190,7 @@ class VllmWorkerCore:
         for load in self._plan.loads if self._plan is not None else []:
             self._fail_request(load.request_id, load.block_ids, why)
         if loads is not None:  # stragglers may still write their staging rows: give them up
-            self._load_bufs = [StagingRows(self.page_bytes) for _ in self._rows]
+            self._load_bufs = [self._staging() for _ in self._rows]
 
     def _fail_request(self, request_id: str, block_ids: Sequence[int], why: str) -> None:
         self.stats.blocks_load_failed += len(block_ids)
@@ -228,7 +232,7 @@ class VllmWorkerCore:
             bad, stuck = failed_rows(task, num_rows, self.task_timeout_s)
             failed |= bad
             if stuck:
-                self._save_bufs[layer] = StagingRows(self.page_bytes)
+                self._save_bufs[layer] = self._staging()
         if len({layer for layer, _ in tasks}) != self.num_layers:
             failed = set(range(num_rows))  # a layer never saved: the block would be incomplete
         nbytes = self.page_bytes * self.num_layers

@@ -49,6 +49,8 @@ def run_engine(loaded_model, kv_store: str | None, kv_role: str | None, prompt: 
     if llm.engine.kv_connector is not None:
         sched, worker = llm.engine.kv_connector
         result["connector"] = asdict(sched.stats)
+        # A daemon client's counts of payloads that skipped the socket (None for an embedded store).
+        result["shared"] = [getattr(worker.store, "shared_dumps", None), getattr(worker.store, "shared_loads", None)]
         if hasattr(sched, "log"):
             from connector.recording import check_lifecycle
 
@@ -212,6 +214,10 @@ def test_producer_and_consumer_share_a_daemon(world):
     assert world["producer_daemon"]["tokens"] == world["reference"]["tokens"]
     assert world["producer_daemon"]["connector"]["blocks_saved"] > 0
     assert_full_hit(world["daemon_new_process"], world["reference"])
+    # Same host: the daemon copied every saved layer out of the producer's shared staging, and wrote every
+    # loaded layer into the consumer's (no payload frames either way).
+    assert world["producer_daemon"]["shared"][0] >= NUM_LAYERS
+    assert world["daemon_new_process"]["shared"][1] == NUM_LAYERS
 
 
 def test_corrupt_block_is_recomputed_and_not_a_hit(world):

@@ -55,6 +55,7 @@ def test_prompt_kv_survives_a_vllm_restart(vllm_venv, tmp_path):
         assert saved.tiers[Tier.DRAM].blocks == PROMPT_TOKENS // BLOCK, (
             f"expected the prompt's {PROMPT_TOKENS // BLOCK} blocks in the store:\n{log_1[-3000:]}"
         )
+        assert saved.shared_memory_dumps > 0, "a same-host daemon reads the saves out of shared memory"
 
         with VllmServer(model_dir, config, tmp_path / "vllm_2.log", venv=vllm_venv) as second:
             loaded = complete(second.url, prompt)

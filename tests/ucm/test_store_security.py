@@ -27,6 +27,7 @@ from ucm.auth import ClientAuth, generate_keys
 from ucm.client import StoreClient, StoreRequestError, StoreUnavailable
 from ucm.daemon_cli import main as daemon_main
 from ucm.keys import chain_key
+from ucm.shared_segment import shm_available
 
 LAYOUT = p.Layout(NUM_LAYERS, PAYLOAD, BLOCK_SIZE)
 
@@ -237,3 +238,37 @@ def test_curve_only_authorized_clients_and_owners(tmp_path) -> None:
         spec = StoreSpec.parse(f"{d.address}?timeout_s=5&curve_keys={tmp_path / 'keys'}&curve_client=alice")
         with open_store(spec) as node_client:
             assert node_client.lookup(keys) == 3
+
+
+@pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on this host")
+def test_curve_dumps_from_shared_memory_read_only_the_clients_own_segment(tmp_path) -> None:
+    """With CURVE a same-host client's dumps still skip the frames (and their encryption), and the daemon reads a
+    segment only for the client that attached it."""
+    assert daemon_main(["keys", str(tmp_path / "keys"), "--clients", "alice,bob"]) == 0
+    refs = make_refs(list(range(5000, 5016)))
+    with (
+        run_daemon(None, "--curve-keys", str(tmp_path / "keys")) as d,
+        StoreClient(d.address, auth=ClientAuth.from_dir(tmp_path / "keys", "alice")) as alice,
+        StoreClient(d.address, auth=ClientAuth.from_dir(tmp_path / "keys", "bob")) as bob,
+    ):
+        staging = alice.staging_buffer(len(refs) * PAYLOAD)
+        views = [staging[i * PAYLOAD : (i + 1) * PAYLOAD] for i in range(len(refs))]
+        for layer in range(NUM_LAYERS):
+            for view, ref in zip(views, refs):
+                view[:] = payload(ref, layer)
+            assert alice.dump(refs, layer, NUM_LAYERS, views).wait(10)
+        alice.commit([r.key for r in refs], True)
+        assert alice.shared_dumps == NUM_LAYERS
+        ok, _, dst = load_all(bob, refs)
+        assert ok
+        assert_loaded(refs, dst)
+
+        shared = alice._segments.ranges([[views[0]]])
+        assert shared is not None
+        layout = p.Layout(NUM_LAYERS, PAYLOAD, len(refs[0].token_ids))
+        bob.open_namespace("bob", layout)
+        more = make_refs(list(range(5000, 5020)))[4:]
+        with pytest.raises(StoreRequestError) as refused:
+            bob._ask(p.DumpReply, p.Dump, [p.WireBlock.of(more[0])], 0, NUM_LAYERS, "bob", shared[1])
+        assert refused.value.code is p.ErrorCode.NO_SEGMENT, "Bob cannot make the daemon read Alice's staging"
+        assert bob.stats().pending_blocks == 0

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 
-from tests.store_helpers import NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, make_refs, run_daemon
+from tests.store_helpers import BLOCK_SIZE, NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, make_refs, payload, run_daemon
 from ucm import protocol as p
 from ucm.client import StoreClient
 from ucm.shared_segment import HEADER_NBYTES, SHM_DIR, SharedSegment, shm_available, sweep_dead_segments
@@ -105,6 +105,28 @@ def test_daemon_restart_then_load_reattaches(tmp_path) -> None:
             client.close()
 
 
+def test_dumps_from_shared_memory_store_the_same_bytes() -> None:
+    """A dump from staging memory goes without frames; the daemon copies it before answering, so overwriting the
+    staging afterwards changes nothing stored; a client without shared memory reads the same bytes back."""
+    refs = make_refs(list(range(1, 1 + 3 * 16)))
+    with run_daemon() as daemon, StoreClient(daemon.address, timeout_s=10) as client:
+        staging = client.staging_buffer(len(refs) * PAYLOAD)
+        for layer in range(NUM_LAYERS):
+            views = [staging[i * PAYLOAD : (i + 1) * PAYLOAD] for i in range(len(refs))]
+            for view, ref in zip(views, refs):
+                view[:] = payload(ref, layer)
+            assert client.dump(refs, layer, NUM_LAYERS, views).wait(10)
+            staging[: len(refs) * PAYLOAD] = bytes(len(refs) * PAYLOAD)  # reused at once, as a connector does
+        client.commit([r.key for r in refs], True)
+        assert client.shared_dumps == NUM_LAYERS
+        assert client.stats().shared_memory_dumps == NUM_LAYERS
+        with StoreClient(daemon.address, timeout_s=10, shared_memory=False) as reader:
+            rows = [[bytearray(PAYLOAD) for _ in range(NUM_LAYERS)] for _ in refs]
+            assert reader.load(refs, list(range(NUM_LAYERS)), rows).wait(10)
+            assert_loaded(refs, rows)
+            assert reader.shared_dumps == 0 and reader.shared_loads == 0
+
+
 # --- what a peer cannot make the daemon do ----------------------------------------------------------------
 
 
@@ -162,19 +184,52 @@ def test_loads_stay_inside_the_segment_payload() -> None:
             )
             # Not into the header (the token), not past the end: refused, and nothing is written.
             for offsets in ([0], [segment.nbytes - PAYLOAD + 1], [-HEADER_NBYTES]):
-                dest = p.ShmDest(segment.name, offsets, [PAYLOAD])
+                dest = p.ShmRanges(segment.name, offsets, [PAYLOAD])
                 assert _code(_ask(daemon.address, p.Load(2, wire, [0], dest))) is p.ErrorCode.BAD_REQUEST
             assert segment.array[:16].tobytes() == segment.token
             assert not segment.array[HEADER_NBYTES:].any()
             # A segment this peer never attached (a DEALER is its own client only with CURVE; without it every
             # peer is one identity, so use a name no one attached).
-            other = p.ShmDest(f"ucm-seg-{os.getpid()}-{secrets.token_hex(16)}", [HEADER_NBYTES], [PAYLOAD])
+            other = p.ShmRanges(f"ucm-seg-{os.getpid()}-{secrets.token_hex(16)}", [HEADER_NBYTES], [PAYLOAD])
             assert _code(_ask(daemon.address, p.Load(3, wire, [0], other))) is p.ErrorCode.NO_SEGMENT
-            good = p.ShmDest(segment.name, [HEADER_NBYTES], [PAYLOAD])
+            good = p.ShmRanges(segment.name, [HEADER_NBYTES], [PAYLOAD])
             reply = _ask(daemon.address, p.Load(4, wire, [0], good))
             assert isinstance(reply, p.LoadReply) and reply.failed == []
             got = segment.array[HEADER_NBYTES : HEADER_NBYTES + PAYLOAD].tobytes()
             assert_loaded(refs[:1], [[got]], layers=[0])
+    finally:
+        segment.unlink()
+
+
+def test_dumps_read_only_inside_the_segment_payload() -> None:
+    refs = make_refs(list(range(1, 1 + 16)))
+    segment = SharedSegment(NUM_LAYERS * PAYLOAD)
+    try:
+        with run_daemon() as daemon:
+            a = daemon.address
+            layout = p.Layout(NUM_LAYERS, PAYLOAD, BLOCK_SIZE)
+            assert isinstance(_ask(a, p.OpenNamespace(1, "ns", layout)), p.OkReply)
+            assert isinstance(_ask(a, p.AttachShm(2, segment.name, segment.nbytes, segment.token)), p.OkReply)
+            wire = [p.WireBlock.of(refs[0])]
+
+            def dump(req_id: int, offsets: list[int], lengths: list[int], name: str = segment.name) -> p.Reply:
+                return _ask(a, p.Dump(req_id, wire, 0, NUM_LAYERS, "ns", p.ShmRanges(name, offsets, lengths)))
+
+            # Not out of the header (the token), not past the end, one range per block, the declared size.
+            for req_id, offsets, lengths in (
+                (3, [0], [PAYLOAD]),
+                (4, [segment.nbytes - PAYLOAD + 1], [PAYLOAD]),
+                (5, [HEADER_NBYTES, HEADER_NBYTES], [PAYLOAD, PAYLOAD]),
+                (6, [HEADER_NBYTES], [PAYLOAD - 1]),
+            ):
+                assert _code(dump(req_id, offsets, lengths)) is p.ErrorCode.BAD_REQUEST, offsets
+            ghost = f"ucm-seg-{os.getpid()}-{secrets.token_hex(16)}"
+            assert _code(dump(7, [HEADER_NBYTES], [PAYLOAD], ghost)) is p.ErrorCode.NO_SEGMENT
+            assert _ask(a, p.GetStats(8)).stats.pending_blocks == 0, "a refused dump stores nothing"
+            segment.array[HEADER_NBYTES : HEADER_NBYTES + PAYLOAD] = np.frombuffer(payload(refs[0], 0), np.uint8)
+            reply = dump(9, [HEADER_NBYTES], [PAYLOAD])
+            assert isinstance(reply, p.DumpReply) and reply.failed == []
+            assert _ask(a, p.GetStats(10)).stats.pending_blocks == 1
     finally:
         segment.unlink()
 
