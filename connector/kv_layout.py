@@ -76,11 +76,14 @@ class StagingBuffer:
         return self._rows.memoryviews(n)
 
 
-def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, out: StagingBuffer) -> None:
-    """Copy blocks `block_ids` of one layer into `out` (so the cache may be overwritten right after)."""
+def pack_blocks(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, out: StagingBuffer, first_row: int = 0
+) -> None:
+    """Copy blocks `block_ids` of one layer into rows `first_row...` of `out` (so the cache may be overwritten
+    right after)."""
     n = int(block_ids.numel())
-    out.reserve(n)
-    dst = out.blocks(n)
+    out.reserve(first_row + n)
+    dst = out.blocks(first_row + n)[first_row:]
     if k_cache.device.type == "cpu":  # straight into the staging rows: no gathered copy in between
         ids, rows = block_ids.tolist(), list(range(n))
         copy_rows(dst[:, 0], rows, k_cache, ids)

@@ -25,6 +25,21 @@ log = logging.getLogger(__name__)
 
 # A task still running after this long is treated as failed (a stuck daemon must not hang the engine).
 TASK_TIMEOUT_S = 60.0
+# A step whose save is at most this many bytes per layer goes to the store in one request after the last layer,
+# not one per layer: a decode step's few newly full blocks would otherwise cost a round trip to the daemon per
+# layer (30 on the embedded model), each waking threads that take the engine's cores. Bigger saves (prefill
+# chunks) still stream layer by layer, overlapping the forward.
+SMALL_SAVE_LAYER_BYTES = 1 << 20
+
+
+@dataclass
+class _Dump:
+    """One store request of this step's saves: the layers it carries, and whether it came from the small-save
+    buffer (else from `layers[0]`'s own staging)."""
+
+    layers: list[int]
+    task: StoreTask | None
+    small: bool = False
 
 
 @dataclass
@@ -53,6 +68,7 @@ class UCMWorkerConnector(KVConnectorWorker):
         *,
         owns_store: bool = False,
         task_timeout_s: float = TASK_TIMEOUT_S,
+        small_save_layer_bytes: int = SMALL_SAVE_LAYER_BYTES,
     ) -> None:
         """`owns_store`: close the store with the connector (a daemon client; embedded stores are shared)."""
         super().__init__()
@@ -61,12 +77,15 @@ class UCMWorkerConnector(KVConnectorWorker):
         self.role = role
         self.stats = stats
         self.task_timeout_s = task_timeout_s
+        self.small_save_layer_bytes = small_save_layer_bytes
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._layout: KVLayout | None = None
         self._load_bufs: list[StagingBuffer] = []
         self._save_bufs: list[StagingBuffer] = []
         self._loads: _StepLoads | None = None
-        self._saves: list[tuple[int, StoreTask | None]] = []  # (layer, task) of this step
+        self._saves: list[_Dump] = []  # this step's store requests
+        self._small_layers: list[int] = []  # layers of this step's small save packed and not yet sent
+        self._small_saves: StagingBuffer | None = None
         self._load_errors: set[int] = set()
         self._errored_requests: set[str] = set()  # this step's requests with a failed load
         # request id -> blocks it loaded, by the store tier they came from: for the per-tier prompt-token split
@@ -84,6 +103,7 @@ class UCMWorkerConnector(KVConnectorWorker):
         self._caches = list(kv_caches)
         self._load_bufs = [self._staging() for _ in kv_caches]
         self._save_bufs = [self._staging() for _ in kv_caches]
+        self._small_saves = self._staging()  # layer L of a small save in rows [L * n, (L + 1) * n)
 
     def _staging(self) -> StagingBuffer:
         """Staging in the store's fastest memory: a daemon on this host maps it (no payload frames)."""
@@ -92,7 +112,7 @@ class UCMWorkerConnector(KVConnectorWorker):
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
         assert isinstance(metadata, UCMConnectorMetadata), f"expected UCMConnectorMetadata, got {type(metadata)}"
         super().bind_connector_metadata(metadata)
-        assert self._loads is None and not self._saves, "previous step's transfers were not finished"
+        assert self._loads is None and not self._saves and not self._small_layers, "previous step's saves are open"
         self._errored_requests = set()
 
     @property
@@ -204,36 +224,68 @@ class UCMWorkerConnector(KVConnectorWorker):
             return
         t0 = time.perf_counter()
         ids = torch.tensor([b for spec in saves for b in spec.block_ids], dtype=torch.long, device=k_cache.device)
-        blocks = [ref for spec in saves for ref in spec.blocks]
-        buf = self._save_bufs[layer]
-        pack_blocks(k_cache, v_cache, ids, buf)
-        if k_cache.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the dump reads host staging from another thread
+        n = int(ids.numel())
+        if n * self.layout.payload_nbytes <= self.small_save_layer_bytes:
+            assert self._small_saves is not None, "register_kv_caches was not called"
+            self._small_saves.reserve(self.layout.num_layers * n)  # all layers' rows now: growing drops the rows
+            pack_blocks(k_cache, v_cache, ids, self._small_saves, first_row=layer * n)
+            self._small_layers.append(layer)  # sent by wait_for_save, with the other layers
+        else:
+            buf = self._save_bufs[layer]
+            pack_blocks(k_cache, v_cache, ids, buf)
+            self._sync_host(k_cache)
+            blocks = [ref for spec in saves for ref in spec.blocks]
+            self._saves.append(_Dump([layer], self._dump(blocks, [layer], [buf.memoryviews(n)])))
+        self.stats.save_seconds += time.perf_counter() - t0
+
+    def _dump(self, blocks: list[BlockRef], layers: list[int], views: list[list[memoryview]]) -> StoreTask | None:
+        """`views[j][i]`: block i's payload of `layers[j]`."""
         try:
-            task = self.store.dump(blocks, layer, self.layout.num_layers, buf.memoryviews(len(blocks)))
+            if len(layers) == 1:
+                return self.store.dump(blocks, layers[0], self.layout.num_layers, views[0])
+            data = [[views[j][i] for j in range(len(layers))] for i in range(len(blocks))]
+            return self.store.dump_layers(blocks, layers, self.layout.num_layers, data)
         except Exception as exc:
             self._store_failed("dump", exc)
-            task = None
-        self._saves.append((layer, task))
-        self.stats.save_seconds += time.perf_counter() - t0
+            return None
+
+    def _send_small_saves(self, blocks: list[BlockRef]) -> None:
+        layers, self._small_layers = self._small_layers, []
+        if not layers:
+            return
+        n = len(blocks)
+        assert self._small_saves is not None, "register_kv_caches was not called"
+        views = self._small_saves.memoryviews((max(layers) + 1) * n)
+        task = self._dump(blocks, layers, [views[layer * n : (layer + 1) * n] for layer in layers])
+        self._saves.append(_Dump(layers, task, small=True))
+
+    @staticmethod
+    def _sync_host(cache: torch.Tensor) -> None:
+        if cache.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the dump reads host staging from another thread
 
     def wait_for_save(self) -> None:
         self._finish_loads()  # after the last layer: every load is known before deciding what to commit
         if self._metadata is None:
             return
-        saves, tasks = self._meta.saves, self._saves
-        self._saves = []
+        saves = self._meta.saves
+        if self._small_layers:
+            self._sync_host(self._caches[0][0])
+            self._send_small_saves([ref for spec in saves for ref in spec.blocks])
+        dumps, self._saves = self._saves, []
         if not saves:
             return
         t0 = time.perf_counter()
         num_rows = sum(len(spec.blocks) for spec in saves)
         failed: set[int] = set()
-        for layer, task in tasks:
-            bad_rows, stuck = failed_rows(task, num_rows, self.task_timeout_s)
+        for dump in dumps:
+            bad_rows, stuck = failed_rows(dump.task, num_rows, self.task_timeout_s)
             failed |= bad_rows
-            if stuck:
-                self._save_bufs[layer] = self._staging()
-        if len(tasks) != self.layout.num_layers:
+            if stuck and dump.small:
+                self._small_saves = self._staging()
+            elif stuck:
+                self._save_bufs[dump.layers[0]] = self._staging()
+        if len({layer for dump in dumps for layer in dump.layers}) != self.layout.num_layers:
             failed = set(range(num_rows))  # a layer never dumped: the block would be incomplete
         nbytes = self.layout.payload_nbytes * self.layout.num_layers
         self._warn_at = commit_saves(

@@ -110,6 +110,16 @@ class KVStore(Protocol):
         """
         ...
 
+    def dump_layers(
+        self,
+        blocks: Sequence[BlockRef],
+        layers: Sequence[int],
+        num_layers: int,
+        data: Sequence[Sequence[memoryview | bytes]],
+    ) -> StoreTask:
+        """`dump` of several layers at once (one round trip to a daemon): `data[i][j]` is block i's `layers[j]`."""
+        ...
+
     def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:
         """Publish blocks whose every layer was dumped (ok=True), or discard them (ok=False)."""
         ...

@@ -37,6 +37,7 @@ from ucm import protocol as p
 from ucm.api import BlockRef, StoreStats, StoreUnavailable
 from ucm.auth import ClientAuth
 from ucm.circuit_breaker import BreakerConfig, BreakerStats, CircuitBreaker, CircuitOpen
+from ucm.client_errors import StoreRequestError, log_unavailable, task_failed
 from ucm.client_segments import ClientSegments
 from ucm.keys import BlockKey
 from ucm.load_frames import copy_frames
@@ -49,14 +50,6 @@ R = TypeVar("R", bound=msgspec.Struct)  # a reply type
 _DATA_CALLS = (p.Dump, p.Load)  # the calls that move KV bytes get `timeout_s`; the rest `control_timeout_s`
 _BREAKER_POLL_S = 0.05  # with a breaker, a waiting call looks this often whether another call tripped it
 __all__ = ["StoreClient", "StoreRequestError", "StoreUnavailable"]
-
-
-class StoreRequestError(RuntimeError):
-    """The daemon answered with an error reply."""
-
-    def __init__(self, code: p.ErrorCode, message: str) -> None:
-        super().__init__(f"{code.value}: {message}")
-        self.code = code
 
 
 class StoreClient:
@@ -216,29 +209,39 @@ class StoreClient:
         try:
             return self._ask(p.LookupReply, p.Lookup, list(keys))[0].hit
         except StoreUnavailable as exc:
-            _log_unavailable("lookup treated as a miss: %s", exc)
+            log_unavailable("lookup treated as a miss: %s", exc)
             return 0
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         try:
             return self._ask(p.ContainsReply, p.Contains, list(keys))[0].present
         except StoreUnavailable as exc:
-            _log_unavailable("contains treated as a miss: %s", exc)
+            log_unavailable("contains treated as a miss: %s", exc)
             return [False] * len(keys)
 
     def dump(self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]) -> Task:
         """Sent on an I/O thread: `data` must stay unchanged until the task finishes."""
-        if len(blocks) != len(data):
-            raise ValueError(f"dump: {len(blocks)} blocks but {len(data)} payloads")
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"dump: layer {layer} outside 0..{num_layers - 1}")
+        return self.dump_layers(blocks, [layer], num_layers, [[buf] for buf in data])
+
+    def dump_layers(
+        self,
+        blocks: Sequence[BlockRef],
+        layers: Sequence[int],
+        num_layers: int,
+        data: Sequence[Sequence[memoryview | bytes]],
+    ) -> Task:
+        """`dump` of several layers in one request: `data[i][j]` is block i's layer `layers[j]`."""
+        if len(blocks) != len(data) or any(len(row) != len(layers) for row in data):
+            raise ValueError(f"dump: {len(blocks)} blocks need {len(blocks)} rows of {len(layers)} payloads")
+        if not layers or not all(0 <= layer < num_layers for layer in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"dump: layers {list(layers)[:8]} are not distinct layers of 0..{num_layers - 1}")
         if not blocks:
             return Task.completed(0)
         wire = [p.WireBlock.of(ref) for ref in blocks]
-        views = [as_bytes_view(buf) for buf in data]
+        views = [as_bytes_view(buf) for row in data for buf in row]
         layout = self._layout or p.Layout(num_layers, len(views[0]), len(wire[0].token_ids))
         name = self._namespace or f"auto-{layout.num_layers}x{layout.layer_nbytes}x{layout.block_tokens}"
-        return self._run_task(len(blocks), self._dump, name, layout, wire, layer, num_layers, views)
+        return self._run_task(len(blocks), self._dump, name, layout, wire, list(layers), num_layers, views)
 
     def open_namespace(self, name: str, layout: p.Layout) -> None:
         """Declare `name`'s layout to the daemon (idempotent); raises StoreRequestError if it refuses it."""
@@ -247,32 +250,38 @@ class StoreClient:
             self._opened.add((name, layout))
 
     def _dump(
-        self, name: str, layout: p.Layout, wire: list[p.WireBlock], layer: int, num_layers: int, views: list[memoryview]
+        self,
+        name: str,
+        layout: p.Layout,
+        wire: list[p.WireBlock],
+        layers: list[int],
+        num_layers: int,
+        views: list[memoryview],
     ) -> list[int]:
         with self._lock:
             opened = (name, layout) in self._opened
         if not opened:
             self.open_namespace(name, layout)
         try:
-            return self._send_dump(wire, layer, num_layers, name, views)
+            return self._send_dump(wire, layers, num_layers, name, views)
         except StoreRequestError as exc:
             if exc.code is not p.ErrorCode.NO_NAMESPACE:
                 raise
         # The daemon restarted since this client opened the namespace: reopen once, resend once.
         self.open_namespace(name, layout)
-        return self._send_dump(wire, layer, num_layers, name, views)
+        return self._send_dump(wire, layers, num_layers, name, views)
 
     def _send_dump(
-        self, wire: list[p.WireBlock], layer: int, num_layers: int, name: str, views: list[memoryview]
+        self, wire: list[p.WireBlock], layers: list[int], num_layers: int, name: str, views: list[memoryview]
     ) -> list[int]:
-        shared = self._segments.ranges([[view] for view in views])
+        shared = self._segments.ranges([views])
         if shared is not None:
-            reply = self._ask_shared(shared[0], p.DumpReply, p.Dump, wire, layer, num_layers, name, shared[1])
+            reply = self._ask_shared(shared[0], p.DumpReply, p.Dump, wire, layers, num_layers, name, shared[1])
             if reply is not None:
                 with self._lock:
                     self.shared_dumps += 1
                 return reply.failed
-        return self._ask(p.DumpReply, p.Dump, wire, layer, num_layers, name, frames=views)[0].failed
+        return self._ask(p.DumpReply, p.Dump, wire, layers, num_layers, name, frames=views)[0].failed
 
     def load(self, blocks: Sequence[BlockRef], layers: Sequence[int], dst: Sequence[Sequence[memoryview]]) -> Task:
         if len(dst) != len(blocks) or any(len(row) != len(layers) for row in dst):
@@ -340,7 +349,7 @@ class StoreClient:
         return sorted(failed), reply.from_disk  # Task.finish drops a failed block from from_disk
 
     def _run_task(self, num_blocks: int, fn: Callable[..., Outcome], *args: object) -> Task:
-        return run_task(self._pool, num_blocks, lambda: fn(*args), _task_failed)
+        return run_task(self._pool, num_blocks, lambda: fn(*args), task_failed)
 
     def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:
         self._fire(p.Commit, list(keys), ok)
@@ -355,7 +364,7 @@ class StoreClient:
         try:
             self._call(make, *fields)
         except StoreUnavailable as exc:
-            _log_unavailable(f"{make.__name__.lower()} dropped: %s", exc)
+            log_unavailable(f"{make.__name__.lower()} dropped: %s", exc)
 
     def stats(self) -> StoreStats:
         return self._ask(p.StatsReply, p.GetStats)[0].stats
@@ -384,16 +393,3 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _task_failed(exc: Exception) -> str:
-    if isinstance(exc, (StoreUnavailable, StoreRequestError)):
-        _log_unavailable("store task failed: %s", exc)
-        return str(exc)
-    log.error("store task failed", exc_info=exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _log_unavailable(msg: str, exc: Exception) -> None:
-    # A skipped call is the breaker working as meant: one warning at the trip, not one per call.
-    (log.debug if isinstance(exc, CircuitOpen) else log.warning)(msg, exc)

@@ -311,9 +311,14 @@ class StoreDaemon:
             allowed = self._owners.claim_pending([refs[i].key for i in new], client)
             taken = [i for i, ok in zip(new, allowed) if not ok]  # being dumped by another client
         keep = sorted(set(range(len(refs))) - set(taken))
-        task = self.store.dump([refs[i] for i in keep], req.layer, req.num_layers, [payloads[i] for i in keep])
-        task.wait()
-        return sorted(taken + [keep[j] for j in task.failed_blocks])
+        width = len(req.layers)
+        failed = set(taken)
+        for j, layer in enumerate(req.layers):
+            data = [payloads[i * width + j] for i in keep]
+            task = self.store.dump([refs[i] for i in keep], layer, req.num_layers, data)
+            task.wait()
+            failed.update(keep[k] for k in task.failed_blocks)
+        return sorted(failed)
 
     def _dump_payloads(self, client: str, req: p.Dump, frames: Sequence[zmq.Frame]) -> list[memoryview]:
         """The dump's payloads: its frames, or its ranges of a segment this client attached (the store copies them
@@ -322,8 +327,10 @@ class StoreDaemon:
             return [memoryview(f.buffer) for f in frames]
         if frames:
             raise BadRequest(f"a dump from shared memory takes no data frames, got {len(frames)}")
-        if len(req.shm.offsets) != len(req.blocks):
-            raise BadRequest(f"shm dump: {len(req.shm.offsets)} ranges for {len(req.blocks)} blocks")
+        if len(req.shm.offsets) != len(req.blocks) * len(req.layers):
+            raise BadRequest(
+                f"shm dump: {len(req.shm.offsets)} ranges for {len(req.blocks)} blocks x {len(req.layers)} layers"
+            )
         views = self._segments.get(client, req.shm.name).views(req.shm.offsets, req.shm.lengths)
         with self._counts_lock:
             self._shared_dumps += 1

@@ -2,8 +2,8 @@
 
 Two stages, so that a shape error is reported as such even for a client that has not opened a namespace:
 
-1. structure (no layout needed): one data frame per block, 16-byte keys, token ids in [0, 2**32),
-   0 <= layer < num_layers, and each key chains: key == `ucm.keys.chain_key(parent, token_ids)`. A chain's
+1. structure (no layout needed): one payload per block and layer, 16-byte keys, token ids in [0, 2**32),
+   distinct layers in 0..num_layers-1, and each key chains: key == `ucm.keys.chain_key(parent, token_ids)`. A chain's
    first block is checked the same way (its parent is the root the client derived from its namespace and
    cache_salt; the store never sees the salt, so the root itself cannot be recomputed here).
 2. layout: num_layers, every payload's size and every block's token count equal the namespace's layout.
@@ -29,10 +29,10 @@ def _bad(message: str) -> Refused:
 
 
 def check_structure(req: Dump, payload_sizes: Sequence[int]) -> list[BlockRef]:
-    if len(payload_sizes) != len(req.blocks):
-        raise _bad(f"{len(req.blocks)} blocks came with {len(payload_sizes)} data frames")
-    if not 0 <= req.layer < req.num_layers:
-        raise _bad(f"layer {req.layer} outside 0..{req.num_layers - 1}")
+    if len(payload_sizes) != len(req.blocks) * len(req.layers):
+        raise _bad(f"{len(req.blocks)} blocks x {len(req.layers)} layers came with {len(payload_sizes)} payloads")
+    if len(set(req.layers)) != len(req.layers) or not all(0 <= layer < req.num_layers for layer in req.layers):
+        raise _bad(f"layers {req.layers[:8]} are not distinct layers of 0..{req.num_layers - 1}")
     refs = []
     for i, block in enumerate(req.blocks):
         if len(block.key) != KEY_NBYTES or len(block.parent) != KEY_NBYTES:
@@ -50,11 +50,13 @@ def check_structure(req: Dump, payload_sizes: Sequence[int]) -> list[BlockRef]:
 def check_layout_match(req: Dump, payload_sizes: Sequence[int], layout: Layout) -> None:
     if req.num_layers != layout.num_layers:
         raise _bad(f"num_layers {req.num_layers} != {layout.num_layers} declared for namespace {req.namespace!r}")
-    for i, (block, size) in enumerate(zip(req.blocks, payload_sizes)):
-        if size != layout.layer_nbytes:
-            raise _bad(
-                f"block {i}: payload of {size} bytes, namespace {req.namespace!r} declared {layout.layer_nbytes}"
-            )
+    width = len(req.layers)
+    for i, block in enumerate(req.blocks):
+        for size in payload_sizes[i * width : (i + 1) * width]:
+            if size != layout.layer_nbytes:
+                raise _bad(
+                    f"block {i}: payload of {size} bytes, namespace {req.namespace!r} declared {layout.layer_nbytes}"
+                )
         if len(block.token_ids) != layout.block_tokens:
             raise _bad(
                 f"block {i}: {len(block.token_ids)} token ids, namespace {req.namespace!r} declared {layout.block_tokens}"

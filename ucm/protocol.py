@@ -4,15 +4,15 @@ A request is one msgpack frame holding a tagged msgspec Struct, followed by raw 
 says so (never pickle). Every request carries a `req_id` echoed by its reply so a client can skip a late
 reply to a request it already gave up on.
 
-    Dump     + one frame per block: that block's payload for `layer` (none for a `Dump` with `shm`: the daemon
-               reads the payloads from the client's attached segment)
+    Dump     + len(layers) frames per block, in block order (none for a `Dump` with `shm`: the daemon reads the
+               payloads from the client's attached segment)
     LoadReply + len(layers) frames for each block not in `failed`, in block order (none for a `Load` with
                 `shm`: the daemon wrote the payloads into the client's attached segment, ucm/shared_segment.py)
 
 `AttachShm` / `DetachShm` and `Load.shm` (a same-host daemon writes loads into the client's shared memory) are
 optional: an older daemon answers UNKNOWN_TYPE and the client keeps receiving frames.
 Version 3 adds `Dump.shm` (a same-host daemon reads saves from shared memory too: no frames, no encryption of
-the payloads). Version 2 added `OpenNamespace` (a client declares its KV layout once; each `Dump` names it and is refused
+the payloads) and `Dump.layers` (several layers of the same blocks in one request). Version 2 added `OpenNamespace` (a client declares its KV layout once; each `Dump` names it and is refused
 unless every size matches) and the error codes a refusal carries. Every list has a fixed maximum length
 (`ucm.wire_limits`) so that decoding one frame can never allocate without bound.
 """
@@ -95,8 +95,11 @@ class ShmRanges(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Dump(_Msg, tag="dump", frozen=True):
+    """Payloads of `layers` (distinct) for each block, block after block: entry `i * len(layers) + j` is block i's
+    layer j (one request for a whole small save instead of one per layer)."""
+
     blocks: Annotated[list[WireBlock], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
-    layer: int
+    layers: Annotated[list[int], msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]
     num_layers: int
     namespace: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)] = DEFAULT_NAMESPACE
     shm: ShmRanges | None = None  # None: the payloads come as frames

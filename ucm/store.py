@@ -157,6 +157,20 @@ class Store:
             self._dram.stats.write_seconds += time.perf_counter() - start
         return Task.completed(len(blocks), failed)
 
+    def dump_layers(
+        self,
+        blocks: Sequence[BlockRef],
+        layers: Sequence[int],
+        num_layers: int,
+        data: Sequence[Sequence[memoryview | bytes]],
+    ) -> Task:
+        if len(blocks) != len(data) or any(len(row) != len(layers) for row in data):
+            raise ValueError(f"dump: {len(blocks)} blocks need {len(blocks)} rows of {len(layers)} payloads")
+        failed: set[int] = set()
+        for j, layer in enumerate(layers):
+            failed.update(self.dump(blocks, layer, num_layers, [row[j] for row in data]).failed_blocks)
+        return Task.completed(len(blocks), failed)
+
     def _sweep_pending(self, now: float) -> None:
         if now - self._last_sweep < min(1.0, self.config.pending_timeout_s / 2):
             return

@@ -35,12 +35,14 @@ def make_caches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def make_pair(store, role: KVConnectorRole, save_decode_blocks: bool = True, last_token_only: bool = False):
+def make_pair(
+    store, role: KVConnectorRole, save_decode_blocks: bool = True, last_token_only: bool = False, **worker_kw
+):
     stats = ConnectorStats()
     sched = UCMSchedulerConnector(
         store, role, BS, stats, save_decode_blocks=save_decode_blocks, recompute_last_token_only=last_token_only
     )
-    worker = UCMWorkerConnector(store, role, stats)
+    worker = UCMWorkerConnector(store, role, stats, **worker_kw)
     caches = make_caches()
     worker.register_kv_caches(caches)
     return sched, worker, caches, stats
@@ -67,9 +69,9 @@ def store():
         yield s
 
 
-def produce(store, tokens: list[int]):
+def produce(store, tokens: list[int], **worker_kw):
     """A producer computes `tokens` in one step into blocks 1..n and saves them."""
-    sched, worker, caches, stats = make_pair(store, KVConnectorRole.PRODUCER)
+    sched, worker, caches, stats = make_pair(store, KVConnectorRole.PRODUCER, **worker_kw)
     req = make_request("p", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # producers never load
     ids = list(range(1, len(tokens) // BS + 2))
@@ -77,9 +79,22 @@ def produce(store, tokens: list[int]):
     return caches, ids, stats, sched.request_finished(req, ids)
 
 
-def test_save_then_load_roundtrip(store):
+@pytest.mark.parametrize("small_save_layer_bytes", [0, 1 << 20], ids=["layer-by-layer", "one-request"])
+def test_save_then_load_roundtrip(store, monkeypatch, small_save_layer_bytes):
+    """A save streams to the store layer by layer, or, when it is small (a decode step's few blocks), goes in one
+    request after the last layer; either way the consumer loads the same bytes."""
+    calls: list[tuple[str, list[int]]] = []
+    dump, dump_layers = store.dump, store.dump_layers
+    monkeypatch.setattr(store, "dump", lambda b, layer, *a: calls.append(("dump", [layer])) or dump(b, layer, *a))
+    monkeypatch.setattr(
+        store, "dump_layers", lambda b, ls, *a: calls.append(("dump_layers", list(ls))) or dump_layers(b, ls, *a)
+    )
     tokens = list(range(1000, 1018))  # 4 full blocks + 2 tokens
-    src, src_ids, pstats, (delay, params) = produce(store, tokens)
+    src, src_ids, pstats, (delay, params) = produce(store, tokens, small_save_layer_bytes=small_save_layer_bytes)
+    if small_save_layer_bytes:  # the in-process store's dump_layers goes on to dump each layer itself
+        assert [c for c in calls if c[0] == "dump_layers"] == [("dump_layers", list(range(LAYERS)))], calls
+    else:
+        assert calls == [("dump", [layer]) for layer in range(LAYERS)], calls
     assert pstats.blocks_saved == 4 and pstats.blocks_save_failed == 0
     assert delay is False and params["num_saved_tokens"] == 16 and len(params["block_keys"]) == 4
     assert store.lookup(make_request("x", tokens).block_keys) == 4

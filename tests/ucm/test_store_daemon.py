@@ -88,11 +88,11 @@ def test_garbage_oversized_and_unknown_get_error_replies(daemon, client) -> None
         ([msgspec.msgpack.encode({"type": "explode", "req_id": 7})], p.ErrorCode.UNKNOWN_TYPE),
         ([msgspec.msgpack.encode({"type": "lookup", "req_id": 8, "keys": "not a list"})], p.ErrorCode.MALFORMED),
         ([p.encode(p.Lookup(9, [])), b"unexpected data frame"], p.ErrorCode.BAD_REQUEST),
-        ([p.encode(p.Dump(10, [], 0, 1)), b"x" * (2 << 20)], p.ErrorCode.TOO_LARGE),  # limit is 1MiB
-        ([p.encode(p.Dump(11, [p.WireBlock(b"k" * 16, b"p" * 16, [1])], 0, 1))], p.ErrorCode.BAD_REQUEST),
-        ([p.encode(p.Dump(12, [p.WireBlock(b"k" * 16, b"p" * 16, [-1])], 0, 1)), b"x"], p.ErrorCode.BAD_REQUEST),
+        ([p.encode(p.Dump(10, [], [0], 1)), b"x" * (2 << 20)], p.ErrorCode.TOO_LARGE),  # limit is 1MiB
+        ([p.encode(p.Dump(11, [p.WireBlock(b"k" * 16, b"p" * 16, [1])], [0], 1))], p.ErrorCode.BAD_REQUEST),
+        ([p.encode(p.Dump(12, [p.WireBlock(b"k" * 16, b"p" * 16, [-1])], [0], 1)), b"x"], p.ErrorCode.BAD_REQUEST),
         ([p.encode(p.Lookup(13, []))] + [b""] * 20, p.ErrorCode.TOO_LARGE),  # over --max-frames 16
-        ([p.encode(p.Dump(14, [p.WireBlock(b"short", b"p" * 16, [1])], 0, 1)), b"x"], p.ErrorCode.BAD_REQUEST),
+        ([p.encode(p.Dump(14, [p.WireBlock(b"short", b"p" * 16, [1])], [0], 1)), b"x"], p.ErrorCode.BAD_REQUEST),
     ]
     for frames, code in cases:
         reply = p.reply_decoder.decode(_raw_request(daemon.address, frames)[0])

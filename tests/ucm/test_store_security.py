@@ -90,7 +90,7 @@ def test_malformed_frames_never_end_the_loop(daemon) -> None:
     # Wrong frame counts, one exchange each (refusals come from worker threads, out of order with the above).
     wrong_counts = [
         ([p.encode(p.Lookup(1, [])), b"extra data frame"], p.ErrorCode.BAD_REQUEST),
-        ([p.encode(p.Dump(2, [p.WireBlock(b"k" * 16, b"p" * 16, [1])], 0, 1))], p.ErrorCode.BAD_REQUEST),  # no data
+        ([p.encode(p.Dump(2, [p.WireBlock(b"k" * 16, b"p" * 16, [1])], [0], 1))], p.ErrorCode.BAD_REQUEST),  # no data
         ([p.encode(p.Ping(3))] + [b""] * 70, p.ErrorCode.TOO_LARGE),  # over --max-frames 64
     ]
     for frames, code in wrong_counts:
@@ -117,10 +117,10 @@ def test_sizes_checked_before_anything_is_allocated(daemon) -> None:
         replies = _exchange(
             daemon.address,
             [
-                [p.encode(p.Dump(1, [block], 0, 10**8, "sizes")), b"x" * PAYLOAD],  # the 1.6 GB request
-                [p.encode(p.Dump(2, [block], 0, NUM_LAYERS, "sizes")), b"x" * (PAYLOAD - 1)],
-                [p.encode(p.Dump(3, [block], 0, NUM_LAYERS, "sizes")), b"x" * (PAYLOAD + 1)],
-                [p.encode(p.Dump(4, [block], 0, NUM_LAYERS, "unopened")), b"x" * PAYLOAD],
+                [p.encode(p.Dump(1, [block], [0], 10**8, "sizes")), b"x" * PAYLOAD],  # the 1.6 GB request
+                [p.encode(p.Dump(2, [block], [0], NUM_LAYERS, "sizes")), b"x" * (PAYLOAD - 1)],
+                [p.encode(p.Dump(3, [block], [0], NUM_LAYERS, "sizes")), b"x" * (PAYLOAD + 1)],
+                [p.encode(p.Dump(4, [block], [0], NUM_LAYERS, "unopened")), b"x" * PAYLOAD],
                 [p.encode(p.OpenNamespace(5, "huge", p.Layout(10**8, PAYLOAD, BLOCK_SIZE)))],
                 [p.encode(p.OpenNamespace(6, "huge", p.Layout(NUM_LAYERS, 1 << 40, BLOCK_SIZE)))],
                 [p.encode(p.OpenNamespace(7, "sizes", p.Layout(NUM_LAYERS, PAYLOAD * 2, BLOCK_SIZE)))],  # redeclared
@@ -269,6 +269,6 @@ def test_curve_dumps_from_shared_memory_read_only_the_clients_own_segment(tmp_pa
         bob.open_namespace("bob", layout)
         more = make_refs(list(range(5000, 5020)))[4:]
         with pytest.raises(StoreRequestError) as refused:
-            bob._ask(p.DumpReply, p.Dump, [p.WireBlock.of(more[0])], 0, NUM_LAYERS, "bob", shared[1])
+            bob._ask(p.DumpReply, p.Dump, [p.WireBlock.of(more[0])], [0], NUM_LAYERS, "bob", shared[1])
         assert refused.value.code is p.ErrorCode.NO_SEGMENT, "Bob cannot make the daemon read Alice's staging"
         assert bob.stats().pending_blocks == 0

@@ -127,6 +127,29 @@ def test_dumps_from_shared_memory_store_the_same_bytes() -> None:
             assert reader.shared_dumps == 0 and reader.shared_loads == 0
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "frames"])
+def test_dump_layers_sends_every_layer_in_one_request(shared: bool) -> None:
+    refs = make_refs(list(range(1, 1 + 2 * 16)))
+    with run_daemon() as daemon, StoreClient(daemon.address, timeout_s=10, shared_memory=shared) as client:
+        staging = client.staging_buffer(len(refs) * NUM_LAYERS * PAYLOAD)
+        rows = [
+            [staging[(i * NUM_LAYERS + j) * PAYLOAD : (i * NUM_LAYERS + j + 1) * PAYLOAD] for j in range(NUM_LAYERS)]
+            for i in range(len(refs))
+        ]
+        for ref, row in zip(refs, rows):
+            for layer, view in enumerate(row):
+                view[:] = payload(ref, layer)
+        with pytest.raises(ValueError, match="distinct"):
+            client.dump_layers(refs, [0, 0], NUM_LAYERS, [row[:2] for row in rows])
+        assert client.dump_layers(refs, list(range(NUM_LAYERS)), NUM_LAYERS, rows).wait(10)
+        client.commit([r.key for r in refs], True)
+        assert client.shared_dumps == (1 if shared else 0)
+        assert client.lookup([r.key for r in refs]) == len(refs), "every layer landed: the commit published them"
+        ok, _, loaded = _load_into_staging(client, refs, client.staging_buffer(len(refs) * NUM_LAYERS * PAYLOAD))
+        assert ok
+        assert_loaded(refs, loaded)
+
+
 # --- what a peer cannot make the daemon do ----------------------------------------------------------------
 
 
@@ -213,7 +236,7 @@ def test_dumps_read_only_inside_the_segment_payload() -> None:
             wire = [p.WireBlock.of(refs[0])]
 
             def dump(req_id: int, offsets: list[int], lengths: list[int], name: str = segment.name) -> p.Reply:
-                return _ask(a, p.Dump(req_id, wire, 0, NUM_LAYERS, "ns", p.ShmRanges(name, offsets, lengths)))
+                return _ask(a, p.Dump(req_id, wire, [0], NUM_LAYERS, "ns", p.ShmRanges(name, offsets, lengths)))
 
             # Not out of the header (the token), not past the end, one range per block, the declared size.
             for req_id, offsets, lengths in (
@@ -223,6 +246,10 @@ def test_dumps_read_only_inside_the_segment_payload() -> None:
                 (6, [HEADER_NBYTES], [PAYLOAD - 1]),
             ):
                 assert _code(dump(req_id, offsets, lengths)) is p.ErrorCode.BAD_REQUEST, offsets
+            for layers in ([0, 0], [NUM_LAYERS]):  # a layer twice, a layer that does not exist
+                ranges = p.ShmRanges(segment.name, [HEADER_NBYTES] * len(layers), [PAYLOAD] * len(layers))
+                reply = _ask(a, p.Dump(11, wire, layers, NUM_LAYERS, "ns", ranges))
+                assert _code(reply) is p.ErrorCode.BAD_REQUEST, layers
             ghost = f"ucm-seg-{os.getpid()}-{secrets.token_hex(16)}"
             assert _code(dump(7, [HEADER_NBYTES], [PAYLOAD], ghost)) is p.ErrorCode.NO_SEGMENT
             assert _ask(a, p.GetStats(8)).stats.pending_blocks == 0, "a refused dump stores nothing"
