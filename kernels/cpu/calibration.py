@@ -252,9 +252,9 @@ def _parse_plan(stored: object) -> Plan | None:
     return result if set(result) == set(ShapeClass) else None
 
 
-def _measure_plan(lib: NativeLib, g: Geometry) -> tuple[Plan, bool]:
+def _measure_plan(lib: NativeLib, g: Geometry) -> tuple[Plan, list[str]]:
     picked = {c: _pick(measure(lib, g, c)) for c in ShapeClass}
-    return {c: pick for c, (pick, _) in picked.items()}, all(agreed for _, agreed in picked.values())
+    return {c: pick for c, (pick, _) in picked.items()}, [c.value for c, (_, agreed) in picked.items() if not agreed]
 
 
 def _encode_plan(result: Plan) -> dict[str, object]:
@@ -268,14 +268,17 @@ class Source:
     path: Path
     measured: bool
     seconds: float = 0.0
-    stored: bool = False
+    disagreed: tuple[str, ...] = ()  # what the measurement's rounds disagreed on (then it is not stored)
 
     def __str__(self) -> str:
         if not self.measured:
             return f"from {self.path}"
-        if self.stored:
+        if not self.disagreed:
             return f"measured in {self.seconds:.2f} s; stored in {self.path}"
-        return f"measured in {self.seconds:.2f} s; not stored: rounds disagreed (other load on the CPU?)"
+        return (
+            f"measured in {self.seconds:.2f} s; not stored: rounds disagreed on {', '.join(self.disagreed)} "
+            "(other load on the CPU?)"
+        )
 
 
 def stored_or_measured(
@@ -285,22 +288,22 @@ def stored_or_measured(
     threads: int,
     root: Path | None,
     parse: Callable[[object], T | None],
-    measure_fn: Callable[[], tuple[T, bool]],
+    measure_fn: Callable[[], tuple[T, list[str]]],
     encode: Callable[[T], dict[str, object]],
 ) -> tuple[T, Source]:
     """Entry `name` of this machine's `file_kind` cache file where `parse` accepts it, else `measure_fn()`'s
-    (value, whether its rounds agreed), stored only when they agreed: a loaded machine's answer is used now and
-    measured again by the next process. The caller memoises and logs."""
+    (value, what its rounds disagreed on), stored only when they agreed on everything: a loaded machine's answer
+    is used now and measured again by the next process. The caller memoises and logs."""
     key = calibration_key(lib, threads)
     path = key_file(file_kind, key, root)
     found = parse(read_entries(path, key).get(name))
     if found is not None:
         return found, Source(path, measured=False)
     t0 = time.perf_counter()
-    value, agreed = measure_fn()
-    if agreed:
+    value, disagreed = measure_fn()
+    if not disagreed:
         write_entry(path, key, name, encode(value))
-    return value, Source(path, measured=True, seconds=time.perf_counter() - t0, stored=agreed)
+    return value, Source(path, measured=True, seconds=time.perf_counter() - t0, disagreed=tuple(disagreed))
 
 
 def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:

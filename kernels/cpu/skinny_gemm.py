@@ -57,20 +57,18 @@ def cpu_linear_mode() -> CpuLinear:
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """W [N, K] packed for skinny_gemm.c, as fp32 `panels` or, where W is exactly 4-bit, `q4` panels (then
-    `panels` is None); `dense` uses it for at most `max_rows` rows, else `F.linear` on W."""
+    """W [N, K] packed for skinny_gemm.c: fp32 panels, or 4-bit ones where W is exactly 4-bit; `dense` uses it for
+    at most `max_rows` rows, else `F.linear` on W."""
 
-    panels: torch.Tensor | None
+    panels: torch.Tensor | Q4Panels
     out_features: int
     in_features: int
     max_rows: int
     lib: NativeLib
-    q4: Q4Panels | None = None
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.q4 is not None:
-            return skinny_linear_q4(self.lib, x, self.q4, self.out_features, bias)
-        assert self.panels is not None, "a PanelWeight holds fp32 or 4-bit panels"
+        if isinstance(self.panels, Q4Panels):
+            return skinny_linear_q4(self.lib, x, self.panels, self.out_features, bias)
         return skinny_linear(self.lib, x, self.panels, self.out_features, bias)
 
 
@@ -137,7 +135,7 @@ def _packed(lib: NativeLib, weight: torch.Tensor, quantized: bool) -> PanelWeigh
     n, k = weight.shape
     q4 = pack_q4(weight) if quantized else None
     assert not quantized or q4 is not None, "random_q4_weight must give an exactly 4-bit weight"
-    return PanelWeight(None if quantized else pack_panels(lib, weight), n, k, ROW_LADDER[-1], lib, q4)
+    return PanelWeight(pack_panels(lib, weight) if q4 is None else q4, n, k, ROW_LADDER[-1], lib)
 
 
 def _runs(
@@ -186,12 +184,10 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, quantized
     """Up to how many rows the packed kernel (4-bit with `quantized`) runs for a [n, k] weight on this machine
     (see the module doc)."""
     mode = cpu_linear_mode()
-    if mode is CpuLinear.TORCH:
+    if not _may_pack(mode, k, n):
         return 0
     if mode is CpuLinear.NATIVE:
         return ROW_LADDER[-1]
-    if 4 * k * n < MIN_PACK_BYTES:
-        return 0
     threads = torch.get_num_threads()
     memo_key = (str(root), lib.path.name, threads, k, n, quantized)
     with _memo.lock:
@@ -201,11 +197,12 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, quantized
         name = f"{'q4' if quantized else 'fp32'} {n}x{k}"
         tables: list[str] = []
 
-        def run() -> tuple[int, bool]:
+        def run() -> tuple[int, list[str]]:
             rounds = measure(lib, k, n, quantized)
             picks = [_rows_won(t) for t in rounds]
             tables.append(_table(rounds))
-            return min(picks), len(set(picks)) == 1  # disagreeing rounds: the smaller answer now
+            # Disagreeing rounds: the smaller answer now, measured again by the next process.
+            return min(picks), [] if len(set(picks)) == 1 else [f"rows {' vs '.join(map(str, picks))}"]
 
         rows, where = stored_or_measured(
             "linear", name, lib, threads, root, _parse_rows, run, lambda r: {"max_rows": r}
@@ -219,17 +216,22 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, quantized
         return rows
 
 
+def _may_pack(mode: CpuLinear, k: int, n: int) -> bool:
+    """Whether the kernel may run for a [n, k] weight at all, before anything is packed or measured."""
+    return mode is CpuLinear.NATIVE or (mode is CpuLinear.AUTO and 4 * k * n >= MIN_PACK_BYTES)
+
+
 def panel_weight(lib: NativeLib, weight: torch.Tensor) -> PanelWeight | None:
     """`weight` packed (4-bit where it is exactly that, else fp32) for the row counts where the kernel wins here,
     or None where it never does."""
     n, k = weight.shape
-    if 4 * k * n < MIN_PACK_BYTES and cpu_linear_mode() is CpuLinear.AUTO:
-        return None
+    if not _may_pack(cpu_linear_mode(), k, n):
+        return None  # before pack_q4: recovering 4-bit values costs time at start-up
     q4 = pack_q4(weight)
     rows = max_rows(lib, k, n, quantized=q4 is not None)
     if rows == 0:
         return None
-    return PanelWeight(None if q4 is not None else pack_panels(lib, weight), n, k, rows, lib, q4)
+    return PanelWeight(pack_panels(lib, weight) if q4 is None else q4, n, k, rows, lib)
 
 
 def forget() -> None:

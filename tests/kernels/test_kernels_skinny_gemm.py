@@ -103,7 +103,12 @@ def test_never_faster_means_no_packed_copy(native_lib, forced, monkeypatch) -> N
     monkeypatch.setattr(skinny_gemm, "MIN_PACK_BYTES", 0)
     monkeypatch.setenv("UCM_CPU_LINEAR", "torch")
     forced(128)
+    packed: list[object] = []
+    real_pack_q4 = skinny_gemm.pack_q4
+    monkeypatch.setattr(skinny_gemm, "pack_q4", lambda w: packed.append(w))  # start-up work the mode makes moot
     assert dense_mod.pack_weight(torch.randn(48, 32)) is None
+    assert packed == [], "with the kernel off, no weight is looked at for 4-bit values"
+    monkeypatch.setattr(skinny_gemm, "pack_q4", real_pack_q4)
     monkeypatch.setenv("UCM_CPU_LINEAR", "native")
     assert dense_mod.pack_weight(torch.randn(48, 32)).max_rows == ROW_LADDER[-1]
     monkeypatch.setenv("UCM_CPU_LINEAR", "fastest")
@@ -134,3 +139,13 @@ def test_greedy_text_is_the_same_either_way(monkeypatch, tmp_path) -> None:
         assert bool(calls) == (mode == "native"), f"{mode}: {len(calls)} 4-bit kernel calls"
         del llm
     assert outs["native"] == outs["torch"]
+
+
+def test_disagreeing_rounds_are_not_stored_and_say_where(native_lib, forced, monkeypatch, caplog) -> None:
+    forced(16)
+    rounds = [{r: (1.0, 2.0) if r <= up_to else (2.0, 1.0) for r in ROW_LADDER} for up_to in (8, 16)]
+    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, quantized=False: rounds)
+    with caplog.at_level("INFO", logger="kernels.cpu.skinny_gemm"):
+        assert dense_mod.pack_weight(torch.randn(48, 32)).max_rows == 8, "the smaller answer until one is stored"
+    assert "rounds disagreed on rows 8 vs 16" in caplog.text
+    assert not list((Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json"))
