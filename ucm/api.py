@@ -141,3 +141,14 @@ class KVStore(Protocol):
     def stats(self) -> StoreStats: ...
 
     def close(self) -> None: ...
+
+
+def check_dump_layers(
+    blocks: Sequence[BlockRef], layers: Sequence[int], num_layers: int, data: Sequence[Sequence[object]]
+) -> None:
+    """`KVStore.dump_layers`' arguments, or ValueError: one row of len(layers) payloads per block, and distinct
+    layers of 0..num_layers-1."""
+    if len(blocks) != len(data) or any(len(row) != len(layers) for row in data):
+        raise ValueError(f"dump: {len(blocks)} blocks need {len(blocks)} rows of {len(layers)} payloads")
+    if not layers or not all(0 <= layer < num_layers for layer in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"dump: layers {list(layers)[:8]} are not distinct layers of 0..{num_layers - 1}")

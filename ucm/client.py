@@ -34,7 +34,7 @@ import msgspec
 import zmq
 
 from ucm import protocol as p
-from ucm.api import BlockRef, StoreStats, StoreUnavailable
+from ucm.api import BlockRef, StoreStats, StoreUnavailable, check_dump_layers
 from ucm.auth import ClientAuth
 from ucm.circuit_breaker import BreakerConfig, BreakerStats, CircuitBreaker, CircuitOpen
 from ucm.client_errors import StoreRequestError, log_unavailable, task_failed
@@ -231,10 +231,7 @@ class StoreClient:
         data: Sequence[Sequence[memoryview | bytes]],
     ) -> Task:
         """`dump` of several layers in one request: `data[i][j]` is block i's layer `layers[j]`."""
-        if len(blocks) != len(data) or any(len(row) != len(layers) for row in data):
-            raise ValueError(f"dump: {len(blocks)} blocks need {len(blocks)} rows of {len(layers)} payloads")
-        if not layers or not all(0 <= layer < num_layers for layer in layers) or len(set(layers)) != len(layers):
-            raise ValueError(f"dump: layers {list(layers)[:8]} are not distinct layers of 0..{num_layers - 1}")
+        check_dump_layers(blocks, layers, num_layers, data)
         if not blocks:
             return Task.completed(0)
         wire = [p.WireBlock.of(ref) for ref in blocks]

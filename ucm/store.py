@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ucm.api import BlockRef, StoreStats, Tier
+from ucm.api import BlockRef, StoreStats, Tier, check_dump_layers
 from ucm.disk_tier import DiskTier
 from ucm.dram_tier import DramTier
 from ucm.eviction import EvictionPolicy, PolicyName, make_policy
@@ -164,8 +164,7 @@ class Store:
         num_layers: int,
         data: Sequence[Sequence[memoryview | bytes]],
     ) -> Task:
-        if len(blocks) != len(data) or any(len(row) != len(layers) for row in data):
-            raise ValueError(f"dump: {len(blocks)} blocks need {len(blocks)} rows of {len(layers)} payloads")
+        check_dump_layers(blocks, layers, num_layers, data)
         failed: set[int] = set()
         for j, layer in enumerate(layers):
             failed.update(self.dump(blocks, layer, num_layers, [row[j] for row in data]).failed_blocks)
