@@ -312,13 +312,10 @@ class StoreDaemon:
             taken = [i for i, ok in zip(new, allowed) if not ok]  # being dumped by another client
         keep = sorted(set(range(len(refs))) - set(taken))
         width = len(req.layers)
-        failed = set(taken)
-        for j, layer in enumerate(req.layers):
-            data = [payloads[i * width + j] for i in keep]
-            task = self.store.dump([refs[i] for i in keep], layer, req.num_layers, data)
-            task.wait()
-            failed.update(keep[k] for k in task.failed_blocks)
-        return sorted(failed)
+        rows = [payloads[i * width : (i + 1) * width] for i in keep]
+        task = self.store.dump_layers([refs[i] for i in keep], req.layers, req.num_layers, rows)
+        task.wait()
+        return sorted(taken + [keep[j] for j in task.failed_blocks])
 
     def _dump_payloads(self, client: str, req: p.Dump, frames: Sequence[zmq.Frame]) -> list[memoryview]:
         """The dump's payloads: its frames, or its ranges of a segment this client attached (the store copies them
