@@ -50,6 +50,7 @@ HEADERS = tuple(
         "paged_attention_common.h",
         "paged_attention_avx512.h",
         "paged_attention_vec.h",
+        "paged_attention_lanes.h",
     )
 )
 LIBRARY_STEM = "ucm_kernels"
@@ -89,6 +90,7 @@ class NativeLib:
     has_avx512: bool
     has_openmp: bool
     vector_path: str  # what head_dims that are multiples of 16 run: "avx512", "avx2", "neon" or "scalar"
+    lanes_rows: int  # fp32 prefill rows per item of the lanes body (paged_attention_lanes.h); 0: not in this build
 
 
 class _State:
@@ -225,6 +227,7 @@ def _bind(path: Path) -> NativeLib:
     cdll.ucm_has_avx512.restype = i32
     cdll.ucm_has_openmp.restype = i32
     cdll.ucm_vector_path.restype = ctypes.c_char_p
+    cdll.ucm_lanes_rows.restype = i32
     return NativeLib(
         path,
         cdll,
@@ -244,6 +247,7 @@ def _bind(path: Path) -> NativeLib:
         bool(cdll.ucm_has_avx512()),
         bool(cdll.ucm_has_openmp()),
         cdll.ucm_vector_path().decode(),
+        int(cdll.ucm_lanes_rows()),
     )
 
 

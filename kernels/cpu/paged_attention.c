@@ -19,11 +19,13 @@
  * 808 us a layer). Rows of one GQA group share each V row they read.
  * Keys are streamed in chunks of up to 16 (never crossing a block) with an online softmax in fp32, base 2.
  *
- * Three bodies, picked at compile time by what -march=native enables: AVX-512 (head_dim % 32 == 0,
+ * Four bodies, picked at compile time by what -march=native enables: AVX-512 (head_dim % 32 == 0,
  * paged_attention_avx512.h), AVX2+FMA or NEON (head_dim % 16 == 0; one source in GCC vector extensions,
- * paged_attention_vec.h) and a scalar loop for the rest (below). They are one translation unit: this file
- * includes them, keeps the scalar body, the dispatch (pick_item_fn) and the exported entry points; the types
- * they share are in paged_attention_common.h. Whether the engine calls this kernel or the torch path at all is measured per machine
+ * paged_attention_vec.h) and a scalar loop for the rest (below); and, on the AVX2/NEON path, fp32 prefill rows
+ * in vector lanes (any head_dim; paged_attention_lanes.h), whose items are LR rows of one kv head instead. They
+ * are one translation unit: this file includes them, keeps the scalar body, the dispatch (pick_item_fn,
+ * item_at) and the exported entry points; the types they share are in paged_attention_common.h. Whether the
+ * engine calls this kernel or the torch path at all is measured per machine
  * (kernels/cpu/calibration.py).
  */
 
@@ -79,10 +81,13 @@ static void attend_item_scalar(const Problem *p, const Item *it, int dtype) {
 
 #include "paged_attention_vec.h"
 
+#include "paged_attention_lanes.h"
+
 static void item_bf16_scalar(const Problem *p, const Item *it) { attend_item_scalar(p, it, UCM_DTYPE_BF16); }
 static void item_f32_scalar(const Problem *p, const Item *it) { attend_item_scalar(p, it, UCM_DTYPE_F32); }
 
 typedef void (*ItemFn)(const Problem *, const Item *);
+typedef void (*LanesFn)(const Problem *, int32_t seq, int32_t kv_head, int32_t row0);
 
 static ItemFn pick_item_fn(int32_t d, int32_t dtype) {
 #ifdef __AVX512F__
@@ -124,6 +129,16 @@ const char *ucm_vector_path(void) {
 #endif
 }
 
+/* Query rows per item of the fp32 prefill body with rows in vector lanes (paged_attention_lanes.h): a sequence
+ * takes it when each kv head has at least this many rows. 0: this build has no such body. */
+int ucm_lanes_rows(void) {
+#ifdef UCM_HAS_LANES
+    return LR;
+#else
+    return 0;
+#endif
+}
+
 int ucm_has_openmp(void) {
 #ifdef _OPENMP
     return 1;
@@ -138,13 +153,37 @@ static inline int skipped(const Problem *p, int32_t seq) {
     return n == 0 || (p->skip_whole_prompts && n > 1 && n == p->seq_lens[seq]);
 }
 
-static inline int32_t items_of(const Problem *p, int32_t seq) {
+/* Whether a sequence's rows go to the lanes body (fp32 prefill on the vector path) instead of the per-ISA one. */
+static inline int in_lanes(const Problem *p, int32_t seq, int32_t dtype) {
+#ifdef UCM_HAS_LANES
+    return lanes_take(p, seq, dtype);
+#else
+    (void)p, (void)seq, (void)dtype;
+    return 0;
+#endif
+}
+
+static inline int32_t items_of(const Problem *p, int32_t seq, int32_t dtype) {
+#ifdef UCM_HAS_LANES
+    if (in_lanes(p, seq, dtype)) return p->num_kv_heads * lanes_items_per_head(p, seq);
+#endif
     return (num_queries(p, seq) * p->num_q_heads + MAX_ROWS - 1) / MAX_ROWS;
+}
+
+/* Item i of sequence seq (0 <= i < items_of): lanes items go kv head by kv head. */
+static inline Item item_at(const Problem *p, int32_t seq, int32_t i, int32_t dtype) {
+#ifdef UCM_HAS_LANES
+    if (in_lanes(p, seq, dtype)) {
+        const int32_t per_head = lanes_items_per_head(p, seq);
+        return (Item){seq, i % per_head * LR, i / per_head};
+    }
+#endif
+    return (Item){seq, i * MAX_ROWS, -1};
 }
 
 /* Checks every sequence before any work so a bad batch fails whole, with the first bad sequence in *err_seq;
  * counts the work items and the skipped whole prompts. */
-static int validate(const Problem *p, int32_t num_seqs, int32_t num_tokens, int32_t max_blocks_per_seq,
+static int validate(const Problem *p, int32_t dtype, int32_t num_seqs, int32_t num_tokens, int32_t max_blocks_per_seq,
                     int64_t num_blocks, int32_t *err_seq, int64_t *num_items, int32_t *num_skipped) {
     int64_t items = 0;
     int32_t skips = 0;
@@ -167,7 +206,7 @@ static int validate(const Problem *p, int32_t num_seqs, int32_t num_tokens, int3
         const int32_t *table = table_of(p, b);
         for (int32_t i = 0; i < used; i++)
             if (table[i] < 0 || table[i] >= num_blocks) return UCM_ERR_BLOCK_ID_OUT_OF_RANGE;
-        items += items_of(p, b);
+        items += items_of(p, b, dtype);
     }
     *err_seq = -1;
     *num_items = items;
@@ -195,9 +234,15 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
                        block_tables, block_table_stride, num_q_heads, num_kv_heads, head_dim, block_size,
                        scale * LOG2E, skip_whole_prompts};
     int64_t num_items = 0;
-    const int rc = validate(&p, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
+    const int rc = validate(&p, dtype, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
     if (rc != UCM_OK) return rc;
     const ItemFn fn = pick_item_fn(head_dim, dtype);
+#ifdef UCM_HAS_LANES
+    const LanesFn lanes = head_dim == 64 ? lanes_f32_d64 : lanes_f32_any;
+#define RUN(it) ((it)->kv_head >= 0 ? lanes(&p, (it)->seq, (it)->kv_head, (it)->row0) : fn(&p, (it)))
+#else
+#define RUN(it) fn(&p, (it))
+#endif
 #ifdef _OPENMP
     if (num_threads > 1 && num_items > 1) {
         Item *items = malloc((size_t)num_items * sizeof *items);
@@ -205,10 +250,10 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
             int64_t k = 0;
             for (int32_t b = 0; b < num_seqs; b++) {
                 if (skipped(&p, b)) continue;
-                for (int32_t i = 0; i < items_of(&p, b); i++) items[k++] = (Item){b, i * MAX_ROWS};
+                for (int32_t i = 0; i < items_of(&p, b, dtype); i++) items[k++] = item_at(&p, b, i, dtype);
             }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-            for (int64_t i = 0; i < num_items; i++) fn(&p, &items[i]);
+            for (int64_t i = 0; i < num_items; i++) RUN(&items[i]);
             free(items);
             return UCM_OK;
         }
@@ -217,11 +262,12 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
     (void)num_threads;
     for (int32_t b = 0; b < num_seqs; b++) {
         if (skipped(&p, b)) continue;
-        for (int32_t i = 0; i < items_of(&p, b); i++) {
-            const Item it = {b, i * MAX_ROWS};
-            fn(&p, &it);
+        for (int32_t i = 0; i < items_of(&p, b, dtype); i++) {
+            const Item it = item_at(&p, b, i, dtype);
+            RUN(&it);
         }
     }
+#undef RUN
     return UCM_OK;
 }
 

@@ -53,6 +53,8 @@ typedef struct {
 
 typedef struct {
     int32_t seq, row0; /* row0: first row (token * num_q_heads + query head) of the item */
+    int32_t kv_head;   /* -1: the per-ISA body's item; >= 0: a lanes item of this kv head, row0 = token * group +
+                          head in group (paged_attention_lanes.h) */
 } Item;
 
 /* One item's rows, resolved: where each row's query and output live, its kv head and last visible key. */

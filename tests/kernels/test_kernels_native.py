@@ -106,6 +106,35 @@ def test_varlen_matches_oracle(lib, dtype, hq, hkv, head_dim, monkeypatch):
     assert torch.equal(prefill_attention_native(lib, case.q, *args), paged_attention_native(lib, case.q, *args))
 
 
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (6, 2, 40)])
+def test_lanes_body_around_its_threshold(lib, hq, hkv, head_dim):
+    """fp32 prefill sequences with at least `lanes_rows` rows per kv head run the lanes body
+    (paged_attention_lanes.h), the others the per-ISA one: just below, at and above the threshold, an item's
+    unfilled tail, several softmax steps of keys and block boundaries all match the oracle, on 1 or 2 threads."""
+    if not lib.lanes_rows:
+        pytest.skip(f"this build ({lib.vector_path}) has no lanes body")
+    group = hq // hkv
+    below, at = (lib.lanes_rows - 1) // group, -(-lib.lanes_rows // group)
+    assert below * group < lib.lanes_rows <= at * group
+    new = [below, at, at + 1, 37, 200, 1]
+    ctx = [below + 3, at, at + 50, 37, 333, 90]
+    case = make_paged_case(ctx, new, hq, hkv, head_dim, dtype=torch.float32, seed=11)
+    scale = head_dim**-0.5
+    args = (case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables, scale)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention_native(lib, _strided(case.q), *args)
+        torch.set_num_threads(2)
+        two = paged_attention_native(lib, _strided(case.q), *args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two), "work items are independent: the thread count changes nothing"
+    torch.testing.assert_close(one, prefill_attention_torch(case.q, *args, case.max_query_len), **TOL[torch.float32])
+    dense = naive_attention(case.q, case.keys, case.values, new, scale)
+    torch.testing.assert_close(one.double(), dense, **TOL[torch.float32])
+
+
 def test_multithreaded_equals_single_thread(lib):
     """Work items are independent, so threads change nothing; one libgomp (torch's) serves both."""
     ctx = [random.Random(3).randint(1, 300) for _ in range(24)]
