@@ -290,27 +290,36 @@ def read_gbps() -> float:
     return 256 / 1024 / (time_ms(big.sum, torch.device("cpu"), 0.3) / 1000)
 
 
+def _linear_path(d: object, rows: int) -> str:
+    """Which path `engine.models.dense` takes for a weight packed as `d` at `rows` rows."""
+    from engine.models.dense import F32Packed
+
+    if isinstance(d, F32Packed):
+        if d.panels is not None and rows <= d.panels.max_rows:
+            return "native"
+        if d.onednn is not None:
+            return "oneDNN"
+    return "torch"
+
+
 def bench_linear_cpu(token_counts: list[int], min_s: float) -> list[Row]:
     from engine.models.dense import dense, pack_weight
+    from kernels.cpu import onednn_linear
     from kernels.cpu.skinny_gemm import pack_panels, skinny_linear
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) for n, k in SMOLLM2_MATMULS]
-    dispatch = [pack_weight(w) for w in weights]
+    # As the engine packs them: the last weight is lm_head, which never sees a prefill's rows.
+    dispatch = [pack_weight(w, wide_rows=i < len(weights) - 1) for i, w in enumerate(weights)]
     lib = native.load()
     panels = [pack_panels(lib, w) for w in weights] if lib is not None else []
+    reordered = [onednn_linear.reorder(w) for w in weights] if onednn_linear.available() else []
     nbytes = sum(w.numel() * 4 for w in weights)
     rows = []
     for t in token_counts:
         xs = {k: torch.randn(t, k, generator=gen) for k in {k for _, k in SMOLLM2_MATMULS}}
-        picks = {isinstance(d, torch.Tensor) or d is None or t > d.max_rows for d in dispatch}
-        label = (
-            "dispatched (torch)"
-            if picks == {True}
-            else "dispatched (native)"
-            if picks == {False}
-            else "dispatched (mixed)"
-        )
+        paths = {_linear_path(d, t) for d in dispatch}
+        label = f"dispatched ({paths.pop() if len(paths) == 1 else 'mixed'})"
         runs = {
             label: lambda: [dense(xs[w.shape[1]], w, None, d) for w, d in zip(weights, dispatch)],
             "torch path": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
@@ -318,6 +327,10 @@ def bench_linear_cpu(token_counts: list[int], min_s: float) -> list[Row]:
         if lib is not None:
             runs["native (in place)"] = lambda: [
                 skinny_linear(lib, xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, panels)
+            ]
+        if reordered:
+            runs["oneDNN (reordered)"] = lambda: [
+                onednn_linear.linear(xs[w.shape[1]], r, None) for w, r in zip(weights, reordered)
             ]
         for impl, fn in runs.items():
             ms = time_ms(fn, torch.device("cpu"), min_s)

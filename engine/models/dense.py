@@ -12,17 +12,21 @@ Up to how many rows is measured per weight shape on the machine (kernels/cpu/ski
 any machine where the kernel never wins or the native build is missing, keep `F.linear`. A weight that is exactly
 4-bit (the embedded model's layers: its GGUF is Q4_1) is packed as 4-bit panels instead (kernels/cpu/q4_panels.py):
 the same results bit for bit from a sixth of the memory reads, and a sixth of the extra memory; other fp32 packed
-copies add the weights' size, as for bf16.
+copies add the weights' size, as for bf16. Past those row counts (prefill chunks), a weight whose shape ran
+faster through oneDNN than through `F.linear` here also keeps a oneDNN-reordered copy (kernels/cpu/onednn_linear.py;
+a [3072 x 576] matmul of 1024 rows: 106 -> 134 GFLOPS on the same EPYC). `wide_rows=False` (lm_head, which only
+sees a few rows per sequence) skips that copy and its measurement.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Union
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import onednn_linear
 from kernels.cpu.skinny_gemm import PanelWeight, panel_weight
 
 log = logging.getLogger(__name__)
@@ -38,13 +42,22 @@ def packing_supported(weight: torch.Tensor) -> bool:
     )
 
 
-Packed = Union[torch.Tensor, "PanelWeight", None]  # oneDNN bf16 weight, fp32 panels, or nothing
+@dataclass(frozen=True)
+class F32Packed:
+    """An fp32 weight's packed copies on CPU: skinny-kernel panels for few rows, oneDNN's layout for many."""
+
+    panels: PanelWeight | None
+    onednn: torch.Tensor | None
 
 
-def pack_weight(weight: torch.Tensor) -> Packed:
-    """The packed copy of `weight` [out, in] for this machine, or None where packing does not apply (F.linear)."""
+Packed = torch.Tensor | F32Packed | None  # oneDNN bf16 weight, fp32 copies, or nothing
+
+
+def pack_weight(weight: torch.Tensor, wide_rows: bool = True) -> Packed:
+    """The packed copies of `weight` [out, in] for this machine, or None where none applies (F.linear).
+    `wide_rows=False`: the weight never sees prefill-sized row counts (no oneDNN copy for them)."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
-        return _panel_weight(weight)
+        return _f32_packed(weight, wide_rows)
     if not packing_supported(weight):
         return None
     try:
@@ -55,19 +68,25 @@ def pack_weight(weight: torch.Tensor) -> Packed:
         return None
 
 
-def _panel_weight(weight: torch.Tensor) -> PanelWeight | None:
+def _f32_packed(weight: torch.Tensor, wide_rows: bool) -> F32Packed | None:
     from kernels.cpu.native import load
 
     lib = load()
-    return panel_weight(lib, weight) if lib is not None else None
+    if lib is None:
+        return None
+    panels = panel_weight(lib, weight)
+    onednn = onednn_linear.onednn_weight(lib, weight) if wide_rows else None
+    return F32Packed(panels, onednn) if panels is not None or onednn is not None else None
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed) -> torch.Tensor:
-    """x @ weight.T + bias, through the packed weight when there is one."""
+    """x @ weight.T + bias, through the packed copy that suits x's row count when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if isinstance(packed, PanelWeight):
-        if x.dim() == 2 and x.shape[0] <= packed.max_rows:
-            return packed.linear(x, bias)
+    if isinstance(packed, F32Packed):
+        if packed.panels is not None and x.dim() == 2 and x.shape[0] <= packed.panels.max_rows:
+            return packed.panels.linear(x, bias)
+        if packed.onednn is not None:
+            return onednn_linear.linear(x, packed.onednn, bias)
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

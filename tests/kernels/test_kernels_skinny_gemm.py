@@ -78,7 +78,8 @@ def test_dispatch_follows_the_calibration(native_lib, forced, monkeypatch) -> No
     measured = forced(16)
     w = torch.randn(48, 32)
     packed = dense_mod.pack_weight(w)
-    assert isinstance(packed, PanelWeight) and packed.max_rows == 16
+    assert isinstance(packed, dense_mod.F32Packed) and isinstance(packed.panels, PanelWeight)
+    assert packed.panels.max_rows == 16 and packed.onednn is None, "a cache-sized weight: no oneDNN copy"
     assert measured == [(32, 48)]
     calls: list[int] = []
     real = PanelWeight.linear
@@ -89,7 +90,7 @@ def test_dispatch_follows_the_calibration(native_lib, forced, monkeypatch) -> No
     assert calls == [1, 16], "rows past the calibrated count go to F.linear"
     # Cached per machine: a new process (no memo) reads the file instead of measuring.
     skinny_gemm.forget()
-    assert dense_mod.pack_weight(w).max_rows == 16 and measured == [(32, 48)]
+    assert dense_mod.pack_weight(w).panels.max_rows == 16 and measured == [(32, 48)]
     (stored,) = (Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json")
     assert json.loads(stored.read_text())["entries"] == {"fp32 48x32": {"max_rows": 16}}
 
@@ -110,7 +111,7 @@ def test_never_faster_means_no_packed_copy(native_lib, forced, monkeypatch) -> N
     assert packed == [], "with the kernel off, no weight is looked at for 4-bit values"
     monkeypatch.setattr(skinny_gemm, "pack_q4", real_pack_q4)
     monkeypatch.setenv("UCM_CPU_LINEAR", "native")
-    assert dense_mod.pack_weight(torch.randn(48, 32)).max_rows == ROW_LADDER[-1]
+    assert dense_mod.pack_weight(torch.randn(48, 32)).panels.max_rows == ROW_LADDER[-1]
     monkeypatch.setenv("UCM_CPU_LINEAR", "fastest")
     with pytest.raises(ValueError, match="UCM_CPU_LINEAR"):
         dense_mod.pack_weight(torch.randn(48, 32))
@@ -146,6 +147,6 @@ def test_disagreeing_rounds_are_not_stored_and_say_where(native_lib, forced, mon
     rounds = [{r: (1.0, 2.0) if r <= up_to else (2.0, 1.0) for r in ROW_LADDER} for up_to in (8, 16)]
     monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, quantized=False: rounds)
     with caplog.at_level("INFO", logger="kernels.cpu.skinny_gemm"):
-        assert dense_mod.pack_weight(torch.randn(48, 32)).max_rows == 8, "the smaller answer until one is stored"
+        assert dense_mod.pack_weight(torch.randn(48, 32)).panels.max_rows == 8, "the smaller answer until one is stored"
     assert "rounds disagreed on rows 8 vs 16" in caplog.text
     assert not list((Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json"))

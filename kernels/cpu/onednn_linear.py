@@ -1,0 +1,132 @@
+"""fp32 linear layers for prefill-sized row counts through oneDNN, on a weight reordered once, where that measured
+faster than `F.linear` on this machine.
+
+`F.linear` on fp32 CPU tensors is MKL's sgemm. oneDNN's matmul on a weight reordered into its blocked layout at
+load was faster for some of SmolLM2's shapes and slower for others on the 2-core AVX2 EPYC (Zen 3), 2 threads,
+1024 rows, median of 15: [3072 x 576] 106 -> 134 GFLOPS, [960 x 576] 117 -> 132, [576 x 1536] 124 -> 115. So
+`UCM_CPU_LINEAR=auto` measures each weight shape once per machine at `ROWS` rows (two rounds, `REPS` alternating
+calls each), keeps the reordered copy only where oneDNN won both rounds, logs the numbers, and caches the answer
+beside the skinny kernel's (kernels/cpu/calibration.py: same key, same file rules). `native` takes oneDNN
+wherever it is available, `torch` never. The engine uses it above the skinny kernel's row counts
+(engine/models/dense.py). Results differ from `F.linear`'s in the last bits (another summation order), as the
+skinny kernel's do; the engine's greedy outputs are tested against HF transformers either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu.calibration import ROUNDS, cpu_info, stored_or_measured, vector_flags
+from kernels.cpu.native import NativeLib
+from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, CpuLinear, cpu_linear_mode
+
+log = logging.getLogger(__name__)
+
+ROWS = 512  # a prefill chunk's rows: what the choice is for (fewer go to the skinny kernel or F.linear)
+REPS = 3
+
+Timings = tuple[float, float]  # (oneDNN ms, F.linear ms), best of REPS
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def reorder(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (fp32, CPU) in oneDNN's blocked layout for `linear`."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"oneDNN reorder takes a 2-D fp32 CPU weight, got {weight.dtype} {tuple(weight.shape)}")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def linear(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + bias with W from `reorder`."""
+    return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
+
+
+def measure(k: int, n: int) -> list[Timings]:
+    """One (oneDNN, F.linear) pair per round (tests replace this to force a result)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(ROWS, k, generator=gen)
+    packed = reorder(w)
+    runs = (lambda: linear(x, packed, None), lambda: F.linear(x, w))
+    rounds = []
+    for _ in range(ROUNDS):
+        best = [float("inf"), float("inf")]
+        for fn in runs:
+            fn()
+        for _ in range(REPS):
+            for i, fn in enumerate(runs):
+                t0 = time.perf_counter()
+                fn()
+                best[i] = min(best[i], (time.perf_counter() - t0) * 1000)
+        rounds.append((best[0], best[1]))
+    return rounds
+
+
+class _Memo:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.wins: dict[tuple[str, str, int, int, int], bool] = {}
+
+
+_memo = _Memo()
+
+
+def _parse(stored: object) -> bool | None:
+    wins = stored.get("onednn") if isinstance(stored, dict) else None
+    return wins if isinstance(wins, bool) else None
+
+
+def onednn_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> bool:
+    """Whether oneDNN runs a [n, k] weight's prefill-sized calls on this machine (see the module doc)."""
+    mode = cpu_linear_mode()
+    if mode is CpuLinear.TORCH or not available():
+        return False
+    if mode is CpuLinear.NATIVE:
+        return True
+    if 4 * k * n < MIN_PACK_BYTES:
+        return False  # cache-sized: the tests' tiny models would spend their start-up measuring noise
+    threads = torch.get_num_threads()
+    memo_key = (str(root), lib.path.name, threads, k, n)
+    with _memo.lock:
+        found = _memo.wins.get(memo_key)
+        if found is not None:
+            return found
+        name = f"onednn fp32 {n}x{k}"
+        tables: list[str] = []
+
+        def run() -> tuple[bool, list[str]]:
+            rounds = measure(k, n)
+            picks = [one < blas for one, blas in rounds]
+            tables.append(", ".join(f"{one:.2f} vs {blas:.2f} ms" for one, blas in rounds))
+            # Disagreeing rounds: F.linear now (no extra copy), measured again by the next process.
+            return all(picks), [] if len(set(picks)) == 1 else [f"oneDNN won {sum(picks)} of {len(picks)} rounds"]
+
+        wins, where = stored_or_measured("linear", name, lib, threads, root, _parse, run, lambda w: {"onednn": w})
+        measured = f" (oneDNN vs F.linear at {ROWS} rows: {tables[0]})" if tables else ""
+        log.info(
+            "CPU linear %s for %s [%s], %d thread(s): %s above the skinny kernel's rows%s (%s)",
+            name, cpu_info()[0], " ".join(vector_flags()), threads, "oneDNN" if wins else "F.linear", measured, where,
+        )  # fmt: skip
+        _memo.wins[memo_key] = wins
+        return wins
+
+
+def onednn_weight(lib: NativeLib, weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` reordered for oneDNN where that wins here, else None (F.linear, no extra memory)."""
+    n, k = weight.shape
+    return reorder(weight) if onednn_wins(lib, k, n) else None
+
+
+def forget() -> None:
+    """Drop this process's memoised choices (tests)."""
+    with _memo.lock:
+        _memo.wins.clear()
