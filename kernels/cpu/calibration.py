@@ -28,7 +28,7 @@ import platform
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -172,6 +172,21 @@ def best_ms(fn: Callable[[], object], reps: int = REPS) -> float:
     return best * 1000
 
 
+def alternating_best_ms(runs: Sequence[Callable[[], object]], reps: int, seconds: float = float("inf")) -> list[float]:
+    """The fastest milliseconds of each of `runs` over `reps` passes that call them in turn, so load that comes
+    and goes slows all of them rather than the one measured at the time; stops early after `seconds`. The
+    caller warms them up."""
+    best, t_end = [float("inf")] * len(runs), time.perf_counter() + seconds
+    for _ in range(reps):
+        for i, fn in enumerate(runs):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], (time.perf_counter() - t0) * 1000)
+        if time.perf_counter() > t_end:
+            break
+    return best
+
+
 def _runs(lib: NativeLib, g: Geometry, shape_class: ShapeClass) -> dict[str, Callable[[], object]]:
     """The native and torch calls on `PROBLEMS[shape_class]`, random data, blocks in shuffled order."""
     pb = PROBLEMS[shape_class]
@@ -205,15 +220,8 @@ def measure(lib: NativeLib, g: Geometry, shape_class: ShapeClass) -> list[dict[s
         fn()  # warm-up
     rounds = []
     for _ in range(ROUNDS):
-        best, t_end = dict.fromkeys(runs, float("inf")), time.perf_counter() + MAX_S_PER_ROUND
-        for _ in range(REPS):
-            for impl, fn in runs.items():
-                t0 = time.perf_counter()
-                fn()
-                best[impl] = min(best[impl], (time.perf_counter() - t0) * 1000)
-            if time.perf_counter() > t_end:
-                break
-        rounds.append(best)
+        best = alternating_best_ms(list(runs.values()), REPS, MAX_S_PER_ROUND)
+        rounds.append(dict(zip(runs, best)))
     return rounds
 
 

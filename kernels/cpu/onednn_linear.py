@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.calibration import ROUNDS, cpu_info, stored_or_measured, vector_flags
+from kernels.cpu.calibration import ROUNDS, alternating_best_ms, cpu_info, stored_or_measured, vector_flags
 from kernels.cpu.native import NativeLib
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, CpuLinear, cpu_linear_mode
 
@@ -56,17 +55,12 @@ def measure(k: int, n: int) -> list[Timings]:
     w = torch.randn(n, k, generator=gen)
     x = torch.randn(ROWS, k, generator=gen)
     packed = reorder(w)
-    runs = (lambda: linear(x, packed, None), lambda: F.linear(x, w))
+    runs = [lambda: linear(x, packed, None), lambda: F.linear(x, w)]
+    for fn in runs:
+        fn()
     rounds = []
     for _ in range(ROUNDS):
-        best = [float("inf"), float("inf")]
-        for fn in runs:
-            fn()
-        for _ in range(REPS):
-            for i, fn in enumerate(runs):
-                t0 = time.perf_counter()
-                fn()
-                best[i] = min(best[i], (time.perf_counter() - t0) * 1000)
+        best = alternating_best_ms(runs, REPS)
         rounds.append((best[0], best[1]))
     return rounds
 

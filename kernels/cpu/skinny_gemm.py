@@ -16,7 +16,6 @@ import enum
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.calibration import ROUNDS, cpu_info, stored_or_measured, vector_flags
+from kernels.cpu.calibration import ROUNDS, alternating_best_ms, cpu_info, stored_or_measured, vector_flags
 from kernels.cpu.native import NativeLib
 from kernels.cpu.q4_panels import Q4Panels, pack_q4, random_q4_weight, skinny_linear_q4
 
@@ -116,14 +115,9 @@ def measure(lib: NativeLib, k: int, n: int, quantized: bool = False) -> list[Tim
         timings: Timings = {}
         for rows in ROW_LADDER:
             runs = _runs(lib, torch.randn(rows, k, generator=gen), weights, packed)
-            best = [float("inf"), float("inf")]
             for fn in runs:
                 fn()
-            for _ in range(REPS):
-                for i, fn in enumerate(runs):
-                    t0 = time.perf_counter()
-                    fn()
-                    best[i] = min(best[i], (time.perf_counter() - t0) * 1000)
+            best = alternating_best_ms(runs, REPS)
             timings[rows] = (best[0], best[1])
             if best[0] > best[1]:  # lost here: larger row counts only favour the BLAS more
                 break
