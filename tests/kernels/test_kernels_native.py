@@ -106,7 +106,7 @@ def test_varlen_matches_oracle(lib, dtype, hq, hkv, head_dim, monkeypatch):
     assert torch.equal(prefill_attention_native(lib, case.q, *args), paged_attention_native(lib, case.q, *args))
 
 
-@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (6, 2, 40)])
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (6, 2, 40), (16, 1, 32)])
 def test_lanes_body_around_its_threshold(lib, hq, hkv, head_dim):
     """fp32 prefill sequences with at least `lanes_rows` rows per kv head run the lanes body
     (paged_attention_lanes.h), the others the per-ISA one: just below, at and above the threshold, an item's
@@ -130,6 +130,12 @@ def test_lanes_body_around_its_threshold(lib, hq, hkv, head_dim):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two), "work items are independent: the thread count changes nothing"
+    if group >= lib.lanes_rows:  # one query fills an item: decodes, padding rows included, take the lanes body too
+        dec = make_paged_case([0, 5, 40], [1, 1, 1], hq, hkv, head_dim, dtype=torch.float32, seed=12)
+        got = paged_attention_native(lib, dec.q, dec.k_cache, dec.v_cache, None, dec.seq_lens, dec.block_tables, scale)
+        want = decode_attention_torch(dec.q, dec.k_cache, dec.v_cache, dec.block_tables, dec.seq_lens, scale)
+        assert not got[0].any(), "a padding row (seq_len 0) must be 0"
+        torch.testing.assert_close(got[1:], want[1:], **TOL[torch.float32])
     torch.testing.assert_close(one, prefill_attention_torch(case.q, *args, case.max_query_len), **TOL[torch.float32])
     dense = naive_attention(case.q, case.keys, case.values, new, scale)
     torch.testing.assert_close(one.double(), dense, **TOL[torch.float32])
