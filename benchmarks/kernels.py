@@ -199,9 +199,15 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
     if device.type == "cpu":
         runs.update(cpu_paged_runs(q, [(k_cache, v_cache)], tables, seq_lens, scale, s.ctx))
     if device.type == "cuda":
-        # Tuning sweep of the Triton kernel itself (the dispatch row above uses its defaults).
-        for bn, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 8, 3), (128, 8, 2)):
-            runs[f"triton bn{bn} w{warps} s{stages}"] = functools.partial(
+        # Tuning sweep of the Triton kernel itself (the dispatch row above uses its defaults): tile, warps,
+        # stages, and the split count as the heuristic picks it (x) and 2x / 4x / 8x that.
+        from kernels.triton_decode_attention import _num_sms, choose_num_splits
+
+        auto = choose_num_splits(s.batch, s.num_kv_heads, s.ctx, _num_sms(device.index or 0))
+        sweep = [(bn, w, st, auto) for bn, w, st in ((32, 4, 2), (64, 4, 2), (64, 8, 3), (128, 8, 2))]
+        sweep += [(bn, w, st, auto * m) for bn, w, st in ((64, 4, 2), (128, 8, 2)) for m in (2, 4, 8)]
+        for bn, warps, stages, splits in sweep:
+            runs[f"triton bn{bn} w{warps} s{stages} x{splits}"] = functools.partial(
                 decode_attention_triton,
                 q,
                 k_cache,
@@ -210,6 +216,7 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
                 seq_lens,
                 scale,
                 s.ctx,
+                num_splits=splits,
                 block_n=bn,
                 num_warps=warps,
                 num_stages=stages,
@@ -383,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             Shape("llama8b b64x2k", 64, 2048, 32, 8, 128),
             Shape("smollm2 b64x2k", 64, 2048, 9, 3, 64),
             Shape("llama8b b4x32k", 4, 32768, 32, 8, 128),
+            Shape("smollm2 b8x4k", 8, 4096, 9, 3, 64),
         ]
         dtypes = [torch.bfloat16]
     else:
@@ -392,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             Shape("smollm2 b32x512 cold", 32, 512, 9, 3, 64, layers=30),
         ]
         dtypes = [torch.float32, torch.bfloat16]
-    lib = native.load()
+    lib = None if cuda else native.load()  # the C kernels serve the CPU only
     cpu = {"model": calibration.cpu_info()[0], "flags": calibration.vector_flags(),
            "kernel_path": lib.vector_path if lib is not None else "not built"}  # fmt: skip
     what = torch.cuda.get_device_name(device) if cuda else f"cpu, {torch.get_num_threads()} threads"

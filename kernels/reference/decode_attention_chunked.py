@@ -47,7 +47,8 @@ def _attend(
     out = F.scaled_dot_product_attention(q.to(k.dtype).view(b, hkv, hq // hkv, d), k, v, attn_mask=mask, scale=scale)
     if has_empty:  # seq_len 0 = padding row: every key masked (NaN from SDPA); the kernels give 0
         out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
-    return out.view(b, hq, d).to(q.dtype)
+    # reshape, not view: CUDA's SDPA returns [b, Hkv, group, D] with the heads strided apart
+    return out.reshape(b, hq, d).to(q.dtype)
 
 
 def decode_attention_chunked_torch(
