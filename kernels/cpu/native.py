@@ -51,6 +51,7 @@ HEADERS = tuple(
         "paged_attention_avx512.h",
         "paged_attention_vec.h",
         "paged_attention_lanes.h",
+        "paged_attention_dpbf16.h",
     )
 )
 LIBRARY_STEM = "ucm_kernels"
@@ -91,6 +92,7 @@ class NativeLib:
     has_openmp: bool
     vector_path: str  # what head_dims that are multiples of 16 run: "avx512", "avx2", "neon" or "scalar"
     lanes_rows: int  # fp32 prefill rows per item of the lanes body (paged_attention_lanes.h); 0: not in this build
+    bf16_lanes_rows: int  # the same for bf16 on AVX-512 BF16 (paged_attention_dpbf16.h)
 
 
 class _State:
@@ -228,6 +230,7 @@ def _bind(path: Path) -> NativeLib:
     cdll.ucm_has_openmp.restype = i32
     cdll.ucm_vector_path.restype = ctypes.c_char_p
     cdll.ucm_lanes_rows.restype = i32
+    cdll.ucm_bf16_lanes_rows.restype = i32
     return NativeLib(
         path,
         cdll,
@@ -248,6 +251,7 @@ def _bind(path: Path) -> NativeLib:
         bool(cdll.ucm_has_openmp()),
         cdll.ucm_vector_path().decode(),
         int(cdll.ucm_lanes_rows()),
+        int(cdll.ucm_bf16_lanes_rows()),
     )
 
 

@@ -83,11 +83,12 @@ static void attend_item_scalar(const Problem *p, const Item *it, int dtype) {
 
 #include "paged_attention_lanes.h"
 
+#include "paged_attention_dpbf16.h"
+
 static void item_bf16_scalar(const Problem *p, const Item *it) { attend_item_scalar(p, it, UCM_DTYPE_BF16); }
 static void item_f32_scalar(const Problem *p, const Item *it) { attend_item_scalar(p, it, UCM_DTYPE_F32); }
 
 typedef void (*ItemFn)(const Problem *, const Item *);
-typedef void (*LanesFn)(const Problem *, int32_t seq, int32_t kv_head, int32_t row0);
 
 static ItemFn pick_item_fn(int32_t d, int32_t dtype) {
 #ifdef __AVX512F__
@@ -139,6 +140,15 @@ int ucm_lanes_rows(void) {
 #endif
 }
 
+/* The same for bf16 and the AVX-512 BF16 body with rows in lanes (paged_attention_dpbf16.h). */
+int ucm_bf16_lanes_rows(void) {
+#ifdef UCM_HAS_DPBF16
+    return DR;
+#else
+    return 0;
+#endif
+}
+
 int ucm_has_openmp(void) {
 #ifdef _OPENMP
     return 1;
@@ -153,32 +163,51 @@ static inline int skipped(const Problem *p, int32_t seq) {
     return n == 0 || (p->skip_whole_prompts && n > 1 && n == p->seq_lens[seq]);
 }
 
-/* Whether a sequence's rows go to the lanes body (fp32 prefill on the vector path) instead of the per-ISA one. */
-static inline int in_lanes(const Problem *p, int32_t seq, int32_t dtype) {
+/* Rows per item when a sequence's rows go to a body with rows in vector lanes (fp32 prefill on the vector path:
+ * LR; bf16 prefill with AVX-512 BF16: DR) instead of the per-ISA one; 0 when they do not. */
+static inline int32_t lane_rows(const Problem *p, int32_t seq, int32_t dtype) {
 #ifdef UCM_HAS_LANES
-    return lanes_take(p, seq, dtype);
-#else
+    if (lanes_take(p, seq, dtype)) return LR;
+#endif
+#ifdef UCM_HAS_DPBF16
+    if (dpbf16_take(p, seq, dtype)) return DR;
+#endif
     (void)p, (void)seq, (void)dtype;
     return 0;
-#endif
 }
 
 static inline int32_t items_of(const Problem *p, int32_t seq, int32_t dtype) {
-#ifdef UCM_HAS_LANES
-    if (in_lanes(p, seq, dtype)) return p->num_kv_heads * lanes_items_per_head(p, seq);
-#endif
+    const int32_t lr = lane_rows(p, seq, dtype);
+    if (lr) return p->num_kv_heads * ((num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads) + lr - 1) / lr);
     return (num_queries(p, seq) * p->num_q_heads + MAX_ROWS - 1) / MAX_ROWS;
 }
 
 /* Item i of sequence seq (0 <= i < items_of): lanes items go kv head by kv head. */
 static inline Item item_at(const Problem *p, int32_t seq, int32_t i, int32_t dtype) {
-#ifdef UCM_HAS_LANES
-    if (in_lanes(p, seq, dtype)) {
-        const int32_t per_head = lanes_items_per_head(p, seq);
-        return (Item){seq, i % per_head * LR, i / per_head};
+    const int32_t lr = lane_rows(p, seq, dtype);
+    if (lr) {
+        const int32_t per_head = items_of(p, seq, dtype) / p->num_kv_heads;
+        return (Item){seq, i % per_head * lr, i / per_head};
+    }
+    return (Item){seq, i * MAX_ROWS, -1};
+}
+
+/* One item on the body it was made for: kv_head >= 0 marks a lanes item (lane_rows). */
+static inline void run_item(const Problem *p, const Item *it, ItemFn fn, int32_t dtype) {
+    if (it->kv_head < 0) {
+        fn(p, it);
+        return;
+    }
+#ifdef UCM_HAS_DPBF16
+    if (dtype == UCM_DTYPE_BF16) {
+        (p->head_dim == 64 ? dpbf16_d64 : dpbf16_any)(p, it->seq, it->kv_head, it->row0);
+        return;
     }
 #endif
-    return (Item){seq, i * MAX_ROWS, -1};
+#ifdef UCM_HAS_LANES
+    (p->head_dim == 64 ? lanes_f32_d64 : lanes_f32_any)(p, it->seq, it->kv_head, it->row0);
+#endif
+    (void)dtype;
 }
 
 /* Checks every sequence before any work so a bad batch fails whole, with the first bad sequence in *err_seq;
@@ -237,12 +266,7 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
     const int rc = validate(&p, dtype, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
     if (rc != UCM_OK) return rc;
     const ItemFn fn = pick_item_fn(head_dim, dtype);
-#ifdef UCM_HAS_LANES
-    const LanesFn lanes = head_dim == 64 ? lanes_f32_d64 : lanes_f32_any;
-#define RUN(it) ((it)->kv_head >= 0 ? lanes(&p, (it)->seq, (it)->kv_head, (it)->row0) : fn(&p, (it)))
-#else
-#define RUN(it) fn(&p, (it))
-#endif
+#define RUN(it) run_item(&p, (it), fn, dtype)
 #ifdef _OPENMP
     if (num_threads > 1 && num_items > 1) {
         Item *items = malloc((size_t)num_items * sizeof *items);

@@ -106,19 +106,25 @@ def test_varlen_matches_oracle(lib, dtype, hq, hkv, head_dim, monkeypatch):
     assert torch.equal(prefill_attention_native(lib, case.q, *args), paged_attention_native(lib, case.q, *args))
 
 
-@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (6, 2, 40), (16, 1, 32)])
-def test_lanes_body_around_its_threshold(lib, hq, hkv, head_dim):
-    """fp32 prefill sequences with at least `lanes_rows` rows per kv head run the lanes body
-    (paged_attention_lanes.h), the others the per-ISA one: just below, at and above the threshold, an item's
-    unfilled tail, several softmax steps of keys and block boundaries all match the oracle, on 1 or 2 threads."""
-    if not lib.lanes_rows:
-        pytest.skip(f"this build ({lib.vector_path}) has no lanes body")
+LANES_CASES = [(torch.float32, 9, 3, 64), (torch.float32, 6, 2, 40), (torch.float32, 16, 1, 32)]
+LANES_CASES += [(torch.bfloat16, 9, 3, 64), (torch.bfloat16, 6, 2, 48), (torch.bfloat16, 32, 1, 32)]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,head_dim", LANES_CASES)
+def test_lanes_body_around_its_threshold(lib, dtype, hq, hkv, head_dim):
+    """Prefill sequences with at least the lanes rows per kv head run a body with rows in vector lanes (fp32:
+    paged_attention_lanes.h on AVX2/NEON; bf16: paged_attention_dpbf16.h on AVX-512 BF16), the others the
+    per-ISA one: just below, at and above the threshold, an item's unfilled tail, several softmax steps of keys,
+    odd key counts and block boundaries all match the oracle, on 1 or 2 threads."""
+    rows = lib.lanes_rows if dtype == torch.float32 else lib.bf16_lanes_rows
+    if not rows:
+        pytest.skip(f"this build ({lib.vector_path}) has no {dtype} lanes body")
     group = hq // hkv
-    below, at = (lib.lanes_rows - 1) // group, -(-lib.lanes_rows // group)
-    assert below * group < lib.lanes_rows <= at * group
+    below, at = (rows - 1) // group, -(-rows // group)
+    assert below * group < rows <= at * group
     new = [below, at, at + 1, 37, 200, 1]
     ctx = [below + 3, at, at + 50, 37, 333, 90]
-    case = make_paged_case(ctx, new, hq, hkv, head_dim, dtype=torch.float32, seed=11)
+    case = make_paged_case(ctx, new, hq, hkv, head_dim, dtype=dtype, seed=11)
     scale = head_dim**-0.5
     args = (case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables, scale)
     threads = torch.get_num_threads()
@@ -130,15 +136,15 @@ def test_lanes_body_around_its_threshold(lib, hq, hkv, head_dim):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two), "work items are independent: the thread count changes nothing"
-    if group >= lib.lanes_rows:  # one query fills an item: decodes, padding rows included, take the lanes body too
-        dec = make_paged_case([0, 5, 40], [1, 1, 1], hq, hkv, head_dim, dtype=torch.float32, seed=12)
+    if group >= rows:  # one query fills an item: decodes, padding rows included, take the lanes body too
+        dec = make_paged_case([0, 5, 40], [1, 1, 1], hq, hkv, head_dim, dtype=dtype, seed=12)
         got = paged_attention_native(lib, dec.q, dec.k_cache, dec.v_cache, None, dec.seq_lens, dec.block_tables, scale)
         want = decode_attention_torch(dec.q, dec.k_cache, dec.v_cache, dec.block_tables, dec.seq_lens, scale)
         assert not got[0].any(), "a padding row (seq_len 0) must be 0"
-        torch.testing.assert_close(got[1:], want[1:], **TOL[torch.float32])
-    torch.testing.assert_close(one, prefill_attention_torch(case.q, *args, case.max_query_len), **TOL[torch.float32])
+        torch.testing.assert_close(got[1:], want[1:], **TOL[dtype])
+    torch.testing.assert_close(one, prefill_attention_torch(case.q, *args, case.max_query_len), **TOL[dtype])
     dense = naive_attention(case.q, case.keys, case.values, new, scale)
-    torch.testing.assert_close(one.double(), dense, **TOL[torch.float32])
+    torch.testing.assert_close(one.double(), dense, **TOL[dtype])
 
 
 def test_multithreaded_equals_single_thread(lib):
