@@ -317,7 +317,7 @@ def bench_linear_cpu(token_counts: list[int], min_s: float) -> list[Row]:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) for n, k in SMOLLM2_MATMULS]
     # As the engine packs them: the last weight is lm_head, which never sees a prefill's rows.
-    dispatch = [pack_weight(w, wide_rows=i < len(weights) - 1) for i, w in enumerate(weights)]
+    dispatch = [pack_weight(w) for w in weights]
     lib = native.load()
     panels = [pack_panels(lib, w) for w in weights] if lib is not None else []
     reordered = [onednn_linear.reorder(w) for w in weights] if onednn_linear.available() else []
@@ -361,12 +361,13 @@ def print_table(rows: list[Row]) -> None:
 
 
 def dispatch_check(rows: list[Row]) -> list[dict]:
-    """Per CPU shape: the dispatched time beside the best of the native kernel and the torch path."""
+    """Per CPU shape: the dispatched time beside the best of the alternatives it chooses among (the native kernel,
+    the torch path, and for linear rows oneDNN on reordered weights)."""
     out = []
     for shape in dict.fromkeys(r.shape for r in rows if r.impl.startswith("dispatched")):
         by = {r.impl: r.ms for r in rows if r.shape == shape}
         disp = next(ms for impl, ms in by.items() if impl.startswith("dispatched"))
-        alts = {impl: by[impl] for impl in ("native (in place)", "torch path") if impl in by}
+        alts = {impl: by[impl] for impl in ("native (in place)", "torch path", "oneDNN (reordered)") if impl in by}
         best = min(alts, key=alts.get)
         out.append({"shape": shape, "dispatched_ms": disp, "best": best, "best_ms": alts[best],
                     "ratio": disp / alts[best]})  # fmt: skip

@@ -12,10 +12,11 @@ Up to how many rows is measured per weight shape on the machine (kernels/cpu/ski
 any machine where the kernel never wins or the native build is missing, keep `F.linear`. A weight that is exactly
 4-bit (the embedded model's layers: its GGUF is Q4_1) is packed as 4-bit panels instead (kernels/cpu/q4_panels.py):
 the same results bit for bit from a sixth of the memory reads, and a sixth of the extra memory; other fp32 packed
-copies add the weights' size, as for bf16. Past those row counts (prefill chunks), a weight whose shape ran
-faster through oneDNN than through `F.linear` here also keeps a oneDNN-reordered copy (kernels/cpu/onednn_linear.py;
-a [3072 x 576] matmul of 1024 rows: 106 -> 134 GFLOPS on the same EPYC). `wide_rows=False` (lm_head, which only
-sees a few rows per sequence) skips that copy and its measurement.
+copies add the weights' size, as for bf16. Past those row counts (prefill chunks; on a CPU where oneDNN beats the kernel
+at few rows, decode steps too), a weight whose shape ran faster through oneDNN than through `F.linear` here also
+keeps a oneDNN-reordered copy (kernels/cpu/onednn_linear.py; a [3072 x 576] matmul of 1024 rows: 106 -> 134 GFLOPS
+on the same EPYC). lm_head too: on a 2-core AMD EPYC with AVX-512, where the kernel loses to oneDNN from a few rows
+on, its logits of 8 rows went through F.linear (MKL) at 2.7x oneDNN's time.
 """
 
 from __future__ import annotations
@@ -53,11 +54,10 @@ class F32Packed:
 Packed = torch.Tensor | F32Packed | None  # oneDNN bf16 weight, fp32 copies, or nothing
 
 
-def pack_weight(weight: torch.Tensor, wide_rows: bool = True) -> Packed:
-    """The packed copies of `weight` [out, in] for this machine, or None where none applies (F.linear).
-    `wide_rows=False`: the weight never sees prefill-sized row counts (no oneDNN copy for them)."""
+def pack_weight(weight: torch.Tensor) -> Packed:
+    """The packed copies of `weight` [out, in] for this machine, or None where none applies (F.linear)."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
-        return _f32_packed(weight, wide_rows)
+        return _f32_packed(weight)
     if not packing_supported(weight):
         return None
     try:
@@ -68,14 +68,14 @@ def pack_weight(weight: torch.Tensor, wide_rows: bool = True) -> Packed:
         return None
 
 
-def _f32_packed(weight: torch.Tensor, wide_rows: bool) -> F32Packed | None:
+def _f32_packed(weight: torch.Tensor) -> F32Packed | None:
     from kernels.cpu.native import load
 
     lib = load()
     if lib is None:
         return None
     panels = panel_weight(lib, weight)
-    onednn = onednn_linear.onednn_weight(lib, weight) if wide_rows else None
+    onednn = onednn_linear.onednn_weight(lib, weight)
     return F32Packed(panels, onednn) if panels is not None or onednn is not None else None
 
 

@@ -49,7 +49,7 @@ NATIVE, TORCH = "native", "torch"
 ROUNDS = 2  # independent rounds per class; a winner they disagree on is used but not stored (see `plan`)
 REPS = 3  # timed calls of each path per round, the two paths alternating so a burst of other load hits both
 MAX_S_PER_ROUND = 0.15  # stop a round early once it has taken this long (keeps a whole plan near 1 s)
-FILE_VERSION = 2  # 2: stored only when the rounds agree (1 stored every pick)
+FILE_VERSION = 3  # 3: the skinny kernel measured against oneDNN too; 2: stored only when the rounds agree
 
 
 class ShapeClass(str, enum.Enum):  # noqa: UP042 (str() of members is part of the cache-file format)

@@ -28,7 +28,14 @@ from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, CpuLinear, cpu_linear_mode
 log = logging.getLogger(__name__)
 
 ROWS = 512  # a prefill chunk's rows: what the choice is for (fewer go to the skinny kernel or F.linear)
+MAX_FLOP = 2 << 30  # ... but a wide weight (lm_head: 49152 x 576) is measured at fewer, so start-up stays short
 REPS = 3
+
+
+def measured_rows(k: int, n: int) -> int:
+    """The row count a [n, k] weight is measured at: ROWS, fewer (not under 16) where that passes MAX_FLOP."""
+    return max(16, min(ROWS, MAX_FLOP // (2 * k * n)))
+
 
 Timings = tuple[float, float]  # (oneDNN ms, F.linear ms), best of REPS
 
@@ -53,7 +60,7 @@ def measure(k: int, n: int) -> list[Timings]:
     """One (oneDNN, F.linear) pair per round (tests replace this to force a result)."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen)
-    x = torch.randn(ROWS, k, generator=gen)
+    x = torch.randn(measured_rows(k, n), k, generator=gen)
     packed = reorder(w)
     runs = [lambda: linear(x, packed, None), lambda: F.linear(x, w)]
     for fn in runs:
@@ -105,7 +112,7 @@ def onednn_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> boo
             return all(picks), [] if len(set(picks)) == 1 else [f"oneDNN won {sum(picks)} of {len(picks)} rounds"]
 
         wins, where = stored_or_measured("linear", name, lib, threads, root, _parse, run, lambda w: {"onednn": w})
-        measured = f" (oneDNN vs F.linear at {ROWS} rows: {tables[0]})" if tables else ""
+        measured = f" (oneDNN vs F.linear at {measured_rows(k, n)} rows: {tables[0]})" if tables else ""
         log.info(
             "CPU linear %s for %s [%s], %d thread(s): %s above the skinny kernel's rows%s (%s)",
             name, cpu_info()[0], " ".join(vector_flags()), threads, "oneDNN" if wins else "F.linear", measured, where,

@@ -74,8 +74,12 @@ def test_dispatch_follows_the_calibration(native_lib, forced, monkeypatch) -> No
     assert dense_mod.pack_weight(w).onednn is not None and measured == [(32, 48)]
     (stored,) = (Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json")
     assert json.loads(stored.read_text())["entries"]["onednn fp32 48x32"] == {"onednn": True}
-    lm_head = dense_mod.pack_weight(w, wide_rows=False)
-    assert isinstance(lm_head, dense_mod.F32Packed) and lm_head.onednn is None, "lm_head sees a few rows only"
+
+
+def test_a_wide_weight_is_measured_at_fewer_rows() -> None:
+    assert onednn_linear.measured_rows(576, 3072) == onednn_linear.ROWS
+    assert 16 <= onednn_linear.measured_rows(576, 49152) < 64, "lm_head: a few dozen rows, a short start-up"
+    assert onednn_linear.measured_rows(4096, 128256) == 16
 
 
 def test_no_copy_where_it_lost_disagreed_or_is_off(native_lib, forced, monkeypatch) -> None:

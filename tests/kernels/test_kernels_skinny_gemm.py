@@ -150,3 +150,31 @@ def test_disagreeing_rounds_are_not_stored_and_say_where(native_lib, forced, mon
         assert dense_mod.pack_weight(torch.randn(48, 32)).panels.max_rows == 8, "the smaller answer until one is stored"
     assert "rounds disagreed on rows 8 vs 16" in caplog.text
     assert not list((Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json"))
+
+
+@pytest.mark.parametrize(("kernel_ms", "won"), [(1.0, ROW_LADDER[-1]), (2.0, 0)])
+def test_the_kernel_must_beat_the_best_alternative(native_lib, monkeypatch, tmp_path, kernel_ms, won) -> None:
+    """The calibration times the kernel, F.linear and (where available) oneDNN on a reordered weight; the kernel
+    takes a row count only when it beats the fastest of the others (timings replaced: F.linear 3 ms, oneDNN 1.5)."""
+    from kernels.cpu import onednn_linear
+
+    if not onednn_linear.available():
+        pytest.skip("no oneDNN in this torch build: F.linear is the only alternative")
+    monkeypatch.setenv("UCM_CPU_LINEAR", "auto")
+    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(skinny_gemm, "MIN_PACK_BYTES", 0)
+    timed: list[int] = []
+
+    def fake_best(runs, reps, seconds=float("inf")):
+        timed.append(len(runs))
+        for run in runs:  # each path still runs: a broken one would raise here
+            run()
+        return [kernel_ms, 3.0, 1.5][: len(runs)]
+
+    monkeypatch.setattr(skinny_gemm, "alternating_best_ms", fake_best)
+    skinny_gemm.forget()
+    try:
+        assert skinny_gemm.max_rows(native_lib, 32, 48) == won
+    finally:
+        skinny_gemm.forget()
+    assert timed and set(timed) == {3}, "kernel, F.linear and oneDNN in every timing"
