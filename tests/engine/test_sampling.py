@@ -72,6 +72,21 @@ def test_inverse_cdf_draw_follows_the_distribution_and_skips_zeros():
     assert torch.allclose(freq, torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0], dtype=torch.float64), atol=0.015), freq
 
 
+def test_inverse_cdf_draw_across_blocks_and_a_partial_last_block():
+    """A vocabulary of 700 (2 full blocks of the two-level search and a padded one), 20 live tokens spread over
+    all three blocks, zeros between them."""
+    gen = torch.Generator().manual_seed(5)
+    live = torch.arange(3, 700, 35)
+    probs = torch.zeros(1, 700)
+    probs[0, live] = torch.rand(len(live), generator=gen) + 0.5
+    n = 20000
+    picked = inverse_cdf_draw(probs.expand(n, -1), [mix_seed(s, 1, 2) for s in range(n)])
+    freq = torch.bincount(picked, minlength=700).double() / n
+    assert set(picked.unique().tolist()) <= set(live.tolist()), "only live tokens are drawn"
+    want = probs[0].double() / probs.sum()
+    assert torch.allclose(freq, want, atol=0.008), (freq[live], want[live])
+
+
 def test_inverse_cdf_draw_extreme_uniforms_land_on_positive_tokens():
     probs = torch.tensor([[0.0, 0.25, 0.75, 0.0], [0.0, 0.0, 1e-30, 0.0]])
     lowest, highest = 0, (1 << 63) - 1
