@@ -21,8 +21,9 @@
  *
  * Four bodies, picked at compile time by what -march=native enables: AVX-512 (head_dim % 32 == 0,
  * paged_attention_avx512.h), AVX2+FMA or NEON (head_dim % 16 == 0; one source in GCC vector extensions,
- * paged_attention_vec.h) and a scalar loop for the rest (below); and, on the AVX2/NEON path, fp32 prefill rows
- * in vector lanes (any head_dim; paged_attention_lanes.h), whose items are LR rows of one kv head instead. They
+ * paged_attention_vec.h) and a scalar loop for the rest (below); and two prefill bodies with the query rows in
+ * vector lanes, whose items are rows of one kv head instead: fp32 on the AVX2/NEON path (any head_dim, LR rows;
+ * paged_attention_lanes.h) and bf16 with AVX-512 BF16 (head_dim % 16 == 0, DR rows; paged_attention_dpbf16.h). They
  * are one translation unit: this file includes them, keeps the scalar body, the dispatch (pick_item_fn,
  * item_at) and the exported entry points; the types they share are in paged_attention_common.h. Whether the
  * engine calls this kernel or the torch path at all is measured per machine

@@ -1,4 +1,4 @@
-/* The fp32 prefill body of paged_attention.c on the vector path (AVX2+FMA or NEON): query rows in vector lanes.
+/* The fp32 prefill body of paged_attention.c (AVX-512, AVX2+FMA or NEON): query rows in vector lanes.
  *
  * paged_attention_vec.h keeps keys in the lanes: it transposes every 16-key chunk of K for each work item and
  * pays for every 16 keys, per row, a horizontal max and sum, a scalar rescale of the row's output and a vector
@@ -18,10 +18,10 @@
 
 #include "paged_attention_common.h"
 
-#ifdef UCM_HAS_VEC
+#ifdef UCM_VEC_TYPES
 #define UCM_HAS_LANES 1
 #define LR 16          /* query rows per item, in lanes */
-#define LV (LR / VW)   /* vectors of rows: 2 on AVX2, 4 on NEON */
+#define LV (LR / VW)   /* vectors of rows: 1 on AVX-512, 2 on AVX2, 4 on NEON */
 #define KB 6           /* keys (scores) or output columns (P V) per register block: KB * LV accumulators */
 #define KC 64          /* keys per online-softmax step: the rescale of the output is paid once per KC keys */
 
@@ -210,6 +210,6 @@ static void lanes_f32_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0
 static void lanes_f32_any(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
     attend_lanes(p, seq, h, row0, p->head_dim);
 }
-#endif /* UCM_HAS_VEC */
+#endif /* UCM_VEC_TYPES */
 
 #endif /* UCM_PAGED_ATTENTION_LANES_H */

@@ -1,5 +1,7 @@
 /* The vector body of paged_attention.c: AVX2+FMA or NEON (head_dim % 16 == 0), one source in GCC vector
- * extensions; compiled out when the AVX-512 body is in, or on a CPU with neither.
+ * extensions; compiled out when the AVX-512 body is in, or on a CPU with neither. Its vector types and the
+ * helpers the fp32 lanes body needs (paged_attention_lanes.h: vsplat, vfma, vselect, vexp2) are also defined,
+ * 16 floats wide, with AVX-512 (UCM_VEC_TYPES), where that body runs instead of the AVX-512 one for fp32 prefill.
  *
  * Included once by paged_attention.c (one translation unit), which picks the body per head_dim in pick_item_fn.
  */
@@ -20,9 +22,12 @@
  * which is what a GEMM microkernel does (the torch path's prefill speed comes from its GEMMs). Dot products
  * with horizontal sums instead (the AVX-512 layout) load q and k for every FMA: at most half the FMA rate. */
 
-#if !defined(__AVX512F__) && ((defined(__AVX2__) && defined(__FMA__)) || defined(__ARM_NEON))
+#if defined(__AVX512F__)
+#define UCM_VEC_TYPES 1 /* the types and the lanes body's helpers only: the AVX-512 body is the per-ISA one */
+#define VBYTES 64
+#elif (defined(__AVX2__) && defined(__FMA__)) || defined(__ARM_NEON)
+#define UCM_VEC_TYPES 1
 #define UCM_HAS_VEC 1
-
 #if defined(__AVX2__)
 #define VBYTES 32
 #define VEC_NAME "avx2"
@@ -31,6 +36,9 @@
 #define VBYTES 16
 #define VEC_NAME "neon"
 #endif
+#endif
+
+#ifdef UCM_VEC_TYPES
 #define VW (VBYTES / 4)  /* floats per vector */
 #define NV (CHUNK / VW)  /* vectors per chunk of scores, and per 16-column step of the output */
 #define RB 6             /* rows per register block: RB * NV accumulators + NV operands fit 16 ymm / 32 NEON regs */
@@ -41,7 +49,9 @@ typedef uint32_t vu __attribute__((vector_size(VBYTES)));
 typedef uint16_t vh __attribute__((vector_size(VBYTES / 2)));
 
 ALWAYS_INLINE vf vsplat(float x) { /* not (vf){0} + x: that costs an add (-0.0 + 0 is +0.0) before the broadcast */
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+    return _mm512_set1_ps(x);
+#elif defined(__AVX2__)
     return _mm256_set1_ps(x);
 #else
     return vdupq_n_f32(x);
@@ -49,7 +59,9 @@ ALWAYS_INLINE vf vsplat(float x) { /* not (vf){0} + x: that costs an add (-0.0 +
 }
 
 ALWAYS_INLINE vf vfma(vf a, vf b, vf c) { /* a * b + c, one rounding */
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+    return _mm512_fmadd_ps(a, b, c);
+#elif defined(__AVX2__)
     return _mm256_fmadd_ps(a, b, c);
 #else
     return vfmaq_f32(c, a, b);
@@ -57,6 +69,9 @@ ALWAYS_INLINE vf vfma(vf a, vf b, vf c) { /* a * b + c, one rounding */
 }
 
 ALWAYS_INLINE vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+#endif /* UCM_VEC_TYPES */
+
+#ifdef UCM_HAS_VEC
 
 /* VW consecutive elements from base[i] as fp32 (bf16: the 16 bits become the high half). */
 ALWAYS_INLINE vf vload(const void *base, int64_t i, int dtype) {
@@ -109,6 +124,9 @@ ALWAYS_INLINE float vsum_lanes(vf v) {
 #endif
 }
 
+#endif /* UCM_HAS_VEC */
+
+#ifdef UCM_VEC_TYPES
 /* 2^x for x <= 0, as exp2_ps above: round to nearest with the 1.5 * 2^23 trick (exact for |x| < 2^22), degree-7
  * Taylor of 2^f on [-0.5, 0.5], exponent bits for 2^n. x <= -127 gives exactly 0 (the exponent field is 0). */
 ALWAYS_INLINE vf vexp2(vf x) {
@@ -125,6 +143,9 @@ ALWAYS_INLINE vf vexp2(vf x) {
     y = vfma(y, f, vsplat(1.0f));
     return y * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
 }
+#endif /* UCM_VEC_TYPES */
+
+#ifdef UCM_HAS_VEC
 
 #if defined(__AVX2__)
 ALWAYS_INLINE void transpose8x8(__m256 r[8]) {
