@@ -29,6 +29,18 @@
 #define CHUNK 16    /* keys per online-softmax step: one AVX-512 vector of scores, two AVX2, four NEON */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* CALL(N) with N = min(left, 6) as a constant, so a register block of up to 6 rows, keys or columns unrolls (the
+ * bodies' RB, KB and DKB are all 6). */
+#define SWITCH_UP_TO_6(left, CALL)                                                                                   \
+    switch ((left) < 6 ? (left) : 6) {                                                                               \
+    case 6: CALL(6); break;                                                                                          \
+    case 5: CALL(5); break;                                                                                          \
+    case 4: CALL(4); break;                                                                                          \
+    case 3: CALL(3); break;                                                                                          \
+    case 2: CALL(2); break;                                                                                          \
+    default: CALL(1); break;                                                                                         \
+    }
+
 /* Error codes returned to Python (which turns them into ValueError with the sequence index). */
 #define UCM_OK 0
 #define UCM_ERR_QUERY_LONGER_THAN_CONTEXT 1

@@ -91,16 +91,7 @@ ALWAYS_INLINE __m512i bf16_pairs(__m512 lo, __m512 hi) {
     return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
 }
 
-/* CALL(N) with N = min(left, DKB) as a constant, so the register blocks unroll. */
-#define DKB_SWITCH(left, CALL)                                                                                       \
-    switch ((left) < DKB ? (left) : DKB) {                                                                           \
-    case 6: CALL(6); break;                                                                                          \
-    case 5: CALL(5); break;                                                                                          \
-    case 4: CALL(4); break;                                                                                          \
-    case 3: CALL(3); break;                                                                                          \
-    case 2: CALL(2); break;                                                                                          \
-    default: CALL(1); break;                                                                                         \
-    }
+_Static_assert(DKB == 6, "SWITCH_UP_TO_6 unrolls blocks of up to 6");
 
 /* One item: rows row0 .. row0 + DR - 1 of kv head h of sequence seq, row = token * group + head in group. */
 ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32_t row0, int d) {
@@ -151,7 +142,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
         }
         for (int j = 0; j < nk; j += DKB) {
 #define QK(N) dp_qk(S + j * DR, qT, kp + j, N, d2, scale)
-            DKB_SWITCH(nk - j, QK)
+            SWITCH_UP_TO_6(nk - j, QK)
 #undef QK
         }
         /* V's keys in pairs: Vp[i][c] = (v_2i[c], v_2i+1[c]), read by dp_pv one broadcast dword at a time. */
@@ -204,7 +195,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
         for (int v = 0; v < DV; v++) l[v] = _mm512_add_ps(_mm512_mul_ps(l[v], alpha[v]), sum[v]);
         for (int c = 0; c < d; c += DKB) {
 #define PV(N) dp_pv(oT, Pp, Vp, alpha, n2, c, N, d)
-            DKB_SWITCH(d - c, PV)
+            SWITCH_UP_TO_6(d - c, PV)
 #undef PV
         }
     }

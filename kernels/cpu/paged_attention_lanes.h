@@ -88,16 +88,7 @@ ALWAYS_INLINE void lanes_pv(float *oT, const float *P, const float *const *vp, c
         for (int v = 0; v < LV; v++) memcpy(oT + (c0 + i) * LR + v * VW, &a[i][v], sizeof a[i][v]);
 }
 
-/* CALL(N) with N = min(left, KB) as a constant, so the register blocks unroll. */
-#define KB_SWITCH(left, CALL)                                                                                        \
-    switch ((left) < KB ? (left) : KB) {                                                                             \
-    case 6: CALL(6); break;                                                                                          \
-    case 5: CALL(5); break;                                                                                          \
-    case 4: CALL(4); break;                                                                                          \
-    case 3: CALL(3); break;                                                                                          \
-    case 2: CALL(2); break;                                                                                          \
-    default: CALL(1); break;                                                                                         \
-    }
+_Static_assert(KB == 6, "SWITCH_UP_TO_6 unrolls blocks of up to 6");
 
 /* One item: rows row0 .. row0 + LR - 1 of kv head h of sequence seq, row = token * group + head in group. */
 ALWAYS_INLINE void attend_lanes(const Problem *p, int32_t seq, int32_t h, int32_t row0, int d) {
@@ -145,7 +136,7 @@ ALWAYS_INLINE void attend_lanes(const Problem *p, int32_t seq, int32_t h, int32_
         }
         for (int j = 0; j < nk; j += KB) {
 #define QK(N) lanes_qk(S + j * LR, qT, kp + j, N, d)
-            KB_SWITCH(nk - j, QK)
+            SWITCH_UP_TO_6(nk - j, QK)
 #undef QK
         }
         if (start + nk - 1 > first) /* some row stops inside this chunk: mask the keys past it */
@@ -188,7 +179,7 @@ ALWAYS_INLINE void attend_lanes(const Problem *p, int32_t seq, int32_t h, int32_
         for (int v = 0; v < LV; v++) l[v] = l[v] * alpha[v] + sum[v];
         for (int c = 0; c < d; c += KB) {
 #define PV(N) lanes_pv(oT, S, vp, alpha, nk, c, N)
-            KB_SWITCH(d - c, PV)
+            SWITCH_UP_TO_6(d - c, PV)
 #undef PV
         }
     }

@@ -267,16 +267,7 @@ ALWAYS_INLINE void softmax_row(float *w, float *m, float *l, float *alpha, int v
     *m = m_new;
 }
 
-/* CALL(R) with R = min(rows, RB) as a constant, so the register blocks unroll. */
-#define RB_SWITCH(rows, CALL)                                                                                        \
-    switch ((rows) < RB ? (rows) : RB) {                                                                                                     \
-    case 6: CALL(6); break;                                                                                          \
-    case 5: CALL(5); break;                                                                                          \
-    case 4: CALL(4); break;                                                                                          \
-    case 3: CALL(3); break;                                                                                          \
-    case 2: CALL(2); break;                                                                                          \
-    default: CALL(1); break;                                                                                         \
-    }
+_Static_assert(RB == 6, "SWITCH_UP_TO_6 unrolls blocks of up to 6");
 
 ALWAYS_INLINE void attend_item_vec(const Problem *p, const Item *it, int d, int dtype) {
     Rows r;
@@ -359,7 +350,7 @@ ALWAYS_INLINE void attend_item_vec(const Problem *p, const Item *it, int d, int 
             transpose_keys(kT, kc + head_off, kstride, nk, d, dtype);
             for (int32_t s = lo; s < hi; s += RB) {
 #define QK(R) qk_rows(w + s, qf + s * d, kT, R, d)
-                RB_SWITCH(hi - s, QK)
+                SWITCH_UP_TO_6(hi - s, QK)
 #undef QK
             }
             for (int32_t s = lo; s < hi; s++) {
@@ -381,7 +372,7 @@ ALWAYS_INLINE void attend_item_vec(const Problem *p, const Item *it, int d, int 
             for (int32_t s = lo; s < hi; s += RB) {
 #define PV(R)                                                                                                        \
     pv_rows_vec(o + s * d, (const float (*)[CHUNK])(w + s), alpha + s, R, vrows, vstride, nk, d, vtype, &pf, pf_step)
-                RB_SWITCH(hi - s, PV)
+                SWITCH_UP_TO_6(hi - s, PV)
 #undef PV
             }
         }
