@@ -92,7 +92,7 @@ class NativeLib:
     has_openmp: bool
     vector_path: str  # what head_dims that are multiples of 16 run: "avx512", "avx2", "neon" or "scalar"
     lanes_rows: int  # fp32 prefill rows per item of the lanes body (paged_attention_lanes.h); 0: not in this build
-    bf16_lanes_rows: int  # the same for bf16 on AVX-512 BF16 (paged_attention_dpbf16.h)
+    bf16_lanes_rows: int  # rows per item of the bf16 bodies on AVX-512 BF16, which take every bf16 row (dpbf16.h)
 
 
 class _State:

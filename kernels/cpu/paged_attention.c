@@ -23,7 +23,8 @@
  * paged_attention_avx512.h), AVX2+FMA or NEON (head_dim % 16 == 0; one source in GCC vector extensions,
  * paged_attention_vec.h) and a scalar loop for the rest (below); and two prefill bodies with the query rows in
  * vector lanes, whose items are rows of one kv head instead: fp32 on the AVX2/NEON path (any head_dim, LR rows;
- * paged_attention_lanes.h) and bf16 with AVX-512 BF16 (head_dim % 16 == 0, DR rows; paged_attention_dpbf16.h). They
+ * paged_attention_lanes.h) and bf16 with AVX-512 BF16 (head_dim % 16 == 0, DR rows, every bf16 row: decodes too,
+ * so that a row's bits never depend on the body; paged_attention_dpbf16.h). They
  * are one translation unit: this file includes them, keeps the scalar body, the dispatch (pick_item_fn,
  * item_at) and the exported entry points; the types they share are in paged_attention_common.h. Whether the
  * engine calls this kernel or the torch path at all is measured per machine
@@ -141,7 +142,8 @@ int ucm_lanes_rows(void) {
 #endif
 }
 
-/* The same for bf16 and the AVX-512 BF16 body with rows in lanes (paged_attention_dpbf16.h). */
+/* Rows per item of the bf16 bodies with AVX-512 BF16 (paged_attention_dpbf16.h), which every bf16 sequence takes
+ * (items of fewer than DCOLS rows run with the columns in lanes). 0: this build has none. */
 int ucm_bf16_lanes_rows(void) {
 #ifdef UCM_HAS_DPBF16
     return DR;

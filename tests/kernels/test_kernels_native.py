@@ -147,6 +147,34 @@ def test_lanes_body_around_its_threshold(lib, dtype, hq, hkv, head_dim):
     torch.testing.assert_close(one.double(), dense, **TOL[dtype])
 
 
+@pytest.mark.parametrize(("hq", "hkv", "head_dim"), [(9, 3, 64), (6, 2, 48), (32, 1, 32)])
+def test_bf16_rows_equal_however_the_prompt_is_split(lib, hq, hkv, head_dim):
+    """A bf16 query row gets the same bits whether it is computed in a whole prompt, in a chunk over a cached prefix
+    (many rows: rows in lanes; few: columns in lanes), or as a decode: a prefix-cache or store hit and a cold run
+    must continue alike (paged_attention_dpbf16.h)."""
+    if not lib.bf16_lanes_rows:
+        pytest.skip(f"this build ({lib.vector_path}) has no bf16 lanes bodies")
+    length = 300
+    case = make_paged_case([length], [length], hq, hkv, head_dim, dtype=torch.bfloat16, seed=21)
+    scale = head_dim**-0.5
+    seq_lens = torch.tensor([length], dtype=torch.int32)
+
+    def last_rows(k: int) -> torch.Tensor:
+        qsl = torch.tensor([0, k], dtype=torch.int32)
+        q = case.q[length - k :]
+        return paged_attention_native(lib, q, case.k_cache, case.v_cache, qsl, seq_lens, case.block_tables, scale)
+
+    whole = last_rows(length)
+    for k in (70, 11, 5, 2, 1):
+        assert torch.equal(last_rows(k), whole[length - k :]), f"the last {k} rows differ from the whole prompt's"
+    decode = paged_attention_native(
+        lib, case.q[length - 1 :], case.k_cache, case.v_cache, None, seq_lens, case.block_tables, scale
+    )
+    assert torch.equal(decode, whole[length - 1 :]), "a decode row differs from the same row in the prompt"
+    dense = naive_attention(case.q, case.keys, case.values, [length], scale)
+    torch.testing.assert_close(whole.double(), dense, **TOL[torch.bfloat16])
+
+
 def test_multithreaded_equals_single_thread(lib):
     """Work items are independent, so threads change nothing; one libgomp (torch's) serves both."""
     ctx = [random.Random(3).randint(1, 300) for _ in range(24)]

@@ -1,0 +1,24 @@
+"""The cache-hit oracle in bf16 (the serving dtype `auto` picks on CPUs with native bf16): a prompt continued after
+a prefix-cache hit gives the cold run's greedy tokens. Only the last few prompt tokens are computed after the hit,
+so the attention kernels must give a row the same bits in a short chunk as inside a whole prompt."""
+
+from __future__ import annotations
+
+import random
+
+from engine import LLM, SamplingParams
+
+
+def test_a_prefix_hit_continues_like_the_cold_run_in_bf16() -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(500)] for _ in range(6)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    cold_llm = LLM(model="smollm2-135m", dtype="bfloat16", enable_prefix_caching=False)
+    cold = [o.outputs[0].token_ids for o in cold_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+    cold_llm.close()
+    warm_llm = LLM(model="smollm2-135m", dtype="bfloat16")
+    warm_llm.generate([{"prompt_token_ids": p[:496]} for p in prompts], SamplingParams(max_tokens=1))  # 31 blocks
+    outs = warm_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    warm_llm.close()
+    assert all(o.num_cached_tokens == 496 for o in outs), [o.num_cached_tokens for o in outs]
+    assert [o.outputs[0].token_ids for o in outs] == cold
