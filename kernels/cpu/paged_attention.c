@@ -180,6 +180,9 @@ static inline int32_t lane_rows(const Problem *p, int32_t seq, int32_t dtype) {
 }
 
 static inline int32_t items_of(const Problem *p, int32_t seq, int32_t dtype) {
+#ifdef UCM_HAS_DPBF16
+    if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, seq)) return 1;
+#endif
     const int32_t lr = lane_rows(p, seq, dtype);
     if (lr) return p->num_kv_heads * ((num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads) + lr - 1) / lr);
     return (num_queries(p, seq) * p->num_q_heads + MAX_ROWS - 1) / MAX_ROWS;
@@ -187,6 +190,10 @@ static inline int32_t items_of(const Problem *p, int32_t seq, int32_t dtype) {
 
 /* Item i of sequence seq (0 <= i < items_of): lanes items go kv head by kv head. */
 static inline Item item_at(const Problem *p, int32_t seq, int32_t i, int32_t dtype) {
+#ifdef UCM_HAS_DPBF16
+    if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, seq))
+        return (Item){seq, 0, p->num_kv_heads}; /* every kv head in one item */
+#endif
     const int32_t lr = lane_rows(p, seq, dtype);
     if (lr) {
         const int32_t per_head = items_of(p, seq, dtype) / p->num_kv_heads;

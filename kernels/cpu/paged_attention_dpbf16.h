@@ -16,8 +16,9 @@
  * Every bf16 row goes through this file, not only long prefills: a row's bits must not depend on how its prompt
  * was split (whole, in chunks, after a cache hit) or on whether it is a decode. Items of fewer than DCOLS rows (a
  * decode's GQA group) run attend_dpbf16_cols, which does each row's operations in the same order with the keys or
- * the output columns in the lanes instead: bit for bit the same rows (tested), at the old body's decode speed on
- * cache-resident contexts and ~1.3x its time on DRAM-resident ones (32 x 1200 tokens: 0.95 vs 0.73 ms a layer).
+ * the output columns in the lanes instead: bit for bit the same rows (tested). A decode is one item of all its kv
+ * heads, so each chunk's block rows are read whole. Against the AVX-512 body, 2 threads: 8 decodes over 512
+ * cached tokens 0.081-0.083 vs 0.078 ms a layer; 32 over 1200 (DRAM) 0.80-0.93 vs 0.73 ms.
  *
  * Part of paged_attention.c's translation unit (included after paged_attention_avx512.h, whose exp2_ps it uses).
  */
@@ -33,7 +34,8 @@
 #define DKB 6         /* keys (scores) or output columns (P V) per register block: DKB * DV accumulators */
 #define DKC 64        /* keys per online-softmax step: the output's rescale and V's interleave, once per DKC keys */
 
-#define DCOLS 8 /* an item with fewer rows (a decode: one token's GQA group) takes attend_dpbf16_cols */
+#define DCOLS 8       /* an item with fewer rows per kv head (a decode: one token's GQA group): attend_dpbf16_cols */
+#define DCOLS_HEADS 8 /* ... which takes up to this many kv heads at once (all of a decode's, where they fit) */
 
 /* Whether a sequence's queries take this file's bodies: bf16 with head_dim a multiple of 16, whatever its row
  * count. All of a bf16 sequence's rows must: each row's result depends on the arithmetic, so a prompt computed
@@ -43,6 +45,12 @@
 static inline int dpbf16_take(const Problem *p, int32_t seq, int32_t dtype) {
     (void)seq;
     return dtype == UCM_DTYPE_BF16 && p->head_dim % 16 == 0;
+}
+
+/* Whether a bf16 sequence is one item of every kv head (kv_head == num_kv_heads marks it): few rows per head, as
+ * a decode has, and heads that fit attend_dpbf16_cols. */
+static inline int dpbf16_all_heads(const Problem *p, int32_t seq) {
+    return num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads) < DCOLS && p->num_kv_heads <= DCOLS_HEADS;
 }
 
 /* S[j][0:DR] = scale * sum_c kp[j][c] . qT[c][0:DR] over the d2 dword pairs, for kb (<= DKB) keys. */
@@ -262,42 +270,108 @@ ALWAYS_INLINE void transpose16x16_epi32(__m512i r[16]) {
     }
 }
 
-/* An item of fewer than DCOLS rows (a decode: one token's GQA group), row by row with the keys (scores) or the
- * output columns (P V) in the lanes instead of the rows, so that 3 live rows do not pay for 32 lanes. Every row
- * goes through attend_dpbf16's operations in its order, lane for lane: the same dword-pair products summed by
- * VDPBF16PS over the pairs in order, the same DKC-key steps from key 0 (the item's last row bounds them, as
- * there), the same exp2_ps, the weights' sum added pair by pair in fp32, the same bf16 rounding of P; so a row's
- * output is bit for bit what the rows-in-lanes body gives it. K is transposed per chunk into dword pairs by key
- * (Kt[c][keys]); V's pairs are interleaved as there. */
-ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h, int32_t row0, int d) {
+/* attend_dpbf16_cols' work on one chunk for the rows of one kv head: scores (each Kt vector loaded once for the
+ * rows), the online softmax's step, P V (each Vp vector loaded once for the rows). */
+ALWAYS_INLINE void dp_cols_rows(const uint32_t *Kt, const uint32_t *Vp, const uint32_t *const *qrow, const int32_t *pos,
+                                float *m, float *l, float *o, float *w, uint16_t *P16, int32_t nrows, int32_t start,
+                                int nk, int n2, int ng, int d2, int d, __m512 scale, __m512 ninf, __m512i lane_ids) {
+    /* Scores of every row: each Kt vector loaded once for the item's rows. */
+    __m512 acc[DCOLS][DKC / 16];
+    for (int32_t r = 0; r < nrows; r++)
+        for (int g = 0; g < ng; g++) acc[r][g] = _mm512_setzero_ps();
+    for (int c = 0; c < d2; c++) {
+        __m512bh kc[DKC / 16];
+        for (int g = 0; g < ng; g++) kc[g] = (__m512bh)_mm512_load_si512(Kt + c * DKC + 16 * g);
+        for (int32_t r = 0; r < nrows; r++) {
+            const __m512bh qc = (__m512bh)_mm512_set1_epi32((int)qrow[r][c]);
+            for (int g = 0; g < ng; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qc, kc[g]);
+        }
+    }
+    float alpha[DCOLS];
+    for (int32_t r = 0; r < nrows; r++) {
+        __m512 mxv = _mm512_set1_ps(m[r]);
+        __mmask16 live[DKC / 16];
+        for (int g = 0; g < ng; g++) {
+            const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(start + 16 * g), lane_ids);
+            const int in_chunk = nk - 16 * g < 16 ? nk - 16 * g : 16;
+            live[g] = (__mmask16)(_mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos[r])) &
+                                  ((1u << in_chunk) - 1u));
+            acc[r][g] = _mm512_mask_blend_ps(live[g], ninf, _mm512_mul_ps(acc[r][g], scale));
+            mxv = _mm512_max_ps(mxv, acc[r][g]);
+        }
+        const float mx = _mm512_reduce_max_ps(mxv);
+        alpha[r] = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m[r] - mx)));
+        m[r] = mx;
+        float *wr = w + r * (DKC + 16);
+        for (int g = 0; g < ng; g++) {
+            const __m512 pg = _mm512_maskz_mov_ps(live[g], exp2_ps(_mm512_sub_ps(acc[r][g], _mm512_set1_ps(mx))));
+            _mm512_store_ps(wr + 16 * g, pg);
+            _mm256_store_si256((__m256i *)(P16 + r * (DKC + 16) + 16 * g), (__m256i)_mm512_cvtneps_pbh(pg));
+        }
+        wr[nk] = 0.0f; /* the odd partner past the chunk's last key (there: a masked key, weight 0) */
+        P16[r * (DKC + 16) + nk] = 0;
+        float sum = 0.0f;
+        for (int i = 0; i < n2; i++) sum = sum + (wr[2 * i] + wr[2 * i + 1]);
+        l[r] = l[r] * alpha[r] + sum;
+    }
+    /* P V for every row: each Vp vector loaded once for the item's rows. */
+    for (int c = 0; c < d; c += 16) {
+        __m512 a[DCOLS];
+        for (int32_t r = 0; r < nrows; r++)
+            a[r] = _mm512_mul_ps(_mm512_load_ps(o + r * d + c), _mm512_set1_ps(alpha[r]));
+        for (int i = 0; i < n2; i++) {
+            const __m512bh vc = (__m512bh)_mm512_load_si512(Vp + (int64_t)i * d + c);
+            for (int32_t r = 0; r < nrows; r++) {
+                const uint32_t pr = ((const uint32_t *)(P16 + r * (DKC + 16)))[i];
+                a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32((int)pr), vc);
+            }
+        }
+        for (int32_t r = 0; r < nrows; r++) _mm512_store_ps(o + r * d + c, a[r]);
+    }
+}
+
+/* An item of fewer than DCOLS rows per kv head (a decode: one token's GQA group), row by row with the keys
+ * (scores) or the output columns (P V) in the lanes instead of the rows, so that 3 live rows do not pay for 32
+ * lanes. Every row goes through attend_dpbf16's operations in its order, lane for lane: the same dword-pair
+ * products summed by VDPBF16PS over the pairs in order, the same DKC-key steps from key 0 (the item's last row
+ * bounds them, as there), the same exp2_ps, the weights' sum added pair by pair in fp32, the same bf16 rounding
+ * of P; so a row's output is bit for bit what the rows-in-lanes body gives it. K is transposed per chunk into
+ * dword pairs by key (Kt[c][keys]); V's pairs are interleaved as there. Kv heads h_lo .. h_hi - 1 in one item
+ * (a decode's: all of them, so each chunk's block rows are read whole, as the AVX-512 body reads them). */
+ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_lo, int32_t h_hi, int32_t row0,
+                                      int d) {
     const int32_t group = p->num_q_heads / p->num_kv_heads, n = num_queries(p, seq), len = p->seq_lens[seq];
     const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq, bs = p->block_size;
-    const int32_t nrows = n * group - row0 < DR ? n * group - row0 : DR, d2 = d / 2;
+    const int32_t nrows = n * group - row0 < DR ? n * group - row0 : DR, d2 = d / 2, nh = h_hi - h_lo;
     const int32_t *table = table_of(p, seq);
-    if (nrows <= 0) return; /* items are made with row0 < n * group; this only tells the compiler */
+    if (nrows <= 0 || nrows > DCOLS || nh <= 0 || nh > DCOLS_HEADS) return; /* items are made within these */
     if (len == 0) {
-        for (int32_t r = 0; r < nrows; r++) {
-            const int32_t row = row0 + r, head = h * group + row % group;
-            memset((uint16_t *)p->out + ((int64_t)(q0 + row / group) * p->num_q_heads + head) * d, 0, (size_t)d * 2);
-        }
+        for (int32_t h = h_lo; h < h_hi; h++)
+            for (int32_t r = 0; r < nrows; r++) {
+                const int32_t row = row0 + r, head = h * group + row % group;
+                memset((uint16_t *)p->out + ((int64_t)(q0 + row / group) * p->num_q_heads + head) * d, 0,
+                       (size_t)d * 2);
+            }
         return;
     }
     _Alignas(64) uint32_t Kt[MAX_D / 2 * DKC], Vp[DKC / 2 * MAX_D];
-    _Alignas(64) float o[DCOLS * MAX_D], w[DCOLS * (DKC + 16)];
+    _Alignas(64) float o[DCOLS_HEADS * DCOLS * MAX_D], w[DCOLS * (DKC + 16)];
     _Alignas(64) uint16_t P16[DCOLS * (DKC + 16)];
-    const uint32_t *kp[DKC], *qrow[DCOLS];
+    const uint32_t *kp[DKC], *qrow[DCOLS_HEADS][DCOLS];
     const uint16_t *vp[DKC];
-    float m[DCOLS], l[DCOLS];
-    int32_t pos[DCOLS];
-    for (int32_t r = 0; r < nrows; r++) {
-        const int32_t row = row0 + r, tok = row / group, head = h * group + row % group;
-        qrow[r] = (const uint32_t *)((const uint16_t *)p->q + (int64_t)(q0 + tok) * p->q_stride_tok +
-                                     (int64_t)head * p->q_stride_head);
-        pos[r] = len - n + tok;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-        for (int c = 0; c < d; c++) o[r * d + c] = 0.0f;
-    }
+    int64_t at[DKC];
+    float m[DCOLS_HEADS][DCOLS], l[DCOLS_HEADS][DCOLS];
+    int32_t pos[DCOLS] = {0};
+    for (int32_t r = 0; r < nrows; r++) pos[r] = len - n + (row0 + r) / group;
+    for (int32_t hh = 0; hh < nh; hh++)
+        for (int32_t r = 0; r < nrows; r++) {
+            const int32_t row = row0 + r, tok = row / group, head = (h_lo + hh) * group + row % group;
+            qrow[hh][r] = (const uint32_t *)((const uint16_t *)p->q + (int64_t)(q0 + tok) * p->q_stride_tok +
+                                             (int64_t)head * p->q_stride_head);
+            m[hh][r] = -INFINITY;
+            l[hh][r] = 0.0f;
+            for (int c = 0; c < d; c++) o[(hh * DCOLS + r) * d + c] = 0.0f;
+        }
     const __m512 scale = _mm512_set1_ps(p->scale_log2), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const int32_t last = pos[nrows - 1];
@@ -305,99 +379,56 @@ ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h, 
     for (int32_t start = 0; start <= last; start += DKC) {
         const int nk = last - start + 1 < DKC ? last - start + 1 : DKC, n2 = (nk + 1) / 2, ng = (nk + 15) / 16;
         for (int32_t j = 0, blk = start / bs, off = start % bs; j < nk; j++) {
-            const int64_t at = cache_offset(p, table[blk], off, h);
-            kp[j] = (const uint32_t *)(kbase + at);
-            vp[j] = vbase + at;
+            at[j] = cache_offset(p, table[blk], off, h_lo);
             if (++off == bs) off = 0, blk++;
         }
-        for (int g = 0; g < ng; g++) { /* Kt[c][16g + i] = dword pair c of key 16g + i; keys past nk are 0 */
-            /* The next chunk's keys 16g.. into the caches while this group is transposed: a decode's KV comes
-             * from DRAM in random block order, which the hardware prefetchers do not follow. */
-            for (int32_t i = 0, key = start + DKC + 16 * g; i < 16 && key <= last; i++, key++) {
-                const int64_t at = cache_offset(p, table[key / bs], key % bs, h);
-                for (int b = 0; b < d * 2; b += 64) {
-                    __builtin_prefetch((const char *)(kbase + at) + b, 0, 3);
-                    __builtin_prefetch((const char *)(vbase + at) + b, 0, 3);
+        for (int32_t hh = 0; hh < nh; hh++) {
+            const int32_t h = h_lo + hh;
+            for (int j = 0; j < nk; j++) {
+                kp[j] = (const uint32_t *)(kbase + at[j] + (int64_t)hh * d);
+                vp[j] = vbase + at[j] + (int64_t)hh * d;
+            }
+            for (int g = 0; g < ng; g++) { /* Kt[c][16g + i] = dword pair c of key 16g + i; keys past nk are 0 */
+                /* The next chunk's keys 16g.. into the caches while this group is transposed: a decode's KV comes
+                 * from DRAM in random block order, which the hardware prefetchers do not follow. */
+                for (int32_t i = 0, key = start + DKC + 16 * g; i < 16 && key <= last; i++, key++) {
+                    const int64_t nxt = cache_offset(p, table[key / bs], key % bs, h);
+                    for (int b = 0; b < d * 2; b += 64) {
+                        __builtin_prefetch((const char *)(kbase + nxt) + b, 0, 3);
+                        __builtin_prefetch((const char *)(vbase + nxt) + b, 0, 3);
+                    }
+                }
+                for (int c0 = 0; c0 < d2; c0 += 16) {
+                    const int nc = d2 - c0 < 16 ? d2 - c0 : 16;
+                    const __mmask16 cols = (__mmask16)((1u << nc) - 1u);
+                    __m512i t[16];
+                    for (int i = 0; i < 16; i++)
+                        t[i] = 16 * g + i < nk ? _mm512_maskz_loadu_epi32(cols, kp[16 * g + i] + c0)
+                                               : _mm512_setzero_si512();
+                    transpose16x16_epi32(t);
+                    for (int c = 0; c < nc; c++) _mm512_store_si512(Kt + (c0 + c) * DKC + 16 * g, t[c]);
                 }
             }
-            for (int c0 = 0; c0 < d2; c0 += 16) {
-                const int nc = d2 - c0 < 16 ? d2 - c0 : 16;
-                const __mmask16 cols = (__mmask16)((1u << nc) - 1u);
-                __m512i t[16];
-                for (int i = 0; i < 16; i++)
-                    t[i] = 16 * g + i < nk ? _mm512_maskz_loadu_epi32(cols, kp[16 * g + i] + c0) : _mm512_setzero_si512();
-                transpose16x16_epi32(t);
-                for (int c = 0; c < nc; c++) _mm512_store_si512(Kt + (c0 + c) * DKC + 16 * g, t[c]);
-            }
+            interleave_v_pairs(Vp, vp, nk, d);
+            dp_cols_rows(Kt, Vp, qrow[hh], pos, m[hh], l[hh], o + hh * DCOLS * d, w, P16, nrows, start, nk, n2, ng,
+                         d2, d, scale, ninf, lane_ids);
         }
-        interleave_v_pairs(Vp, vp, nk, d);
-        /* Scores of every row: each Kt vector loaded once for the item's rows. */
-        __m512 acc[DCOLS][DKC / 16];
-        for (int32_t r = 0; r < nrows; r++)
-            for (int g = 0; g < ng; g++) acc[r][g] = _mm512_setzero_ps();
-        for (int c = 0; c < d2; c++) {
-            __m512bh kc[DKC / 16];
-            for (int g = 0; g < ng; g++) kc[g] = (__m512bh)_mm512_load_si512(Kt + c * DKC + 16 * g);
-            for (int32_t r = 0; r < nrows; r++) {
-                const __m512bh qc = (__m512bh)_mm512_set1_epi32((int)qrow[r][c]);
-                for (int g = 0; g < ng; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qc, kc[g]);
-            }
-        }
-        float alpha[DCOLS];
+    }
+    for (int32_t hh = 0; hh < nh; hh++)
         for (int32_t r = 0; r < nrows; r++) {
-            __m512 mxv = _mm512_set1_ps(m[r]);
-            __mmask16 live[DKC / 16];
-            for (int g = 0; g < ng; g++) {
-                const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(start + 16 * g), lane_ids);
-                const int in_chunk = nk - 16 * g < 16 ? nk - 16 * g : 16;
-                live[g] = (__mmask16)(_mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos[r])) &
-                                      ((1u << in_chunk) - 1u));
-                acc[r][g] = _mm512_mask_blend_ps(live[g], ninf, _mm512_mul_ps(acc[r][g], scale));
-                mxv = _mm512_max_ps(mxv, acc[r][g]);
-            }
-            const float mx = _mm512_reduce_max_ps(mxv);
-            alpha[r] = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m[r] - mx)));
-            m[r] = mx;
-            float *wr = w + r * (DKC + 16);
-            for (int g = 0; g < ng; g++) {
-                const __m512 pg = _mm512_maskz_mov_ps(live[g], exp2_ps(_mm512_sub_ps(acc[r][g], _mm512_set1_ps(mx))));
-                _mm512_store_ps(wr + 16 * g, pg);
-                _mm256_store_si256((__m256i *)(P16 + r * (DKC + 16) + 16 * g), (__m256i)_mm512_cvtneps_pbh(pg));
-            }
-            wr[nk] = 0.0f; /* the odd partner past the chunk's last key (there: a masked key, weight 0) */
-            P16[r * (DKC + 16) + nk] = 0;
-            float sum = 0.0f;
-            for (int i = 0; i < n2; i++) sum = sum + (wr[2 * i] + wr[2 * i + 1]);
-            l[r] = l[r] * alpha[r] + sum;
+            const int32_t row = row0 + r, tok = row / group, head = (h_lo + hh) * group + row % group;
+            uint16_t *out = (uint16_t *)p->out + ((int64_t)(q0 + tok) * p->num_q_heads + head) * d;
+            const float inv = 1.0f / l[hh][r];
+            for (int c = 0; c < d; c++) out[c] = f32_to_bf16(o[(hh * DCOLS + r) * d + c] * inv);
         }
-        /* P V for every row: each Vp vector loaded once for the item's rows. */
-        for (int c = 0; c < d; c += 16) {
-            __m512 a[DCOLS];
-            for (int32_t r = 0; r < nrows; r++)
-                a[r] = _mm512_mul_ps(_mm512_load_ps(o + r * d + c), _mm512_set1_ps(alpha[r]));
-            for (int i = 0; i < n2; i++) {
-                const __m512bh vc = (__m512bh)_mm512_load_si512(Vp + (int64_t)i * d + c);
-                for (int32_t r = 0; r < nrows; r++) {
-                    const uint32_t pr = ((const uint32_t *)(P16 + r * (DKC + 16)))[i];
-                    a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32((int)pr), vc);
-                }
-            }
-            for (int32_t r = 0; r < nrows; r++) _mm512_store_ps(o + r * d + c, a[r]);
-        }
-    }
-    for (int32_t r = 0; r < nrows; r++) {
-        const int32_t row = row0 + r, tok = row / group, head = h * group + row % group;
-        uint16_t *out = (uint16_t *)p->out + ((int64_t)(q0 + tok) * p->num_q_heads + head) * d;
-        const float inv = 1.0f / l[r];
-        for (int c = 0; c < d; c++) out[c] = f32_to_bf16(o[r * d + c] * inv);
-    }
 }
 
 /* An item's body by its row count; one instance for SmolLM2's head_dim so its loops unroll, one for any other
  * head_dim (a multiple of 16). */
 ALWAYS_INLINE void attend_dpbf16_item(const Problem *p, int32_t seq, int32_t h, int32_t row0, int d) {
     const int32_t rows = num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads) - row0;
-    if (rows < DCOLS) attend_dpbf16_cols(p, seq, h, row0, d);
+    if (h == p->num_kv_heads) attend_dpbf16_cols(p, seq, 0, p->num_kv_heads, row0, d); /* dpbf16_all_heads */
+    else if (rows < DCOLS) attend_dpbf16_cols(p, seq, h, h + 1, row0, d);
     else attend_dpbf16(p, seq, h, row0, d);
 }
 static void dpbf16_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
