@@ -95,6 +95,17 @@ static void resolve_rows(const Problem *p, const Item *it, Rows *r) {
     }
 }
 
+/* Rows row0 .. row0 + nrows - 1 of kv head h (row = token * group + head in group) of the sequence whose queries
+ * start at q0, zeroed: the lanes bodies' padding sequences (seq_len 0), whose contract is 0, not NaN. */
+static inline void zero_lane_rows(const Problem *p, int32_t q0, int32_t h, int32_t row0, int32_t nrows, int esize) {
+    const int32_t group = p->num_q_heads / p->num_kv_heads;
+    for (int32_t r = 0; r < nrows; r++) {
+        const int32_t row = row0 + r, head = h * group + row % group;
+        const int64_t at = ((int64_t)(q0 + row / group) * p->num_q_heads + head) * p->head_dim;
+        memset((char *)p->out + at * esize, 0, (size_t)p->head_dim * esize);
+    }
+}
+
 static inline const int32_t *table_of(const Problem *p, int32_t seq) {
     return p->block_tables + (int64_t)seq * p->block_table_stride;
 }

@@ -142,11 +142,8 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
     const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq, bs = p->block_size;
     const int32_t nrows = n * group - row0 < DR ? n * group - row0 : DR, d2 = d / 2;
     const int32_t *table = table_of(p, seq);
-    if (len == 0) { /* a padding sequence (a decode row of a wide GQA group): the kernels' contract is 0 */
-        for (int32_t r = 0; r < nrows; r++) {
-            const int32_t row = row0 + r, head = h * group + row % group;
-            memset((uint16_t *)p->out + ((int64_t)(q0 + row / group) * p->num_q_heads + head) * d, 0, (size_t)d * 2);
-        }
+    if (len == 0) { /* a padding sequence (a decode row of a wide GQA group) */
+        zero_lane_rows(p, q0, h, row0, nrows, 2);
         return;
     }
     _Alignas(64) uint32_t qT[MAX_D / 2 * DR], Pp[DKC / 2 * DR], Vp[DKC / 2 * MAX_D];
@@ -345,13 +342,8 @@ ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_l
     const int32_t nrows = n * group - row0 < DR ? n * group - row0 : DR, d2 = d / 2, nh = h_hi - h_lo;
     const int32_t *table = table_of(p, seq);
     if (nrows <= 0 || nrows > DCOLS || nh <= 0 || nh > DCOLS_HEADS) return; /* items are made within these */
-    if (len == 0) {
-        for (int32_t h = h_lo; h < h_hi; h++)
-            for (int32_t r = 0; r < nrows; r++) {
-                const int32_t row = row0 + r, head = h * group + row % group;
-                memset((uint16_t *)p->out + ((int64_t)(q0 + row / group) * p->num_q_heads + head) * d, 0,
-                       (size_t)d * 2);
-            }
+    if (len == 0) { /* a padding sequence */
+        for (int32_t h = h_lo; h < h_hi; h++) zero_lane_rows(p, q0, h, row0, nrows, 2);
         return;
     }
     _Alignas(64) uint32_t Kt[MAX_D / 2 * DKC], Vp[DKC / 2 * MAX_D];

@@ -96,11 +96,8 @@ ALWAYS_INLINE void attend_lanes(const Problem *p, int32_t seq, int32_t h, int32_
     const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq, bs = p->block_size;
     const int32_t nrows = n * group - row0 < LR ? n * group - row0 : LR;
     const int32_t *table = table_of(p, seq);
-    if (len == 0) { /* a padding sequence (a decode row of a wide GQA group): the kernels' contract is 0 */
-        for (int32_t r = 0; r < nrows; r++) {
-            const int32_t row = row0 + r, head = h * group + row % group;
-            memset((float *)p->out + ((int64_t)(q0 + row / group) * p->num_q_heads + head) * d, 0, (size_t)d * 4);
-        }
+    if (len == 0) { /* a padding sequence (a decode row of a wide GQA group) */
+        zero_lane_rows(p, q0, h, row0, nrows, 4);
         return;
     }
     _Alignas(64) float qT[MAX_D * LR], oT[MAX_D * LR], S[KC * LR];
