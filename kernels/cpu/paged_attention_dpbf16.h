@@ -1,4 +1,4 @@
-/* The bf16 prefill body of paged_attention.c on AVX-512 BF16: query rows in vector lanes, products by VDPBF16PS.
+/* The bf16 bodies of paged_attention.c on AVX-512 BF16: query rows (or keys) in vector lanes, products by VDPBF16PS.
  *
  * paged_attention_avx512.h keeps keys in the lanes: per row and 16 keys it pays a 45-shuffle horizontal sum of
  * its dot products, a horizontal max and sum, a scalar rescale and fp32 FMAs for P V: 194 GFLOPS on a 2048-token
