@@ -140,6 +140,7 @@ def library_path(cc: str, cache_root: Path) -> Path:
     parts = [src.name.encode() for src in inputs] + [src.read_bytes() for src in inputs]
     parts += [
         " ".join(FLAGS + LIBS).encode(),
+        cc.encode(),  # the command too: a wrapper (other flags) reports the version of the compiler it wraps
         _compiler_version(cc).encode(),
         platform.machine().encode(),
         _cpu_signature().encode(),

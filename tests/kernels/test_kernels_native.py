@@ -323,6 +323,13 @@ def test_library_hash_covers_the_shared_header(monkeypatch, tmp_path):
     assert native.library_path("cc", tmp_path) != before
 
 
+def test_library_hash_covers_the_compiler_command(monkeypatch, tmp_path):
+    """Two compiler commands that report one version (a wrapper that changes the flags, another install) name two
+    libraries: one built by the other must never be loaded (UCM_CC)."""
+    monkeypatch.setattr(native, "_compiler_version", lambda cc: "gcc 12.2.0")
+    assert native.library_path("gcc", tmp_path) != native.library_path("/opt/wrappers/gcc-avx2", tmp_path)
+
+
 def test_sources_include_the_shipped_headers():
     """Every header the sources or the headers include is listed in HEADERS (hashed) and lives beside them
     (shipped as *.h)."""
