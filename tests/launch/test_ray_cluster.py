@@ -134,9 +134,11 @@ def test_places_store_router_nodes_and_serves_like_offline(deployment, url, clie
 def test_killed_node_actor_is_restarted_and_registers_again(deployment, url, client, offline) -> None:
     victim = "prefill-0"
     before = deployment.status().actor(victim).node
-    wants = [offline(p, 16) for p in PROMPTS]
+    # Long enough to be seen running in a heartbeat: 16 tokens could finish between two on a fast host, and then
+    # "requests in flight" never came true (seen on an AVX-512 BF16 EPYC).
+    wants = [offline(p, 96) for p in PROMPTS]
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(_ask, client, p, 16) for p in PROMPTS]
+        futures = [pool.submit(_ask, client, p, 96) for p in PROMPTS]
         wait_until("requests in flight", lambda: any(n.get("running") for n in health_nodes(url).values()), 60)
         ray.kill(deployment.handles()[victim], no_restart=False)
         assert [f.result(timeout=300) for f in futures] == wants
