@@ -20,14 +20,17 @@ class GeneratedRows:
     total: int  # the step's packed rows
     count: int  # how many of them are generated tokens
     generated: torch.Tensor | None  # their int64 indices when the step mixes both classes, else None
+    prompt: torch.Tensor | None  # the other rows' indices, likewise
 
     @classmethod
     def from_mask(cls, mask: np.ndarray, device: torch.device) -> GeneratedRows:
         """mask [T] bool: row i is a generated token."""
         count = int(mask.sum())
         if 0 < count < mask.size:
-            return cls(mask.size, count, torch.from_numpy(np.flatnonzero(mask)).to(device))
-        return cls(mask.size, count, None)
+            gen = torch.from_numpy(np.flatnonzero(mask)).to(device)
+            rest = torch.from_numpy(np.flatnonzero(~mask)).to(device)
+            return cls(mask.size, count, gen, rest)
+        return cls(mask.size, count, None, None)
 
     def apply(
         self,
@@ -35,16 +38,15 @@ class GeneratedRows:
         generated_fn: Callable[[torch.Tensor], torch.Tensor],
         prompt_fn: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """Row-wise f(x) [T, N] with each row through the function of its class. `prompt_fn` must give a row the
-        same result whatever rows it is called with (oneDNN does): a mixed step runs it on every row and then
-        overwrites the few generated rows, since moving the prompt's rows in and out costs more (a 1024-row
-        step's gathers and scatters of SmolLM2's activations took ~80 ms, a quarter of the step)."""
+        """Row-wise f(x) [T, N] with each row through the function of its class."""
         assert x.shape[0] == self.total, f"{x.shape[0]} rows, but the step packs {self.total}"
         if self.count == 0:
             return prompt_fn(x)
         if self.count == self.total:
             return generated_fn(x)
-        assert self.generated is not None, "a mixed step has the generated rows' indices"
-        out = prompt_fn(x)
-        out.index_copy_(0, self.generated, generated_fn(x.index_select(0, self.generated)))
+        assert self.generated is not None and self.prompt is not None, "a mixed step has both index sets"
+        gen = generated_fn(x.index_select(0, self.generated))
+        out = torch.empty((self.total, gen.shape[1]), dtype=gen.dtype, device=gen.device)
+        out.index_copy_(0, self.generated, gen)
+        out.index_copy_(0, self.prompt, prompt_fn(x.index_select(0, self.prompt)))
         return out
