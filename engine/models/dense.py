@@ -17,11 +17,6 @@ at few rows, decode steps too), a weight whose shape ran faster through oneDNN t
 keeps a oneDNN-reordered copy (kernels/cpu/onednn_linear.py; a [3072 x 576] matmul of 1024 rows: 106 -> 134 GFLOPS
 on the same EPYC). lm_head too: on a 2-core AMD EPYC with AVX-512, where the kernel loses to oneDNN from a few rows
 on, its logits of 8 rows went through F.linear (MKL) at 2.7x oneDNN's time.
-
-bf16 on AVX-512 BF16: a step's generated-token rows go through kernels/cpu/skinny_bf16.c, which reads the weight in
-place at memory speed (SmolLM2-135M's layers at 8 rows: 4.6 ms against oneDNN's 6.1 on the 2-core AMD EPYC Zen 5),
-and its prompt rows through oneDNN, by the row's class rather than the call's row count, so that a row's bits never
-depend on how its step was made up (engine/generated_rows.py says why).
 """
 
 from __future__ import annotations
@@ -32,9 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import current_forward_context
-from kernels.cpu import onednn_linear, skinny_bf16
-from kernels.cpu.native import NativeLib
+from kernels.cpu import onednn_linear
 from kernels.cpu.skinny_gemm import PanelWeight, panel_weight
 
 log = logging.getLogger(__name__)
@@ -58,40 +51,21 @@ class F32Packed:
     onednn: torch.Tensor | None
 
 
-@dataclass(frozen=True)
-class BF16Packed:
-    """A bf16 weight on CPU: oneDNN's layout for prompt rows; the decode kernel for generated rows where it won here
-    (kernels/cpu/skinny_bf16.py: it reads `weight` in place, no copy)."""
-
-    onednn: torch.Tensor
-    decode_lib: NativeLib | None
+Packed = torch.Tensor | F32Packed | None  # oneDNN bf16 weight, fp32 copies, or nothing
 
 
-Packed = BF16Packed | F32Packed | None  # bf16 copies, fp32 copies, or nothing
-
-
-def pack_weight(weight: torch.Tensor, decode_rows: bool = True) -> Packed:
-    """The packed copies of `weight` [out, in] for this machine, or None where none applies (F.linear).
-    `decode_rows=False`: the weight never sees a step's packed rows (lm_head sees only the sampled ones)."""
+def pack_weight(weight: torch.Tensor) -> Packed:
+    """The packed copies of `weight` [out, in] for this machine, or None where none applies (F.linear)."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
         return _f32_packed(weight)
     if not packing_supported(weight):
         return None
     try:
         # The batch-size hint only picks among equivalent blocked layouts; measured flat from 1 to 2048 rows.
-        onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     except RuntimeError as e:  # a torch build without this private op: the plain path is still correct
         log.warning("oneDNN weight packing unavailable (%s); using plain linear layers", e)
         return None
-    return BF16Packed(onednn, _decode_lib(weight) if decode_rows else None)
-
-
-def _decode_lib(weight: torch.Tensor) -> NativeLib | None:
-    from kernels.cpu.native import load
-
-    lib = load()
-    n, k = weight.shape
-    return lib if lib is not None and weight.is_contiguous() and skinny_bf16.kernel_wins(lib, k, n) else None
 
 
 def _f32_packed(weight: torch.Tensor) -> F32Packed | None:
@@ -106,8 +80,7 @@ def _f32_packed(weight: torch.Tensor) -> F32Packed | None:
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed) -> torch.Tensor:
-    """x @ weight.T + bias, through the packed copy that suits x's rows when there is one (fp32: by their count;
-    bf16: by each row's class, generated or prompt, from the forward context)."""
+    """x @ weight.T + bias, through the packed copy that suits x's row count when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, F32Packed):
@@ -116,17 +89,4 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack
         if packed.onednn is not None:
             return onednn_linear.linear(x, packed.onednn, bias)
         return F.linear(x, weight, bias)
-    lib = packed.decode_lib
-    context = current_forward_context() if lib is not None else None
-    rows = context.generated_rows if context is not None else None
-    if lib is None or rows is None or x.dim() != 2 or x.shape[0] != rows.total:
-        return _onednn_bf16(x, packed.onednn, bias)
-    return rows.apply(
-        x,
-        lambda g: skinny_bf16.skinny_linear_bf16(lib, g, weight, bias),
-        lambda p: _onednn_bf16(p, packed.onednn, bias),
-    )
-
-
-def _onednn_bf16(x: torch.Tensor, onednn: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

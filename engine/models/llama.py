@@ -72,7 +72,7 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer), f"layers holds DecoderLayers, got {type(layer).__name__}"
             layer.attn.pack_weights()
             layer.mlp.pack_weights()
-        self.lm_head_packed = pack_weight(self.lm_head_weight, decode_rows=False)
+        self.lm_head_packed = pack_weight(self.lm_head_weight)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
