@@ -30,6 +30,7 @@ from ucm.eviction import PolicyName
 from ucm.malloc_tuning import retain_freed_memory
 from ucm.size import format_size, parse_size
 from ucm.store import Store, StoreConfig
+from ucm.store_config import DiskWrites
 
 READY_PREFIX = "ucm-store ready "
 
@@ -56,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
         "--disk", type=_size, default=parse_size(defaults.STORE_DISK), help="disk tier capacity (e.g. 20GiB)"
     )
     ap.add_argument("--map-size", type=_size, default=None, help="LMDB map size (default: 2x --disk + 64MiB)")
+    ap.add_argument(
+        "--disk-writes",
+        choices=[w.value for w in DiskWrites],
+        default=DiskWrites.BEHIND.value,
+        help="behind: every committed block reaches the disk (it survives a restart); evicted: only what DRAM "
+        "evicts (a victim tier that extends DRAM, for a disk that does not outlive the store)",
+    )
     choices = [p.value for p in PolicyName]
     ap.add_argument("--policy", choices=choices, default=PolicyName.LRU.value, help="DRAM eviction policy")
     ap.add_argument("--disk-policy", choices=choices, default=None, help="disk eviction policy (default: --policy)")
@@ -156,6 +164,7 @@ def main(argv: list[str]) -> int:
             dram_bytes=args.dram,
             disk_path=args.disk_path,
             disk_bytes=args.disk if args.disk_path else 0,
+            disk_writes=DiskWrites(args.disk_writes),
             lmdb_map_size=args.map_size,
             policy=PolicyName(args.policy),
             disk_policy=PolicyName(args.disk_policy or args.policy),
@@ -176,7 +185,11 @@ def main(argv: list[str]) -> int:
     daemon = StoreDaemon(store, daemon_config)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())
-    disk = f"disk {format_size(config.disk_bytes)} at {config.disk_path}" if config.disk_path else "no disk tier"
+    disk = (
+        f"disk {format_size(config.disk_bytes)} at {config.disk_path} (writes: {config.disk_writes.value})"
+        if config.disk_path
+        else "no disk tier"
+    )
     logging.getLogger("ucm.daemon").info("DRAM %s, %s, policy %s", format_size(config.dram_bytes), disk, args.policy)
     print(f"{READY_PREFIX}{daemon.address}", flush=True)
     daemon.serve_forever()

@@ -20,12 +20,20 @@ log = logging.getLogger("ucm.dram")
 
 
 class DramTier:
-    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, can_evict: Callable[[Hashable], bool]) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        policy: EvictionPolicy,
+        can_evict: Callable[[Hashable], bool],
+        on_evict: Callable[[BlockRecord], None] | None = None,
+    ) -> None:
+        """`on_evict`: told each record evicted to make room (under the caller's lock, so it must not block)."""
         if capacity_bytes <= 0:
             raise ValueError(f"DRAM capacity must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._policy = policy
         self._can_evict = can_evict
+        self._on_evict = on_evict
         self._blocks: dict[BlockKey, BlockRecord] = {}
         self.stats = TierStats(capacity_bytes=capacity_bytes)
 
@@ -92,6 +100,8 @@ class DramTier:
             dropped = self._blocks.pop(victim)
             self.stats.bytes_used -= dropped.nbytes
             self.stats.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(dropped)
             log.debug(
                 "dram: evicted %s (%d bytes, policy %s) to admit %s (%d bytes, %s): %d/%d bytes used",
                 victim.hex(),

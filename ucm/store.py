@@ -3,10 +3,13 @@
     dump(layer) ─► pending (per key, per layer) ─commit(ok)─► DRAM tier ─write-behind─► disk tier (LMDB)
     load ◄─ DRAM (or a block still being written) ◄─ disk (verified, then promoted to DRAM)
 
+With `DiskWrites.EVICTED` the write-behind takes a block only when DRAM evicts it (or could not admit it), so
+the disk is a victim tier (`ucm.store_config.DiskWrites` says when each fits).
+
 Eviction: each tier asks the policy built by `ucm.eviction.make_policy(config.policy, config.dram_bytes)` and
 `make_policy(config.disk_policy, config.disk_bytes)` (admit/insert/touch/remove/evict(can_evict)); `can_evict`
-is False for keys pinned by an in-flight load. DRAM eviction just drops (the block was written behind); disk
-eviction deletes. Lock order: `Store._lock` → disk tier lock → pin lock; nothing is taken the other way.
+is False for keys pinned by an in-flight load. DRAM eviction just drops (the block was written behind), or with
+`DiskWrites.EVICTED` hands the block to the write-behind unless the disk has it; disk eviction deletes. Lock order: `Store._lock` → disk tier lock → pin lock; nothing is taken the other way.
 A disk block is promoted into DRAM once (the first load to read it; concurrent loads of other layers find it
 there) and never after a removal started (`ucm.removal_clock`).
 """
@@ -29,7 +32,7 @@ from ucm.keys import KEY_NBYTES, BlockKey
 from ucm.pins import PinTable
 from ucm.record import BlockRecord, Buffer, as_bytes_view, checksum
 from ucm.removal_clock import RemovalClock
-from ucm.store_config import StoreConfig
+from ucm.store_config import DiskWrites, StoreConfig
 from ucm.store_reader import BlockReader, StoreTiers
 from ucm.task import Task
 from ucm.write_behind import WriteBehind
@@ -58,8 +61,9 @@ class Store:
         self.config = config
         self._lock = threading.Lock()
         self._pins = PinTable()
+        demote = self._demote if config.disk_writes is DiskWrites.EVICTED and config.disk_path is not None else None
         self._dram = DramTier(
-            config.dram_bytes, policy_factory(config.policy, config.dram_bytes), self._pins.is_unpinned
+            config.dram_bytes, policy_factory(config.policy, config.dram_bytes), self._pins.is_unpinned, demote
         )
         self._disk: DiskTier | None = None
         self._writer: WriteBehind | None = None
@@ -194,8 +198,9 @@ class Store:
                     log.debug("discarding %s (ok=%s, missing layers %s)", key.hex(), ok, missing[:8])
                     continue
                 records.append(BlockRecord.build(pending.ref, pending.payloads, pending.checksums))  # type: ignore[arg-type]
+            behind = self.config.disk_writes is DiskWrites.BEHIND
             for record, in_dram in zip(records, self._dram.put_many(records, "commit")):  # deepest first
-                if self._writer is not None:
+                if self._writer is not None and (behind or not in_dram):
                     self._inflight[record.key] = record
                     self._removed_inflight.discard(record.key)
                     to_write.append(record)
@@ -204,6 +209,18 @@ class Store:
         if to_write:
             assert self._writer is not None
             self._writer.submit(to_write)
+
+    def _demote(self, record: BlockRecord) -> None:
+        """DRAM evicted `record` (DiskWrites.EVICTED; under `_lock`): to disk unless it is there already. With the
+        write queue full it is dropped, as a store without a disk tier drops what DRAM evicts."""
+        assert self._writer is not None and self._disk is not None, "demotion needs a disk tier"
+        if record.key in self._disk:
+            return
+        if not self._writer.offer(record):
+            log.debug("dram: evicted %s dropped: the disk write queue is full", record.key.hex())
+            return
+        self._inflight[record.key] = record
+        self._removed_inflight.discard(record.key)
 
     def _on_written(self, records: Sequence[BlockRecord], written: Sequence[BlockKey]) -> None:
         removed, settled = [], []
@@ -328,12 +345,14 @@ class Store:
             return len(self._pending)
 
     def flush(self) -> None:
-        """Wait until every committed block has reached the disk tier (no-op without one)."""
+        """Wait until every block handed to the disk tier has reached it (no-op without one): with DiskWrites.BEHIND
+        every committed block, with EVICTED those DRAM evicted."""
         if self._writer is not None:
             self._writer.flush()
 
     def close(self) -> None:
-        """Finish loads, flush the write-behind queue and close LMDB; idempotent."""
+        """Finish loads, flush the write-behind queue and close LMDB; idempotent. (DiskWrites.EVICTED: what DRAM
+        still holds is not written.)"""
         if self._closed:
             return
         self._closed = True

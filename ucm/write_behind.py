@@ -39,6 +39,14 @@ class WriteBehind:
         for record in records:
             self._queue.put(record)
 
+    def offer(self, record: BlockRecord) -> bool:
+        """Queue one record without waiting (callers holding a lock the worker takes); False if the queue is full."""
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            return False
+        return True
+
     def queued(self) -> int:
         return self._queue.qsize()
 
