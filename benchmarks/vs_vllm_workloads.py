@@ -102,8 +102,10 @@ def run_vllm_client(
         "openai",
         "--base-url",
         url,
+        # --model is also what the client's /tokenize check sends as `model`: each server's own served name
+        # (a model path there made ours answer 404 and the client skip that check for ucm-serve only).
         "--model",
-        str(model_dir),
+        srv.served_name,
         "--tokenizer",
         str(model_dir),
         "--served-model-name",

@@ -179,7 +179,7 @@ class Cluster:
     def start_store(self) -> None:
         path = self.spec.disk_path
         # A temporary folder is removed at stop, so its disk tier only extends DRAM: written when DRAM evicts.
-        # (Writing every block behind cost ~15% of served throughput on a 2-core EPYC: docs/benchmarks.md.)
+        # (Writing every block behind cost ~10% of served throughput on a 2-core EPYC: docs/benchmarks.md.)
         writes = DiskWrites.BEHIND if path is not None else DiskWrites.EVICTED
         if path is None:
             self._tmp = self._tmp or tempfile.mkdtemp(prefix="ucm-store-")

@@ -17,7 +17,7 @@ class DiskWrites(str, enum.Enum):  # noqa: UP042 (the CLI's values)
     BEHIND = "behind"
     # Only when DRAM evicts it: a victim tier that extends DRAM's capacity. A block still in DRAM at close is not
     # written, so nothing survives a restart that DRAM held. `ucm-serve up` runs this on its temporary folder
-    # (removed at stop anyway): on its 2-core EPYC writing every block behind cost ~15% of served throughput.
+    # (removed at stop anyway): on its 2-core EPYC writing every block behind cost ~10% of served throughput.
     EVICTED = "evicted"
 
 
