@@ -16,7 +16,8 @@ PROC = Path("/proc")
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _stat_fields(pid_dir: Path) -> list[str] | None:
+def stat_fields(pid_dir: Path) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), or None if the process is gone."""
     try:
         raw = (pid_dir / "stat").read_text()
     except OSError:  # exited meanwhile, or no permission
@@ -49,7 +50,7 @@ def session_cpu(session_id: int, proc: Path = PROC) -> dict[str, float]:
     for pid_dir in proc.iterdir():
         if not pid_dir.name.isdigit():
             continue
-        fields = _stat_fields(pid_dir)
+        fields = stat_fields(pid_dir)
         # after comm: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
         if fields is None or int(fields[3]) != session_id:
             continue

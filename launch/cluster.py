@@ -177,13 +177,12 @@ class Cluster:
         self.log(f"[up] model folder: {self.model_dir}")
 
     def start_store(self) -> None:
-        path = self.spec.disk_path
-        # A temporary folder is removed at stop, so its disk tier only extends DRAM: written when DRAM evicts.
-        # (Writing every block behind cost ~10% of served throughput on a 2-core EPYC: docs/benchmarks.md.)
-        writes = DiskWrites.BEHIND if path is not None else DiskWrites.EVICTED
+        path, writes = self.spec.disk_path, DiskWrites.BEHIND
         if path is None:
             self._tmp = self._tmp or tempfile.mkdtemp(prefix="ucm-store-")
-            path = self._tmp
+            # Removed at stop, so its disk tier only extends DRAM: written when DRAM evicts. (Writing every block
+            # behind cost ~10% of served throughput on a 2-core EPYC: docs/benchmarks.md.)
+            path, writes = self._tmp, DiskWrites.EVICTED
         assert self.store_addr is not None, "start_store needs StoreMode.DAEMON"
         store = self._spawn(
             "store",

@@ -9,7 +9,8 @@ the disk is a victim tier (`ucm.store_config.DiskWrites` says when each fits).
 Eviction: each tier asks the policy built by `ucm.eviction.make_policy(config.policy, config.dram_bytes)` and
 `make_policy(config.disk_policy, config.disk_bytes)` (admit/insert/touch/remove/evict(can_evict)); `can_evict`
 is False for keys pinned by an in-flight load. DRAM eviction just drops (the block was written behind), or with
-`DiskWrites.EVICTED` hands the block to the write-behind unless the disk has it; disk eviction deletes. Lock order: `Store._lock` → disk tier lock → pin lock; nothing is taken the other way.
+`DiskWrites.EVICTED` hands the block to the write-behind unless the disk has it; disk eviction deletes.
+Lock order: `Store._lock` → disk tier lock → pin lock; nothing is taken the other way.
 A disk block is promoted into DRAM once (the first load to read it; concurrent loads of other layers find it
 there) and never after a removal started (`ucm.removal_clock`).
 """
@@ -201,8 +202,7 @@ class Store:
             behind = self.config.disk_writes is DiskWrites.BEHIND
             for record, in_dram in zip(records, self._dram.put_many(records, "commit")):  # deepest first
                 if self._writer is not None and (behind or not in_dram):
-                    self._inflight[record.key] = record
-                    self._removed_inflight.discard(record.key)
+                    self._in_flight(record)
                     to_write.append(record)
                 elif not in_dram:
                     log.debug("dropping %s at commit: no room in DRAM and no disk tier", record.key.hex())
@@ -219,6 +219,10 @@ class Store:
         if not self._writer.offer(record):
             log.debug("dram: evicted %s dropped: the disk write queue is full", record.key.hex())
             return
+        self._in_flight(record)
+
+    def _in_flight(self, record: BlockRecord) -> None:
+        """`record` is handed to the write-behind (under `_lock`): visible from `_inflight` until written."""
         self._inflight[record.key] = record
         self._removed_inflight.discard(record.key)
 

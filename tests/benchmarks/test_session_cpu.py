@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.session_cpu import cpu_used, session_cpu
+from benchmarks.session_cpu import cpu_used, session_cpu, stat_fields
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 
@@ -20,8 +20,8 @@ _BURN = "import sys, time\nt = time.process_time()\nwhile time.process_time() - 
 
 
 def _state(pid: int) -> str:
-    raw = Path(f"/proc/{pid}/stat").read_text()
-    return raw[raw.rindex(")") + 2]
+    fields = stat_fields(Path(f"/proc/{pid}"))
+    return fields[0] if fields else "gone"
 
 
 def test_a_sessions_cpu_is_counted_per_process(tmp_path) -> None:
