@@ -2,7 +2,8 @@
 
 CUDA: achieved memory bandwidth (bytes the kernel must move / time) as a fraction of the device's peak HBM
 bandwidth (from a table by device name, else a measured large copy), with torch SDPA on already-gathered dense
-K/V (and torch index_select / index_copy_ for blocks) as the baseline.
+K/V (and torch index_select / index_copy_ for blocks) as the baseline. Prefill attention on CUDA is compute
+bound: TFLOP/s per causal pair, against torch's flash SDPA on dense K/V, with a sweep of the Triton kernel's tiles.
 CPU: tokens/s of what `kernels` dispatches to ("dispatched (native|torch)": the path the start-up calibration,
 kernels/cpu/calibration.py, measured faster for that shape class) next to the native C kernel (kernels/cpu/), the
 torch path (`UCM_CPU_ATTENTION=torch`) and SDPA on pre-gathered K/V, in the same run; a last table puts each
@@ -81,6 +82,7 @@ class Row:
     gbps: float | None
     frac_peak: float | None
     tokens_per_s: float | None
+    tflops: float | None = None  # compute-bound rows (GPU prefill)
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, min_time_s: float) -> float:
@@ -268,6 +270,57 @@ def bench_prefill_cpu(s: Shape, dtype: torch.dtype, min_s: float) -> list[Row]:
     return rows
 
 
+def causal_pairs(ctx: int, new: int) -> int:
+    """(query, key) pairs a causal attention of `new` last tokens over a context of `ctx` computes."""
+    return new * (ctx - new) + new * (new + 1) // 2
+
+
+def bench_prefill_gpu(s: Shape, dtype: torch.dtype, device: torch.device, min_s: float) -> list[Row]:
+    """One sequence of s.ctx tokens: a whole prompt, and its last half new over a cached first half. Compute
+    bound, so the figure is TFLOP/s (4 * heads * head_dim per causal pair) against
+    torch's fused SDPA on pre-gathered dense K/V (flash on whole prompts: the physical best of no paging)."""
+    one = Shape(s.name, 1, s.ctx, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size)
+    _, k_cache, v_cache, tables, _ = paged_setup(one, dtype, device)
+    nb = tables.shape[1]
+    k_dense = gather_context(k_cache, tables, nb)[:, :, : s.ctx].contiguous()
+    v_dense = gather_context(v_cache, tables, nb, slot="v")[:, :, : s.ctx].contiguous()
+    scale = s.head_dim**-0.5
+    gqa = s.num_q_heads != s.num_kv_heads
+    from kernels.triton_prefill_attention import prefill_attention_triton
+
+    rows = []
+    for new, what in ((s.ctx, "whole prompt"), (s.ctx // 2, "half new")):
+        q = torch.randn(new, s.num_q_heads, s.head_dim, dtype=dtype, device=device)
+        qsl = torch.tensor([0, new], dtype=torch.int32, device=device)
+        lens = torch.tensor([s.ctx], dtype=torch.int32, device=device)
+        args = (q, k_cache, v_cache, qsl, lens, tables, scale, new)
+        runs: dict[str, Callable[[], object]] = {
+            "paged (dispatch)": lambda args=args: kernels.prefill_attention(*args),
+            "torch path": lambda args=args: prefill_attention_torch(*args),
+        }
+        if new == s.ctx:  # is_causal aligns top-left, right only when queries and keys are the same positions
+            qd = q.transpose(0, 1).unsqueeze(0)
+            runs["SDPA pre-gathered (causal)"] = lambda qd=qd: F.scaled_dot_product_attention(
+                qd, k_dense, v_dense, scale=scale, is_causal=True, enable_gqa=gqa
+            )
+        for bm, bn, warps, stages in ((32, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
+                                      (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                                      (128, 128, 8, 2), (128, 128, 8, 3)):  # fmt: skip
+            runs[f"triton m{bm} n{bn} w{warps} s{stages}"] = functools.partial(
+                prefill_attention_triton, *args, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages
+            )
+        flop = 4 * s.num_q_heads * s.head_dim * causal_pairs(s.ctx, new)
+        for impl, fn in runs.items():
+            try:
+                ms = time_ms(fn, device, min_s)
+            except Exception as e:  # a tile that does not fit the device's shared memory: say so, go on
+                print(f"  {s.name} {what} {impl}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            name = f"{s.name} {dtype_name(dtype)} {what}"
+            rows.append(Row("prefill", name, impl, ms, None, None, new / ms * 1e3, flop / ms / 1e9))
+    return rows
+
+
 def bench_blocks(s: Shape, num_blocks: int, dtype: torch.dtype, device: torch.device, peak: float | None, min_s: float):
     cache = torch.randn(2 * num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
     ids = torch.randperm(2 * num_blocks, device=device)[:num_blocks]
@@ -352,9 +405,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'bench':8} {'shape':40} {'impl':24} {'ms':>9} {'GB/s':>8} {'%peak':>6} {'tok/s':>11}")
+    print(f"{'bench':8} {'shape':40} {'impl':24} {'ms':>9} {'GB/s|TFLOPS':>11} {'%peak':>6} {'tok/s':>11}")
     for r in rows:
-        gb = f"{r.gbps:8.1f}" if r.gbps is not None else f"{'-':>8}"
+        rate = r.gbps if r.gbps is not None else r.tflops
+        gb = f"{rate:11.1f}" if rate is not None else f"{'-':>11}"
         fr = f"{100 * r.frac_peak:5.1f}%" if r.frac_peak is not None else f"{'-':>6}"
         tk = f"{r.tokens_per_s:11.0f}" if r.tokens_per_s is not None else f"{'-':>11}"
         print(f"{r.bench:8} {r.shape:40} {r.impl:24} {r.ms:9.3f} {gb} {fr} {tk}")
@@ -414,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_decode(s, dtype, device, peak, min_s)
             if not cuda and s.layers == 1:
                 rows += bench_prefill_cpu(s, dtype, min_s)
+        if cuda:
+            for s in (Shape("llama8b 8k", 1, 8192, 32, 8, 128), Shape("smollm2 4k", 1, 4096, 9, 3, 64)):
+                rows += bench_prefill_gpu(s, dtype, device, min_s)
         rows += bench_blocks(shapes[0], 4096 if cuda else 256, dtype, device, peak, min_s)
     if not cuda:
         mem = read_gbps()

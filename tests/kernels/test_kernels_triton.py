@@ -141,6 +141,17 @@ def test_prefill_attention(dtype, hq, hkv, head_dim):
     torch.testing.assert_close(prefill_attention_triton(*args), prefill_attention_torch(*args), **TOL[dtype])
 
 
+@pytest.mark.parametrize("block_m,block_n,num_warps,num_stages", [(64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2)])
+def test_prefill_attention_tiles(block_m, block_n, num_warps, num_stages):
+    """The tiles benchmarks/kernels.py sweeps on a GPU compute the same attention (tiles past a block, past the
+    longest query)."""
+    case = make_paged_case(PREFILL_CTX, PREFILL_NEW, 9, 3, 64, dtype=torch.bfloat16, seed=7, device=DEVICE)
+    args = (case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables)
+    args += (0.125, case.max_query_len)
+    out = prefill_attention_triton(*args, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    torch.testing.assert_close(out, prefill_attention_torch(*args), **TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_other_block_sizes_and_strided_queries(block_size):
     ctx, new = [40, 9, 70], [40, 1, 6]
