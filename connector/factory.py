@@ -20,6 +20,7 @@ from connector.request_view import EngineSettings
 from connector.store_spec import StoreKind, StoreSpec
 from connector.ucm_scheduler import UCMSchedulerConnector
 from connector.ucm_worker import UCMWorkerConnector
+from engine.config import KVSavePolicy
 from ucm.api import KVStore
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class UCMDirectConnector:
         *,
         save_decode_blocks: bool = True,
         recompute_last_token_only: bool = True,
+        save_policy: KVSavePolicy = KVSavePolicy.COMPUTED,
     ) -> UCMDirectConnector:
         spec = StoreSpec.parse(kv_store)
         kv_role = parse_role(role)
@@ -132,6 +134,7 @@ class UCMDirectConnector:
             save_decode_blocks=save_decode_blocks,
             recompute_last_token_only=recompute_last_token_only,
             store_address=spec.display,
+            save_policy=save_policy,
         )
         worker = UCMWorkerConnector(store, kv_role, stats, owns_store=spec.kind is StoreKind.DAEMON)
         return cls(scheduler, worker, store, spec, stats)
@@ -161,5 +164,6 @@ def make_connector(
         engine_config.block_size,
         save_decode_blocks=engine_config.kv_save_decode_blocks,
         recompute_last_token_only=engine_config.kv_recompute_last_token_only,
+        save_policy=KVSavePolicy(engine_config.kv_save_policy),
     )
     return ConnectorPair(conn.scheduler, conn.worker)

@@ -13,6 +13,8 @@ from ucm.circuit_breaker import BreakerStats
 from ucm.keys import BlockKey
 
 log = logging.getLogger("connector")
+# The request id of a write-back save's BlockSpec: the blocks outlived the requests that computed them.
+EVICTED_REQUEST = "<evicted>"
 # A store that stays down is reported again at most this often; every failure is counted.
 STORE_WARN_INTERVAL_S = 30.0
 
@@ -34,6 +36,9 @@ class BlockSpec:
 class UCMConnectorMetadata(ConnectorMetadata):
     loads: list[BlockSpec] = field(default_factory=list)
     saves: list[BlockSpec] = field(default_factory=list)
+    # Write-back: blocks the device prefix cache evicted this step, saved whole (every layer) before the forward
+    # overwrites their slots. One BlockSpec under EVICTED_REQUEST.
+    evicted_saves: list[BlockSpec] = field(default_factory=list)
 
     @property
     def num_load_blocks(self) -> int:
@@ -41,7 +46,7 @@ class UCMConnectorMetadata(ConnectorMetadata):
 
     @property
     def num_save_blocks(self) -> int:
-        return sum(len(spec.blocks) for spec in self.saves)
+        return sum(len(spec.blocks) for spec in self.saves + self.evicted_saves)
 
 
 @dataclass

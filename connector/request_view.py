@@ -51,11 +51,32 @@ class ConnectorScheduledItem(Protocol):
     def num_scheduled_tokens(self) -> int: ...
 
 
+class EvictedBlockView(Protocol):
+    """A prefix-cache block whose slot a step reused (engine/block_pool.py's `EvictedBlock`)."""
+
+    @property
+    def block_id(self) -> int: ...
+
+    @property
+    def key(self) -> BlockKey: ...
+
+    @property
+    def parent_key(self) -> BlockKey: ...
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+
+
 class ConnectorSchedulerOutput(Protocol):
     """One scheduled step (engine/scheduler_output.py's `SchedulerOutput`)."""
 
     @property
     def scheduled(self) -> Sequence[ConnectorScheduledItem]: ...
+
+    @property
+    def evicted_blocks(self) -> Sequence[EvictedBlockView]:
+        """Filled only for a write-back connector (EngineSettings.kv_save_policy 'evicted')."""
+        ...
 
 
 class EngineSettings(Protocol):
@@ -69,6 +90,11 @@ class EngineSettings(Protocol):
 
     @property
     def kv_recompute_last_token_only(self) -> bool: ...
+
+    @property
+    def kv_save_policy(self) -> str:
+        """'computed' (write-through) or 'evicted' (write-back): engine/config.py's KVSavePolicy."""
+        ...
 
 
 @dataclass(frozen=True)

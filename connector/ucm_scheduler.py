@@ -7,18 +7,28 @@ Loading is synchronous within the step (layer-wise, overlapped with the forward 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from connector.base import KVConnectorRole, KVConnectorScheduler
-from connector.metadata import BlockSpec, ConnectorStats, UCMConnectorMetadata, select_unsaved, store_failed
+from connector.metadata import (
+    EVICTED_REQUEST,
+    BlockSpec,
+    ConnectorStats,
+    UCMConnectorMetadata,
+    select_unsaved,
+    store_failed,
+)
 from connector.request_view import (
     ConnectorRequest,
     ConnectorSchedulerOutput,
+    EvictedBlockView,
     ScheduledView,
     iter_scheduled,
     token_ids_of,
 )
+from engine.config import KVSavePolicy
 from ucm.api import BlockRef, KVStore
 from ucm.circuit_breaker import CircuitBreaker
 from ucm.keys import BlockKey
@@ -62,9 +72,11 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         save_decode_blocks: bool = True,
         recompute_last_token_only: bool = True,
         store_address: str = "embedded",
+        save_policy: KVSavePolicy = KVSavePolicy.COMPUTED,
     ) -> None:
         """`recompute_last_token_only`: when every block of a block-aligned prompt is stored, load them all and
-        compute only the last token (its KV slot is rewritten with the same values) instead of its whole block."""
+        compute only the last token (its KV slot is rewritten with the same values) instead of its whole block.
+        `save_policy`: save blocks as they are computed, or only once the device prefix cache evicts them."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.store = store
@@ -74,6 +86,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         self.save_decode_blocks = save_decode_blocks
         self.recompute_last_token_only = recompute_last_token_only
         self.store_address = store_address
+        self.save_policy = save_policy
         self._pending: dict[str, _PendingLoad] = {}
         self._progress: dict[str, _Progress] = {}
         self._key_checked: set[str] = set()
@@ -147,9 +160,20 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             meta.loads.append(BlockSpec(req_id, pending.block_ids, tuple(refs)))
             self._progress.setdefault(req_id, _Progress()).external_tokens += pending.num_blocks * self.block_size
         self._pending.clear()
-        if self.role.saves:
-            meta.saves = self._saves(scheduled, {ref.key for spec in meta.loads for ref in spec.blocks})
+        loading = {ref.key for spec in meta.loads for ref in spec.blocks}
+        if self.role.saves and self.save_policy is KVSavePolicy.EVICTED:
+            meta.evicted_saves = self._evicted_saves(scheduler_output.evicted_blocks, loading)
+        elif self.role.saves:
+            meta.saves = self._saves(scheduled, loading)
         return meta
+
+    def _evicted_saves(self, evicted: Sequence[EvictedBlockView], loading: set[BlockKey]) -> list[BlockSpec]:
+        """Write-back: the evicted blocks the store lacks (a block loaded from it is evicted too, in time)."""
+        if not evicted:
+            return []
+        refs = tuple(BlockRef(b.key, b.parent_key, b.token_ids) for b in evicted)
+        candidate = BlockSpec(EVICTED_REQUEST, tuple(b.block_id for b in evicted), refs)
+        return self._unsaved([candidate], loading, count_progress=False)
 
     def _saves(self, scheduled: list[ScheduledView], loading: set[BlockKey]) -> list[BlockSpec]:
         bs = self.block_size
@@ -165,6 +189,10 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             if stop > first:
                 ids = tuple(view.block_ids[first:stop])
                 candidates.append(BlockSpec(req.request_id, ids, tuple(block_refs(req, first, stop))))
+        return self._unsaved(candidates, loading, count_progress=True)
+
+    def _unsaved(self, candidates: list[BlockSpec], loading: set[BlockKey], count_progress: bool) -> list[BlockSpec]:
+        """The candidates' blocks that the store lacks and no load of this step brings (one `contains` call)."""
         keys = [ref.key for cand in candidates for ref in cand.blocks]
         if not keys:
             return []
@@ -178,7 +206,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             self.stats.blocks_save_failed += len(keys)
             return []
         specs = select_unsaved(candidates, held, set(loading), self.stats)
-        for spec in specs:
+        for spec in specs if count_progress else ():
             self._progress.setdefault(spec.request_id, _Progress()).saved_blocks += len(spec.blocks)
         return specs
 

@@ -4,6 +4,8 @@ Loads: `start_load_kv` issues one store load per layer into host staging buffers
 attention of layer L waits only for layer L's load (`wait_for_layer_load`), then scatters it into the cache.
 Saves: `save_kv_layer` copies layer L's newly full blocks into staging (so the cache may be overwritten) and
 dumps them asynchronously; `wait_for_save` waits for every dump and commits the blocks whose every layer landed.
+Write-back saves (blocks the device prefix cache evicted this step) are copied whole, every layer, in
+`start_load_kv`, before anything of the step writes the cache, and dumped in one request.
 A failed load fails that block and every later block of its request (a prefix is all attention can use);
 those device blocks are reported through `get_block_ids_with_load_errors` and never counted as loaded.
 """
@@ -86,6 +88,8 @@ class UCMWorkerConnector(KVConnectorWorker):
         self._saves: list[_Dump] = []  # this step's store requests
         self._small_layers: list[int] = []  # layers of this step's small save packed and not yet sent
         self._small_saves: StagingBuffer | None = None
+        self._evicted_buf: StagingBuffer | None = None  # layer L of an evicted save in rows [L * n, (L + 1) * n)
+        self._evicted_dump: _Dump | None = None
         self._load_errors: set[int] = set()
         self._errored_requests: set[str] = set()  # this step's requests with a failed load
         # request id -> blocks it loaded, by the store tier they came from: for the per-tier prompt-token split
@@ -104,6 +108,7 @@ class UCMWorkerConnector(KVConnectorWorker):
         self._load_bufs = [self._staging() for _ in kv_caches]
         self._save_bufs = [self._staging() for _ in kv_caches]
         self._small_saves = self._staging()  # layer L of a small save in rows [L * n, (L + 1) * n)
+        self._evicted_buf = self._staging()
 
     def _staging(self) -> StagingBuffer:
         """Staging in the store's fastest memory: a daemon on this host maps it (no payload frames)."""
@@ -113,6 +118,7 @@ class UCMWorkerConnector(KVConnectorWorker):
         assert isinstance(metadata, UCMConnectorMetadata), f"expected UCMConnectorMetadata, got {type(metadata)}"
         super().bind_connector_metadata(metadata)
         assert self._loads is None and not self._saves and not self._small_layers, "previous step's saves are open"
+        assert self._evicted_dump is None, "previous step's write-back save is open"
         self._errored_requests = set()
 
     @property
@@ -124,6 +130,7 @@ class UCMWorkerConnector(KVConnectorWorker):
     # ---- 5. loads ------------------------------------------------------------------------------------------
 
     def start_load_kv(self) -> None:
+        self._save_evicted()  # first: this step's loads, copies and forward overwrite those slots
         self._loads = None
         specs = [spec for spec in self._meta.loads if spec.blocks]
         if not specs:
@@ -259,6 +266,39 @@ class UCMWorkerConnector(KVConnectorWorker):
         task = self._dump(blocks, layers, [views[layer * n : (layer + 1) * n] for layer in layers])
         self._saves.append(_Dump(layers, task, small=True))
 
+    def _save_evicted(self) -> None:
+        evicted = self._meta.evicted_saves
+        if not self.role.saves or not evicted:
+            return
+        t0 = time.perf_counter()
+        assert self._evicted_buf is not None, "register_kv_caches was not called"
+        blocks = [ref for spec in evicted for ref in spec.blocks]
+        n = len(blocks)
+        ids = torch.tensor([b for spec in evicted for b in spec.block_ids], dtype=torch.long)
+        num_layers = self.layout.num_layers
+        self._evicted_buf.reserve(num_layers * n)  # all layers' rows now: growing drops the rows
+        for layer, (k_cache, v_cache) in enumerate(self._caches):
+            pack_blocks(k_cache, v_cache, ids.to(k_cache.device), self._evicted_buf, first_row=layer * n)
+        self._sync_host(self._caches[0][0])
+        views = self._evicted_buf.memoryviews(num_layers * n)
+        task = self._dump(blocks, list(range(num_layers)), [views[i * n : (i + 1) * n] for i in range(num_layers)])
+        self._evicted_dump = _Dump(list(range(num_layers)), task)
+        self.stats.save_seconds += time.perf_counter() - t0
+
+    def _commit_evicted(self) -> None:
+        dump, self._evicted_dump = self._evicted_dump, None
+        if dump is None:
+            return
+        t0 = time.perf_counter()
+        evicted = self._meta.evicted_saves
+        failed, stuck = failed_rows(dump.task, sum(len(spec.blocks) for spec in evicted), self.task_timeout_s)
+        if stuck:  # leave the buffer to the straggler
+            self._evicted_buf = self._staging()
+        nbytes = self.layout.payload_nbytes * self.layout.num_layers
+        # Their KV was computed by earlier steps, so no failed load of this step taints them.
+        self._warn_at = commit_saves(self.store, evicted, failed, set(), self.stats, nbytes, self._warn_at)
+        self.stats.save_seconds += time.perf_counter() - t0
+
     @staticmethod
     def _sync_host(cache: torch.Tensor) -> None:
         if cache.device.type == "cuda":
@@ -268,6 +308,7 @@ class UCMWorkerConnector(KVConnectorWorker):
         self._finish_loads()  # after the last layer: every load is known before deciding what to commit
         if self._metadata is None:
             return
+        self._commit_evicted()
         saves = self._meta.saves
         if self._small_layers:
             self._sync_host(self._caches[0][0])

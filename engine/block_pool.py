@@ -29,6 +29,16 @@ class KVCacheBlock:
 
 
 @dataclass(frozen=True)
+class EvictedBlock:
+    """A prefix-cache block whose slot was handed to new work: what it held, for a write-back save."""
+
+    block_id: int
+    key: BlockKey
+    parent_key: BlockKey
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class BlockPoolStats:
     num_blocks: int
     num_free: int  # ref_cnt == 0 (includes cached-but-free blocks)
@@ -37,7 +47,9 @@ class BlockPoolStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_evictions: bool = False) -> None:
+        """`record_evictions`: keep what every cached block reused by `get_new_blocks` held, until
+        `take_evicted` (a write-back connector saves them before the step overwrites them)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -49,6 +61,8 @@ class BlockPool:
         # Bumped whenever a key enters or leaves the prefix cache: a prefix match made at one version holds
         # until the next (lookups read nothing else), so callers may keep it that long.
         self.cache_version = 0
+        self.record_evictions = record_evictions
+        self._evicted: list[EvictedBlock] = []
 
     # -- allocation ---------------------------------------------------------------------------------------
     @property
@@ -62,6 +76,9 @@ class BlockPool:
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             assert block.ref_cnt == 0, f"free block {block} has references"
+            if self.record_evictions and block.key is not None:
+                assert block.parent_key is not None and block.token_ids is not None, f"{block} cached half-way"
+                self._evicted.append(EvictedBlock(block.block_id, block.key, block.parent_key, block.token_ids))
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -106,6 +123,11 @@ class BlockPool:
         self._cached[key] = block
         self.cache_version += 1
         return True
+
+    def take_evicted(self) -> list[EvictedBlock]:
+        """The cached blocks reused since the last call, in eviction order (only with record_evictions)."""
+        out, self._evicted = self._evicted, []
+        return out
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Forget a block's key (e.g. its KV failed to load and holds garbage)."""

@@ -28,6 +28,18 @@ def parse_memory_size(value: int | float | str) -> int:
     return nbytes
 
 
+class KVSavePolicy(str, enum.Enum):  # noqa: UP042 (CLI values)
+    """When the connector saves a full block to the store."""
+
+    # As soon as it is computed, layer by layer (write-through): other instances, and a restarted one, can
+    # load it at once. What a prefill node feeding decode nodes needs.
+    COMPUTED = "computed"
+    # Only when the device prefix cache evicts it (write-back), all layers before its slot is reused. For one
+    # engine alone on a store: the device cache already serves what it holds, so a block costs the store
+    # nothing until the device is full; a crash loses what only the device held.
+    EVICTED = "evicted"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -168,6 +180,7 @@ class EngineConfig:
     # A fully stored, block-aligned prompt loads every block and recomputes only its last token
     # (False: recompute the whole last block).
     kv_recompute_last_token_only: bool = True
+    kv_save_policy: KVSavePolicy = KVSavePolicy.COMPUTED
 
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(str(self.dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
@@ -181,6 +194,10 @@ class EngineConfig:
             raise ValueError("kv_role needs kv_store")
         if self.kv_role is not None and self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ValueError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {self.kv_role!r}")
+        if not isinstance(self.kv_save_policy, KVSavePolicy):
+            raise ValueError(f"kv_save_policy must be a KVSavePolicy, got {self.kv_save_policy!r}")
+        if self.kv_save_policy is KVSavePolicy.EVICTED and not self.cache.enable_prefix_caching:
+            raise ValueError("kv_save_policy 'evicted' needs the prefix cache: without it nothing is ever evicted")
 
     @property
     def dtype_name(self) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool, KVCacheBlock
+from engine.block_pool import BlockPool, EvictedBlock, KVCacheBlock
 from engine.request import Request
 
 
@@ -20,10 +20,12 @@ class PrefixMatch:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, record_evictions: bool = False
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, record_evictions)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -133,6 +135,9 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         # Tail first: the end of a sequence is the least likely to be shared, so it is evicted first.
         self.pool.free_blocks(list(reversed(blocks)))
+
+    def take_evicted(self) -> list[EvictedBlock]:
+        return self.pool.take_evicted()
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, canonical_dtype
+from engine.config import CacheConfig, EngineConfig, KVSavePolicy, SchedulerConfig, canonical_dtype
 from engine.engine_core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -32,6 +32,7 @@ class LLM:
         kv_role: str | None = None,
         seed: int = 0,
         loaded_model: Any = None,
+        kv_save_policy: KVSavePolicy | str = KVSavePolicy.COMPUTED,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -42,6 +43,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill),
             kv_store=kv_store,
             kv_role=kv_role,
+            kv_save_policy=KVSavePolicy(kv_save_policy),
         )
         if loaded_model is not None and self.config.dtype != "auto":
             want = self.config.dtype_name

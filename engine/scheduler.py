@@ -148,6 +148,7 @@ class Scheduler:
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
         out.cow_copies = self.kv.take_pending_copies()
+        out.evicted_blocks = self.kv.take_evicted()
         for s in out.scheduled:
             # Prefill/recompute = every position except the newest output token (that one is a decode).
             req = s.request

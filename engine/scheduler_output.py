@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.block_pool import EvictedBlock
 from engine.request import Request
 
 
@@ -39,6 +40,9 @@ class SchedulerOutput:
     scheduled_running_reqs: list[ScheduledRequest] = field(default_factory=list)
     # Copy-on-write (src block, dst block) pairs to apply before the forward.
     cow_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Prefix-cache blocks this step's allocations reused, for a write-back connector (KVSavePolicy.EVICTED);
+    # their old contents are intact until the forward (the connector saves them in start_load_kv).
+    evicted_blocks: list[EvictedBlock] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
     # Sequences that finished since the previous step (for the connector's get_finished).
     finished_req_ids: set[str] = field(default_factory=set)

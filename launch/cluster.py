@@ -24,6 +24,7 @@ from typing import TextIO
 
 import httpx
 
+from engine.config import KVSavePolicy
 from launch.child import Child
 from launch.model_prep import model_folder
 from launch.supervisor import RestartPolicy, Supervisor
@@ -43,6 +44,7 @@ class ClusterSpec:
     served_model_name: str | None = None  # the name clients send; default: `model` as given
     max_model_len: int | None = None  # None: the model's (bounded by each node's KV cache)
     enable_prefix_caching: bool = True  # the nodes' device prefix cache
+    kv_save_policy: KVSavePolicy | None = None  # None: `Cluster.save_policy` picks by the topology
     prefill: int = 1
     decode: int = 1
     colocated: int = 0  # nodes running prefill and decode in one engine
@@ -134,6 +136,9 @@ class Cluster:
                 self.start_node("prefill", i)
             for i in range(self.spec.decode):
                 self.start_node("decode", i)
+            if self.spec.colocated and self.store_addr is not None:
+                policy, why = self.save_policy()
+                self.log(f"[up] colocated nodes save KV blocks to the store when {policy.value} ({why})")
             for i in range(self.spec.colocated):
                 self.start_node("colocated", i)
             self.wait_healthy(timeout)
@@ -284,7 +289,21 @@ class Cluster:
             args += ["--threads", str(max(1, (os.cpu_count() or 1) // nodes))]
         if kind == "colocated":
             args.append("--colocated")
+        if kind == "colocated" and self.store_addr is not None:  # prefill nodes always save as they compute
+            args += ["--kv-save-policy", self.save_policy()[0].value]
         return self._spawn(name, _cmd(*args), self.spec.node_env.get(name))
+
+    def save_policy(self) -> tuple[KVSavePolicy, str]:
+        """When a colocated node saves its blocks to the store, and why."""
+        spec = self.spec
+        if spec.kv_save_policy is not None:
+            return spec.kv_save_policy, "asked for"
+        if spec.colocated == 1 and spec.prefill == spec.decode == 0 and spec.enable_prefix_caching:
+            # Nobody else reads the store while its device cache holds a block. Saving every block as computed
+            # cost ~10% of served random throughput and ~0.3-0.4 s of prefix_repetition TTFT on a 2-core EPYC
+            # (`up --no-store` against `up`: docs/benchmarks.md).
+            return KVSavePolicy.EVICTED, "one engine: its device cache serves what it holds, the store the rest"
+        return KVSavePolicy.COMPUTED, "several engines share the store"
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, nice: int = 0) -> Child:
         child = Child(name, argv, sink=self.sink, env=env, nice=nice)

@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
+from engine.config import KVSavePolicy
 from protocol import defaults
 from protocol.messages import NodeRole
 from protocol.peer_identity import check_node_id
@@ -38,6 +39,7 @@ class NodeConfig:
     max_model_len: int | None = None
     kv_cache_memory: str = defaults.NODE_KV_CACHE_MEMORY  # paged-cache size (the device tier of the KV cache)
     enable_prefix_caching: bool = True  # reuse prompt prefixes held in the paged cache
+    kv_save_policy: KVSavePolicy = KVSavePolicy.COMPUTED  # when blocks go to the store (engine/config.py)
     heartbeat_interval_s: float = 0.5
     num_threads: int | None = None  # torch intra-op threads (several nodes on one small machine: 1 each)
     cached_keys_cap: int = 4096  # how many recent block keys a heartbeat carries
@@ -56,6 +58,10 @@ class NodeConfig:
             raise ValueError(f"heartbeat interval must be positive, got {self.heartbeat_interval_s}")
         if self.step_delay_s < 0:
             raise ValueError(f"{STEP_DELAY_ENV} must be >= 0, got {self.step_delay_s}")
+        if self.kv_save_policy is KVSavePolicy.EVICTED and self.role is NodeRole.PREFILL:
+            raise ValueError(
+                "--kv-save-policy evicted on a prefill node: its decode nodes load what it saves, as it computes it"
+            )
 
     @property
     def model_name(self) -> str:
@@ -86,6 +92,15 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse the KV of prompt prefixes held in the paged cache",
+    )
+    parser.add_argument(
+        "--kv-save-policy",
+        type=KVSavePolicy,
+        default=KVSavePolicy.COMPUTED,
+        choices=list(KVSavePolicy),
+        metavar="{" + ",".join(p.value for p in KVSavePolicy) + "}",
+        help="computed: every full block to the store as it is computed (other nodes and restarts load it); "
+        "evicted: only when the device prefix cache evicts it (one engine alone on a store; not on prefill nodes)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
@@ -154,6 +169,7 @@ def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_save_policy=args.kv_save_policy,
         heartbeat_interval_s=args.heartbeat_interval,
         num_threads=args.threads,
         step_delay_s=float(os.environ.get(STEP_DELAY_ENV) or 0.0),

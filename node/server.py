@@ -47,6 +47,7 @@ def build_engine(config: NodeConfig, worker: RoleWorker) -> Any:
         scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len),
         kv_store=config.store_addr,
         kv_role=worker.connector_role.value if config.store_addr else None,
+        kv_save_policy=config.kv_save_policy,
     )
     return EngineCore(engine_config)
 

@@ -64,6 +64,7 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
             ("--max-model-len", args.max_model_len is not None),
             ("--no-enable-prefix-caching", not args.enable_prefix_caching),
             ("--host (use --ray-host)", args.host != defaults.HTTP_HOST),
+            ("--kv-save-policy", args.kv_save_policy is not None),
         )
         if given
     ]

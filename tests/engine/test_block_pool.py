@@ -167,3 +167,25 @@ def test_integrity_detects_leak(manager):
     with pytest.raises(AssertionError):
         manager.check_integrity()
     manager.pool.free_blocks([manager.pool.blocks[1], manager.pool.blocks[0]])
+
+
+def test_evictions_are_recorded_only_when_asked_and_only_for_reused_cached_blocks():
+    keys = block_keys(ROOT, list(range(8)), BS)
+    for record in (False, True):
+        pool = BlockPool(3, record_evictions=record)
+        a, b, c = pool.get_new_blocks(3)
+        assert pool.cache_block(a, keys[0], ROOT, (0, 1, 2, 3))
+        assert pool.cache_block(b, keys[1], keys[0], (4, 5, 6, 7))
+        pool.free_blocks([c, b, a])  # eviction order: c (uncached), then b, then a
+        pool.uncache(a)  # garbage, not an eviction: nothing to save
+        assert pool.take_evicted() == []
+        got = pool.get_new_blocks(3)
+        assert [blk.block_id for blk in got] == [c.block_id, b.block_id, a.block_id]
+        evicted = pool.take_evicted()
+        if not record:
+            assert evicted == []
+            continue
+        assert [(e.block_id, e.key, e.parent_key, e.token_ids) for e in evicted] == [
+            (b.block_id, keys[1], keys[0], (4, 5, 6, 7))
+        ]
+        assert pool.take_evicted() == [], "taken once"
