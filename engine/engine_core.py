@@ -8,8 +8,8 @@ KV connector (optional pair: scheduler side, worker side), called in connector/b
     at least one token is computed; async loads are treated as sync: they happen in this step's forward) →
     blocks for computed + external + new tokens → update_state_after_alloc(request, all its block ids, n_external);
     external tokens count as computed. Once per step: build_connector_meta(scheduler_output).
-  ModelRunner.execute: bind_connector_metadata → start_load_kv → forward (the model calls wait_for_layer_load /
-    save_kv_layer per layer) → wait_for_save → get_finished(finished ids) → get_block_ids_with_load_errors →
+  ModelRunner.execute: bind_connector_metadata → start_load_kv (write-back saves first) → copy-on-write copies →
+    forward (the model calls wait_for_layer_load / save_kv_layer per layer) → wait_for_save → get_finished(finished ids) → get_block_ids_with_load_errors →
     clear_connector_metadata.
   Scheduler.update_from_output: a request owning a failed block rolls back to that block's start, drops its
     sample and those blocks' prefix-cache keys, and is recomputed; full blocks are published to the device prefix

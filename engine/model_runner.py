@@ -73,15 +73,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
+        conn = self.connector
+        if conn is not None and out.kv_connector_metadata is not None:
+            # Before the copies: a write-back connector saves the evicted blocks a copy may land in.
+            conn.bind_connector_metadata(out.kv_connector_metadata)
+            conn.start_load_kv()
         if out.cow_copies:
             from kernels import copy_blocks
 
             src, dst = zip(*out.cow_copies, strict=True)
             copy_blocks(self.kv_caches, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
-        conn = self.connector
-        if conn is not None and out.kv_connector_metadata is not None:
-            conn.bind_connector_metadata(out.kv_connector_metadata)
-            conn.start_load_kv()
         hidden = None
         if out.scheduled:
             input_ids, positions, meta = self.prepare_inputs(out)

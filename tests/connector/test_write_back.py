@@ -42,17 +42,21 @@ def refs_of(llm, prompt: list[int]) -> list[BlockRef]:
     return [BlockRef(k, keys[i - 1] if i else root, tuple(prompt[i * BS : (i + 1) * BS])) for i, k in enumerate(keys)]
 
 
-def stored_bytes(llm, prompt: list[int]) -> list[bytes]:
-    """Every layer's payload of the prompt's full blocks, read back from the engine's store."""
+def stored_bytes(llm, prompt: list[int], only_held: bool = False) -> dict[int, bytes]:
+    """Every layer's payload of the prompt's full blocks (only those the store holds), read back from the
+    engine's store: block index -> bytes."""
     _, worker = llm.engine.kv_connector
     refs = refs_of(llm, prompt)
+    held = worker.store.contains([ref.key for ref in refs])
+    index = [i for i, h in enumerate(held) if h or not only_held]
+    refs = [refs[i] for i in index]
     layers = list(range(worker.layout.num_layers))
     size = worker.layout.payload_nbytes
     dst = [[memoryview(bytearray(size)) for _ in layers] for _ in refs]
     task = worker.store.load(refs, layers, dst)
     task.wait(30)
     assert not task.failed_blocks, f"blocks {task.failed_blocks} did not load"
-    return [bytes(view) for row in dst for view in row]
+    return {i: b"".join(bytes(view) for view in row) for i, row in zip(index, dst)}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +101,28 @@ def test_evicted_saves_hold_what_write_through_stores(smollm2_fp32, tmp_path):
     for prompt in others:
         greedy(back, prompt)
     assert stored_bytes(back, first) == stored_bytes(through, first)
+    through.close()
+    back.close()
+
+
+def test_a_block_evicted_for_a_copy_on_write_is_saved_before_the_copy(smollm2_fp32, tmp_path):
+    """n=2 forks share the prompt's partial last block; each fork's first write copies it into a new block, which
+    here is an evicted block of the first prompt: its bytes must reach the store before the copy lands."""
+    from engine import SamplingParams
+
+    rng = random.Random(3)
+    first = prompts(1)[0]
+    forked = [rng.randrange(100, 40000) for _ in range(150)]  # 9 full blocks and a shared partial one
+    through = make(smollm2_fp32, tmp_path, "computed")
+    greedy(through, first)
+    back = make(smollm2_fp32, tmp_path, "evicted")
+    greedy(back, first)
+    params = SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=5, ignore_eos=True)
+    back.generate([forked], params)
+    held = stored_bytes(back, first, only_held=True)
+    assert len(held) >= 3, "the forks evicted too little of the first prompt to test anything"
+    want = stored_bytes(through, first)
+    assert [i for i in held if held[i] != want[i]] == [], "stored bytes differ from write-through's"
     through.close()
     back.close()
 
