@@ -60,6 +60,8 @@ def served(reqs: list[Req], args: argparse.Namespace, out_dir: Path) -> tuple[fl
         args.dtype,
         "--kv-cache-memory",
         args.kv_cache_memory,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
         *args.up_args.split(),
     ]
     srv = Server("ucm-up", argv, "smollm2-135m")

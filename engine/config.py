@@ -69,7 +69,7 @@ class SchedulingPolicy(enum.Enum):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     # A step's token budget. Every prompt that finishes its prefill in a step gets its first token at the step's
     # end, so on a small CPU, where 2048 tokens of the embedded model take ~4.5 s, a smaller step serves first
     # tokens sooner: 1024 against 2048 on the 2-core AVX2 EPYC, in process, gave prefix_repetition (4 x 1024 +

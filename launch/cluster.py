@@ -58,7 +58,7 @@ class ClusterSpec:
     dtype: str = "auto"
     device: str | None = None
     kv_cache_memory: str = defaults.NODE_KV_CACHE_MEMORY
-    max_num_seqs: int = 64
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     node_timeout_s: float = 3.0
     heartbeat_interval_s: float = 0.5
     router_args: tuple[str, ...] = ()

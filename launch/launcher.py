@@ -50,6 +50,12 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len", type=int, default=None, help="prompt + completion tokens per request (default: the model's)"
     )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=defaults.MAX_NUM_SEQS,
+        help="sequences each node runs at once (vLLM's flag; more wait in its queue)",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument(
         "--enable-prefix-caching",
@@ -165,6 +171,7 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
         dtype=args.dtype,
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
         secure=not args.insecure,
     )
     if args.insecure:

@@ -35,7 +35,7 @@ class NodeConfig:
     dtype: str = "auto"
     device: str = "cpu"
     node_id: str = ""
-    max_num_seqs: int = 64
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     max_model_len: int | None = None
     kv_cache_memory: str = defaults.NODE_KV_CACHE_MEMORY  # paged-cache size (the device tier of the KV cache)
     enable_prefix_caching: bool = True  # reuse prompt prefixes held in the paged cache
@@ -82,7 +82,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--node-id", default="", help="stable id (default: role-host-pid)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
         "--kv-cache-memory", default=defaults.NODE_KV_CACHE_MEMORY, help="paged KV cache size, e.g. 512MiB, 4GiB"

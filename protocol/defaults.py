@@ -10,5 +10,7 @@ HTTP_HOST = "127.0.0.1"  # the router's HTTP address: local only unless asked (`
 HTTP_PORT = 8000  # vLLM's default, so clients written for it find us
 NODES_ADDR = "tcp://127.0.0.1:5557"  # where a router started by hand listens for nodes (`up` picks free ports)
 NODE_KV_CACHE_MEMORY = "2GiB"  # each node's paged KV cache (the device tier)
+# Sequences an engine runs at once (vLLM's --max-num-seqs); more wait in its queue.
+MAX_NUM_SEQS = 64
 STORE_DRAM = "4GiB"  # the store daemon's DRAM tier
 STORE_DISK = "20GiB"  # the store daemon's disk tier (LMDB map size; the file grows as blocks arrive)

@@ -50,7 +50,13 @@ def info_routes(ctx: RouterContext) -> APIRouter:
     @api.get("/health")
     async def health() -> JSONResponse:
         nodes = {
-            n.node_id: {"role": n.role.value, "running": n.running, "waiting": n.waiting, "load": n.load}
+            n.node_id: {
+                "role": n.role.value,
+                "capacity": n.info.capacity,
+                "running": n.running,
+                "waiting": n.waiting,
+                "load": n.load,
+            }
             for n in registry.nodes.values()
         }
         ok = bool(registry.alive(*DECODE_ROLES))

@@ -65,6 +65,7 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
             ("--no-enable-prefix-caching", not args.enable_prefix_caching),
             ("--host (use --ray-host)", args.host != defaults.HTTP_HOST),
             ("--kv-save-policy", args.kv_save_policy is not None),
+            ("--max-num-seqs", args.max_num_seqs != defaults.MAX_NUM_SEQS),
         )
         if given
     ]

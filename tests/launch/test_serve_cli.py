@@ -1,4 +1,5 @@
-"""`ucm-serve serve MODEL` (vLLM's one-line form), `--version`, and a bad `--model` as one line with exit 2.
+"""`ucm-serve serve MODEL` (vLLM's one-line form, with vLLM's serving flags), `--version`, and a bad `--model` as
+one line with exit 2.
 
 One cluster start (`serve` with vLLM's flags), answered through the official `openai` client."""
 
@@ -73,6 +74,8 @@ def test_serve_model_answers_under_its_served_name_within_max_model_len() -> Non
             "--kv-cache-memory",
             "64MiB",
             "--no-enable-prefix-caching",
+            "--max-num-seqs",
+            "3",
         ],
         sink=open(os.devnull, "w"),
     )
@@ -81,6 +84,8 @@ def test_serve_model_answers_under_its_served_name_within_max_model_len() -> Non
         assert url == f"http://127.0.0.1:{port}"
         models = httpx.get(url + "/v1/models").json()["data"]
         assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny-chat", 256)]
+        nodes = httpx.get(url + "/health").json()["nodes"]
+        assert nodes and {n["capacity"] for n in nodes.values()} == {3}, nodes  # --max-num-seqs reached the nodes
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         hi = [{"role": "user", "content": "Hi!"}]
         r = client.chat.completions.create(model="tiny-chat", messages=hi, max_tokens=4, temperature=0)
