@@ -4,8 +4,9 @@
 where it cannot run, the torch path (`UCM_ATTENTION_BACKEND` and `UCM_CPU_ATTENTION` force one).
 
 The model runner sets a `ForwardContext` around each step's forward (`set_forward_context`, as vLLM does): the
-step's attention metadata and the worker-side connector's per-layer hooks. Every attention layer fetches it
-here, so neither travels through the models' `forward` signatures.
+step's attention metadata, the worker-side connector's per-layer hooks and which rows are generated tokens.
+Every attention layer (and bf16 matmul) fetches it here, so none of them travels through the models' `forward`
+signatures.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Protocol
 import torch
 
 import kernels
+from engine.generated_rows import GeneratedRows
 from kernels.attention_metadata import AttentionMetadata
 
 
@@ -36,6 +38,7 @@ class LayerHooks(Protocol):
 class ForwardContext:
     attn_metadata: AttentionMetadata
     layer_hooks: LayerHooks | None = None  # None: no connector, or none bound in this step
+    generated_rows: GeneratedRows | None = None  # None: every row a prompt row (engine/models/dense.py)
 
 
 # A ContextVar rather than a module global: engines in different threads each see their own step.
@@ -44,15 +47,22 @@ _forward_context: ContextVar[ForwardContext | None] = ContextVar("forward_contex
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata, layer_hooks: LayerHooks | None = None
+    attn_metadata: AttentionMetadata,
+    layer_hooks: LayerHooks | None = None,
+    generated_rows: GeneratedRows | None = None,
 ) -> Iterator[ForwardContext]:
     """The context of one forward pass; restored to the enclosing one (normally none) on exit."""
-    context = ForwardContext(attn_metadata, layer_hooks)
+    context = ForwardContext(attn_metadata, layer_hooks, generated_rows)
     token = _forward_context.set(context)
     try:
         yield context
     finally:
         _forward_context.reset(token)
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The running forward pass's context, or None outside one (a matmul may run outside a step: logits)."""
+    return _forward_context.get()
 
 
 def get_forward_context() -> ForwardContext:

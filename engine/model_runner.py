@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from engine.attention import set_forward_context
+from engine.generated_rows import GeneratedRows
 from engine.kv_cache import KVCaches
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -38,7 +39,9 @@ class ModelRunner:
         if connector is not None:
             connector.register_kv_caches(kv_caches)
 
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, GeneratedRows]:
         sched = out.scheduled
         bs = self.block_size
         num_seqs = len(sched)
@@ -68,7 +71,9 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        return input_ids, torch.from_numpy(positions).to(dev), meta
+        prompt_lens = np.fromiter((s.request.num_prompt_tokens for s in sched), dtype=np.int64, count=num_seqs)
+        generated = GeneratedRows.from_mask(positions >= prompt_lens[seq_of_token], dev)
+        return input_ids, torch.from_numpy(positions).to(dev), meta, generated
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -85,8 +90,8 @@ class ModelRunner:
             copy_blocks(self.kv_caches, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
         hidden = None
         if out.scheduled:
-            input_ids, positions, meta = self.prepare_inputs(out)
-            with set_forward_context(meta, conn):
+            input_ids, positions, meta, generated = self.prepare_inputs(out)
+            with set_forward_context(meta, conn, generated):
                 hidden = self.model.forward(input_ids, positions, self.kv_caches)
         if conn is not None and out.kv_connector_metadata is not None:
             conn.wait_for_save()

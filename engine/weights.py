@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model_config import ModelConfig
+from engine.models.dense import decode_kernel_available
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import inverse_frequencies
 
@@ -65,9 +66,12 @@ def _target(model: LlamaForCausalLM, config: ModelConfig, hf_name: str) -> torch
 
 def build_model(config: ModelConfig, folder: Path, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
     """Allocate the model uninitialised on `device` in `dtype` and fill every parameter from `folder`."""
+    # A bf16 model on a CPU with the 4-bit decode kernel is filled in fp32 first: its Q4_1 weights are found exactly
+    # there (engine/models/dense.py), then it is cast.
+    four_bit = dtype == torch.bfloat16 and torch.device(device).type == "cpu" and decode_kernel_available()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(torch.float32 if four_bit else dtype).to_empty(device=device)
     # RoPE frequencies are a non-persistent fp32 buffer: recompute after allocation.
     model.rotary.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
     filled = {id(p): 0 for p in model.parameters()}
@@ -95,5 +99,9 @@ def build_model(config: ModelConfig, folder: Path, dtype: torch.dtype, device: s
     if missing:
         raise ValueError(f"checkpoint in {folder} does not fill parameters {missing[:6]} (config/weights mismatch?)")
     model = model.eval().requires_grad_(False)
+    if four_bit:
+        model.derive_decode_panels()
+        model = model.to(dtype)
+        model.rotary.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
     model.pack_weights()
     return model

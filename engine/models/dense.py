@@ -17,6 +17,12 @@ at few rows, decode steps too), a weight whose shape ran faster through oneDNN t
 keeps a oneDNN-reordered copy (kernels/cpu/onednn_linear.py; a [3072 x 576] matmul of 1024 rows: 106 -> 134 GFLOPS
 on the same EPYC). lm_head too: on a 2-core AMD EPYC with AVX-512, where the kernel loses to oneDNN from a few rows
 on, its logits of 8 rows went through F.linear (MKL) at 2.7x oneDNN's time.
+
+bf16 on AVX-512 BF16, a weight that is exactly Q4_1 (the embedded model's layers; the loader finds the 4-bit form
+while the model is still fp32): a step's generated-token rows go through kernels/cpu/q4_bf16.c, which reads a
+quarter of oneDNN's bytes, and its prompt rows through oneDNN, by the row's class rather than the call's row count,
+so that a row's bits never depend on how its step was made up (engine/generated_rows.py says why). Per weight shape
+only where the kernel beat oneDNN on the machine (kernels/cpu/q4_bf16.py).
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import onednn_linear
+from engine.attention import current_forward_context
+from kernels.cpu import onednn_linear, q4_bf16
+from kernels.cpu.native import NativeLib
+from kernels.cpu.q4_bf16 import Q4BF16Panels
 from kernels.cpu.skinny_gemm import PanelWeight, panel_weight
 
 log = logging.getLogger(__name__)
@@ -51,21 +60,62 @@ class F32Packed:
     onednn: torch.Tensor | None
 
 
-Packed = torch.Tensor | F32Packed | None  # oneDNN bf16 weight, fp32 copies, or nothing
+@dataclass(frozen=True)
+class Decode4Bit:
+    """A Q4_1 weight's 4-bit panels for generated rows, and the library that runs them."""
+
+    lib: NativeLib
+    panels: Q4BF16Panels
 
 
-def pack_weight(weight: torch.Tensor) -> Packed:
-    """The packed copies of `weight` [out, in] for this machine, or None where none applies (F.linear)."""
+@dataclass(frozen=True)
+class BF16Packed:
+    """A bf16 weight on CPU: oneDNN's layout for prompt rows; 4-bit panels for generated rows where the weight is
+    Q4_1 and the kernel won here."""
+
+    onednn: torch.Tensor
+    decode: Decode4Bit | None
+
+
+Packed = BF16Packed | F32Packed | None  # bf16 copies, fp32 copies, or nothing
+
+
+def decode_panels(weight: torch.Tensor) -> Decode4Bit | None:
+    """For a bf16 model: the 4-bit decode panels of `weight` (fp32, before the cast) where it is exactly Q4_1 and the
+    kernel beats oneDNN at decode rows on this machine, else None."""
+    from kernels.cpu.native import load
+
+    lib = load()
+    n, k = weight.shape
+    if lib is None or weight.dtype != torch.float32 or not q4_bf16.kernel_wins(lib, k, n):
+        return None
+    panels = q4_bf16.pack(weight)
+    return Decode4Bit(lib, panels) if panels is not None else None
+
+
+def decode_kernel_available() -> bool:
+    """Whether a bf16 model here may take 4-bit decode panels (then the loader keeps fp32 until it found them)."""
+    from kernels.cpu.native import load
+
+    lib = load()
+    return lib is not None and lib.has_q4_bf16 and packing_supported(torch.empty(1, 1, dtype=torch.bfloat16))
+
+
+def pack_weight(weight: torch.Tensor, decode: Decode4Bit | None = None) -> Packed:
+    """The packed copies of `weight` [out, in] for this machine, or None where none applies (F.linear).
+    `decode`: its 4-bit panels for generated rows (bf16 only; `decode_panels` made them from the fp32 weight)."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
         return _f32_packed(weight)
     if not packing_supported(weight):
         return None
     try:
         # The batch-size hint only picks among equivalent blocked layouts; measured flat from 1 to 2048 rows.
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     except RuntimeError as e:  # a torch build without this private op: the plain path is still correct
         log.warning("oneDNN weight packing unavailable (%s); using plain linear layers", e)
         return None
+    assert decode is None or (decode.panels.n, decode.panels.k) == tuple(weight.shape), "panels of another weight"
+    return BF16Packed(onednn, decode)
 
 
 def _f32_packed(weight: torch.Tensor) -> F32Packed | None:
@@ -80,7 +130,8 @@ def _f32_packed(weight: torch.Tensor) -> F32Packed | None:
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed) -> torch.Tensor:
-    """x @ weight.T + bias, through the packed copy that suits x's row count when there is one."""
+    """x @ weight.T + bias, through the packed copy that suits x's rows when there is one (fp32: by their count;
+    bf16: by each row's class, generated or prompt, from the forward context)."""
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, F32Packed):
@@ -89,4 +140,17 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack
         if packed.onednn is not None:
             return onednn_linear.linear(x, packed.onednn, bias)
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    decode = packed.decode
+    context = current_forward_context() if decode is not None else None
+    rows = context.generated_rows if context is not None else None
+    if decode is None or rows is None or bias is not None or x.dim() != 2 or x.shape[0] != rows.total:
+        return _onednn_bf16(x, packed.onednn, bias)
+    return rows.apply(
+        x,
+        lambda g: q4_bf16.linear(decode.lib, g, decode.panels),
+        lambda p: _onednn_bf16(p, packed.onednn, bias),
+    )
+
+
+def _onednn_bf16(x: torch.Tensor, onednn: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")

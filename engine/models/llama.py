@@ -72,7 +72,14 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer), f"layers holds DecoderLayers, got {type(layer).__name__}"
             layer.attn.pack_weights()
             layer.mlp.pack_weights()
-        self.lm_head_packed = pack_weight(self.lm_head_weight)
+        self.lm_head_packed = pack_weight(self.lm_head_weight)  # it sees only sampled rows: no decode panels
+
+    def derive_decode_panels(self) -> None:
+        """Call while the model is fp32, before casting it to bf16: each layer's 4-bit decode panels (dense.py)."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer), f"layers holds DecoderLayers, got {type(layer).__name__}"
+            layer.attn.derive_decode_panels()
+            layer.mlp.derive_decode_panels()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.dense import Packed, dense, pack_weight
+from engine.models.dense import Decode4Bit, Packed, decode_panels, dense, pack_weight
 from kernels.api import silu_and_mul
 
 
@@ -20,10 +20,15 @@ class GatedMLP(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(hidden_size)) if bias else None
         self.gate_up_packed: Packed = None
         self.down_packed: Packed = None
+        self._decode: dict[str, Decode4Bit | None] = {}
+
+    def derive_decode_panels(self) -> None:
+        """While the weights are still fp32 (a bf16 model being loaded): their 4-bit decode panels, if any."""
+        self._decode = {"gate_up": decode_panels(self.gate_up_weight), "down": decode_panels(self.down_weight)}
 
     def pack_weights(self) -> None:
-        self.gate_up_packed = pack_weight(self.gate_up_weight)
-        self.down_packed = pack_weight(self.down_weight)
+        self.gate_up_packed = pack_weight(self.gate_up_weight, self._decode.get("gate_up"))
+        self.down_packed = pack_weight(self.down_weight, self._decode.get("down"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = dense(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)

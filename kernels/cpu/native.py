@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # keeps one build-or-fallback decision per process.
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_attention.c", "elementwise.c", "elementwise_f32.c", "skinny_gemm.c")
+    for name in ("paged_attention.c", "elementwise.c", "elementwise_f32.c", "skinny_gemm.c", "q4_bf16.c")
 )
 # Included by the sources: not compiled on their own, but part of what the library hash covers.
 HEADERS = tuple(
@@ -88,6 +88,8 @@ class NativeLib:
     pack_panels: CFunction  # ucm_pack_panels in skinny_gemm.c
     skinny_gemm: CFunction  # ucm_skinny_gemm
     skinny_gemm_q4: CFunction  # ucm_skinny_gemm_q4 (4-bit panels: kernels/cpu/q4_panels.py)
+    q4_bf16: CFunction  # ucm_q4_bf16 in q4_bf16.c (a decode step's generated rows over 4-bit weights, AVX-512 BF16)
+    has_q4_bf16: bool  # whether this build has it (-1 from every call otherwise)
     has_avx512: bool
     has_openmp: bool
     vector_path: str  # what head_dims that are multiples of 16 run: "avx512", "avx2", "neon" or "scalar"
@@ -227,6 +229,10 @@ def _bind(path: Path) -> NativeLib:
     skinny_q4 = cdll.ucm_skinny_gemm_q4
     skinny_q4.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i32]  # x, M, K, q panels, d|m, N, bias, y, threads
     skinny_q4.restype = i32
+    q4_bf16 = cdll.ucm_q4_bf16
+    q4_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]  # x, M, K, q panels, d|m, N, y, threads
+    q4_bf16.restype = i32
+    cdll.ucm_q4_bf16_available.restype = i32
     cdll.ucm_has_avx512.restype = i32
     cdll.ucm_has_openmp.restype = i32
     cdll.ucm_vector_path.restype = ctypes.c_char_p
@@ -248,6 +254,8 @@ def _bind(path: Path) -> NativeLib:
         pack,
         skinny,
         skinny_q4,
+        q4_bf16,
+        bool(cdll.ucm_q4_bf16_available()),
         bool(cdll.ucm_has_avx512()),
         bool(cdll.ucm_has_openmp()),
         cdll.ucm_vector_path().decode(),

@@ -1,6 +1,7 @@
 """The cache-hit oracle in bf16 (the serving dtype `auto` picks on CPUs with native bf16): a prompt continued after
 a prefix-cache hit gives the cold run's greedy tokens. Only the last few prompt tokens are computed after the hit,
-so the attention kernels must give a row the same bits in a short chunk as inside a whole prompt."""
+so the attention kernels must give a row the same bits in a short chunk as inside a whole prompt, and the matmuls
+must give a row the same bits whatever else its step holds (engine/generated_rows.py)."""
 
 from __future__ import annotations
 

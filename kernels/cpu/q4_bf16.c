@@ -1,0 +1,135 @@
+/* bf16 y = x @ W^T for the rows a decode step generates, W a Q4_1 weight read as 4-bit panels, on AVX-512 BF16.
+ *
+ * A decode step's few rows read every weight of the model once; oneDNN's bf16 matmul (what prompt rows use,
+ * engine/models/dense.py) streams 2 bytes a weight. The embedded model's layers are Q4_1 (w = d * q + m per 32 k,
+ * q in 0..15), so this kernel reads half a byte a weight plus the block scales (kernels/cpu/q4_bf16.py packs them).
+ *
+ * Outputs are in the vector lanes, 16 to a panel. qp [panels][K / 2][16]: byte o of pair j holds q of output o at
+ * k = 2j (low nibble) and 2j + 1 (high). One load, a zero-extend, a shift and a ternary logic op put the two
+ * nibbles in the two 16-bit halves of lane o; a word permute turns each 0..15 into its bf16 value; VDPBF16PS adds
+ * the lane's two products with the row's pair (x[2j], x[2j + 1]) broadcast, even and odd pairs into two sums.
+ * Per 32 k (a Q4_1 block) a row's
+ * block sum s = sum q * x is then scaled: acc += d * s, acc += m * (sum of the row's 32 x). So y = sum over blocks
+ * of d * sum(q x) + m * sum(x) = x . w exactly as written, with the products exact and the sums in fp32.
+ *
+ * Every row goes through the same instructions in the same order, whatever else the call holds (rows are padded to
+ * MR with zeros; panels are split over threads): a row's bits depend on its own x only. The engine relies on that:
+ * a generated token's row goes through this kernel in every step it is computed in.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define Q4B_DPBF16 1
+#endif
+
+#define QB 32 /* k per scale block (Q4_1) */
+#define NR 16 /* outputs per panel */
+#define MR 8  /* x rows per pass */
+
+int32_t ucm_q4_bf16_available(void) {
+#ifdef Q4B_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef Q4B_DPBF16
+
+#include <immintrin.h>
+
+/* A row's pair (x[2j], x[2j + 1]) in every lane, broadcast from memory (not through a general register). */
+static inline __attribute__((always_inline)) __m512bh pair(const uint32_t *src) {
+    return (__m512bh)_mm512_broadcastss_ps(_mm_load_ss((const float *)src));
+}
+
+/* 16 lanes of (q at k = 2j, q at 2j + 1) as bf16 pairs, from the 16 bytes of pair j. */
+static inline __attribute__((always_inline)) __m512bh weights(const uint8_t *src, __m512i table, __m512i nibbles) {
+    __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+    /* (byte | byte << 12) & 0x000f000f: low nibble in the low word, high nibble in the high word */
+    __m512i q = _mm512_ternarylogic_epi32(byte, _mm512_slli_epi32(byte, 12), nibbles, 0xa8);
+    return (__m512bh)_mm512_permutexvar_epi16(q, table);
+}
+
+/* One panel (16 outputs) for MR rows: xp[r][j] is row r's pair j as one 32-bit word, sx[r][b] its block sums. */
+static inline __attribute__((always_inline)) void panel(const uint32_t *xp, const float *sx, int64_t k,
+                                                        const uint8_t *qp, const float *dm, __m512 *out) {
+    const __m512i table = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
+        0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+        0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000); /* word i (and i + 16): bf16(i) */
+    const __m512i nibbles = _mm512_set1_epi32(0x000f000f);
+    const int64_t pairs = k / 2, blocks = k / QB;
+    __m512 acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        /* Two sums per row, even and odd pairs, added at the block's end: twice the independent VDPBF16PS chains,
+         * which is what bounds this loop (each waits for its previous result). */
+        __m512 even[MR], odd[MR];
+        for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm512_setzero_ps();
+        for (int64_t j = b * (QB / 2); j < (b + 1) * (QB / 2); j += 2) {
+            __m512bh w0 = weights(qp + j * NR, table, nibbles), w1 = weights(qp + (j + 1) * NR, table, nibbles);
+            for (int r = 0; r < MR; r++) {
+                even[r] = _mm512_dpbf16_ps(even[r], w0, pair(xp + r * pairs + j));
+                odd[r] = _mm512_dpbf16_ps(odd[r], w1, pair(xp + r * pairs + j + 1));
+            }
+        }
+        __m512 d = _mm512_loadu_ps(dm + b * 2 * NR), m = _mm512_loadu_ps(dm + b * 2 * NR + NR);
+        for (int r = 0; r < MR; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), d, acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) out[r] = acc[r];
+}
+
+#endif
+
+/* x [M, K] bf16 row-major, qp / dm from kernels/cpu/q4_bf16.py (n padded to panels of 16), y [M, N] bf16.
+ * 0: done; -1: not built for this CPU; -2: K not a multiple of 32; -3: no memory. */
+int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
+                    uint16_t *y, int32_t num_threads) {
+#ifndef Q4B_DPBF16
+    (void)x, (void)m, (void)k, (void)qp, (void)dm, (void)n, (void)y, (void)num_threads;
+    return -1;
+#else
+    if (k % QB) return -2;
+    const int64_t panels = (n + NR - 1) / NR, pairs = k / 2, blocks = k / QB;
+    for (int64_t r0 = 0; r0 < m; r0 += MR) {
+        const int64_t rows = m - r0 < MR ? m - r0 : MR;
+        uint32_t *xp = aligned_alloc(64, ((MR * pairs * 4 + 63) / 64) * 64);
+        float *sx = aligned_alloc(64, ((MR * blocks * 4 + 63) / 64) * 64);
+        if (xp == NULL || sx == NULL) {
+            free(xp);
+            free(sx);
+            return -3;
+        }
+        memset(xp, 0, MR * pairs * 4);
+        memcpy(xp, x + r0 * k, rows * k * 2); /* bf16 pairs are the row's 32-bit words; missing rows stay 0 */
+        for (int64_t r = 0; r < MR; r++)
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint16_t *xb = (const uint16_t *)(xp + r * pairs) + b * QB;
+                float s = 0.0f; /* left to right: a fixed order */
+                for (int i = 0; i < QB; i++) s += bf16_to_f32(xb[i]);
+                sx[r * blocks + b] = s;
+            }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            __m512 out[MR];
+            panel(xp, sx, k, qp + p * pairs * NR, dm + p * blocks * 2 * NR, out);
+            const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+            const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+            for (int64_t r = 0; r < rows; r++)
+                _mm256_mask_storeu_epi16(y + (r0 + r) * n + p * NR, mask, _mm512_cvtepi32_epi16(bf16x16_bits(out[r])));
+        }
+        free(xp);
+        free(sx);
+    }
+    return 0;
+#endif
+}

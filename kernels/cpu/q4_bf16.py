@@ -1,0 +1,167 @@
+"""Python side of the 4-bit bf16 decode matmul (`q4_bf16.c`, AVX-512 BF16): packing, the call, and whether it wins.
+
+The engine sends a step's generated-token rows through this kernel and its prompt rows through oneDNN
+(engine/models/dense.py). Each gives a row the same bits however many rows the call has, so a token's hidden state
+does not depend on how its prompt was chunked or whether a prefix came from the cache: the cache-hit oracle needs
+that in bf16, where a last-bit difference flips greedy tokens (tests/engine/test_bf16_cache_hit.py). Routing by
+row count would not give it: the 4 rows left after a 496-token prefix hit would take the kernel where the cold
+run's 500-row prefill took oneDNN.
+
+The weight must be exactly Q4_1 in fp32 (`q4_panels.find_q4`: the embedded model's layers; the loader derives the
+panels before it casts the model to bf16). The kernel computes x . w with w = d * q + m exactly (not w rounded to
+bf16, as oneDNN's rows see it), so a generated row differs from what oneDNN would give it by about bf16 rounding.
+
+`UCM_CPU_LINEAR=auto` (the default) measures once per machine, per weight shape, the kernel against oneDNN on a
+reordered bf16 weight at `DECODE_ROWS` rows over a stack of weights larger than the caches, and uses it only
+where it won every round (logged, cached beside the other linear choices: kernels/cpu/calibration.py). `native`
+uses it wherever the build has it, `torch` never.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels.cpu.calibration import ROUNDS, alternating_best_ms, cpu_info, stored_or_measured, vector_flags
+from kernels.cpu.native import NativeLib
+from kernels.cpu.q4_panels import QB, find_q4, random_q4_weight
+from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
+
+log = logging.getLogger(__name__)
+
+NR = 16  # outputs per panel (q4_bf16.c)
+DECODE_ROWS = 8  # the decode batch the choice is measured at (vllm bench serve's concurrency in issue 10)
+MAX_STACK = 32
+REPS = 3
+
+Timings = tuple[float, float]  # (kernel ms, oneDNN ms), best of REPS
+
+
+@dataclass(frozen=True)
+class Q4BF16Panels:
+    """qp [panels, K / 2, 16] uint8 (output o's q at k = 2j and 2j + 1 in byte o of pair j), dm [panels, K / 32, 2,
+    16] fp32 (d, then m, of each output's block), for an [n, k] weight."""
+
+    qp: torch.Tensor
+    dm: torch.Tensor
+    n: int
+    k: int
+
+
+def pack(weight: torch.Tensor) -> Q4BF16Panels | None:
+    """`weight` [N, K] fp32 as this kernel's panels, or None where it is not exactly Q4_1."""
+    found = find_q4(weight)
+    if found is None:
+        return None
+    q, d, m = found
+    n, k = q.shape
+    pad = -n % NR
+    q = np.pad(q, ((0, pad), (0, 0)))  # padded outputs: q = d = m = 0, never stored
+    d, m = np.pad(d, ((0, pad), (0, 0))), np.pad(m, ((0, pad), (0, 0)))
+    panels = q.shape[0] // NR
+    pairs = q.reshape(panels, NR, k // 2, 2)
+    qp = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(0, 2, 1)  # [P, K/2, 16]
+    dm = np.stack([x.reshape(panels, NR, k // QB).transpose(0, 2, 1) for x in (d, m)], axis=2)  # [P, K/32, 2, 16]
+    return Q4BF16Panels(torch.from_numpy(np.ascontiguousarray(qp)), torch.from_numpy(np.ascontiguousarray(dm)), n, k)
+
+
+def linear(lib: NativeLib, x: torch.Tensor, panels: Q4BF16Panels) -> torch.Tensor:
+    """x [M, K] bf16 @ W.T -> [M, N] bf16; each output row's bits depend on its own x row only."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != panels.k:
+        raise ValueError(f"q4_bf16.linear takes a 2-D bf16 x of {panels.k} features, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    y = torch.empty((x.shape[0], panels.n), dtype=torch.bfloat16)
+    status = lib.q4_bf16(
+        x.data_ptr(), x.shape[0], panels.k, panels.qp.data_ptr(), panels.dm.data_ptr(), panels.n, y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status == -1:
+        raise RuntimeError(f"{lib.path.name} was built without AVX-512 BF16: q4_bf16 is not in it")
+    if status != 0:
+        raise RuntimeError(f"q4_bf16 failed ({status}) on x {tuple(x.shape)}, weight {panels.n}x{panels.k}")
+    return y
+
+
+def measure(lib: NativeLib, k: int, n: int) -> list[Timings]:
+    """One (kernel, oneDNN) pair per round (tests replace this to force a result)."""
+    gen = torch.Generator().manual_seed(0)
+    count = min(MAX_STACK, max(2, -(-STACK_BYTES // (2 * n * k))))
+    weights = [random_q4_weight(n, k, gen) for _ in range(count)]
+    panels = [pack(w) for w in weights]
+    assert all(p is not None for p in panels), "random_q4_weight gives exactly 4-bit weights"
+    reordered = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in weights]
+    x = torch.randn(DECODE_ROWS, k, generator=gen).bfloat16()
+    runs = [
+        lambda: [linear(lib, x, p) for p in panels if p is not None],
+        lambda: [torch.ops.mkldnn._linear_pointwise(x, r, None, "none", [], "") for r in reordered],
+    ]
+    for fn in runs:
+        fn()
+    rounds = []
+    for _ in range(ROUNDS):
+        best = alternating_best_ms(runs, REPS)
+        rounds.append((best[0], best[1]))
+    return rounds
+
+
+class _Memo:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.wins: dict[tuple[str, str, int, int, int], bool] = {}
+
+
+_memo = _Memo()
+
+
+def _parse(stored: object) -> bool | None:
+    wins = stored.get("q4_decode_kernel") if isinstance(stored, dict) else None
+    return wins if isinstance(wins, bool) else None
+
+
+def kernel_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> bool:
+    """Whether a Q4_1 [n, k] weight's generated rows go through the kernel on this machine (see the module doc)."""
+    mode = cpu_linear_mode()
+    if mode is CpuLinear.TORCH or not lib.has_q4_bf16 or k % QB:
+        return False
+    if mode is CpuLinear.NATIVE:
+        return True
+    if 4 * k * n < MIN_PACK_BYTES:
+        return False  # the tests' tiny models: cache-sized, and measuring them would be noise
+    threads = torch.get_num_threads()
+    memo_key = (str(root), lib.path.name, threads, k, n)
+    with _memo.lock:
+        found = _memo.wins.get(memo_key)
+        if found is not None:
+            return found
+        name = f"decode q4 bf16 {n}x{k}"
+        tables: list[str] = []
+
+        def run() -> tuple[bool, list[str]]:
+            rounds = measure(lib, k, n)
+            picks = [kernel < onednn for kernel, onednn in rounds]
+            tables.append(", ".join(f"{kernel:.2f} vs {onednn:.2f} ms" for kernel, onednn in rounds))
+            # Disagreeing rounds: oneDNN now, measured again by the next process.
+            return all(picks), [] if len(set(picks)) == 1 else [f"the kernel won {sum(picks)} of {len(picks)} rounds"]
+
+        wins, where = stored_or_measured(
+            "linear", name, lib, threads, root, _parse, run, lambda w: {"q4_decode_kernel": w}
+        )
+        measured = f" (kernel vs oneDNN at {DECODE_ROWS} rows: {tables[0]})" if tables else ""
+        log.info(
+            "CPU linear %s for %s [%s], %d thread(s): generated rows through %s%s (%s)",
+            name, cpu_info()[0], " ".join(vector_flags()), threads, "the 4-bit kernel" if wins else "oneDNN",
+            measured, where,
+        )  # fmt: skip
+        _memo.wins[memo_key] = wins
+        return wins
+
+
+def forget() -> None:
+    """Drop this process's memoised choices (tests)."""
+    with _memo.lock:
+        _memo.wins.clear()

@@ -1,0 +1,137 @@
+"""The 4-bit bf16 decode matmul (kernels/cpu/q4_bf16.c): results within bf16 rounding of a float64 reference on
+exactly-Q4_1 weights, each row's bits independent of the call around it, and its dispatch in `engine.models.dense`
+by row class (generated rows through the kernel, prompt rows through oneDNN) where the calibration chose it. No
+timing asserts: `measure` is replaced by fixed numbers wherever a choice is tested. Needs a CPU with AVX-512 BF16
+(the others skip)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.attention import set_forward_context
+from engine.generated_rows import GeneratedRows
+from engine.models import dense as dense_mod
+from kernels.cpu import onednn_linear, q4_bf16
+from kernels.cpu.q4_bf16 import kernel_wins, linear, pack
+from kernels.cpu.q4_panels import random_q4_weight
+
+
+@pytest.fixture
+def bf16_lib(native_lib):
+    if not native_lib.has_q4_bf16:
+        pytest.skip("this CPU has no AVX-512 BF16: the library has no 4-bit decode kernel")
+    if not onednn_linear.available():
+        pytest.skip("this torch build has no oneDNN")
+    return native_lib
+
+
+def _operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen).bfloat16(), random_q4_weight(n, k, gen)
+
+
+# m: one row, a full pass of 8, two passes; n: whole panels of 16 and tails; k: one and several Q4_1 blocks
+@pytest.mark.parametrize(("m", "n", "k"), [(8, 960, 576), (5, 20, 64), (1, 7, 32), (13, 33, 96), (8, 64, 1536)])
+def test_matches_a_float64_reference(bf16_lib, m, n, k) -> None:
+    x, w = _operands(m, n, k, seed=m * n + k)
+    panels = pack(w)
+    assert panels is not None
+    got = linear(bf16_lib, x, panels)
+    want = x.double() @ w.double().T
+    # exact products, fp32 sums (per block, then scaled), then one bf16 rounding (2^-8 of the result)
+    bound = want.abs() * 2**-8 + 4 * k * 2**-23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_a_rows_bits_do_not_depend_on_the_call(bf16_lib) -> None:
+    """Alone, in any position of a batch of any size, on 1 or 2 threads: the same bits (what the engine relies on)."""
+    x, w = _operands(11, 70, 96, seed=3)
+    panels = pack(w)
+    assert panels is not None
+    whole = linear(bf16_lib, x, panels)
+    for i in range(x.shape[0]):
+        assert torch.equal(linear(bf16_lib, x[i : i + 1], panels), whole[i : i + 1])
+    shuffled = torch.randperm(11, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(linear(bf16_lib, x[shuffled], panels), whole[shuffled])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linear(bf16_lib, x[3:10], panels), whole[3:10])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_operands(bf16_lib) -> None:
+    x, w = _operands(2, 16, 64, seed=0)
+    panels = pack(w)
+    assert panels is not None
+    with pytest.raises(ValueError, match="bf16"):
+        linear(bf16_lib, x.float(), panels)
+    with pytest.raises(ValueError, match="64 features"):
+        linear(bf16_lib, x[:, :32], panels)
+    assert pack(torch.randn(16, 64)) is None, "not exactly 4-bit: no panels"
+    assert pack(w[:, :40].contiguous()) is None, "K not whole Q4_1 blocks"
+
+
+@pytest.fixture
+def forced(monkeypatch, tmp_path):
+    """UCM_CPU_LINEAR=auto, a fresh cache dir, no size floor, and `measure` replaced by the (kernel ms, oneDNN ms)
+    rounds in the returned list; the second item collects the (k, n) measured."""
+    monkeypatch.setenv("UCM_CPU_LINEAR", "auto")
+    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path / "cache"))
+    q4_bf16.forget()
+    monkeypatch.setattr(q4_bf16, "MIN_PACK_BYTES", 0)
+    rounds = [(1.0, 2.0), (1.0, 2.0)]
+    measured: list[tuple[int, int]] = []
+    monkeypatch.setattr(q4_bf16, "measure", lambda lib, k, n: measured.append((k, n)) or list(rounds))
+    yield rounds, measured
+    q4_bf16.forget()
+
+
+def test_the_choice_follows_the_measurement_and_is_cached(bf16_lib, forced) -> None:
+    rounds, measured = forced
+    assert kernel_wins(bf16_lib, 64, 48) and measured == [(64, 48)]
+    q4_bf16.forget()
+    assert kernel_wins(bf16_lib, 64, 48) and measured == [(64, 48)], "read back from this machine's cache file"
+    rounds[:] = [(2.0, 1.0), (2.0, 1.0)]
+    assert not kernel_wins(bf16_lib, 64, 40), "lost to oneDNN: not used"
+    rounds[:] = [(1.0, 2.0), (2.0, 1.0)]
+    assert not kernel_wins(bf16_lib, 64, 32), "rounds disagreed: oneDNN for now"
+    q4_bf16.forget()
+    assert not kernel_wins(bf16_lib, 64, 32) and measured[-2:] == [(64, 32), (64, 32)], "... and measured again"
+
+
+def test_the_environment_forces_either_way(bf16_lib, forced, monkeypatch) -> None:
+    _, measured = forced
+    monkeypatch.setenv("UCM_CPU_LINEAR", "torch")
+    assert not kernel_wins(bf16_lib, 64, 48)
+    monkeypatch.setenv("UCM_CPU_LINEAR", "native")
+    assert kernel_wins(bf16_lib, 64, 48) and measured == []
+
+
+def test_dense_routes_rows_by_class(bf16_lib, forced) -> None:
+    """Generated rows get the kernel's bits, prompt rows oneDNN's, however the step mixes them; outside a forward
+    (logits) and where the kernel lost, every row goes to oneDNN."""
+    rounds, _ = forced
+    x, w32 = _operands(9, 400, 64, seed=5)
+    w = w32.bfloat16()
+    decode = dense_mod.decode_panels(w32)
+    assert decode is not None
+    packed = dense_mod.pack_weight(w, decode)
+    assert isinstance(packed, dense_mod.BF16Packed) and packed.decode is decode
+    kernel = linear(bf16_lib, x, decode.panels)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, None, "none", [], "")
+    assert (kernel != onednn).any(), "the two paths must differ somewhere for the routing to show"
+    meta = object()  # the matmul reads only the generated rows from the context
+    for mask in (np.ones(9, bool), np.zeros(9, bool), np.array([0, 1, 1, 0, 0, 1, 0, 0, 1], bool)):
+        with set_forward_context(meta, None, GeneratedRows.from_mask(mask, torch.device("cpu"))):  # type: ignore[arg-type]
+            got = dense_mod.dense(x, w, None, packed)
+        want = torch.where(torch.from_numpy(mask)[:, None], kernel, onednn)
+        assert torch.equal(got, want), f"rows {mask.astype(int).tolist()}"
+    assert torch.equal(dense_mod.dense(x, w, None, packed), onednn), "outside a forward pass: oneDNN"
+    rounds[:] = [(2.0, 1.0), (2.0, 1.0)]
+    assert dense_mod.decode_panels(random_q4_weight(24, 64, torch.Generator().manual_seed(1))) is None, "lost"
+    assert dense_mod.decode_panels(torch.randn(24, 64)) is None, "not 4-bit"
