@@ -29,7 +29,7 @@ import torch
 
 from kernels.cpu.calibration import ROUNDS, alternating_best_ms, cpu_info, stored_or_measured, vector_flags
 from kernels.cpu.native import NativeLib
-from kernels.cpu.q4_panels import QB, find_q4, random_q4_weight
+from kernels.cpu.q4_panels import QB, find_q4_padded, random_q4_weight
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,11 @@ class Q4BF16Panels:
 
 def pack(weight: torch.Tensor) -> Q4BF16Panels | None:
     """`weight` [N, K] fp32 as this kernel's panels, or None where it is not exactly Q4_1."""
-    found = find_q4(weight)
+    found = find_q4_padded(weight, NR)
     if found is None:
         return None
     q, d, m = found
-    n, k = q.shape
-    pad = -n % NR
-    q = np.pad(q, ((0, pad), (0, 0)))  # padded outputs: q = d = m = 0, never stored
-    d, m = np.pad(d, ((0, pad), (0, 0))), np.pad(m, ((0, pad), (0, 0)))
+    n, k = weight.shape
     panels = q.shape[0] // NR
     pairs = q.reshape(panels, NR, k // 2, 2)
     qp = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(0, 2, 1)  # [P, K/2, 16]

@@ -70,16 +70,24 @@ def _reproduces(w: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     return (rec.view(np.int32) == w.view(np.int32)).all(-1)
 
 
-def pack_q4(weight: torch.Tensor) -> Q4Panels | None:
-    """`weight` [N, K] as 4-bit panels, or None where it is not exactly 4-bit (see the module doc)."""
+def find_q4_padded(weight: torch.Tensor, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`find_q4` with the outputs padded to a multiple of `nr` (a panel): padded outputs have q = d = m = 0, so
+    they compute 0, like the fp32 panels' zeros."""
     found = find_q4(weight)
     if found is None:
         return None
     q, d, m = found
-    n, k = q.shape
-    pad = -n % NR
-    q = np.pad(q, ((0, pad), (0, 0)))  # padded outputs: q = d = m = 0, so 0, like the fp32 panels' zeros
-    d, m = np.pad(d, ((0, pad), (0, 0))), np.pad(m, ((0, pad), (0, 0)))
+    pad = ((0, -q.shape[0] % nr), (0, 0))
+    return np.pad(q, pad), np.pad(d, pad), np.pad(m, pad)
+
+
+def pack_q4(weight: torch.Tensor) -> Q4Panels | None:
+    """`weight` [N, K] as 4-bit panels, or None where it is not exactly 4-bit (see the module doc)."""
+    found = find_q4_padded(weight, NR)
+    if found is None:
+        return None
+    q, d, m = found
+    k = q.shape[1]
     panels = q.shape[0] // NR
     qn = q.reshape(panels, NR, k)
     qp = (qn[:, : NR // 2] | (qn[:, NR // 2 :] << 4)).transpose(0, 2, 1)  # [panels, K, 8]
