@@ -15,13 +15,12 @@ skinny kernel's do; the engine's greedy outputs are tested against HF transforme
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.calibration import ROUNDS, alternating_best_ms, cpu_info, stored_or_measured, vector_flags
+from kernels.cpu.calibration import ROUNDS, WinMemo, alternating_best_ms, measured_win
 from kernels.cpu.native import NativeLib
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, CpuLinear, cpu_linear_mode
 
@@ -72,18 +71,7 @@ def measure(k: int, n: int) -> list[Timings]:
     return rounds
 
 
-class _Memo:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.wins: dict[tuple[str, str, int, int, int], bool] = {}
-
-
-_memo = _Memo()
-
-
-def _parse(stored: object) -> bool | None:
-    wins = stored.get("onednn") if isinstance(stored, dict) else None
-    return wins if isinstance(wins, bool) else None
+_memo = WinMemo()
 
 
 def onednn_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> bool:
@@ -95,30 +83,11 @@ def onednn_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> boo
         return True
     if 4 * k * n < MIN_PACK_BYTES:
         return False  # cache-sized: the tests' tiny models would spend their start-up measuring noise
-    threads = torch.get_num_threads()
-    memo_key = (str(root), lib.path.name, threads, k, n)
-    with _memo.lock:
-        found = _memo.wins.get(memo_key)
-        if found is not None:
-            return found
-        name = f"onednn fp32 {n}x{k}"
-        tables: list[str] = []
-
-        def run() -> tuple[bool, list[str]]:
-            rounds = measure(k, n)
-            picks = [one < blas for one, blas in rounds]
-            tables.append(", ".join(f"{one:.2f} vs {blas:.2f} ms" for one, blas in rounds))
-            # Disagreeing rounds: F.linear now (no extra copy), measured again by the next process.
-            return all(picks), [] if len(set(picks)) == 1 else [f"oneDNN won {sum(picks)} of {len(picks)} rounds"]
-
-        wins, where = stored_or_measured("linear", name, lib, threads, root, _parse, run, lambda w: {"onednn": w})
-        measured = f" (oneDNN vs F.linear at {measured_rows(k, n)} rows: {tables[0]})" if tables else ""
-        log.info(
-            "CPU linear %s for %s [%s], %d thread(s): %s above the skinny kernel's rows%s (%s)",
-            name, cpu_info()[0], " ".join(vector_flags()), threads, "oneDNN" if wins else "F.linear", measured, where,
-        )  # fmt: skip
-        _memo.wins[memo_key] = wins
-        return wins
+    # Disagreeing rounds: F.linear now (no extra copy), measured again by the next process.
+    return measured_win(
+        _memo, lib, root, f"onednn fp32 {n}x{k}", "onednn", lambda: measure(k, n),
+        ("oneDNN", "F.linear"), "calls above the skinny kernel's rows", f"{measured_rows(k, n)} rows", log,
+    )  # fmt: skip
 
 
 def onednn_weight(lib: NativeLib, weight: torch.Tensor) -> torch.Tensor | None:
@@ -129,5 +98,4 @@ def onednn_weight(lib: NativeLib, weight: torch.Tensor) -> torch.Tensor | None:
 
 def forget() -> None:
     """Drop this process's memoised choices (tests)."""
-    with _memo.lock:
-        _memo.wins.clear()
+    _memo.clear()

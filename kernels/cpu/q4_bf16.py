@@ -20,14 +20,13 @@ uses it wherever the build has it, `torch` never.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kernels.cpu.calibration import ROUNDS, alternating_best_ms, cpu_info, stored_or_measured, vector_flags
+from kernels.cpu.calibration import ROUNDS, WinMemo, alternating_best_ms, measured_win
 from kernels.cpu.native import NativeLib
 from kernels.cpu.q4_panels import QB, find_q4_padded, random_q4_weight
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
@@ -106,18 +105,7 @@ def measure(lib: NativeLib, k: int, n: int) -> list[Timings]:
     return rounds
 
 
-class _Memo:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.wins: dict[tuple[str, str, int, int, int], bool] = {}
-
-
-_memo = _Memo()
-
-
-def _parse(stored: object) -> bool | None:
-    wins = stored.get("q4_decode_kernel") if isinstance(stored, dict) else None
-    return wins if isinstance(wins, bool) else None
+_memo = WinMemo()
 
 
 def kernel_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> bool:
@@ -129,36 +117,12 @@ def kernel_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> boo
         return True
     if 4 * k * n < MIN_PACK_BYTES:
         return False  # the tests' tiny models: cache-sized, and measuring them would be noise
-    threads = torch.get_num_threads()
-    memo_key = (str(root), lib.path.name, threads, k, n)
-    with _memo.lock:
-        found = _memo.wins.get(memo_key)
-        if found is not None:
-            return found
-        name = f"decode q4 bf16 {n}x{k}"
-        tables: list[str] = []
-
-        def run() -> tuple[bool, list[str]]:
-            rounds = measure(lib, k, n)
-            picks = [kernel < onednn for kernel, onednn in rounds]
-            tables.append(", ".join(f"{kernel:.2f} vs {onednn:.2f} ms" for kernel, onednn in rounds))
-            # Disagreeing rounds: oneDNN now, measured again by the next process.
-            return all(picks), [] if len(set(picks)) == 1 else [f"the kernel won {sum(picks)} of {len(picks)} rounds"]
-
-        wins, where = stored_or_measured(
-            "linear", name, lib, threads, root, _parse, run, lambda w: {"q4_decode_kernel": w}
-        )
-        measured = f" (kernel vs oneDNN at {DECODE_ROWS} rows: {tables[0]})" if tables else ""
-        log.info(
-            "CPU linear %s for %s [%s], %d thread(s): generated rows through %s%s (%s)",
-            name, cpu_info()[0], " ".join(vector_flags()), threads, "the 4-bit kernel" if wins else "oneDNN",
-            measured, where,
-        )  # fmt: skip
-        _memo.wins[memo_key] = wins
-        return wins
+    return measured_win(
+        _memo, lib, root, f"decode q4 bf16 {n}x{k}", "q4_decode_kernel", lambda: measure(lib, k, n),
+        ("the 4-bit kernel", "oneDNN"), "generated rows", f"{DECODE_ROWS} rows", log,
+    )  # fmt: skip
 
 
 def forget() -> None:
     """Drop this process's memoised choices (tests)."""
-    with _memo.lock:
-        _memo.wins.clear()
+    _memo.clear()
