@@ -260,11 +260,14 @@ class UCMWorkerConnector(KVConnectorWorker):
         layers, self._small_layers = self._small_layers, []
         if not layers:
             return
-        n = len(blocks)
         assert self._small_saves is not None, "register_kv_caches was not called"
-        views = self._small_saves.memoryviews((max(layers) + 1) * n)
-        task = self._dump(blocks, layers, [views[layer * n : (layer + 1) * n] for layer in layers])
-        self._saves.append(_Dump(layers, task, small=True))
+        self._saves.append(_Dump(layers, self._dump_layer_rows(self._small_saves, blocks, layers), small=True))
+
+    def _dump_layer_rows(self, buf: StagingBuffer, blocks: list[BlockRef], layers: list[int]) -> StoreTask | None:
+        """One request for `layers` of `blocks`, staged in `buf` with layer L's n rows at [L * n, (L + 1) * n)."""
+        n = len(blocks)
+        views = buf.memoryviews((max(layers) + 1) * n)
+        return self._dump(blocks, layers, [views[layer * n : (layer + 1) * n] for layer in layers])
 
     def _save_evicted(self) -> None:
         evicted = self._meta.evicted_saves
@@ -280,9 +283,8 @@ class UCMWorkerConnector(KVConnectorWorker):
         for layer, (k_cache, v_cache) in enumerate(self._caches):
             pack_blocks(k_cache, v_cache, ids.to(k_cache.device), self._evicted_buf, first_row=layer * n)
         self._sync_host(self._caches[0][0])
-        views = self._evicted_buf.memoryviews(num_layers * n)
-        task = self._dump(blocks, list(range(num_layers)), [views[i * n : (i + 1) * n] for i in range(num_layers)])
-        self._evicted_dump = _Dump(list(range(num_layers)), task)
+        layers = list(range(num_layers))
+        self._evicted_dump = _Dump(layers, self._dump_layer_rows(self._evicted_buf, blocks, layers))
         self.stats.save_seconds += time.perf_counter() - t0
 
     def _commit_evicted(self) -> None:
