@@ -21,6 +21,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# Written into every converted folder: where it came from (its weights are a GGUF's, dequantized to fp32).
+SOURCE_FILE = "ucm_source.json"
+
 # How many conversions this process ran (tests assert a cached second load does not convert again).
 conversions_done = 0
 
@@ -68,7 +71,7 @@ def _write_folder(gguf_path: Path, out: Path) -> None:
         tokenizer.save_pretrained(out)
         _embed_chat_template(out, tokenizer.chat_template)
         bar.update(1)
-    (out / "ucm_source.json").write_text(json.dumps({"gguf": str(gguf_path), "converted_at": time.time()}))
+    (out / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_path), "converted_at": time.time()}))
 
 
 def _embed_chat_template(out: Path, template: str | None) -> None:

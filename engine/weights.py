@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.gguf_convert import SOURCE_FILE
 from engine.model_config import ModelConfig
 from engine.models.dense import decode_kernel_available
 from engine.models.llama import LlamaForCausalLM
@@ -66,9 +67,15 @@ def _target(model: LlamaForCausalLM, config: ModelConfig, hf_name: str) -> torch
 
 def build_model(config: ModelConfig, folder: Path, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
     """Allocate the model uninitialised on `device` in `dtype` and fill every parameter from `folder`."""
-    # A bf16 model on a CPU with the 4-bit decode kernel is filled in fp32 first: its Q4_1 weights are found exactly
-    # there (engine/models/dense.py), then it is cast.
-    four_bit = dtype == torch.bfloat16 and torch.device(device).type == "cpu" and decode_kernel_available()
+    # A bf16 model converted from a GGUF, on a CPU with the 4-bit decode kernel, is filled in fp32 first: its Q4_1
+    # weights are found exactly there (engine/models/dense.py), then it is cast. Other folders (a Hugging Face
+    # checkpoint cannot be exactly 4-bit) load straight in bf16: no fp32 copy, no search.
+    four_bit = (
+        dtype == torch.bfloat16
+        and torch.device(device).type == "cpu"
+        and (folder / SOURCE_FILE).is_file()
+        and decode_kernel_available()
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(torch.float32 if four_bit else dtype).to_empty(device=device)

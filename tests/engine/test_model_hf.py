@@ -350,3 +350,23 @@ def test_connector_hooks_run_per_layer_around_attention(tmp_path, smollm2_fp32):
     cache.step([(0, ids)])
     expected = [(kind, layer) for layer in range(lm.config.num_layers) for kind in ("wait", "save")]
     assert calls == expected
+
+
+def test_only_a_gguf_conversion_is_filled_in_fp32_for_the_4bit_search(tmp_path, smollm2_fp32, monkeypatch):
+    """A bf16 model looks for Q4_1 weights (in fp32, before the cast) only in a folder converted from a GGUF: a
+    Hugging Face checkpoint loads straight in bf16, with no fp32 copy of the model."""
+    from engine import weights
+    from engine.gguf_convert import SOURCE_FILE
+    from engine.models.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(weights, "decode_kernel_available", lambda: True)  # whatever this CPU has
+    searched: list[torch.dtype] = []
+    monkeypatch.setattr(LlamaForCausalLM, "derive_decode_panels", lambda self: searched.append(self.embed_tokens.dtype))
+    folder = _tiny_folder(tmp_path, smollm2_fp32.path, _tiny_configs()["llama3-rope"])
+    plain = load_model(str(folder), dtype=torch.bfloat16, device="cpu")
+    assert searched == [] and plain.model.embed_tokens.dtype == torch.bfloat16
+    (folder / SOURCE_FILE).write_text("{}")
+    converted = load_model(str(folder), dtype=torch.bfloat16, device="cpu")
+    assert searched == [torch.float32], "a converted GGUF is searched while still fp32"
+    assert converted.model.embed_tokens.dtype == torch.bfloat16
+    assert converted.model.rotary.inv_freq.dtype == torch.float32
