@@ -73,6 +73,23 @@ def _native_lib(supported: bool) -> NativeLib | None:
     return native.load()
 
 
+def native_ops_lib() -> NativeLib | None:
+    """The C library when the CPU path runs write_kv and the elementwise ops natively (not forced to torch, and
+    the library built), else None. Whether given tensors' layouts suit it is the caller's check, as here
+    (`kernels.cpu.write_kv.supports`, `kernels.cpu.elementwise.supports_rows`)."""
+    return _native_lib(True)
+
+
+def native_decode_lib(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> NativeLib | None:
+    """The C library when `decode_attention` over tensors like these runs the native kernel (the calibration's
+    choice for decodes, or a forced one), else None (the torch path)."""
+    lib = _native_lib(supports(q, k_cache, v_cache))
+    if lib is None:
+        return None
+    plan = _auto_plan(lib, q, k_cache)
+    return lib if plan is None or plan[ShapeClass.DECODE].impl == calibration.NATIVE else None
+
+
 def _geometry(q: torch.Tensor, k_cache: torch.Tensor) -> Geometry:
     dtype = str(q.dtype).removeprefix("torch.")
     return Geometry(dtype, q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1])
@@ -154,11 +171,9 @@ def decode_attention(
         from kernels.triton_decode_attention import decode_attention_triton
 
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
-    lib = _native_lib(supports(q, k_cache, v_cache))
+    lib = native_decode_lib(q, k_cache, v_cache)
     if lib is not None:
-        plan = _auto_plan(lib, q, k_cache)
-        if plan is None or plan[ShapeClass.DECODE].impl == calibration.NATIVE:
-            return paged_attention_native(lib, q, k_cache, v_cache, None, seq_lens, block_tables, scale)
+        return paged_attention_native(lib, q, k_cache, v_cache, None, seq_lens, block_tables, scale)
     # Torch: the length-chunked path (same result as the plain reference, which stays the oracle).
     return decode_attention_chunked_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
 

@@ -18,6 +18,7 @@ from engine.model_config import ModelConfig
 from engine.models.attention_layer import PagedSelfAttention
 from engine.models.dense import Packed, dense, pack_weight
 from engine.models.mlp import GatedMLP
+from engine.models.native_decode import NativeDecode
 from engine.models.rmsnorm import RMSNorm
 from engine.models.rope import RotaryEmbedding
 
@@ -64,20 +65,27 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
         self.lm_head_packed: Packed = None
+        self.native_decode: NativeDecode | None = None  # set by pack_weights where it applies
 
     def pack_weights(self) -> None:
         """Pre-pack the matmul weights for the CPU backend (see engine/models/dense.py); call once the weights
         are loaded and on their final device/dtype. The packed copies add the matmul weights' size in memory."""
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer), f"layers holds DecoderLayers, got {type(layer).__name__}"
+        layers = self.decoder_layers()
+        for layer in layers:
             layer.attn.pack_weights()
             layer.mlp.pack_weights()
         self.lm_head_packed = pack_weight(self.lm_head_weight)  # it sees only sampled rows: no decode panels
+        self.native_decode = NativeDecode.build(self, layers)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """self.layers, typed."""
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        assert len(layers) == len(self.layers), "layers holds DecoderLayers only"
+        return layers
 
     def derive_decode_panels(self) -> None:
         """Call while the model is fp32, before casting it to bf16: each layer's 4-bit decode panels (dense.py)."""
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer), f"layers holds DecoderLayers, got {type(layer).__name__}"
+        for layer in self.decoder_layers():
             layer.attn.derive_decode_panels()
             layer.mlp.derive_decode_panels()
 
@@ -100,6 +108,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        step = self.native_decode.plan(input_ids.shape[0], kv_caches) if self.native_decode is not None else None
+        if step is not None:
+            assert self.native_decode is not None, "a step plan comes from the native decode path"
+            return self.native_decode.forward(step, h, cos, sin, kv_caches)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, cos, sin, kv_cache)

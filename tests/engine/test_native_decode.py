@@ -1,0 +1,84 @@
+"""engine/models/native_decode.py: a decode step's forward through the native kernels directly gives every row the
+generic forward's bits, and only the steps it can keep that for take it."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import set_forward_context
+from engine.generated_rows import GeneratedRows
+from kernels.attention_metadata import AttentionMetadata
+from kernels.backend import CPU_ENV_VAR
+
+
+def _greedy_with_logprobs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_through_the_native_path_give_the_generic_bits(dtype, native_lib) -> None:
+    rng = random.Random(3)
+    # Different lengths, so the batch's sequences end their blocks at different places.
+    prompts = [[rng.randrange(1000, 40000) for _ in range(40 + 23 * i)] for i in range(5)]
+    # No prefix cache: the second run must compute its prompts as the first did.
+    llm = LLM(model="smollm2-135m", dtype=dtype, enable_prefix_caching=False, kv_cache_memory="64MiB")
+    model = llm.engine.runner.model
+    native = model.native_decode
+    assert native is not None, "a CPU model with the native library takes the native decode path"
+    fast = _greedy_with_logprobs(llm, prompts)
+    assert native.steps >= 23, f"the 23 decode steps after the prompts ran natively, got {native.steps}"
+    model.native_decode = None
+    generic = _greedy_with_logprobs(llm, prompts)
+    llm.close()
+    assert [t for t, _ in fast] == [t for t, _ in generic]
+    assert [lp for _, lp in fast] == [lp for _, lp in generic], "logprobs differ: some row's bits changed"
+
+
+def _metadata(num_seqs: int, query_len: int) -> AttentionMetadata:
+    seq_lens = torch.full((num_seqs,), 20, dtype=torch.int32)
+    starts = torch.arange(0, (num_seqs + 1) * query_len, query_len, dtype=torch.int32)
+    tables = torch.arange(num_seqs * 2, dtype=torch.int32).view(num_seqs, 2)
+    slots = (tables[:, 1] * 16 + 3).repeat_interleave(query_len).to(torch.int64)
+    return AttentionMetadata(slots, starts, seq_lens, tables, query_len, 20)
+
+
+class _Hooks:
+    def wait_for_layer_load(self, layer: int) -> None: ...
+
+    def save_kv_layer(self, layer, k_cache, v_cache, attn_metadata) -> None: ...
+
+
+def test_only_plain_decode_steps_take_the_native_path(smollm2_fp32, native_lib, monkeypatch) -> None:
+    model = smollm2_fp32.model
+    native = model.native_decode
+    assert native is not None
+    c = model.config
+    caches = [
+        (torch.zeros(8, 16, c.num_kv_heads, c.head_dim), torch.zeros(8, 16, c.num_kv_heads, c.head_dim))
+        for _ in range(c.num_layers)
+    ]
+    generated = GeneratedRows.from_mask(np.ones(3, dtype=bool), torch.device("cpu"))
+    with set_forward_context(_metadata(3, 1), None, generated):
+        assert native.plan(3, caches) is not None
+        monkeypatch.setenv(CPU_ENV_VAR, "torch")  # every op forced to torch: the generic path runs them
+        assert native.plan(3, caches) is None
+        monkeypatch.delenv(CPU_ENV_VAR)
+    # A one-token prompt chunk (the rest of its prompt came from the cache) is a prompt row: its matmuls are oneDNN's.
+    prompt_rows = GeneratedRows.from_mask(np.array([True, False, True]), torch.device("cpu"))
+    with set_forward_context(_metadata(3, 1), None, prompt_rows):
+        assert native.plan(3, caches) is None
+    with set_forward_context(_metadata(3, 1), None, None):  # rows of unknown class (outside the model runner)
+        assert native.plan(3, caches) is None
+    with set_forward_context(_metadata(3, 1), _Hooks(), generated):  # the connector loads or saves this step
+        assert native.plan(3, caches) is None
+    rows = GeneratedRows.from_mask(np.ones(6, dtype=bool), torch.device("cpu"))
+    with set_forward_context(_metadata(3, 2), None, rows):  # two new tokens a sequence: not a decode
+        assert native.plan(6, caches) is None
+    assert native.plan(3, caches) is None, "outside a step"
