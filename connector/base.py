@@ -97,6 +97,13 @@ class KVConnectorWorker(ABC):
         assert self._metadata is not None, "connector metadata used outside a bound step"
         return self._metadata
 
+    def needs_layer_hooks(self) -> bool:
+        """Whether the bound step's forward must call wait_for_layer_load / save_kv_layer on every layer (asked
+        after start_load_kv). True unless a connector knows they would do nothing this step (no loads, no
+        per-layer saves): the engine then runs the forward without them, which a CPU decode step's native path
+        needs (engine/models/native_decode.py). vLLM calls them every step; skipping no-ops changes nothing."""
+        return True
+
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The paged cache: per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""

@@ -97,6 +97,9 @@ class RecordingWorker(KVConnectorWorker):
         self.log.add(Call("start_load_kv"))
         self.inner.start_load_kv()
 
+    def needs_layer_hooks(self) -> bool:
+        return self.inner.needs_layer_hooks()  # a question, not a lifecycle call: not logged
+
     def wait_for_layer_load(self, layer: int) -> None:
         self.log.add(Call("wait_for_layer_load", layer=layer))
         self.inner.wait_for_layer_load(layer)

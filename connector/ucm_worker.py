@@ -164,6 +164,12 @@ class UCMWorkerConnector(KVConnectorWorker):
             self._store_failed("load", exc)
             loads.tasks[layer] = None
 
+    def needs_layer_hooks(self) -> bool:
+        """Loads in flight, or full blocks to save as each layer is computed (write-back saves are whole-block,
+        before and after the forward)."""
+        loads = self._loads
+        return (loads is not None and bool(loads.tasks)) or (self.role.saves and bool(self._meta.saves))
+
     def wait_for_layer_load(self, layer: int) -> None:
         loads = self._loads
         if loads is None or layer not in loads.tasks:

@@ -79,10 +79,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
         conn = self.connector
+        hooks = None
         if conn is not None and out.kv_connector_metadata is not None:
             # Before the copies: a write-back connector saves the evicted blocks a copy may land in.
             conn.bind_connector_metadata(out.kv_connector_metadata)
             conn.start_load_kv()
+            hooks = conn if conn.needs_layer_hooks() else None
         if out.cow_copies:
             from kernels import copy_blocks
 
@@ -91,7 +93,7 @@ class ModelRunner:
         hidden = None
         if out.scheduled:
             input_ids, positions, meta, generated = self.prepare_inputs(out)
-            with set_forward_context(meta, conn, generated):
+            with set_forward_context(meta, hooks, generated):
                 hidden = self.model.forward(input_ids, positions, self.kv_caches)
         if conn is not None and out.kv_connector_metadata is not None:
             conn.wait_for_save()

@@ -82,3 +82,26 @@ def test_only_plain_decode_steps_take_the_native_path(smollm2_fp32, native_lib, 
     with set_forward_context(_metadata(3, 2), None, rows):  # two new tokens a sequence: not a decode
         assert native.plan(6, caches) is None
     assert native.plan(3, caches) is None, "outside a step"
+
+
+def test_with_a_store_the_saving_steps_keep_their_hooks_and_the_idle_decodes_go_native(smollm2_fp32, tmp_path) -> None:
+    """The connector's worker says when a step has per-layer work (`needs_layer_hooks`); the steps without any
+    (decodes with no full block to save) run natively, and the prompt's blocks are still saved layer by layer."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(1000, 40000) for _ in range(200)]  # 12 full blocks
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine = dict(dtype="float32", kv_cache_memory="32MiB")
+    plain = LLM(loaded_model=smollm2_fp32, **engine)
+    cold = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    plain.close()
+    native = smollm2_fp32.model.native_decode
+    assert native is not None
+    before = native.steps
+    llm = LLM(loaded_model=smollm2_fp32, kv_store=f"embedded?disk_path={tmp_path}", kv_save_policy="computed", **engine)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    _, worker = llm.engine.kv_connector
+    saved = worker.stats.blocks_saved
+    llm.close()
+    assert out == cold
+    assert saved >= 12, f"the prompt's 12 full blocks were saved through the layer hooks, got {saved}"
+    assert native.steps - before >= 15, f"most of the 19 decode steps ran natively, got {native.steps - before}"
