@@ -1,20 +1,23 @@
 """A decode step's forward on CPU with the per-op Python taken out: the same native kernels, called directly.
 
 A decode step of 8 rows on SmolLM2 runs ~290 us of kernels a layer, and the generic forward added ~100 us a layer
-around them (module calls, `kernels.api`'s checks and dispatch per call, the matmuls' row routing): 2.9 of 15.3 ms
-a step on the 2-core Zen 5 EPYC. Here a step decides once what the generic path decides on every call (which
-kernels run, the threads, the metadata as int32) and then calls the C kernels' Python wrappers in the order
-`DecoderLayer.forward` does, so every row gets the same bits as there (tests/engine/test_native_decode.py).
+around them (module calls, `kernels.api`'s checks and dispatch per call, the matmuls' row routing, tensor views and
+allocations): 2.9 of 15.3 ms a step on the 2-core Zen 5 EPYC. Here a step decides once what the generic path
+decides on every call (which kernels run, the threads, the metadata as int32), allocates the activations once for
+all layers, and calls each kernel's C entry point as its Python wrapper in kernels/cpu/ would, in the order
+`DecoderLayer.forward` does; errors come from those wrappers' own messages. Every row gets the generic path's bits
+(tests/engine/test_native_decode.py).
 
 It takes only the steps where that equality is plain to keep: every row a generated token (a decode; a one-token
 prompt chunk is a prompt row and goes generic), no connector hooks bound, and the CPU path running its native
 kernels for the step's ops (`kernels.api.native_ops_lib`, `native_decode_lib`). Anything else runs the generic
-forward. A matmul this step cannot call directly (no 4-bit panels, a bias, fp32's packed copies) goes through
+forward. A matmul without 4-bit panels for generated rows (oneDNN, fp32's packed copies, a bias) goes through
 `dense` as the generic path does.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +29,7 @@ from kernels.api import native_decode_lib, native_ops_lib
 from kernels.cpu import elementwise, q4_bf16
 from kernels.cpu import write_kv as native_write
 from kernels.cpu.native import NativeLib
-from kernels.cpu.paged_attention import paged_attention_native
+from kernels.cpu.paged_attention import DTYPE_CODES, attention_error
 
 if TYPE_CHECKING:
     from engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -94,39 +97,85 @@ class NativeDecode:
         sin: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """`LlamaForCausalLM.forward` after the embedding and RoPE tables, for a step `plan` accepted."""
-        model, lib = self.model, step.lib
-        config = model.config
-        tokens = h.shape[0]
-        q_size, kv_size = config.q_size, config.kv_size
-        residual = h
+        """`LlamaForCausalLM.forward` after the embedding and RoPE tables, for a step `plan` accepted: each kernel's C
+        entry point called as its Python wrapper calls it (kernels/cpu/), into activations the layers share."""
+        model, lib, config = self.model, step.lib, self.model.config
+        tokens, hidden, dtype = h.shape[0], config.hidden_size, h.dtype
+        hq, hkv, d, q_size, kv_size = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.q_size,
+            config.kv_size,
+        )
+        inter = self.layers[0].mlp.intermediate_size
+        esize, threads = h.element_size(), torch.get_num_threads()
+        norm, add_norm = elementwise.entry(lib, "rms_norm", dtype), elementwise.entry(lib, "fused_add_rms_norm", dtype)
+        silu, rope = elementwise.entry(lib, "silu_and_mul", dtype), elementwise.entry(lib, "rotary_embedding", dtype)
+        # The step's activations, reused layer after layer (a matmul that goes through `dense` returns its own).
+        x, o_out, down_out = (torch.empty((tokens, hidden), dtype=dtype) for _ in range(3))
+        qkv_out = torch.empty((tokens, q_size + 2 * kv_size), dtype=dtype)
+        att = torch.empty((tokens, hq, d), dtype=dtype)
+        gate_up_out = torch.empty((tokens, 2 * inter), dtype=dtype)
+        act = torch.empty((tokens, inter), dtype=dtype)
+        num_blocks, block_size = kv_caches[0][0].shape[:2]
+        num_slots, tables, slots = num_blocks * block_size, step.block_tables, step.slot_mapping
+        err_seq, skipped = ctypes.c_int32(-1), ctypes.c_int32(0)
+        err_ref, skipped_ref = ctypes.byref(err_seq), ctypes.byref(skipped)
+        residual, rp, xp = h, h.data_ptr(), x.data_ptr()
         first = self.layers[0].input_norm
-        x = elementwise.rms_norm_native(lib, h, first.weight, first.eps)
+        norm(h.data_ptr(), first.weight.data_ptr(), xp, tokens, hidden, first.eps, threads)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i:
-                x = elementwise.fused_add_rms_norm_native(
-                    lib, h, residual, layer.input_norm.weight, layer.input_norm.eps
-                )
+            if i:  # the previous MLP's output joins the residual here
+                pre = layer.input_norm
+                add_norm(h.data_ptr(), rp, pre.weight.data_ptr(), xp, tokens, hidden, pre.eps, threads)
             attn = layer.attn
-            qkv = _matmul(x, attn.qkv_weight, attn.qkv_bias, attn.qkv_packed)
-            qk = qkv[:, : q_size + kv_size].view(tokens, config.num_heads + config.num_kv_heads, config.head_dim)
-            elementwise.rotary_embedding_native(lib, qk, cos, sin)
-            q, k = qk.split((config.num_heads, config.num_kv_heads), dim=1)
-            v = qkv[:, q_size + kv_size :].view(tokens, config.num_kv_heads, config.head_dim)
-            native_write.write_kv_native(lib, k, v, k_cache, v_cache, step.slot_mapping)
-            out = paged_attention_native(lib, q, k_cache, v_cache, None, step.seq_lens, step.block_tables, attn.scale)
-            o = _matmul(out.view(tokens, q_size), attn.o_weight, attn.o_bias, attn.o_packed)
+            qkv = _linear(x, attn.qkv_weight, attn.qkv_bias, attn.qkv_packed, qkv_out, threads)
+            qkvp, stride = qkv.data_ptr(), qkv.stride(0)
+            rope(qkvp, stride, tokens, hq + hkv, d, cos.data_ptr(), sin.data_ptr(), threads)  # q and k, in place
+            kp = qkvp + q_size * esize
+            kcp, vcp = k_cache.data_ptr(), v_cache.data_ptr()
+            bad = lib.write_kv(
+                kp, stride * esize, kp + kv_size * esize, stride * esize, kcp, vcp, slots.data_ptr(), tokens,
+                num_slots, kv_size * esize,
+            )  # fmt: skip
+            if bad:
+                raise native_write.slot_error(slots, bad, num_slots)
+            rc = lib.paged_attention(
+                qkvp, stride, d, kcp, vcp, att.data_ptr(), None, step.seq_lens.data_ptr(), tables.data_ptr(),
+                tables.stride(0), tables.shape[1], num_blocks, tokens, tokens, hq, hkv, d, block_size,
+                DTYPE_CODES[dtype], attn.scale, 0, threads, err_ref, skipped_ref,
+            )  # fmt: skip
+            if rc:
+                raise attention_error(rc, err_seq.value)
+            o = _linear(att.view(tokens, q_size), attn.o_weight, attn.o_bias, attn.o_packed, o_out, threads)
             post = layer.post_attn_norm
-            x = elementwise.fused_add_rms_norm_native(lib, o, residual, post.weight, post.eps)
+            add_norm(o.data_ptr(), rp, post.weight.data_ptr(), xp, tokens, hidden, post.eps, threads)
             mlp = layer.mlp
-            gate_up = _matmul(x, mlp.gate_up_weight, mlp.gate_up_bias, mlp.gate_up_packed)
-            h = _matmul(elementwise.silu_and_mul_native(lib, gate_up), mlp.down_weight, mlp.down_bias, mlp.down_packed)
+            gate_up = _linear(x, mlp.gate_up_weight, mlp.gate_up_bias, mlp.gate_up_packed, gate_up_out, threads)
+            silu(gate_up.data_ptr(), act.data_ptr(), tokens, inter, threads)
+            h = _linear(act, mlp.down_weight, mlp.down_bias, mlp.down_packed, down_out, threads)
+        out = torch.empty_like(x)
+        add_norm(
+            h.data_ptr(), rp, model.norm.weight.data_ptr(), out.data_ptr(), tokens, hidden, model.norm.eps, threads
+        )
+        assert residual.data_ptr() == rp, "the residual stream stays in the embeddings' tensor"
         self.steps += 1
-        return elementwise.fused_add_rms_norm_native(lib, h, residual, model.norm.weight, model.norm.eps)
+        return out
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed) -> torch.Tensor:
-    """What `dense` does with a decode step's rows (all generated), minus its routing where the call is direct."""
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed, out: torch.Tensor, threads: int
+) -> torch.Tensor:
+    """What `dense` gives a decode step's rows (all generated): the 4-bit kernel, into `out`, where the weight has
+    its panels; else `dense` itself (oneDNN, fp32's packed copies, a bias)."""
     if isinstance(packed, BF16Packed) and packed.decode is not None and bias is None:
-        return q4_bf16.linear(packed.decode.lib, x, packed.decode.panels)
+        lib, p = packed.decode.lib, packed.decode.panels
+        assert x.shape[1] == p.k and out.shape == (x.shape[0], p.n), "a step buffer of the weight's shape"
+        status = lib.q4_bf16(
+            x.data_ptr(), x.shape[0], p.k, p.qp.data_ptr(), p.dm.data_ptr(), p.n, out.data_ptr(), threads
+        )
+        if status:
+            raise q4_bf16.status_error(lib, status, x.shape[0], p)
+        return out
     return dense(x, weight, bias, packed)

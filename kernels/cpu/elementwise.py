@@ -22,9 +22,9 @@ def _native_cpu(first: torch.Tensor, *others: torch.Tensor) -> bool:
     )
 
 
-def _op(lib: NativeLib, name: str, x: torch.Tensor) -> CFunction:
-    """The entry point for x's dtype: `name` (bf16) or its fp32 twin."""
-    return getattr(lib, name + ("_f32" if x.dtype == torch.float32 else ""))
+def entry(lib: NativeLib, name: str, dtype: torch.dtype) -> CFunction:
+    """The entry point for `dtype`: `name` (bf16) or its fp32 twin (their arguments: kernels/cpu/native.py)."""
+    return getattr(lib, name + ("_f32" if dtype == torch.float32 else ""))
 
 
 def supports_rows(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -55,7 +55,9 @@ def rms_norm_native(lib: NativeLib, x: torch.Tensor, weight: torch.Tensor, eps: 
     """`kernels.rms_norm`'s contract; the caller checked `supports_rows` and the weight's shape."""
     out = torch.empty_like(x)
     rows, hidden = _rows(x)
-    _op(lib, "rms_norm", x)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, eps, torch.get_num_threads())
+    entry(lib, "rms_norm", x.dtype)(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, eps, torch.get_num_threads()
+    )
     return out
 
 
@@ -65,7 +67,7 @@ def fused_add_rms_norm_native(
     """`kernels.fused_add_rms_norm`'s contract (residual updated in place); the caller checked the layout."""
     out = torch.empty_like(x)
     rows, hidden = _rows(x)
-    _op(lib, "fused_add_rms_norm", x)(
+    entry(lib, "fused_add_rms_norm", x.dtype)(
         x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
         torch.get_num_threads(),
     )  # fmt: skip
@@ -76,13 +78,13 @@ def silu_and_mul_native(lib: NativeLib, x: torch.Tensor) -> torch.Tensor:
     """`kernels.silu_and_mul`'s contract: [..., 2I] -> [..., I]."""
     rows, width = _rows(x)
     out = torch.empty((*x.shape[:-1], width // 2), dtype=x.dtype)
-    _op(lib, "silu_and_mul", x)(x.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    entry(lib, "silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
 
 
 def rotary_embedding_native(lib: NativeLib, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """`kernels.rotary_embedding_`'s contract (in place); the caller checked `supports_rope`."""
     tokens, heads, head_dim = qk.shape
-    _op(lib, "rotary_embedding", qk)(
+    entry(lib, "rotary_embedding", qk.dtype)(
         qk.data_ptr(), qk.stride(0), tokens, heads, head_dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
     )

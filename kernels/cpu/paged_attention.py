@@ -88,8 +88,13 @@ def _call(
         ctypes.byref(err_seq), ctypes.byref(skipped),
     )  # fmt: skip
     if rc != 0:
-        raise ValueError(f"paged attention: sequence {err_seq.value} {_ERRORS.get(rc, f'failed with code {rc}')}")
+        raise attention_error(rc, err_seq.value)
     return out, skipped.value
+
+
+def attention_error(rc: int, seq: int) -> ValueError:
+    """The error for the kernel's non-zero return `rc` about sequence `seq`."""
+    return ValueError(f"paged attention: sequence {seq} {_ERRORS.get(rc, f'failed with code {rc}')}")
 
 
 def paged_attention_native(

@@ -76,11 +76,16 @@ def linear(lib: NativeLib, x: torch.Tensor, panels: Q4BF16Panels) -> torch.Tenso
         x.data_ptr(), x.shape[0], panels.k, panels.qp.data_ptr(), panels.dm.data_ptr(), panels.n, y.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
-    if status == -1:
-        raise RuntimeError(f"{lib.path.name} was built without AVX-512 BF16: q4_bf16 is not in it")
-    if status != 0:
-        raise RuntimeError(f"q4_bf16 failed ({status}) on x {tuple(x.shape)}, weight {panels.n}x{panels.k}")
+    if status:
+        raise status_error(lib, status, x.shape[0], panels)
     return y
+
+
+def status_error(lib: NativeLib, status: int, rows: int, panels: Q4BF16Panels) -> RuntimeError:
+    """The error for the kernel's non-zero `status` on `rows` rows."""
+    if status == -1:
+        return RuntimeError(f"{lib.path.name} was built without AVX-512 BF16: q4_bf16 is not in it")
+    return RuntimeError(f"q4_bf16 failed ({status}) on {rows} rows of {panels.k}, weight {panels.n}x{panels.k}")
 
 
 def measure(lib: NativeLib, k: int, n: int) -> list[Timings]:

@@ -46,5 +46,10 @@ def write_kv_native(
         key.shape[1] * key.shape[2] * esize,
     )  # fmt: skip
     if bad:
-        slot = int(slot_mapping[bad - 1])
-        raise ValueError(f"write_kv: token {bad - 1} has slot {slot}, outside the cache's {num_slots} slots (-1 skips)")
+        raise slot_error(slot_mapping, bad, num_slots)
+
+
+def slot_error(slot_mapping: torch.Tensor, bad: int, num_slots: int) -> ValueError:
+    """The error for the kernel's non-zero return `bad` (1 + the first token whose slot is outside the cache)."""
+    slot = int(slot_mapping[bad - 1])
+    return ValueError(f"write_kv: token {bad - 1} has slot {slot}, outside the cache's {num_slots} slots (-1 skips)")
