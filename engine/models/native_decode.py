@@ -101,13 +101,8 @@ class NativeDecode:
         entry point called as its Python wrapper calls it (kernels/cpu/), into activations the layers share."""
         model, lib, config = self.model, step.lib, self.model.config
         tokens, hidden, dtype = h.shape[0], config.hidden_size, h.dtype
-        hq, hkv, d, q_size, kv_size = (
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            config.q_size,
-            config.kv_size,
-        )
+        hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = config.q_size, config.kv_size
         inter = self.layers[0].mlp.intermediate_size
         esize, threads = h.element_size(), torch.get_num_threads()
         norm, add_norm = elementwise.entry(lib, "rms_norm", dtype), elementwise.entry(lib, "fused_add_rms_norm", dtype)
@@ -122,7 +117,9 @@ class NativeDecode:
         num_slots, tables, slots = num_blocks * block_size, step.block_tables, step.slot_mapping
         err_seq, skipped = ctypes.c_int32(-1), ctypes.c_int32(0)
         err_ref, skipped_ref = ctypes.byref(err_seq), ctypes.byref(skipped)
-        residual, rp, xp = h, h.data_ptr(), x.data_ptr()
+        assert cos.is_contiguous() and sin.is_contiguous(), "RoPE tables as the rope kernel reads them"
+        residual = h  # the residual stream, updated in place by every fused add-norm; h names each layer's output
+        rp, xp = residual.data_ptr(), x.data_ptr()
         first = self.layers[0].input_norm
         norm(h.data_ptr(), first.weight.data_ptr(), xp, tokens, hidden, first.eps, threads)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -159,7 +156,6 @@ class NativeDecode:
         add_norm(
             h.data_ptr(), rp, model.norm.weight.data_ptr(), out.data_ptr(), tokens, hidden, model.norm.eps, threads
         )
-        assert residual.data_ptr() == rp, "the residual stream stays in the embeddings' tensor"
         self.steps += 1
         return out
 
