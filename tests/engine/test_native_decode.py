@@ -16,6 +16,13 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.backend import CPU_ENV_VAR
 
 
+@pytest.fixture(autouse=True)
+def _native_kernels(monkeypatch) -> None:
+    """The native kernels for every op, whatever this host's calibration picked for decode attention (torch there
+    would send every decode step to the generic forward, and these tests would test nothing)."""
+    monkeypatch.setenv(CPU_ENV_VAR, "native")
+
+
 def _greedy_with_logprobs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -69,7 +76,7 @@ def test_only_plain_decode_steps_take_the_native_path(smollm2_fp32, native_lib, 
         assert native.plan(3, caches) is not None
         monkeypatch.setenv(CPU_ENV_VAR, "torch")  # every op forced to torch: the generic path runs them
         assert native.plan(3, caches) is None
-        monkeypatch.delenv(CPU_ENV_VAR)
+        monkeypatch.setenv(CPU_ENV_VAR, "native")
     # A one-token prompt chunk (the rest of its prompt came from the cache) is a prompt row: its matmuls are oneDNN's.
     prompt_rows = GeneratedRows.from_mask(np.array([True, False, True]), torch.device("cpu"))
     with set_forward_context(_metadata(3, 1), None, prompt_rows):
