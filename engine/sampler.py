@@ -191,11 +191,14 @@ class Sampler:
 
     # -- sampling -----------------------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)
         rand = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not rand:
-            return tokens
-        sub = logits[rand]
+            return logits.argmax(dim=-1)
+        # All rows drawn (vllm bench serve's temperature 1): no argmax and no row copy; each took 60-120 us a step
+        # of 8 over SmolLM2's 49152 tokens.
+        every = len(rand) == len(rows)
+        tokens = torch.empty(len(rows), dtype=torch.long) if every else logits.argmax(dim=-1)
+        sub = logits if every else logits[rand]
         temps = torch.tensor([rows[i].params.temperature for i in rand], dtype=sub.dtype).unsqueeze(1)
         probs = torch.softmax(sub / temps, dim=-1)
         min_p = torch.tensor([rows[i].params.min_p for i in rand], dtype=sub.dtype).unsqueeze(1)

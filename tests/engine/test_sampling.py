@@ -58,6 +58,11 @@ def test_seeded_sampling_independent_of_batch():
         + [row(p, seed=42, position=5), row(p, seed=1)],
     )
     assert batch[2] == alone[0]
+    # With a greedy row in the batch (the sampler then takes the argmax and the drawn rows' subset).
+    mixed, _ = Sampler()(x, [row(SamplingParams(temperature=0))] + [row(p, seed=42, position=5)] * 3)
+    assert mixed == [int(x[0].argmax())] + [int(Sampler()(x[i : i + 1], [row(p, seed=42, position=5)])[0][0])
+                                            for i in (1, 2, 3)]  # fmt: skip
+    assert mixed[2] == alone[0]
     draws = {Sampler()(x[:1], [row(p, seed=42, position=t)])[0][0] for t in range(30)}
     assert len(draws) > 3  # the stream advances with the position
 
