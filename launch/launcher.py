@@ -72,7 +72,8 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         metavar="{" + ",".join(p.value for p in KVSavePolicy) + "}",
         help="when a colocated node saves KV blocks to the store (prefill nodes: always as computed). Default: "
         "evicted with one colocated node (nobody else reads the store while its device cache holds a block, "
-        "and writing every block through cost ~10%% of served throughput on 2 cores), else computed",
+        "and writing every block through cost ~10%% of served throughput on 2 cores), else computed; with --ray "
+        "computed unless given (a Ray deployment scales)",
     )
     p.add_argument("--dram", default=defaults.STORE_DRAM, help="store DRAM tier capacity")
     p.add_argument("--disk", default=defaults.STORE_DISK, help="store disk tier capacity")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from engine.config import KVSavePolicy
 from launch.child import Child
 from launch.ray.keys import KeyFiles
 from launch.ray.spec import STATUS_CLIENT, NodeKind
@@ -68,6 +69,7 @@ class NodeLaunch:
     device: str | None
     kv_cache_memory: str
     max_num_seqs: int
+    kv_save_policy: KVSavePolicy | None  # given to a colocated node with a store; None: its default (as computed)
     heartbeat_interval_s: float
     threads: int
     keys: KeyFiles | None  # None: --insecure
@@ -87,6 +89,8 @@ class NodeLaunch:
             args += ["--device", self.device]
         if self.kind is NodeKind.COLOCATED:
             args.append("--colocated")
+            if self.store_addr is not None and self.kv_save_policy is not None:
+                args += ["--kv-save-policy", self.kv_save_policy.value]
         return _cmd(*args)
 
 

@@ -64,8 +64,6 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
             ("--max-model-len", args.max_model_len is not None),
             ("--no-enable-prefix-caching", not args.enable_prefix_caching),
             ("--host (use --ray-host)", args.host != defaults.HTTP_HOST),
-            ("--kv-save-policy", args.kv_save_policy is not None),
-            ("--max-num-seqs", args.max_num_seqs != defaults.MAX_NUM_SEQS),
         )
         if given
     ]
@@ -93,6 +91,8 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
         dtype=args.dtype,
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        kv_save_policy=args.kv_save_policy,
         secure=not args.insecure,
         node_cpus=args.node_cpus,
         node_gpus=1.0 if cuda else 0.0,

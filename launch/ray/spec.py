@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.config import KVSavePolicy
 from launch.cluster import ClusterSpec
 
 NAMESPACE = "ucm-serve"  # the Ray namespace of every deployment's controller (found by name from any driver)
@@ -64,6 +65,9 @@ class DeploymentSpec:
     device: str | None = None  # None: each node's default (cuda when its host has one)
     kv_cache_memory: str = _UP.kv_cache_memory
     max_num_seqs: int = _UP.max_num_seqs
+    # When colocated nodes save their blocks to the store (prefill nodes always save as they compute). None: as
+    # computed, since a Ray deployment scales and another node may need a block this one's device cache holds.
+    kv_save_policy: KVSavePolicy | None = None
     node_timeout_s: float = _UP.node_timeout_s
     heartbeat_interval_s: float = _UP.heartbeat_interval_s
     store_nice: int = _UP.store_nice

@@ -118,6 +118,8 @@ def test_places_store_router_nodes_and_serves_like_offline(deployment, url, clie
     assert url.startswith("http://127.0.0.1:") and status.nodes_address.startswith("tcp://127.0.0.1:")
     assert status.actor("prefill-0").role is ActorRole.PREFILL and status.registered("decode-0")
     assert set(status.store["tiers"]) == {"dram", "disk"}
+    capacity = {n["capacity"] for n in health_nodes(url).values()}
+    assert capacity == {16}, capacity  # the spec's max_num_seqs reached the nodes
 
     for prompt in PROMPTS[:2]:
         assert _ask(client, prompt, 12) == offline(prompt, 12)
