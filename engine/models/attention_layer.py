@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.attention import paged_attention_forward
 from engine.model_config import ModelConfig
-from engine.models.dense import Decode4Bit, Packed, decode_panels, dense, pack_weight
+from engine.models.dense import DecodePanels, Packed, decode_panels, dense, pack_weight
 from kernels.api import rotary_embedding_
 
 
@@ -27,7 +27,7 @@ class PagedSelfAttention(nn.Module):
         self.o_bias = nn.Parameter(torch.empty(config.hidden_size)) if config.o_bias else None
         self.qkv_packed: Packed = None
         self.o_packed: Packed = None
-        self._decode: dict[str, Decode4Bit | None] = {}
+        self._decode: dict[str, DecodePanels | None] = {}
 
     def derive_decode_panels(self) -> None:
         """While the weights are still fp32 (a bf16 model being loaded): their 4-bit decode panels, if any."""

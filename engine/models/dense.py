@@ -22,7 +22,9 @@ bf16 on AVX-512 BF16, a weight that is exactly Q4_1 (the embedded model's layers
 while the model is still fp32): a step's generated-token rows go through kernels/cpu/q4_bf16.c, which reads a
 quarter of oneDNN's bytes, and its prompt rows through oneDNN, by the row's class rather than the call's row count,
 so that a row's bits never depend on how its step was made up (engine/generated_rows.py says why). Per weight shape
-only where the kernel beat oneDNN on the machine (kernels/cpu/q4_bf16.py).
+only where the kernel beat oneDNN on the machine (kernels/cpu/q4_bf16.py). The lm_head likewise where it is exactly
+Q8_0 (the embedded model's tied embedding): the generated rows' logits through the 8-bit twin, a prompt's last row's
+through oneDNN (`LlamaForCausalLM.compute_logits` passes the sampled rows' classes).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import current_forward_context
+from engine.generated_rows import GeneratedRows
 from kernels.cpu import onednn_linear, q4_bf16
 from kernels.cpu.native import NativeLib
-from kernels.cpu.q4_bf16 import Q4BF16Panels
+from kernels.cpu.q4_bf16 import DecodePanelsOf
 from kernels.cpu.skinny_gemm import PanelWeight, panel_weight
 
 log = logging.getLogger(__name__)
@@ -61,26 +64,26 @@ class F32Packed:
 
 
 @dataclass(frozen=True)
-class Decode4Bit:
-    """A Q4_1 weight's 4-bit panels for generated rows, and the library that runs them."""
+class DecodePanels:
+    """A Q4_1 or Q8_0 weight's quantized panels for generated rows, and the library that runs them."""
 
     lib: NativeLib
-    panels: Q4BF16Panels
+    panels: DecodePanelsOf
 
 
 @dataclass(frozen=True)
 class BF16Packed:
-    """A bf16 weight on CPU: oneDNN's layout for prompt rows; 4-bit panels for generated rows where the weight is
-    Q4_1 and the kernel won here."""
+    """A bf16 weight on CPU: oneDNN's layout for prompt rows; quantized panels for generated rows where the weight is
+    Q4_1 (the layers) or Q8_0 (the lm_head) and the kernel won here."""
 
     onednn: torch.Tensor
-    decode: Decode4Bit | None
+    decode: DecodePanels | None
 
 
 Packed = BF16Packed | F32Packed | None  # bf16 copies, fp32 copies, or nothing
 
 
-def decode_panels(weight: torch.Tensor) -> Decode4Bit | None:
+def decode_panels(weight: torch.Tensor) -> DecodePanels | None:
     """For a bf16 model: the 4-bit decode panels of `weight` (fp32, before the cast) where it is exactly Q4_1 and the
     kernel beats oneDNN at decode rows on this machine, else None."""
     from kernels.cpu.native import load
@@ -90,7 +93,20 @@ def decode_panels(weight: torch.Tensor) -> Decode4Bit | None:
     if lib is None or weight.dtype != torch.float32 or not q4_bf16.kernel_wins(lib, k, n):
         return None
     panels = q4_bf16.pack(weight)
-    return Decode4Bit(lib, panels) if panels is not None else None
+    return DecodePanels(lib, panels) if panels is not None else None
+
+
+def lm_head_panels(weight: torch.Tensor) -> DecodePanels | None:
+    """For a bf16 model: the Q8_0 panels of its lm_head (fp32, before the cast) where it is exactly Q8_0 (the
+    embedded model's tied embedding) and the kernel beats oneDNN at decode rows on this machine, else None."""
+    from kernels.cpu.native import load
+
+    lib = load()
+    n, k = weight.shape
+    if lib is None or weight.dtype != torch.float32 or not q4_bf16.kernel_wins(lib, k, n, q8=True):
+        return None
+    panels = q4_bf16.pack_q8(weight)
+    return DecodePanels(lib, panels) if panels is not None else None
 
 
 def decode_kernel_available() -> bool:
@@ -101,9 +117,10 @@ def decode_kernel_available() -> bool:
     return lib is not None and lib.has_q4_bf16 and packing_supported(torch.empty(1, 1, dtype=torch.bfloat16))
 
 
-def pack_weight(weight: torch.Tensor, decode: Decode4Bit | None = None) -> Packed:
+def pack_weight(weight: torch.Tensor, decode: DecodePanels | None = None) -> Packed:
     """The packed copies of `weight` [out, in] for this machine, or None where none applies (F.linear).
-    `decode`: its 4-bit panels for generated rows (bf16 only; `decode_panels` made them from the fp32 weight)."""
+    `decode`: its quantized panels for generated rows (bf16 only; `decode_panels` or `lm_head_panels` made them from
+    the fp32 weight)."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
         return _f32_packed(weight)
     if not packing_supported(weight):
@@ -129,9 +146,15 @@ def _f32_packed(weight: torch.Tensor) -> F32Packed | None:
     return F32Packed(panels, onednn) if panels is not None or onednn is not None else None
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed) -> torch.Tensor:
+def dense(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: Packed,
+    rows: GeneratedRows | None = None,
+) -> torch.Tensor:
     """x @ weight.T + bias, through the packed copy that suits x's rows when there is one (fp32: by their count;
-    bf16: by each row's class, generated or prompt, from the forward context)."""
+    bf16: by each row's class, generated or prompt: `rows`, else the forward context's)."""
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, F32Packed):
@@ -141,8 +164,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack
             return onednn_linear.linear(x, packed.onednn, bias)
         return F.linear(x, weight, bias)
     decode = packed.decode
-    context = current_forward_context() if decode is not None else None
-    rows = context.generated_rows if context is not None else None
+    if rows is None and decode is not None:
+        context = current_forward_context()
+        rows = context.generated_rows if context is not None else None
     if decode is None or rows is None or bias is not None or x.dim() != 2 or x.shape[0] != rows.total:
         return _onednn_bf16(x, packed.onednn, bias)
     return rows.apply(

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.generated_rows import GeneratedRows
 from engine.model_config import ModelConfig
 from engine.models.attention_layer import PagedSelfAttention
-from engine.models.dense import Packed, dense, pack_weight
+from engine.models.dense import DecodePanels, Packed, dense, lm_head_panels, pack_weight
 from engine.models.mlp import GatedMLP
 from engine.models.native_decode import NativeDecode
 from engine.models.rmsnorm import RMSNorm
@@ -66,6 +67,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.lm_head_packed: Packed = None
         self.native_decode: NativeDecode | None = None  # set by pack_weights where it applies
+        self._lm_head_decode: DecodePanels | None = None  # the lm_head's Q8_0 panels (derive_decode_panels)
 
     def pack_weights(self) -> None:
         """Pre-pack the matmul weights for the CPU backend (see engine/models/dense.py); call once the weights
@@ -74,7 +76,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in layers:
             layer.attn.pack_weights()
             layer.mlp.pack_weights()
-        self.lm_head_packed = pack_weight(self.lm_head_weight)  # it sees only sampled rows: no decode panels
+        self.lm_head_packed = pack_weight(self.lm_head_weight, self._lm_head_decode)
         self.native_decode = NativeDecode.build(self, layers)
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -88,6 +90,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.decoder_layers():
             layer.attn.derive_decode_panels()
             layer.mlp.derive_decode_panels()
+        self._lm_head_decode = lm_head_panels(self.lm_head_weight)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -120,6 +123,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h, residual)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (only the rows being sampled) -> float32 logits [N, vocab]."""
-        return dense(hidden, self.lm_head_weight, None, self.lm_head_packed).float()
+    def compute_logits(self, hidden: torch.Tensor, rows: GeneratedRows | None = None) -> torch.Tensor:
+        """hidden [N, hidden] (only the rows being sampled) -> float32 logits [N, vocab]. `rows`: which of them are
+        generated tokens (a bf16 lm_head with Q8_0 panels sends those through the 8-bit kernel, the prompts' last
+        rows through oneDNN); None: all prompt rows."""
+        return dense(hidden, self.lm_head_weight, None, self.lm_head_packed, rows).float()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.dense import Decode4Bit, Packed, decode_panels, dense, pack_weight
+from engine.models.dense import DecodePanels, Packed, decode_panels, dense, pack_weight
 from kernels.api import silu_and_mul
 
 
@@ -20,7 +20,7 @@ class GatedMLP(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(hidden_size)) if bias else None
         self.gate_up_packed: Packed = None
         self.down_packed: Packed = None
-        self._decode: dict[str, Decode4Bit | None] = {}
+        self._decode: dict[str, DecodePanels | None] = {}
 
     def derive_decode_panels(self) -> None:
         """While the weights are still fp32 (a bf16 model being loaded): their 4-bit decode panels, if any."""

@@ -30,6 +30,7 @@ from kernels.cpu import elementwise, q4_bf16
 from kernels.cpu import write_kv as native_write
 from kernels.cpu.native import NativeLib
 from kernels.cpu.paged_attention import DTYPE_CODES, attention_error
+from kernels.cpu.q4_bf16 import Q4BF16Panels
 
 if TYPE_CHECKING:
     from engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -165,8 +166,9 @@ def _linear(
 ) -> torch.Tensor:
     """What `dense` gives a decode step's rows (all generated): the 4-bit kernel, into `out`, where the weight has
     its panels; else `dense` itself (oneDNN, fp32's packed copies, a bias)."""
-    if isinstance(packed, BF16Packed) and packed.decode is not None and bias is None:
-        lib, p = packed.decode.lib, packed.decode.panels
+    decode = packed.decode if isinstance(packed, BF16Packed) else None
+    if decode is not None and isinstance(decode.panels, Q4BF16Panels) and bias is None:
+        lib, p = decode.lib, decode.panels
         assert x.shape[1] == p.k and out.shape == (x.shape[0], p.n), "a step buffer of the weight's shape"
         status = lib.q4_bf16(
             x.data_ptr(), x.shape[0], p.k, p.qp.data_ptr(), p.dm.data_ptr(), p.n, out.data_ptr(), threads

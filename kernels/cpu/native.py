@@ -89,6 +89,7 @@ class NativeLib:
     skinny_gemm: CFunction  # ucm_skinny_gemm
     skinny_gemm_q4: CFunction  # ucm_skinny_gemm_q4 (4-bit panels: kernels/cpu/q4_panels.py)
     q4_bf16: CFunction  # ucm_q4_bf16 in q4_bf16.c (a decode step's generated rows over 4-bit weights, AVX-512 BF16)
+    q8_bf16: CFunction  # ucm_q8_bf16, its twin over Q8_0 weights (the embedded model's lm_head)
     has_q4_bf16: bool  # whether this build has it (-1 from every call otherwise)
     has_avx512: bool
     has_openmp: bool
@@ -232,6 +233,9 @@ def _bind(path: Path) -> NativeLib:
     q4_bf16 = cdll.ucm_q4_bf16
     q4_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]  # x, M, K, q panels, d|m, N, y, threads
     q4_bf16.restype = i32
+    q8_bf16 = cdll.ucm_q8_bf16
+    q8_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]  # x, M, K, q panels, d, N, y, threads
+    q8_bf16.restype = i32
     cdll.ucm_q4_bf16_available.restype = i32
     cdll.ucm_has_avx512.restype = i32
     cdll.ucm_has_openmp.restype = i32
@@ -255,6 +259,7 @@ def _bind(path: Path) -> NativeLib:
         skinny,
         skinny_q4,
         q4_bf16,
+        q8_bf16,
         bool(cdll.ucm_q4_bf16_available()),
         bool(cdll.ucm_has_avx512()),
         bool(cdll.ucm_has_openmp()),

@@ -56,9 +56,13 @@ static inline __attribute__((always_inline)) __m512bh weights(const uint8_t *src
     return (__m512bh)_mm512_permutexvar_epi16(q, table);
 }
 
-/* One panel (16 outputs) for MR rows: xp[r][j] is row r's pair j as one 32-bit word, sx[r][b] its block sums. */
+/* One panel (16 outputs) for MR rows: xp[r][j] is row r's pair j as one 32-bit word, sx[r][b] its block sums.
+ * q8 (a constant where it is inlined): the Q8_0 twin (w = d * q, q in -127..127 per 32 k: the embedded model's tied
+ * embedding, its lm_head), qp [K / 2][32] bytes (pair j's 16 bytes of q at k = 2j, then its 16 at 2j + 1) and
+ * dm [K / 32][16] (d only). An int8 is exact in bf16, which is fp32's top half: the even k's fp32 shifted down and
+ * the odd k's blended over it make lane o's bf16 pair; the block sums are d-scaled with no m term. */
 static inline __attribute__((always_inline)) void panel(const uint32_t *xp, const float *sx, int64_t k,
-                                                        const uint8_t *qp, const float *dm, __m512 *out) {
+                                                        const void *qp, const float *dm, __m512 *out, const int q8) {
     const __m512i table = _mm512_set_epi16(
         0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
         0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
@@ -73,16 +77,28 @@ static inline __attribute__((always_inline)) void panel(const uint32_t *xp, cons
         __m512 even[MR], odd[MR];
         for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm512_setzero_ps();
         for (int64_t j = b * (QB / 2); j < (b + 1) * (QB / 2); j += 2) {
-            __m512bh w0 = weights(qp + j * NR, table, nibbles), w1 = weights(qp + (j + 1) * NR, table, nibbles);
+            __m512bh w[2];
+            for (int h = 0; h < 2; h++) {
+                if (q8) {
+                    const int8_t *src = (const int8_t *)qp + (j + h) * 2 * NR;
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+                    const __m512 hi =
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + NR))));
+                    w[h] = (__m512bh)_mm512_mask_blend_epi16(
+                        0xAAAAAAAAu, _mm512_srli_epi32(_mm512_castps_si512(lo), 16), _mm512_castps_si512(hi));
+                } else {
+                    w[h] = weights((const uint8_t *)qp + (j + h) * NR, table, nibbles);
+                }
+            }
             for (int r = 0; r < MR; r++) {
-                even[r] = _mm512_dpbf16_ps(even[r], w0, pair(xp + r * pairs + j));
-                odd[r] = _mm512_dpbf16_ps(odd[r], w1, pair(xp + r * pairs + j + 1));
+                even[r] = _mm512_dpbf16_ps(even[r], w[0], pair(xp + r * pairs + j));
+                odd[r] = _mm512_dpbf16_ps(odd[r], w[1], pair(xp + r * pairs + j + 1));
             }
         }
-        __m512 d = _mm512_loadu_ps(dm + b * 2 * NR), m = _mm512_loadu_ps(dm + b * 2 * NR + NR);
+        const __m512 d = _mm512_loadu_ps(dm + b * (q8 ? 1 : 2) * NR);
         for (int r = 0; r < MR; r++) {
             acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), d, acc[r]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
+            if (!q8) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(dm + b * 2 * NR + NR), _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
         }
     }
     for (int r = 0; r < MR; r++) out[r] = acc[r];
@@ -90,12 +106,12 @@ static inline __attribute__((always_inline)) void panel(const uint32_t *xp, cons
 
 #endif
 
-/* x [M, K] bf16 row-major, qp / dm from kernels/cpu/q4_bf16.py (n padded to panels of 16), y [M, N] bf16.
- * 0: done; -1: not built for this CPU; -2: K not a multiple of 32; -3: no memory. */
-int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
-                    uint16_t *y, int32_t num_threads) {
+/* Both entry points: rows in passes of MR (missing rows zero), panels over the threads. q8: Q8_0 panels (qp int8,
+ * dm the d of each block), else Q4_1 (`panel`). */
+static int32_t decode_matmul(const uint16_t *x, int64_t m, int64_t k, const void *qp, const float *dm, int64_t n,
+                             uint16_t *y, int32_t num_threads, int q8) {
 #ifndef Q4B_DPBF16
-    (void)x, (void)m, (void)k, (void)qp, (void)dm, (void)n, (void)y, (void)num_threads;
+    (void)x, (void)m, (void)k, (void)qp, (void)dm, (void)n, (void)y, (void)num_threads, (void)q8;
     return -1;
 #else
     if (k % QB) return -2;
@@ -111,7 +127,7 @@ int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, 
         }
         memset(xp, 0, MR * pairs * 4);
         memcpy(xp, x + r0 * k, rows * k * 2); /* bf16 pairs are the row's 32-bit words; missing rows stay 0 */
-        for (int64_t r = 0; r < MR; r++)
+        for (int64_t r = 0; r < MR && !q8; r++) /* Q4_1's m term needs each block's sum of x */
             for (int64_t b = 0; b < blocks; b++) {
                 const uint16_t *xb = (const uint16_t *)(xp + r * pairs) + b * QB;
                 float s = 0.0f; /* left to right: a fixed order */
@@ -121,7 +137,10 @@ int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, 
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             __m512 out[MR];
-            panel(xp, sx, k, qp + p * pairs * NR, dm + p * blocks * 2 * NR, out);
+            if (q8) /* two instances, the flag a constant in each */
+                panel(xp, sx, k, (const int8_t *)qp + p * pairs * 2 * NR, dm + p * blocks * NR, out, 1);
+            else
+                panel(xp, sx, k, (const uint8_t *)qp + p * pairs * NR, dm + p * blocks * 2 * NR, out, 0);
             const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
             const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
             for (int64_t r = 0; r < rows; r++)
@@ -132,4 +151,17 @@ int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, 
     }
     return 0;
 #endif
+}
+
+/* x [M, K] bf16 row-major, qp / dm from kernels/cpu/q4_bf16.py (n padded to panels of 16), y [M, N] bf16.
+ * 0: done; -1: not built for this CPU; -2: K not a multiple of 32; -3: no memory. */
+int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
+                    uint16_t *y, int32_t num_threads) {
+    return decode_matmul(x, m, k, qp, dm, n, y, num_threads, 0);
+}
+
+/* The same for a Q8_0 weight: qp [panels][K / 2][32] int8, d [panels][K / 32][16] (kernels/cpu/q4_bf16.py). */
+int32_t ucm_q8_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *qp, const float *d, int64_t n,
+                    uint16_t *y, int32_t num_threads) {
+    return decode_matmul(x, m, k, qp, d, n, y, num_threads, 1);
 }

@@ -1,4 +1,6 @@
-"""Python side of the 4-bit bf16 decode matmul (`q4_bf16.c`, AVX-512 BF16): packing, the call, and whether it wins.
+"""Python side of the 4-bit bf16 decode matmul (`q4_bf16.c`, AVX-512 BF16): packing, the call, and whether it wins;
+and of its Q8_0 twin for the embedded model's lm_head (its tied embedding is Q8_0 in the GGUF): 1.27 -> 0.79 ms for
+its 8 generated rows' logits on the 2-core Zen 5 EPYC, where oneDNN streams the 56.6 MB bf16 matrix.
 
 The engine sends a step's generated-token rows through this kernel and its prompt rows through oneDNN
 (engine/models/dense.py). Each gives a row the same bits however many rows the call has, so a token's hidden state
@@ -28,7 +30,7 @@ import torch
 
 from kernels.cpu.calibration import ROUNDS, WinMemo, alternating_best_ms, measured_win
 from kernels.cpu.native import NativeLib
-from kernels.cpu.q4_panels import QB, find_q4_padded, random_q4_weight
+from kernels.cpu.q4_panels import QB, find_q4_padded, gguf_blocks, random_q4_weight
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 
 log = logging.getLogger(__name__)
@@ -66,14 +68,62 @@ def pack(weight: torch.Tensor) -> Q4BF16Panels | None:
     return Q4BF16Panels(torch.from_numpy(np.ascontiguousarray(qp)), torch.from_numpy(np.ascontiguousarray(dm)), n, k)
 
 
-def linear(lib: NativeLib, x: torch.Tensor, panels: Q4BF16Panels) -> torch.Tensor:
+@dataclass(frozen=True)
+class Q8BF16Panels:
+    """The Q8_0 form: qp [panels, K / 2, 2, 16] int8 (pair j: the 16 outputs' q at k = 2j, then at 2j + 1),
+    d [panels, K / 32, 16] fp32 (each output's block scale), for an [n, k] weight."""
+
+    qp: torch.Tensor
+    d: torch.Tensor
+    n: int
+    k: int
+
+
+DecodePanelsOf = Q4BF16Panels | Q8BF16Panels  # what `linear` takes
+
+
+def find_q8(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """(q [N, K] int8, d [N, K / 32] fp32) with weight == q * d exactly (fp32 product), or None. A Q8_0 block's
+    scale is its largest |w| over 127, so that q is +-127 there and the product gives w back exactly."""
+    w = gguf_blocks(weight)
+    if w is None:
+        return None
+    n, k = weight.shape
+    d = (np.abs(w).max(-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[..., None] > 0, np.rint(w / d[..., None]), 0)
+    if np.abs(q).max() > 127:
+        return None
+    q8 = q.astype(np.int8)
+    if not ((q8.astype(np.float32) * d[..., None]).view(np.int32) == w.view(np.int32)).all():
+        return None
+    return q8.reshape(n, k), d
+
+
+def pack_q8(weight: torch.Tensor) -> Q8BF16Panels | None:
+    """`weight` [N, K] fp32 as the kernel's Q8_0 panels, or None where it is not exactly Q8_0."""
+    found = find_q8(weight)
+    if found is None:
+        return None
+    q, d = found
+    n, k = weight.shape
+    pad = -n % NR  # outputs past n: q = 0, d = 0 (never stored)
+    q, d = np.pad(q, ((0, pad), (0, 0))), np.pad(d, ((0, pad), (0, 0)))
+    panels = (n + pad) // NR
+    qp = q.reshape(panels, NR, k // 2, 2).transpose(0, 2, 3, 1)  # [P, K/2, 2, 16]
+    dp = d.reshape(panels, NR, k // QB).transpose(0, 2, 1)  # [P, K/32, 16]
+    return Q8BF16Panels(torch.from_numpy(np.ascontiguousarray(qp)), torch.from_numpy(np.ascontiguousarray(dp)), n, k)
+
+
+def linear(lib: NativeLib, x: torch.Tensor, panels: DecodePanelsOf) -> torch.Tensor:
     """x [M, K] bf16 @ W.T -> [M, N] bf16; each output row's bits depend on its own x row only."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != panels.k:
         raise ValueError(f"q4_bf16.linear takes a 2-D bf16 x of {panels.k} features, got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     y = torch.empty((x.shape[0], panels.n), dtype=torch.bfloat16)
-    status = lib.q4_bf16(
-        x.data_ptr(), x.shape[0], panels.k, panels.qp.data_ptr(), panels.dm.data_ptr(), panels.n, y.data_ptr(),
+    fn, scales = (lib.q8_bf16, panels.d) if isinstance(panels, Q8BF16Panels) else (lib.q4_bf16, panels.dm)
+    status = fn(
+        x.data_ptr(), x.shape[0], panels.k, panels.qp.data_ptr(), scales.data_ptr(), panels.n, y.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     if status:
@@ -81,20 +131,28 @@ def linear(lib: NativeLib, x: torch.Tensor, panels: Q4BF16Panels) -> torch.Tenso
     return y
 
 
-def status_error(lib: NativeLib, status: int, rows: int, panels: Q4BF16Panels) -> RuntimeError:
+def status_error(lib: NativeLib, status: int, rows: int, panels: DecodePanelsOf) -> RuntimeError:
     """The error for the kernel's non-zero `status` on `rows` rows."""
     if status == -1:
         return RuntimeError(f"{lib.path.name} was built without AVX-512 BF16: q4_bf16 is not in it")
     return RuntimeError(f"q4_bf16 failed ({status}) on {rows} rows of {panels.k}, weight {panels.n}x{panels.k}")
 
 
-def measure(lib: NativeLib, k: int, n: int) -> list[Timings]:
-    """One (kernel, oneDNN) pair per round (tests replace this to force a result)."""
+def random_q8_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """An [n, k] fp32 weight that is exactly Q8_0 (calibration, tests)."""
+    q = torch.randint(-127, 128, (n, k // QB, QB), generator=gen).float()
+    q[..., 0] = 127  # each block's largest |q|, as a quantizer's blocks have
+    d = (torch.rand((n, k // QB), generator=gen) * 0.01 + 1e-3).half().float()
+    return (q * d[..., None]).reshape(n, k)
+
+
+def measure(lib: NativeLib, k: int, n: int, q8: bool = False) -> list[Timings]:
+    """One (kernel, oneDNN) pair per round (tests replace this to force a result); q8: the Q8_0 kernel."""
     gen = torch.Generator().manual_seed(0)
     count = min(MAX_STACK, max(2, -(-STACK_BYTES // (2 * n * k))))
-    weights = [random_q4_weight(n, k, gen) for _ in range(count)]
-    panels = [pack(w) for w in weights]
-    assert all(p is not None for p in panels), "random_q4_weight gives exactly 4-bit weights"
+    weights = [(random_q8_weight if q8 else random_q4_weight)(n, k, gen) for _ in range(count)]
+    panels = [(pack_q8 if q8 else pack)(w) for w in weights]
+    assert all(p is not None for p in panels), "the random weights are exactly 4- or 8-bit"
     reordered = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in weights]
     x = torch.randn(DECODE_ROWS, k, generator=gen).bfloat16()
     runs = [
@@ -113,8 +171,9 @@ def measure(lib: NativeLib, k: int, n: int) -> list[Timings]:
 _memo = WinMemo()
 
 
-def kernel_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> bool:
-    """Whether a Q4_1 [n, k] weight's generated rows go through the kernel on this machine (see the module doc)."""
+def kernel_wins(lib: NativeLib, k: int, n: int, root: Path | None = None, q8: bool = False) -> bool:
+    """Whether a Q4_1 (q8: Q8_0) [n, k] weight's generated rows go through the kernel on this machine (see the
+    module doc)."""
     mode = cpu_linear_mode()
     if mode is CpuLinear.TORCH or not lib.has_q4_bf16 or k % QB:
         return False
@@ -122,9 +181,11 @@ def kernel_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> boo
         return True
     if 4 * k * n < MIN_PACK_BYTES:
         return False  # the tests' tiny models: cache-sized, and measuring them would be noise
+    bits = 8 if q8 else 4
     return measured_win(
-        _memo, lib, root, f"decode q4 bf16 {n}x{k}", "q4_decode_kernel", lambda: measure(lib, k, n),
-        ("the 4-bit kernel", "oneDNN"), "generated rows", f"{DECODE_ROWS} rows", log,
+        _memo, lib, root, f"decode q{bits} bf16 {n}x{k}", f"q{bits}_decode_kernel",
+        (lambda: measure(lib, k, n, q8=True)) if q8 else (lambda: measure(lib, k, n)),
+        (f"the {bits}-bit kernel", "oneDNN"), "generated rows", f"{DECODE_ROWS} rows", log,
     )  # fmt: skip
 
 

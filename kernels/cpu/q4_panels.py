@@ -29,14 +29,22 @@ class Q4Panels:
     dm: torch.Tensor
 
 
-def find_q4(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(q [N, K] uint8, d [N, K / 32], m [N, K / 32] fp32) with weight == q * d + m exactly, or None."""
+def gguf_blocks(weight: torch.Tensor) -> np.ndarray | None:
+    """`weight` [N, K] as its [N, K / 32, 32] fp32 blocks, or None where it cannot hold a GGUF block format (not
+    fp32 2-D, K not whole blocks, empty, not finite)."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % QB or weight.numel() == 0:
         return None
     n, k = weight.shape
     w = weight.detach().contiguous().numpy().reshape(n, k // QB, QB)
-    if not np.isfinite(w).all():
+    return w if np.isfinite(w).all() else None
+
+
+def find_q4(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(q [N, K] uint8, d [N, K / 32], m [N, K / 32] fp32) with weight == q * d + m exactly, or None."""
+    w = gguf_blocks(weight)
+    if w is None:
         return None
+    n, k = weight.shape
     m = w.min(-1)  # the block's q = 0 element is m itself (0 * d + m)
     guess = ((w.max(-1) - m) / 15).astype(np.float16)
     d = guess.astype(np.float32)

@@ -1,4 +1,4 @@
-"""The 4-bit bf16 decode matmul (kernels/cpu/q4_bf16.c): results within bf16 rounding of a float64 reference on
+"""The 4-bit bf16 decode matmul (kernels/cpu/q4_bf16.c) and its Q8_0 twin (the lm_head's): results within bf16 rounding of a float64 reference on
 exactly-Q4_1 weights, each row's bits independent of the call around it, and its dispatch in `engine.models.dense`
 by row class (generated rows through the kernel, prompt rows through oneDNN) where the calibration chose it. No
 timing asserts: `measure` is replaced by fixed numbers wherever a choice is tested. Needs a CPU with AVX-512 BF16
@@ -14,7 +14,7 @@ from engine.attention import set_forward_context
 from engine.generated_rows import GeneratedRows
 from engine.models import dense as dense_mod
 from kernels.cpu import onednn_linear, q4_bf16
-from kernels.cpu.q4_bf16 import kernel_wins, linear, pack
+from kernels.cpu.q4_bf16 import find_q8, kernel_wins, linear, pack, pack_q8, random_q8_weight
 from kernels.cpu.q4_panels import random_q4_weight
 
 
@@ -86,7 +86,7 @@ def forced(monkeypatch, tmp_path):
     monkeypatch.setattr(q4_bf16, "MIN_PACK_BYTES", 0)
     rounds = [(1.0, 2.0), (1.0, 2.0)]
     measured: list[tuple[int, int]] = []
-    monkeypatch.setattr(q4_bf16, "measure", lambda lib, k, n: measured.append((k, n)) or list(rounds))
+    monkeypatch.setattr(q4_bf16, "measure", lambda lib, k, n, q8=False: measured.append((k, n)) or list(rounds))
     yield rounds, measured
     q4_bf16.forget()
 
@@ -135,3 +135,49 @@ def test_dense_routes_rows_by_class(bf16_lib, forced) -> None:
     rounds[:] = [(2.0, 1.0), (2.0, 1.0)]
     assert dense_mod.decode_panels(random_q4_weight(24, 64, torch.Generator().manual_seed(1))) is None, "lost"
     assert dense_mod.decode_panels(torch.randn(24, 64)) is None, "not 4-bit"
+
+
+# Q8_0 (the embedded model's tied embedding, its lm_head): m one row to two passes; n panels and tails; k blocks
+@pytest.mark.parametrize(("m", "n", "k"), [(8, 1000, 576), (1, 7, 32), (13, 33, 96)])
+def test_q8_matches_a_float64_reference_and_each_rows_bits_stand_alone(bf16_lib, m, n, k) -> None:
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, w = torch.randn(m, k, generator=gen).bfloat16(), random_q8_weight(n, k, gen)
+    panels = pack_q8(w)
+    assert panels is not None
+    got = linear(bf16_lib, x, panels)
+    want = x.double() @ w.double().T
+    bound = want.abs() * 2**-8 + 4 * k * 2**-23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert got.shape == (m, n) and ((got.double() - want).abs() <= bound).all()
+    for i in range(m):
+        assert torch.equal(linear(bf16_lib, x[i : i + 1], panels), got[i : i + 1])
+
+
+def test_find_q8_takes_the_embedded_lm_head_exactly_and_nothing_else(smollm2_fp32) -> None:
+    w = smollm2_fp32.model.lm_head_weight.detach()
+    found = find_q8(w)
+    assert found is not None, "the GGUF's token_embd is Q8_0"
+    q, d = found
+    back = torch.from_numpy(q.astype(np.float32).reshape(q.shape[0], -1, 32) * d[..., None]).reshape(w.shape)
+    assert torch.equal(back, w)
+    assert find_q8(torch.randn(16, 64)) is None, "not exactly 8-bit"
+    assert find_q8(w[:16, :40].contiguous()) is None, "K not whole Q8_0 blocks"
+
+
+def test_the_lm_head_routes_sampled_rows_by_class(bf16_lib, forced) -> None:
+    """compute_logits passes the sampled rows' classes: generated rows through the 8-bit kernel, a prompt's last
+    row through oneDNN (engine/models/dense.py); where the kernel lost, both through oneDNN."""
+    rounds, _ = forced
+    gen = torch.Generator().manual_seed(8)
+    x, w32 = torch.randn(6, 64, generator=gen).bfloat16(), random_q8_weight(300, 64, gen)
+    decode = dense_mod.lm_head_panels(w32)
+    assert decode is not None
+    packed = dense_mod.pack_weight(w32.bfloat16(), decode)
+    assert isinstance(packed, dense_mod.BF16Packed)
+    kernel = linear(bf16_lib, x, decode.panels)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, None, "none", [], "")
+    assert (kernel != onednn).any(), "the two paths must differ somewhere for the routing to show"
+    mask = np.array([1, 0, 1, 1, 0, 0], bool)
+    got = dense_mod.dense(x, w32.bfloat16(), None, packed, GeneratedRows.from_mask(mask, torch.device("cpu")))
+    assert torch.equal(got, torch.where(torch.from_numpy(mask)[:, None], kernel, onednn))
+    rounds[:] = [(2.0, 1.0), (2.0, 1.0)]
+    assert dense_mod.lm_head_panels(random_q8_weight(24, 64, gen)) is None, "lost to oneDNN"
