@@ -12,7 +12,9 @@ dispatched time beside the best of native and torch. The "cold" shape cycles thr
 one step (30 layers' qkv, o, gate_up, down, then lm_head: 0.54 GB of weights, read from DRAM as in the engine) at a
 few token counts, through `engine.models.dense` as dispatched (kernels/cpu/skinny_gemm.py's calibration), F.linear
 ("torch path") and the packed kernel ("native (in place)"); GB/s is the weight bytes over the time, against a
-measured read of 256 MB (the memory's limit for a step that streams the weights).
+measured read of 256 MB (the memory's limit for a step that streams the weights). With AVX-512 BF16, the bf16 step
+of 8 generated rows on exactly-Q4_1 layers and a Q8_0 lm_head: dispatched (the 4- and 8-bit decode kernels where the
+calibration chose them), the kernels on every weight ("native (in place)") and oneDNN on every weight.
 
     .venv/bin/python -m benchmarks.kernels [--json out.json] [--quick] [--threads N]
 """
@@ -400,6 +402,51 @@ def bench_linear_cpu(token_counts: list[int], min_s: float) -> list[Row]:
     return rows
 
 
+def bench_linear_bf16(min_s: float, tokens: int = 8) -> list[Row]:
+    """SmolLM2's bf16 step for a decode of `tokens` generated rows, on exactly-Q4_1 layers and a Q8_0 lm_head as the
+    embedded model has: dispatched (`engine.models.dense` with every row generated: the 4- and 8-bit kernels where
+    this machine's calibration chose them, oneDNN elsewhere), the kernels on every weight ("native (in place)") and
+    oneDNN on every weight. Needs AVX-512 BF16 (else no rows)."""
+    from engine.generated_rows import GeneratedRows
+    from engine.models.dense import BF16Packed, decode_panels, dense, lm_head_panels, pack_weight
+    from kernels.cpu import onednn_linear, q4_bf16
+    from kernels.cpu.q4_panels import random_q4_weight
+
+    lib = native.load()
+    if lib is None or not lib.has_q4_bf16 or not onednn_linear.available():
+        return []
+    gen = torch.Generator().manual_seed(0)
+    *layers, (vocab, hidden) = SMOLLM2_MATMULS
+    w32 = [random_q4_weight(n, k, gen) for n, k in layers] + [q4_bf16.random_q8_weight(vocab, hidden, gen)]
+    chosen = [decode_panels(w) for w in w32[:-1]] + [lm_head_panels(w32[-1])]
+    weights = [w.bfloat16() for w in w32]
+    packed = [pack_weight(w, d) for w, d in zip(weights, chosen, strict=True)]
+    assert all(isinstance(p, BF16Packed) for p in packed), "oneDNN packs bf16 weights here"
+    panels = [q4_bf16.pack(w) for w in w32[:-1]] + [q4_bf16.pack_q8(w32[-1])]
+    del w32
+    xs = {k: torch.randn(tokens, k, generator=gen).bfloat16() for k in {k for _, k in SMOLLM2_MATMULS}}
+    every = GeneratedRows(tokens, tokens, None)
+    label = f"dispatched ({sum(d is not None for d in chosen)}/{len(chosen)} kernel)"
+    runs = {
+        label: lambda: [dense(xs[w.shape[1]], w, None, p, every) for w, p in zip(weights, packed, strict=True)],
+        "native (in place)": lambda: [
+            q4_bf16.linear(lib, xs[w.shape[1]], p) for w, p in zip(weights, panels, strict=True) if p is not None
+        ],
+        "oneDNN (reordered)": lambda: [
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p.onednn, None, "none", [], "")
+            for w, p in zip(weights, packed, strict=True)
+            if isinstance(p, BF16Packed)
+        ],
+    }
+    nbytes = sum(w.numel() * 2 for w in weights)
+    rows = []
+    for impl, fn in runs.items():
+        ms = time_ms(fn, torch.device("cpu"), min_s)
+        shape = f"smollm2 bf16 step of {tokens} generated"
+        rows.append(Row("linear", shape, impl, ms, nbytes / ms / 1e6, None, tokens / ms * 1e3))
+    return rows
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -476,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         mem = read_gbps()
         print(f"memory read: {mem:.1f} GB/s (256 MB sum); a linear step's floor: {0.538 / mem * 1000:.1f} ms")
         rows += bench_linear_cpu([1, 8, 32] if args.quick else [1, 8, 32, 128, 512], min_s)
+        rows += bench_linear_bf16(min_s)
     print_table(rows)
     check = [] if cuda else dispatch_check(rows)
     if check:
