@@ -187,6 +187,19 @@ def alternating_best_ms(runs: Sequence[Callable[[], object]], reps: int, seconds
     return best
 
 
+def two_way_rounds(runs: Sequence[Callable[[], object]], reps: int) -> list[tuple[float, float]]:
+    """The two `runs` (a kernel and what it stands in for) warmed up, then ROUNDS rounds of `alternating_best_ms`:
+    (first's ms, second's ms) per round, what `measured_win` decides on."""
+    assert len(runs) == 2, "a two-way choice"
+    for fn in runs:
+        fn()
+    rounds = []
+    for _ in range(ROUNDS):
+        first, second = alternating_best_ms(runs, reps)
+        rounds.append((first, second))
+    return rounds
+
+
 def _runs(lib: NativeLib, g: Geometry, shape_class: ShapeClass) -> dict[str, Callable[[], object]]:
     """The native and torch calls on `PROBLEMS[shape_class]`, random data, blocks in shuffled order."""
     pb = PROBLEMS[shape_class]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.calibration import ROUNDS, WinMemo, alternating_best_ms, measured_win
+from kernels.cpu.calibration import WinMemo, measured_win, two_way_rounds
 from kernels.cpu.native import NativeLib
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, CpuLinear, cpu_linear_mode
 
@@ -61,14 +61,7 @@ def measure(k: int, n: int) -> list[Timings]:
     w = torch.randn(n, k, generator=gen)
     x = torch.randn(measured_rows(k, n), k, generator=gen)
     packed = reorder(w)
-    runs = [lambda: linear(x, packed, None), lambda: F.linear(x, w)]
-    for fn in runs:
-        fn()
-    rounds = []
-    for _ in range(ROUNDS):
-        best = alternating_best_ms(runs, REPS)
-        rounds.append((best[0], best[1]))
-    return rounds
+    return two_way_rounds([lambda: linear(x, packed, None), lambda: F.linear(x, w)], REPS)
 
 
 _memo = WinMemo()

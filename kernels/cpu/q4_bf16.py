@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.cpu.calibration import ROUNDS, WinMemo, alternating_best_ms, measured_win
+from kernels.cpu.calibration import WinMemo, measured_win, two_way_rounds
 from kernels.cpu.native import NativeLib
 from kernels.cpu.q4_panels import QB, find_q4_padded, gguf_blocks, random_q4_weight
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
@@ -159,13 +159,7 @@ def measure(lib: NativeLib, k: int, n: int, q8: bool = False) -> list[Timings]:
         lambda: [linear(lib, x, p) for p in panels if p is not None],
         lambda: [torch.ops.mkldnn._linear_pointwise(x, r, None, "none", [], "") for r in reordered],
     ]
-    for fn in runs:
-        fn()
-    rounds = []
-    for _ in range(ROUNDS):
-        best = alternating_best_ms(runs, REPS)
-        rounds.append((best[0], best[1]))
-    return rounds
+    return two_way_rounds(runs, REPS)
 
 
 _memo = WinMemo()
