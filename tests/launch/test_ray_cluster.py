@@ -95,15 +95,20 @@ def offline():
 
     llm = LLM(model=MODEL, dtype="float32", kv_cache_memory="64MiB")
 
-    def complete(prompt: str, max_tokens: int) -> str:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    def complete(prompt: str, max_tokens: int, ignore_eos: bool = False) -> str:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
         return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
 
     return complete
 
 
-def _ask(client, prompt: str, max_tokens: int) -> str:
-    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
+def _ask(client, prompt: str, max_tokens: int, ignore_eos: bool = False) -> str:
+    extra = {"ignore_eos": True} if ignore_eos else None
+    return (
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra)
+        .choices[0]
+        .text
+    )
 
 
 def test_places_store_router_nodes_and_serves_like_offline(deployment, url, client, offline) -> None:
@@ -177,9 +182,11 @@ def test_scale_decode_down_drains_without_failing_a_request(deployment, url, cli
     assert deployment.scale(NodeKind.DECODE, +1, timeout_s=300) == ["decode-1"]
     resumes = metric(url, "ucm_decode_resumes_total")
     prompts = [f"{p} Tell me more." for p in PROMPTS]
-    wants = [offline(p, 24) for p in prompts]
+    # Long enough that both nodes are seen decoding in one heartbeat each: 24 tokens (or an early end of sequence)
+    # could finish between two on a fast host, and "both decode nodes busy" never came true (a CI run failed on it).
+    wants = [offline(p, 128, ignore_eos=True) for p in prompts]
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(_ask, client, p, 24) for p in prompts]
+        futures = [pool.submit(_ask, client, p, 128, True) for p in prompts]
         wait_until("both decode nodes busy", lambda: _decoding(url) == {"decode-0", "decode-1"}, 120)
         removed = deployment.scale(NodeKind.DECODE, -1, timeout_s=300)
         assert [f.result(timeout=300) for f in futures] == wants
