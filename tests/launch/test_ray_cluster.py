@@ -143,9 +143,9 @@ def test_killed_node_actor_is_restarted_and_registers_again(deployment, url, cli
     before = deployment.status().actor(victim).node
     # Long enough to be seen running in a heartbeat: 16 tokens could finish between two on a fast host, and then
     # "requests in flight" never came true (seen on an AVX-512 BF16 EPYC).
-    wants = [offline(p, 96) for p in PROMPTS]
+    wants = [offline(p, 96, ignore_eos=True) for p in PROMPTS]
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(_ask, client, p, 96) for p in PROMPTS]
+        futures = [pool.submit(_ask, client, p, 96, True) for p in PROMPTS]
         wait_until("requests in flight", lambda: any(n.get("running") for n in health_nodes(url).values()), 60)
         ray.kill(deployment.handles()[victim], no_restart=False)
         assert [f.result(timeout=300) for f in futures] == wants
