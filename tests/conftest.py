@@ -51,6 +51,29 @@ def native_lib():
     return built
 
 
+AVX2_BUILD = ("-march=x86-64-v3",)  # what an AVX2-only x86 host's -march=native amounts to (UCM_CFLAGS)
+
+
+@pytest.fixture(scope="session")
+def avx2_lib(native_lib):
+    """The library an AVX2-only host builds, built here too, so an AVX-512 host's tests run the AVX2 paths."""
+    import platform
+
+    from kernels.cpu import calibration, native
+
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= set(calibration.cpu_info()[1].split()):
+        pytest.skip("an AVX2 build only runs on an x86 CPU with AVX2 and FMA")
+    built = native.build(extra=AVX2_BUILD)
+    assert built.vector_path == "avx2" and not built.has_avx512, (built.vector_path, built.has_avx512)
+    return built
+
+
+@pytest.fixture(params=["native", "avx2"])
+def each_build(request):
+    """The library -march=native built here, then the AVX2 one (skipped where it cannot run)."""
+    return request.getfixturevalue("native_lib" if request.param == "native" else "avx2_lib")
+
+
 def pytest_report_header(config):
     if _TORCH_PRELOADED:
         return "warning: torch was imported before tests/conftest.py; OMP_WAIT_POLICY may not apply"

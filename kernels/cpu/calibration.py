@@ -5,8 +5,9 @@ NEON or scalar) and the torch path's on its GEMMs and thread count. So on the fi
 (dtype, head geometry, block size) at the current torch thread count, `plan()` times the native kernel and the
 torch path on one small problem per shape class (`PROBLEMS`: a decode batch, a prefill chunk over a cached
 prefix, a whole prompt), picks the faster of each, logs the numbers once, and, when its two rounds of timing
-agree (a busy machine can flip a round: one such pick is used but measured again next time), stores them in
-`<cache dir>/kernels/calibration-<key hash>.json`. The key (`calibration_key`) is the CPU model and flags, the
+agree and no other process took cores meanwhile (a busy machine can flip a round: such a pick is used but measured
+again next time), stores them in `<cache dir>/kernels/calibration-<key hash>.json`. Processes measure for one file
+one at a time (a lock file beside it), so nodes that start together do not time each other's load. The key (`calibration_key`) is the CPU model and flags, the
 native library's file name (a hash of its sources, flags and compiler), torch's version and the thread count:
 when any of them changes the hash names another file, so a stale choice is never read. A later process with
 the same key reads the file instead of measuring. `plan()` runs at most once per key and geometry per process
@@ -19,7 +20,9 @@ native, a model-shaped matmul in bf16 and in fp32, cached the same way.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import fcntl
 import hashlib
 import json
 import logging
@@ -28,7 +31,7 @@ import platform
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -49,6 +52,12 @@ NATIVE, TORCH = "native", "torch"
 ROUNDS = 2  # independent rounds per class; a winner they disagree on is used but not stored (see `plan`)
 REPS = 3  # timed calls of each path per round, the two paths alternating so a burst of other load hits both
 MAX_S_PER_ROUND = 0.15  # stop a round early once it has taken this long (keeps a whole plan near 1 s)
+# A measurement is stored only if other processes took at most this many cores on average meanwhile (the machine's
+# busy time less this process's CPU time); beyond it the timings say more about the sharing than about the kernels
+# (two nodes that start together calibrate at once). Intervals shorter than MIN_JUDGED_S, a few of the kernel's
+# 10 ms ticks, are not judged (a test's forced result).
+OTHERS_MAX_CORES = 0.25
+MIN_JUDGED_S = 0.1
 FILE_VERSION = 3  # 3: the skinny kernel measured against oneDNN too; 2: stored only when the rounds agree
 
 
@@ -124,10 +133,17 @@ def vector_flags() -> list[str]:
     return [f for f in wanted if f in have]
 
 
+def torch_isa() -> str:
+    """The ISA torch's own kernels and its oneDNN use here: the CPU's unless capped (`ATEN_CPU_CAPABILITY`,
+    `ONEDNN_MAX_CPU_ISA`), so a capped process never reads timings taken uncapped."""
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    return torch.backends.cpu.get_cpu_capability() + (f", oneDNN <= {onednn}" if onednn else "")
+
+
 def calibration_key(lib: NativeLib, threads: int) -> dict[str, object]:
     model, flags = cpu_info()
     return {"cpu": model, "flags": flags, "machine": platform.machine(), "library": lib.path.name,
-            "torch": torch.__version__, "threads": threads}  # fmt: skip
+            "torch": torch.__version__, "torch_isa": torch_isa(), "threads": threads}  # fmt: skip
 
 
 def key_file(kind: str, key: dict[str, object], root: Path | None) -> Path:
@@ -289,17 +305,71 @@ class Source:
     path: Path
     measured: bool
     seconds: float = 0.0
-    disagreed: tuple[str, ...] = ()  # what the measurement's rounds disagreed on (then it is not stored)
+    not_stored: tuple[str, ...] = ()  # why the measurement was not stored (its rounds disagreed, other load)
 
     def __str__(self) -> str:
         if not self.measured:
             return f"from {self.path}"
-        if not self.disagreed:
+        if not self.not_stored:
             return f"measured in {self.seconds:.2f} s; stored in {self.path}"
-        return (
-            f"measured in {self.seconds:.2f} s; not stored: rounds disagreed on {', '.join(self.disagreed)} "
-            "(other load on the CPU?)"
-        )
+        return f"measured in {self.seconds:.2f} s; not stored: {'; '.join(self.not_stored)}"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """One process at a time measures for a cache file: two nodes starting together would otherwise each time the
+    kernels on half the cores and store what the sharing decided. Without a usable lock file, no lock."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def busy_cpu_s() -> float | None:
+    """Seconds every CPU of the machine has spent busy since boot (Linux's /proc/stat), or None elsewhere."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is already inside user and nice)
+    ticks = [int(v) for v in fields[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / _TICKS_PER_S
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class CpuClock:
+    """A moment's wall clock, this process's CPU time and the machine's busy CPU time (None where it cannot be
+    read): two of them tell whether other processes ran in between."""
+
+    wall_s: float
+    own_cpu_s: float
+    machine_busy_s: float | None
+
+    @classmethod
+    def now(cls) -> CpuClock:
+        return cls(time.perf_counter(), time.process_time(), busy_cpu_s())
+
+    def others_cores_since(self, start: CpuClock) -> float | None:
+        """How many cores other processes (and a hypervisor's steal) took on average since `start`, or None when
+        the interval is too short for the kernel's tick to tell (a test's forced result) or unreadable."""
+        wall = self.wall_s - start.wall_s
+        if self.machine_busy_s is None or start.machine_busy_s is None or wall < MIN_JUDGED_S:
+            return None
+        others = (self.machine_busy_s - start.machine_busy_s) - (self.own_cpu_s - start.own_cpu_s)
+        return max(0.0, others) / wall
 
 
 def stored_or_measured(
@@ -313,18 +383,28 @@ def stored_or_measured(
     encode: Callable[[T], dict[str, object]],
 ) -> tuple[T, Source]:
     """Entry `name` of this machine's `file_kind` cache file where `parse` accepts it, else `measure_fn()`'s
-    (value, what its rounds disagreed on), stored only when they agreed on everything: a loaded machine's answer
-    is used now and measured again by the next process. The caller memoises and logs."""
+    (value, what its rounds disagreed on), measured by one process at a time and stored only when the rounds agreed
+    on everything and no other process took cores meanwhile: a loaded machine's answer is used now and measured
+    again by the next process. The caller memoises and logs."""
     key = calibration_key(lib, threads)
     path = key_file(file_kind, key, root)
     found = parse(read_entries(path, key).get(name))
     if found is not None:
         return found, Source(path, measured=False)
-    t0 = time.perf_counter()
-    value, disagreed = measure_fn()
-    if not disagreed:
-        write_entry(path, key, name, encode(value))
-    return value, Source(path, measured=True, seconds=time.perf_counter() - t0, disagreed=tuple(disagreed))
+    with _file_lock(path):
+        found = parse(read_entries(path, key).get(name))  # stored by the process that held the lock before us
+        if found is not None:
+            return found, Source(path, measured=False)
+        start = CpuClock.now()
+        value, disagreed = measure_fn()
+        end = CpuClock.now()
+        others = end.others_cores_since(start)
+        not_stored = [f"rounds disagreed on {', '.join(disagreed)} (other load on the CPU?)"] if disagreed else []
+        if others is not None and others > OTHERS_MAX_CORES:
+            not_stored.append(f"other processes took {others:.2f} cores meanwhile")
+        if not not_stored:
+            write_entry(path, key, name, encode(value))
+    return value, Source(path, measured=True, seconds=end.wall_s - start.wall_s, not_stored=tuple(not_stored))
 
 
 class WinMemo:
@@ -430,7 +510,7 @@ def bf16_matmul_faster(root: Path | None = None) -> tuple[bool, dict[str, float]
     """Whether a bf16 matmul beats fp32 here, with the milliseconds; cached per CPU, torch version and threads."""
     model, flags = cpu_info()
     key = {"cpu": model, "flags": flags, "machine": platform.machine(), "torch": torch.__version__,
-           "threads": torch.get_num_threads()}  # fmt: skip
+           "torch_isa": torch_isa(), "threads": torch.get_num_threads()}  # fmt: skip
     path = key_file("dtype", key, root)
     times = read_entries(path, key).get("matmul")
     if not (isinstance(times, dict) and set(times) == {"bfloat16", "float32"}):

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 import threading
@@ -59,6 +60,9 @@ FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp")
 LIBS = ("-lm",)
 # Not $CC: a clang there would link its own OpenMP runtime beside torch's libgomp.
 COMPILER_ENV = "UCM_CC"
+# Flags after FLAGS, so they win: `-march=x86-64-v3` builds the AVX2 library an AVX2-only host would get (a fleet's
+# common ISA, or its paths measured and tested on an AVX-512 host). Part of the library's hash.
+EXTRA_FLAGS_ENV = "UCM_CFLAGS"
 DEFAULT_COMPILER = "gcc"
 BUILD_TIMEOUT_S = 120
 
@@ -114,6 +118,11 @@ def compiler() -> str:
     return os.environ.get(COMPILER_ENV, "").strip() or DEFAULT_COMPILER
 
 
+def extra_flags() -> tuple[str, ...]:
+    """`$UCM_CFLAGS`, split as a shell would."""
+    return tuple(shlex.split(os.environ.get(EXTRA_FLAGS_ENV, "")))
+
+
 def _cpu_signature() -> str:
     """What -march=native depends on: the CPU's feature flags (Linux), else what platform knows."""
     try:
@@ -136,13 +145,13 @@ def _compiler_version(cc: str) -> str:
     return done.stdout
 
 
-def library_path(cc: str, cache_root: Path) -> Path:
-    """Where the library for these sources, compiler and CPU lives (built or not)."""
+def library_path(cc: str, cache_root: Path, extra: tuple[str, ...] = ()) -> Path:
+    """Where the library for these sources, compiler, flags and CPU lives (built or not)."""
     h = hashlib.sha256()
     inputs = SOURCES + HEADERS
     parts = [src.name.encode() for src in inputs] + [src.read_bytes() for src in inputs]
     parts += [
-        " ".join(FLAGS + LIBS).encode(),
+        " ".join(FLAGS + extra + LIBS).encode(),
         cc.encode(),  # the command too: a wrapper (other flags) reports the version of the compiler it wraps
         _compiler_version(cc).encode(),
         platform.machine().encode(),
@@ -154,12 +163,12 @@ def library_path(cc: str, cache_root: Path) -> Path:
     return cache_root / "kernels" / f"{LIBRARY_STEM}-{h.hexdigest()[:20]}.so"
 
 
-def _compile(cc: str, target: Path) -> None:
+def _compile(cc: str, target: Path, extra: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, *(str(src) for src in SOURCES), "-o", tmp, *LIBS]
+        cmd = [cc, *FLAGS, *extra, *(str(src) for src in SOURCES), "-o", tmp, *LIBS]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as e:
@@ -269,17 +278,21 @@ def _bind(path: Path) -> NativeLib:
     )
 
 
-def build(cache_root: Path | None = None) -> NativeLib:
-    """Compile (unless cached) and load the library; raises BuildError when that is impossible."""
+def build(cache_root: Path | None = None, extra: tuple[str, ...] | None = None) -> NativeLib:
+    """Compile (unless cached) and load the library, with `extra` flags (default `$UCM_CFLAGS`); raises BuildError
+    when that is impossible."""
     if cache_root is None:
         cache_root = cache_dir()
+    if extra is None:
+        extra = extra_flags()
     cc = compiler()
-    path = library_path(cc, cache_root)
+    path = library_path(cc, cache_root, extra)
     if not path.exists():
         # First use on this CPU / compiler / source: a few seconds of gcc the operator should see, not a silent stall.
-        log.info("building the native CPU kernels for this machine (%s, once) into %s", cc, path.parent)
+        shown = " ".join((cc, *extra))
+        log.info("building the native CPU kernels for this machine (%s, once) into %s", shown, path.parent)
         t0 = time.perf_counter()
-        _compile(cc, path)
+        _compile(cc, path, extra)
         log.info("native CPU kernels built in %.1f s", time.perf_counter() - t0)
     try:
         return _bind(path)

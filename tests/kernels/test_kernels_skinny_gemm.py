@@ -22,11 +22,11 @@ from kernels.cpu.skinny_gemm import ROW_LADDER, PanelWeight, pack_panels, skinny
     ("m", "k", "n", "bias"),
     [(1, 576, 960, False), (3, 64, 17, True), (8, 1536, 576, False), (13, 100, 48, True), (64, 576, 3072, True)],
 )
-def test_matches_f_linear(native_lib, m, k, n, bias) -> None:
+def test_matches_f_linear(each_build, m, k, n, bias) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
-    got = skinny_linear(native_lib, x, pack_panels(native_lib, w), n, b)
+    got = skinny_linear(each_build, x, pack_panels(each_build, w), n, b)
     want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
     # fp32 sums of k products, in another order than the BLAS: a few ulps of the sum of |products|.
     bound = 4 * k * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T).max()
