@@ -404,11 +404,13 @@ def bench_linear_cpu(token_counts: list[int], min_s: float) -> list[Row]:
 
 def bench_linear_bf16(min_s: float, tokens: int = 8) -> list[Row]:
     """SmolLM2's bf16 step for a decode of `tokens` generated rows, on exactly-Q4_1 layers and a Q8_0 lm_head as the
-    embedded model has: dispatched (`engine.models.dense` with every row generated: the 4- and 8-bit kernels where
-    this machine's calibration chose them, oneDNN elsewhere), the kernels on every weight ("native (in place)") and
-    oneDNN on every weight. Needs AVX-512 BF16 (else no rows)."""
+    embedded model has: dispatched (what a decode step runs: `native_decode.decode_linear` into the step's buffers
+    for the layers and `dense` with every row generated for the lm_head; the 4- and 8-bit kernels where this
+    machine's calibration chose them, oneDNN elsewhere), the kernels on every weight ("native (in place)") and oneDNN
+    on every weight. Needs AVX-512 BF16 (else no rows)."""
     from engine.generated_rows import GeneratedRows
     from engine.models.dense import BF16Packed, decode_panels, dense, lm_head_panels, pack_weight
+    from engine.models.native_decode import decode_linear
     from kernels.cpu import onednn_linear, q4_bf16
     from kernels.cpu.q4_panels import random_q4_weight
 
@@ -426,9 +428,17 @@ def bench_linear_bf16(min_s: float, tokens: int = 8) -> list[Row]:
     del w32
     xs = {k: torch.randn(tokens, k, generator=gen).bfloat16() for k in {k for _, k in SMOLLM2_MATMULS}}
     every = GeneratedRows(tokens, tokens, None)
+    step_buffers = [torch.empty(tokens, w.shape[0], dtype=torch.bfloat16) for w in weights[:-1]]
+    threads = torch.get_num_threads()
+
+    def dispatched() -> list[torch.Tensor]:
+        layers = zip(weights[:-1], packed[:-1], step_buffers, strict=True)
+        outs = [decode_linear(xs[w.shape[1]], w, None, p, out, threads) for w, p, out in layers]
+        return [*outs, dense(xs[hidden], weights[-1], None, packed[-1], every)]
+
     label = f"dispatched ({sum(d is not None for d in chosen)}/{len(chosen)} kernel)"
     runs = {
-        label: lambda: [dense(xs[w.shape[1]], w, None, p, every) for w, p in zip(weights, packed, strict=True)],
+        label: dispatched,
         "native (in place)": lambda: [
             q4_bf16.linear(lib, xs[w.shape[1]], p) for w, p in zip(weights, panels, strict=True) if p is not None
         ],

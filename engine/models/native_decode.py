@@ -128,7 +128,7 @@ class NativeDecode:
                 pre = layer.input_norm
                 add_norm(h.data_ptr(), rp, pre.weight.data_ptr(), xp, tokens, hidden, pre.eps, threads)
             attn = layer.attn
-            qkv = _linear(x, attn.qkv_weight, attn.qkv_bias, attn.qkv_packed, qkv_out, threads)
+            qkv = decode_linear(x, attn.qkv_weight, attn.qkv_bias, attn.qkv_packed, qkv_out, threads)
             qkvp, stride = qkv.data_ptr(), qkv.stride(0)
             rope(qkvp, stride, tokens, hq + hkv, d, cos.data_ptr(), sin.data_ptr(), threads)  # q and k, in place
             kp = qkvp + q_size * esize
@@ -146,13 +146,13 @@ class NativeDecode:
             )  # fmt: skip
             if rc:
                 raise attention_error(rc, err_seq.value)
-            o = _linear(att.view(tokens, q_size), attn.o_weight, attn.o_bias, attn.o_packed, o_out, threads)
+            o = decode_linear(att.view(tokens, q_size), attn.o_weight, attn.o_bias, attn.o_packed, o_out, threads)
             post = layer.post_attn_norm
             add_norm(o.data_ptr(), rp, post.weight.data_ptr(), xp, tokens, hidden, post.eps, threads)
             mlp = layer.mlp
-            gate_up = _linear(x, mlp.gate_up_weight, mlp.gate_up_bias, mlp.gate_up_packed, gate_up_out, threads)
+            gate_up = decode_linear(x, mlp.gate_up_weight, mlp.gate_up_bias, mlp.gate_up_packed, gate_up_out, threads)
             silu(gate_up.data_ptr(), act.data_ptr(), tokens, inter, threads)
-            h = _linear(act, mlp.down_weight, mlp.down_bias, mlp.down_packed, down_out, threads)
+            h = decode_linear(act, mlp.down_weight, mlp.down_bias, mlp.down_packed, down_out, threads)
         out = torch.empty_like(x)
         add_norm(
             h.data_ptr(), rp, model.norm.weight.data_ptr(), out.data_ptr(), tokens, hidden, model.norm.eps, threads
@@ -161,7 +161,7 @@ class NativeDecode:
         return out
 
 
-def _linear(
+def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed, out: torch.Tensor, threads: int
 ) -> torch.Tensor:
     """What `dense` gives a decode step's rows (all generated): the 4-bit kernel, into `out`, where the weight has
