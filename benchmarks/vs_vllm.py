@@ -22,7 +22,7 @@ and the client's: on a small host they share its cores with the engine.
     .venv/bin/python -m benchmarks.vs_vllm --servers ucm-up vllm --json bench_out/vs_vllm.json
 
 `--as-avx2` runs both servers as an AVX2-only x86 host would, on a host with AVX-512: our kernels built for
-x86-64-v3 (`UCM_CFLAGS`), torch's kernels and oneDNN (ours and vLLM's) capped at AVX2, vLLM in fp32. vLLM's own C++
+x86-64-v3 (`UCM_CFLAGS`), torch's kernels, oneDNN and MKL (ours and vLLM's) capped at AVX2, vLLM in fp32. vLLM's own C++
 kernels keep their AVX-512 build (they have no runtime cap), so the comparison leans towards vLLM.
 """
 
@@ -105,7 +105,8 @@ class Server:
 
 
 # What an AVX2-only x86 host's processes see, for `--as-avx2`: read by our build (native.py), torch and oneDNN.
-AVX2_CAPS = {"UCM_CFLAGS": "-march=x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2_CAPS = {"UCM_CFLAGS": "-march=x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}  # fmt: skip
 
 
 def cpu_description(as_avx2: bool = False) -> dict[str, object]:

@@ -134,10 +134,12 @@ def vector_flags() -> list[str]:
 
 
 def torch_isa() -> str:
-    """The ISA torch's own kernels and its oneDNN use here: the CPU's unless capped (`ATEN_CPU_CAPABILITY`,
-    `ONEDNN_MAX_CPU_ISA`), so a capped process never reads timings taken uncapped."""
+    """The ISA torch's own kernels, its oneDNN and its MKL use here: the CPU's unless capped (`ATEN_CPU_CAPABILITY`,
+    `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`), so a capped process never reads timings taken uncapped."""
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    return torch.backends.cpu.get_cpu_capability() + (f", oneDNN <= {onednn}" if onednn else "")
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS", "")
+    caps = [f"oneDNN <= {onednn}"] * bool(onednn) + [f"MKL <= {mkl}"] * bool(mkl)
+    return ", ".join([torch.backends.cpu.get_cpu_capability(), *caps])
 
 
 def calibration_key(lib: NativeLib, threads: int) -> dict[str, object]:
