@@ -112,8 +112,9 @@ class NodeServer:
             while not self._stop.is_set():
                 if self._drain(sock, 0 if self.runner.busy else _IDLE_POLL_MS):
                     heartbeat.update_load(self._load())  # new jobs are visible before a long step, not after it
-                for msg in self.runner.step():
-                    self._send(sock, msg)
+                frames = [frame for msg in self.runner.step() if (frame := self._encode(msg)) is not None]
+                for frame in P.step_replies(frames):  # one frame a step, not one a request
+                    sock.send(frame)
                 heartbeat.update_load(self._load())
         finally:
             if poller is not None:
@@ -157,15 +158,19 @@ class NodeServer:
             _bad.warning("unexpected %s from the router", type(msg).__name__)
 
     def _send(self, sock: zmq.Socket, msg: P.Message) -> None:
+        frame = self._encode(msg)
+        if frame is not None:
+            sock.send(frame)
+
+    def _encode(self, msg: P.Message) -> bytes | None:
         try:
-            frame = P.encode(msg)
+            return P.encode(msg)
         except Exception as e:  # e.g. connector data msgpack cannot carry: fail that request, not the node
             rid = getattr(msg, "request_id", None)
             _bad.warning("cannot encode %s for %s: %r", type(msg).__name__, rid, e)
             if rid is None:
-                return
-            frame = P.encode(P.JobFailed(rid, f"reply could not be encoded: {type(e).__name__}"))
-        sock.send(frame)
+                return None
+            return P.encode(P.JobFailed(rid, f"reply could not be encoded: {type(e).__name__}"))
 
     def _load(self) -> P.Heartbeat:
         load = self.engine.load()

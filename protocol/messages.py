@@ -3,7 +3,7 @@
 Every message is a msgspec Struct in a tagged union, sent as a single msgpack frame over ZeroMQ
 (router: ROUTER socket bound at `--bind-nodes`; each node: a DEALER connected to it).
 
-    node → router   Register, Heartbeat, PrefillDone, TokenBatch, JobFailed
+    node → router   Register, Heartbeat, PrefillDone, TokenBatch, JobFailed (one step's several: StepReplies)
     router → node   Welcome, PrefillJob, DecodeJob, Abort
 
 A request's life on the wire (DESIGN.md §2):
@@ -19,7 +19,8 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: Heartbeat.steps (the router's progress watch relies on it); 3: typed Welcome, KV params
+# 2: Heartbeat.steps (the router's progress watch relies on it); 3: typed Welcome, KV params; 4: StepReplies
+PROTOCOL_VERSION = 4
 # A 128k-token prompt is ~0.7 MB of msgpack; anything far bigger is a bug or an attack.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -199,6 +200,18 @@ class JobFailed(_Msg, tag="job_failed"):
     code: FailureCode = FailureCode.SERVER
 
 
+JobReply = PrefillDone | TokenBatch | JobFailed
+JOB_REPLIES = (PrefillDone, TokenBatch, JobFailed)
+
+
+class StepReplies(_Msg, tag="step_replies"):
+    """One engine step's job replies in one frame, each an encoded PrefillDone, TokenBatch or JobFailed: a step of
+    8 decodes was 8 sends, 8 CURVE boxes and 8 wake-ups of the router, each taking a core from the engine's threads.
+    Each reply is decoded and checked on its own (`job_replies`), so one bad reply fails only itself."""
+
+    replies: list[msgspec.Raw]
+
+
 # ---------------------------------------------------------------- router → node
 
 
@@ -236,7 +249,9 @@ class Abort(_Msg, tag="abort"):
     request_ids: list[str]
 
 
-Message = Register | Heartbeat | PrefillDone | TokenBatch | JobFailed | Welcome | PrefillJob | DecodeJob | Abort
+Message = (
+    Register | Heartbeat | PrefillDone | TokenBatch | JobFailed | StepReplies | Welcome | PrefillJob | DecodeJob | Abort
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -260,6 +275,40 @@ def job_request_id(buf: bytes | memoryview) -> str | None:
     except Exception:  # anything else wrong with it (RecursionError included): no answer
         return None
     return head.request_id if head.type in ("prefill_job", "decode_job") else None
+
+
+def step_replies(frames: list[bytes]) -> list[bytes]:
+    """Encoded job replies of one step as frames to send: one StepReplies per up to MAX_MESSAGE_BYTES // 2 of them
+    (a single reply goes as it is)."""
+    if len(frames) <= 1:
+        return frames
+    out: list[bytes] = []
+    group: list[msgspec.Raw] = []
+    size = 0
+    for frame in frames:
+        if group and size + len(frame) > MAX_MESSAGE_BYTES // 2:
+            out.append(encode(StepReplies(group)))
+            group, size = [], 0
+        group.append(msgspec.Raw(frame))
+        size += len(frame)
+    out.append(encode(StepReplies(group)) if len(group) > 1 else bytes(group[0]))
+    return out
+
+
+def job_replies(msg: StepReplies) -> list[JobReply | ValueError]:
+    """The replies a StepReplies carries, each decoded on its own: a ValueError in place of one that is malformed
+    or not a job reply."""
+    out: list[JobReply | ValueError] = []
+    for raw in msg.replies:
+        try:
+            reply = decode(raw)
+        except ValueError as e:
+            out.append(e)
+            continue
+        out.append(
+            reply if isinstance(reply, JOB_REPLIES) else ValueError(f"a {type(reply).__name__} in a step's replies")
+        )
+    return out
 
 
 def decode(buf: bytes | memoryview) -> Message:

@@ -227,18 +227,27 @@ class NodeClient:
             answer = self.registry.heartbeat(msg)
             if answer is not None:
                 await self._reply(identity, answer)
-        elif isinstance(msg, (P.PrefillDone, P.TokenBatch, P.JobFailed)):
-            entry = self._streams.get(msg.request_id)
-            sender = peer.node_id
-            if entry is None or entry[0] != sender:
-                # A reply for a request the router gave up on: make sure the node frees its blocks.
-                finished = isinstance(msg, P.JobFailed) or getattr(msg, "finished", False)
-                if not finished and not isinstance(msg, P.PrefillDone):
-                    await self._reply(identity, P.Abort(request_ids=[msg.request_id]))
-                return
-            entry[1].put_nowait(msg)
+        elif isinstance(msg, P.JOB_REPLIES):
+            await self._job_reply(identity, peer, msg)
+        elif isinstance(msg, P.StepReplies):
+            for reply in P.job_replies(msg):
+                if isinstance(reply, ValueError):
+                    self._undecodable += 1
+                    self._drop_log.warning("dropping a bad reply in a step from %r: %s", identity[:64], reply)
+                else:
+                    await self._job_reply(identity, peer, reply)
         else:
             log.warning("unexpected %s from a node", type(msg).__name__)
+
+    async def _job_reply(self, identity: bytes, peer: PeerIdentity, msg: P.JobReply) -> None:
+        entry = self._streams.get(msg.request_id)
+        if entry is None or entry[0] != peer.node_id:
+            # A reply for a request the router gave up on: make sure the node frees its blocks.
+            finished = isinstance(msg, P.JobFailed) or msg.finished
+            if not finished and not isinstance(msg, P.PrefillDone):
+                await self._reply(identity, P.Abort(request_ids=[msg.request_id]))
+            return
+        entry[1].put_nowait(msg)
 
     def _fail_node(self, node: NodeState, reason: str) -> None:
         for request_id in list(node.inflight):

@@ -64,7 +64,7 @@ class NodeGate:
                 return self._drop(DropReason.WRONG_CHANNEL)
             if msg.node_id != peer.node_id:
                 return self._drop(DropReason.WRONG_NODE)
-        elif isinstance(msg, (P.PrefillDone, P.TokenBatch, P.JobFailed)) and peer.channel is not Channel.JOB:
+        elif isinstance(msg, (*P.JOB_REPLIES, P.StepReplies)) and peer.channel is not Channel.JOB:
             return self._drop(DropReason.WRONG_CHANNEL)
         return None
 

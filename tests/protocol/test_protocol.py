@@ -33,6 +33,7 @@ MESSAGES: list[P.Message] = [
     P.DecodeJob("r1", [1, 2, 3], SPEC, first_token_id=9, kv_transfer_params=P.KVTransferParams(["cd" * 16])),
     P.DecodeJob("r2", [1], SPEC),
     P.Abort(["r1", "r2"]),
+    P.StepReplies([msgspec.Raw(P.encode(P.JobFailed("r1", "boom"))), msgspec.Raw(P.encode(P.TokenBatch("r2", [5])))]),
 ]
 
 
@@ -92,3 +93,35 @@ def test_protocol_imports_neither_torch_nor_pickle_users() -> None:
     code = "import sys, protocol.messages; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_steps_replies_travel_in_one_frame_and_come_back_each_checked() -> None:
+    replies: list[P.Message] = [P.TokenBatch(f"r{i}", [i, i + 1]) for i in range(7)] + [P.JobFailed("r9", "boom")]
+    frames = P.step_replies([P.encode(m) for m in replies])
+    assert len(frames) == 1, "one frame for the step"
+    step = P.decode(frames[0])
+    assert isinstance(step, P.StepReplies) and P.job_replies(step) == replies
+    single = P.encode(replies[0])
+    assert P.step_replies([single]) == [single], "a lone reply goes as it is"
+    assert P.step_replies([]) == []
+
+
+def test_a_bad_reply_in_a_step_fails_only_itself() -> None:
+    good = P.TokenBatch("r1", [3])
+    # Well-formed msgpack that is no message (malformed bytes would make the whole frame undecodable, dropped).
+    unknown = msgspec.Raw(msgspec.msgpack.encode({"type": "nope"}))
+    step = P.StepReplies([unknown, msgspec.Raw(P.encode(good)), msgspec.Raw(P.encode(P.Abort(["x"])))])
+    bad, ok, wrong = P.job_replies(P.decode(P.encode(step)))  # type: ignore[arg-type]
+    assert isinstance(bad, ValueError) and ok == good
+    assert isinstance(wrong, ValueError) and "Abort" in str(wrong), "only job replies may ride in a step"
+
+
+def test_a_large_step_is_split_below_the_frame_limit() -> None:
+    big = [P.encode(P.TokenBatch(f"r{i}", [70_000] * 700_000)) for i in range(6)]  # ~3.5 MB each
+    frames = P.step_replies(big)
+    assert len(frames) > 1 and all(len(f) <= P.MAX_MESSAGE_BYTES for f in frames)
+    got = []
+    for frame in frames:
+        msg = P.decode(frame)
+        got += P.job_replies(msg) if isinstance(msg, P.StepReplies) else [msg]
+    assert [m.request_id for m in got] == [f"r{i}" for i in range(6)]  # type: ignore[union-attr]
