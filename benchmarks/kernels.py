@@ -5,7 +5,8 @@ bandwidth (from a table by device name, else a measured large copy), with torch 
 K/V (and torch index_select / index_copy_ for blocks) as the baseline. Prefill attention on CUDA is compute
 bound: TFLOP/s per causal pair, against torch's flash SDPA on dense K/V, with a sweep of the Triton kernel's tiles.
 CPU: tokens/s of what `kernels` dispatches to ("dispatched (native|torch)": the path the start-up calibration,
-kernels/cpu/calibration.py, measured faster for that shape class) next to the native C kernel (kernels/cpu/), the
+kernels/cpu/calibration.py, measured faster for that shape class; a decode as a decode step calls it, through
+`native_decode.DecodeAttention` where the native kernel won) next to the native C kernel (kernels/cpu/), the
 torch path (`UCM_CPU_ATTENTION=torch`) and SDPA on pre-gathered K/V, in the same run; a last table puts each
 dispatched time beside the best of native and torch. The "cold" shape cycles through one cache per layer (30,
 > the last-level cache) as the engine does, so K/V come from DRAM. "linear" rows: SmolLM2-135M's fp32 matmuls of
@@ -26,7 +27,7 @@ import functools
 import itertools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -38,6 +39,8 @@ if not __package__:  # run as a file, this folder is sys.path[0] and `import ker
     raise SystemExit("run it as a module from the repository root: python -m benchmarks.kernels")
 
 import kernels
+from engine.models.native_decode import DecodeAttention
+from kernels.api import native_decode_lib
 from kernels.backend import cpu_attention
 from kernels.cpu import calibration, native
 from kernels.cpu.calibration import ShapeClass
@@ -174,6 +177,35 @@ def decode_attention_triton(*args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def engine_decode_attention(
+    q: torch.Tensor,
+    k_like: torch.Tensor,
+    layer: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+) -> Callable[[], object]:
+    """A layer's decode attention as a decode step runs it: where `kernels` dispatches decodes to the native kernel,
+    the step's `DecodeAttention` (metadata checked and converted once a step); else `kernels.decode_attention`,
+    as the generic forward calls it."""
+    lib = native_decode_lib(q, k_like, k_like)
+    if lib is None:
+        return lambda: kernels.decode_attention(q, *next(layer), tables, seq_lens, scale, max_seq_len)
+    attention, out, threads = (
+        DecodeAttention(lib, seq_lens, tables, k_like),
+        torch.empty_like(q),
+        torch.get_num_threads(),
+    )
+    q_ptr, q_row_stride = q.data_ptr(), q.stride(0)
+
+    def run() -> torch.Tensor:
+        attention.run(q_ptr, q_row_stride, *next(layer), out, scale, threads)
+        return out
+
+    return run
+
+
 def cpu_paged_runs(
     q: torch.Tensor,
     caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -186,8 +218,8 @@ def cpu_paged_runs(
     layer = itertools.cycle(caches)
     s = Shape("", q.shape[0], max_seq_len, q.shape[1], caches[0][0].shape[2], q.shape[2], caches[0][0].shape[1])
     runs = {
-        dispatched(ShapeClass.DECODE, s, q.dtype): lambda: kernels.decode_attention(
-            q, *next(layer), tables, seq_lens, scale, max_seq_len
+        dispatched(ShapeClass.DECODE, s, q.dtype): engine_decode_attention(
+            q, caches[0][0], layer, tables, seq_lens, scale, max_seq_len
         ),
         "torch path": lambda: decode_attention_chunked_torch(q, *next(layer), tables, seq_lens, scale, max_seq_len),
     }

@@ -36,13 +36,43 @@ if TYPE_CHECKING:
     from engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 
+class DecodeAttention:
+    """A decode step's attention, one call a layer: the native kernel's entry point over the step's metadata,
+    decided and converted once (what `kernels.decode_attention` would check and convert on every call)."""
+
+    def __init__(self, lib: NativeLib, seq_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor):
+        self.lib = lib
+        self.seq_lens = seq_lens.to(torch.int32).contiguous()
+        self.block_tables = block_tables.to(torch.int32).contiguous()
+        self.num_blocks, self.block_size, self.num_kv_heads = k_cache.shape[:3]
+        self.dtype_code = DTYPE_CODES[k_cache.dtype]
+        self._err_seq, self._skipped = ctypes.c_int32(-1), ctypes.c_int32(0)
+        self._err_ref, self._skipped_ref = ctypes.byref(self._err_seq), ctypes.byref(self._skipped)
+
+    def run(
+        self, q_ptr: int, q_row_stride: int, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+        scale: float, threads: int,
+    ) -> None:  # fmt: skip
+        """One layer: the step's rows' queries (row r's heads contiguous at q_ptr + r * q_row_stride elements) over
+        this layer's paged caches, into out [rows, Hq, D]."""
+        rows, hq, d = out.shape
+        tables = self.block_tables
+        rc = self.lib.paged_attention(
+            q_ptr, q_row_stride, d, k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), None,
+            self.seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1], self.num_blocks, rows,
+            rows, hq, self.num_kv_heads, d, self.block_size, self.dtype_code, scale, 0, threads, self._err_ref,
+            self._skipped_ref,
+        )  # fmt: skip
+        if rc:
+            raise attention_error(rc, self._err_seq.value)
+
+
 @dataclass(frozen=True)
 class DecodeStep:
-    """What one decode step's layers share: the library, and its metadata in the kernels' types."""
+    """What one decode step's layers share: the library, the attention, the slots in the kernels' type."""
 
     lib: NativeLib
-    seq_lens: torch.Tensor  # int32
-    block_tables: torch.Tensor  # int32
+    attention: DecodeAttention
     slot_mapping: torch.Tensor  # int64
 
 
@@ -83,12 +113,8 @@ class NativeDecode:
         lib = native_decode_lib(q_like, k_cache, v_cache)
         if lib is None or not native_write.supports(kv_like, kv_like, k_cache, v_cache):
             return None
-        return DecodeStep(
-            lib,
-            md.seq_lens.to(torch.int32).contiguous(),
-            md.block_tables.to(torch.int32).contiguous(),
-            md.slot_mapping.to(torch.int64).contiguous(),
-        )
+        attention = DecodeAttention(lib, md.seq_lens, md.block_tables, k_cache)
+        return DecodeStep(lib, attention, md.slot_mapping.to(torch.int64).contiguous())
 
     def forward(
         self,
@@ -115,9 +141,7 @@ class NativeDecode:
         gate_up_out = torch.empty((tokens, 2 * inter), dtype=dtype)
         act = torch.empty((tokens, inter), dtype=dtype)
         num_blocks, block_size = kv_caches[0][0].shape[:2]
-        num_slots, tables, slots = num_blocks * block_size, step.block_tables, step.slot_mapping
-        err_seq, skipped = ctypes.c_int32(-1), ctypes.c_int32(0)
-        err_ref, skipped_ref = ctypes.byref(err_seq), ctypes.byref(skipped)
+        num_slots, slots, attention = num_blocks * block_size, step.slot_mapping, step.attention
         assert cos.is_contiguous() and sin.is_contiguous(), "RoPE tables as the rope kernel reads them"
         residual = h  # the residual stream, updated in place by every fused add-norm; h names each layer's output
         rp, xp = residual.data_ptr(), x.data_ptr()
@@ -139,13 +163,7 @@ class NativeDecode:
             )  # fmt: skip
             if bad:
                 raise native_write.slot_error(slots, bad, num_slots)
-            rc = lib.paged_attention(
-                qkvp, stride, d, kcp, vcp, att.data_ptr(), None, step.seq_lens.data_ptr(), tables.data_ptr(),
-                tables.stride(0), tables.shape[1], num_blocks, tokens, tokens, hq, hkv, d, block_size,
-                DTYPE_CODES[dtype], attn.scale, 0, threads, err_ref, skipped_ref,
-            )  # fmt: skip
-            if rc:
-                raise attention_error(rc, err_seq.value)
+            attention.run(qkvp, stride, k_cache, v_cache, att, attn.scale, threads)
             o = decode_linear(att.view(tokens, q_size), attn.o_weight, attn.o_bias, attn.o_packed, o_out, threads)
             post = layer.post_attn_norm
             add_norm(o.data_ptr(), rp, post.weight.data_ptr(), xp, tokens, hidden, post.eps, threads)
