@@ -11,7 +11,8 @@ torch path (`UCM_CPU_ATTENTION=torch`) and SDPA on pre-gathered K/V, in the same
 dispatched time beside the best of native and torch. The "cold" shape cycles through one cache per layer (30,
 > the last-level cache) as the engine does, so K/V come from DRAM. "linear" rows: SmolLM2-135M's fp32 matmuls of
 one step (30 layers' qkv, o, gate_up, down, then lm_head: 0.54 GB of weights, read from DRAM as in the engine) at a
-few token counts, through `engine.models.dense` as dispatched (kernels/cpu/skinny_gemm.py's calibration), F.linear
+few token counts as dispatched (kernels/cpu/skinny_gemm.py's calibration) for a step of that many generated rows
+(`native_decode.decode_linear` into the step's buffers for the layers, `dense` for the lm_head), F.linear
 ("torch path") and the packed kernel ("native (in place)"); GB/s is the weight bytes over the time, against a
 measured read of 256 MB (the memory's limit for a step that streams the weights). With AVX-512 BF16, the bf16 step
 of 8 generated rows on exactly-Q4_1 layers and a Q8_0 lm_head: dispatched (the 4- and 8-bit decode kernels where the
@@ -419,6 +420,7 @@ def _linear_path(d: object, rows: int) -> str:
 
 def bench_linear_cpu(token_counts: list[int], min_s: float) -> list[Row]:
     from engine.models.dense import dense, pack_weight
+    from engine.models.native_decode import decode_linear
     from kernels.cpu import onednn_linear
     from kernels.cpu.skinny_gemm import pack_panels, skinny_linear
 
@@ -430,13 +432,18 @@ def bench_linear_cpu(token_counts: list[int], min_s: float) -> list[Row]:
     panels = [pack_panels(lib, w) for w in weights] if lib is not None else []
     reordered = [onednn_linear.reorder(w) for w in weights] if onednn_linear.available() else []
     nbytes = sum(w.numel() * 4 for w in weights)
+    threads = torch.get_num_threads()
     rows = []
     for t in token_counts:
         xs = {k: torch.randn(t, k, generator=gen) for k in {k for _, k in SMOLLM2_MATMULS}}
         paths = {_linear_path(d, t) for d in dispatch}
         label = f"dispatched ({paths.pop() if len(paths) == 1 else 'mixed'})"
+        outs = [torch.empty(t, w.shape[0]) for w in weights[:-1]]  # a decode step's buffers, one per layer matmul
         runs = {
-            label: lambda: [dense(xs[w.shape[1]], w, None, d) for w, d in zip(weights, dispatch)],
+            label: lambda: [
+                *(decode_linear(xs[w.shape[1]], w, None, d, o, threads) for w, d, o in zip(weights, dispatch, outs)),
+                dense(xs[weights[-1].shape[1]], weights[-1], None, dispatch[-1]),
+            ],
             "torch path": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
         }
         if lib is not None:

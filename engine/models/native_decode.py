@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import current_forward_context
-from engine.models.dense import BF16Packed, Packed, dense
+from engine.models.dense import BF16Packed, F32Packed, Packed, dense
 from kernels.api import native_decode_lib, native_ops_lib
 from kernels.cpu import elementwise, q4_bf16
 from kernels.cpu import write_kv as native_write
 from kernels.cpu.native import NativeLib
 from kernels.cpu.paged_attention import DTYPE_CODES, attention_error
 from kernels.cpu.q4_bf16 import Q4BF16Panels
+from kernels.cpu.q4_panels import Q4Panels
 
 if TYPE_CHECKING:
     from engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -182,8 +183,22 @@ class NativeDecode:
 def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed, out: torch.Tensor, threads: int
 ) -> torch.Tensor:
-    """What `dense` gives a decode step's rows (all generated): the 4-bit kernel, into `out`, where the weight has
-    its panels; else `dense` itself (oneDNN, fp32's packed copies, a bias)."""
+    """What `dense` gives a decode step's rows (all generated), into `out` where a kernel of ours runs it: bf16's
+    4-bit kernel where the weight has its panels, fp32's skinny kernel (4-bit or fp32 panels) up to its rows; else
+    `dense` itself (oneDNN, a bias)."""
+    if isinstance(packed, F32Packed):
+        pw = packed.panels
+        if pw is None or bias is not None or x.shape[0] > pw.max_rows:
+            return dense(x, weight, bias, packed)
+        assert x.is_contiguous() and out.shape == (x.shape[0], pw.out_features), "a step buffer of the weight's shape"
+        m, k, n = x.shape[0], pw.in_features, pw.out_features
+        if isinstance(pw.panels, Q4Panels):
+            qp, dm = pw.panels.qp.data_ptr(), pw.panels.dm.data_ptr()
+            if pw.lib.skinny_gemm_q4(x.data_ptr(), m, k, qp, dm, n, None, out.data_ptr(), threads):
+                raise MemoryError("skinny_gemm_q4: no memory for a scratch panel")
+        else:
+            pw.lib.skinny_gemm(x.data_ptr(), m, k, pw.panels.data_ptr(), n, None, out.data_ptr(), threads)
+        return out
     decode = packed.decode if isinstance(packed, BF16Packed) else None
     if decode is not None and isinstance(decode.panels, Q4BF16Panels) and bias is None:
         lib, p = decode.lib, decode.panels

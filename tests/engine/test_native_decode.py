@@ -12,8 +12,12 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention import set_forward_context
 from engine.generated_rows import GeneratedRows
+from engine.models.dense import F32Packed, dense, pack_weight
+from engine.models.native_decode import decode_linear
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backend import CPU_ENV_VAR
+from kernels.cpu import skinny_gemm
+from kernels.cpu.q4_panels import Q4Panels, random_q4_weight
 
 
 @pytest.fixture(autouse=True)
@@ -29,8 +33,11 @@ def _greedy_with_logprobs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_steps_through_the_native_path_give_the_generic_bits(dtype, native_lib) -> None:
+@pytest.mark.parametrize(("dtype", "linear"), [("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")])
+def test_decode_steps_through_the_native_path_give_the_generic_bits(dtype, linear, native_lib, monkeypatch) -> None:
+    # linear "native": every fp32 layer matmul on the skinny kernel's 4-bit panels, whatever this host measured.
+    monkeypatch.setenv(skinny_gemm.ENV, linear)
+    skinny_gemm.forget()
     rng = random.Random(3)
     # Different lengths, so the batch's sequences end their blocks at different places.
     prompts = [[rng.randrange(1000, 40000) for _ in range(40 + 23 * i)] for i in range(5)]
@@ -44,8 +51,31 @@ def test_decode_steps_through_the_native_path_give_the_generic_bits(dtype, nativ
     model.native_decode = None
     generic = _greedy_with_logprobs(llm, prompts)
     llm.close()
+    skinny_gemm.forget()
     assert [t for t, _ in fast] == [t for t, _ in generic]
     assert [lp for _, lp in fast] == [lp for _, lp in generic], "logprobs differ: some row's bits changed"
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_decode_linear_writes_the_skinny_kernels_bits_into_the_step_buffer(quantized, native_lib, monkeypatch) -> None:
+    monkeypatch.setenv(skinny_gemm.ENV, "native")
+    gen = torch.Generator().manual_seed(0)
+    n, k = 96, 64
+    weight = random_q4_weight(n, k, gen) if quantized else torch.randn(n, k, generator=gen)
+    packed = pack_weight(weight)
+    assert isinstance(packed, F32Packed) and packed.panels is not None, "UCM_CPU_LINEAR=native packs every weight"
+    assert isinstance(packed.panels.panels, Q4Panels) == quantized
+    for rows in (1, 5, packed.panels.max_rows + 1):
+        x = torch.randn(rows, k, generator=gen)
+        out = torch.full((rows, n), float("nan"))
+        got = decode_linear(x, weight, None, packed, out, torch.get_num_threads())
+        assert (got is out) == (rows <= packed.panels.max_rows), "the step buffer up to the kernel's rows, no further"
+        assert torch.equal(got, dense(x, weight, None, packed)), f"{rows} rows: not dense's bits"
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(3, k, generator=gen)
+    out = torch.empty(3, n)
+    got = decode_linear(x, weight, bias, packed, out, torch.get_num_threads())
+    assert got is not out and torch.equal(got, dense(x, weight, bias, packed)), "a bias goes through dense"
 
 
 def _metadata(num_seqs: int, query_len: int) -> AttentionMetadata:
