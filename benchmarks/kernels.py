@@ -180,7 +180,7 @@ def decode_attention_triton(*args, **kwargs):
 
 def engine_decode_attention(
     q: torch.Tensor,
-    k_like: torch.Tensor,
+    cache_like: tuple[torch.Tensor, torch.Tensor],
     layer: Iterator[tuple[torch.Tensor, torch.Tensor]],
     tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -190,11 +190,11 @@ def engine_decode_attention(
     """A layer's decode attention as a decode step runs it: where `kernels` dispatches decodes to the native kernel,
     the step's `DecodeAttention` (metadata checked and converted once a step); else `kernels.decode_attention`,
     as the generic forward calls it."""
-    lib = native_decode_lib(q, k_like, k_like)
+    lib = native_decode_lib(q, *cache_like)
     if lib is None:
         return lambda: kernels.decode_attention(q, *next(layer), tables, seq_lens, scale, max_seq_len)
     attention, out, threads = (
-        DecodeAttention(lib, seq_lens, tables, k_like),
+        DecodeAttention(lib, seq_lens, tables, cache_like[0]),
         torch.empty_like(q),
         torch.get_num_threads(),
     )
@@ -220,7 +220,7 @@ def cpu_paged_runs(
     s = Shape("", q.shape[0], max_seq_len, q.shape[1], caches[0][0].shape[2], q.shape[2], caches[0][0].shape[1])
     runs = {
         dispatched(ShapeClass.DECODE, s, q.dtype): engine_decode_attention(
-            q, caches[0][0], layer, tables, seq_lens, scale, max_seq_len
+            q, caches[0], layer, tables, seq_lens, scale, max_seq_len
         ),
         "torch path": lambda: decode_attention_chunked_torch(q, *next(layer), tables, seq_lens, scale, max_seq_len),
     }

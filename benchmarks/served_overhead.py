@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import random
-import resource
 import signal
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serve import Req, run_workload, summarize
-from benchmarks.session_cpu import cpu_used, session_cpu
+from benchmarks.session_cpu import client_cpu_s, cpu_line, cpu_used, session_cpu
 from benchmarks.vs_vllm import Server, cpu_description
 
 TOKEN_LO, TOKEN_HI = 1000, 40000
@@ -72,18 +71,16 @@ def served(reqs: list[Req], args: argparse.Namespace, out_dir: Path) -> tuple[fl
     try:
         asyncio.run(run_workload(url, reqs[:2], 2, float("inf"), 0))  # warm-up, as offline
         assert srv.proc is not None, "the server was started"
-        server_before, client_before = session_cpu(srv.proc.pid), _own_cpu_s()
+        server_before, client_before = session_cpu(srv.proc.pid), client_cpu_s(external=False)
         results, wall = asyncio.run(run_workload(url, reqs, len(reqs), float("inf"), 0))
         # Where the host's cores went: each server process, and this process (the client).
-        cpu_s = {"server": cpu_used(server_before, session_cpu(srv.proc.pid)), "client": _own_cpu_s() - client_before}
+        cpu_s = {
+            "server": cpu_used(server_before, session_cpu(srv.proc.pid)),
+            "client": client_cpu_s(external=False) - client_before,
+        }
     finally:
         srv.stop()
     return wall, [r.text for r in results], {**summarize(results, wall), "cpu_s": cpu_s}
-
-
-def _own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     n_out = args.num_prompts * args.output_len
     print(f"{'LLM.generate (in process)':<34}{offline_wall:>8.2f}{n_out / offline_wall:>11.1f}")
     print(f"{'ucm-serve up --topology ' + args.topology:<34}{served_wall:>8.2f}{n_out / served_wall:>11.1f}")
-    used = summary["cpu_s"]
-    server = ", ".join(f"{name.split(' ', 1)[1]} {sec:.1f}" for name, sec in used["server"].items() if sec >= 0.05)
-    print(f"CPU s while served: {server}; client {used['client']:.1f}")
+    print(f"CPU s while served: {cpu_line(**summary['cpu_s'])}")
     print(
         f"served / offline = {ratio:.3f} (target <= 1.10); {summary['completed']}/{args.num_prompts} completed; "
         f"greedy texts identical: {same}"

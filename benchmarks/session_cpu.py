@@ -9,6 +9,7 @@ served path spends its cores is in every comparison, not only in a hand-run prof
 from __future__ import annotations
 
 import os
+import resource
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -63,3 +64,17 @@ def cpu_used(before: Mapping[str, float], after: Mapping[str, float]) -> dict[st
     largest first; a process that exited in between is missing from `after` and not counted."""
     used = {name: after[name] - before.get(name, 0.0) for name in after}
     return dict(sorted(((n, round(s, 2)) for n, s in used.items() if s > 0), key=lambda kv: -kv[1]))
+
+
+def client_cpu_s(external: bool) -> float:
+    """CPU seconds of a benchmark's client so far: the client processes this one waited for (`vllm bench serve`),
+    or this process."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN if external else resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_line(server: Mapping[str, float], client: float) -> str:
+    """A workload's CPU seconds as one printed line: the server's by process (`cpu_used`; under 0.05 s left out),
+    then the client's."""
+    used = ", ".join(f"{name.split(' ', 1)[1]} {sec:.1f}" for name, sec in server.items() if sec >= 0.05)
+    return f"{used or '-'}; client {client:.1f}"

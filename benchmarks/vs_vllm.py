@@ -33,7 +33,6 @@ import asyncio
 import json
 import os
 import platform
-import resource
 import signal
 import subprocess
 import sys
@@ -46,7 +45,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.process_group import stop_group
-from benchmarks.session_cpu import cpu_used, session_cpu
+from benchmarks.session_cpu import client_cpu_s, cpu_line, cpu_used, session_cpu
 from benchmarks.vllm_harness import DEFAULT_VENV
 from benchmarks.vs_vllm_workloads import run_own_client, run_vllm_client, ttft_probe
 from engine.model_source import resolve_model_dir
@@ -189,7 +188,7 @@ def bench_server(args: argparse.Namespace, srv: Server, model_dir: Path, out_dir
 
         def run(workload: str, seed: int) -> dict:
             assert srv.proc is not None, "the server was started"
-            server_before, client_before = session_cpu(srv.proc.pid), _client_cpu(use_vllm_client)
+            server_before, client_before = session_cpu(srv.proc.pid), client_cpu_s(use_vllm_client)
             if use_vllm_client:
                 result = run_vllm_client(args, srv, url, model_dir, workload, seed, out_dir)
             else:
@@ -197,7 +196,7 @@ def bench_server(args: argparse.Namespace, srv: Server, model_dir: Path, out_dir
             # Where the host's cores went during the workload: each server process, and the client.
             result["cpu_s"] = {
                 "server": cpu_used(server_before, session_cpu(srv.proc.pid)),
-                "client": round(_client_cpu(use_vllm_client) - client_before, 2),
+                "client": round(client_cpu_s(use_vllm_client) - client_before, 2),
             }
             return result
 
@@ -213,21 +212,10 @@ def bench_server(args: argparse.Namespace, srv: Server, model_dir: Path, out_dir
                 flush=True,
             )
             for name, result in (("random", rnd), ("prefix-rep", rep)):
-                print(f"     CPU s during {name}: {_cpu_line(result['cpu_s'])}", flush=True)
+                print(f"     CPU s during {name}: {cpu_line(**result['cpu_s'])}", flush=True)
     finally:
         srv.stop()
     return row
-
-
-def _client_cpu(external: bool) -> float:
-    """CPU seconds of the client so far: the `vllm bench serve` processes this one waited for, or this process."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN if external else resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _cpu_line(cpu: dict) -> str:
-    server = ", ".join(f"{name.split(' ', 1)[1]} {sec:.1f}" for name, sec in cpu["server"].items() if sec >= 0.05)
-    return f"{server or '-'}; client {cpu['client']:.1f}"
 
 
 def best(row: dict) -> dict[str, float]:

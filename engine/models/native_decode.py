@@ -31,7 +31,6 @@ from kernels.cpu import write_kv as native_write
 from kernels.cpu.native import NativeLib
 from kernels.cpu.paged_attention import DTYPE_CODES, attention_error
 from kernels.cpu.q4_bf16 import Q4BF16Panels
-from kernels.cpu.q4_panels import Q4Panels
 
 if TYPE_CHECKING:
     from engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -70,9 +69,8 @@ class DecodeAttention:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """What one decode step's layers share: the library, the attention, the slots in the kernels' type."""
+    """What one decode step's layers share: the attention (and its library), the slots in the kernels' type."""
 
-    lib: NativeLib
     attention: DecodeAttention
     slot_mapping: torch.Tensor  # int64
 
@@ -115,7 +113,7 @@ class NativeDecode:
         if lib is None or not native_write.supports(kv_like, kv_like, k_cache, v_cache):
             return None
         attention = DecodeAttention(lib, md.seq_lens, md.block_tables, k_cache)
-        return DecodeStep(lib, attention, md.slot_mapping.to(torch.int64).contiguous())
+        return DecodeStep(attention, md.slot_mapping.to(torch.int64).contiguous())
 
     def forward(
         self,
@@ -127,7 +125,7 @@ class NativeDecode:
     ) -> torch.Tensor:
         """`LlamaForCausalLM.forward` after the embedding and RoPE tables, for a step `plan` accepted: each kernel's C
         entry point called as its Python wrapper calls it (kernels/cpu/), into activations the layers share."""
-        model, lib, config = self.model, step.lib, self.model.config
+        model, lib, config = self.model, step.attention.lib, self.model.config
         tokens, hidden, dtype = h.shape[0], config.hidden_size, h.dtype
         hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = config.q_size, config.kv_size
@@ -190,15 +188,7 @@ def decode_linear(
         pw = packed.panels
         if pw is None or bias is not None or x.shape[0] > pw.max_rows:
             return dense(x, weight, bias, packed)
-        assert x.is_contiguous() and out.shape == (x.shape[0], pw.out_features), "a step buffer of the weight's shape"
-        m, k, n = x.shape[0], pw.in_features, pw.out_features
-        if isinstance(pw.panels, Q4Panels):
-            qp, dm = pw.panels.qp.data_ptr(), pw.panels.dm.data_ptr()
-            if pw.lib.skinny_gemm_q4(x.data_ptr(), m, k, qp, dm, n, None, out.data_ptr(), threads):
-                raise MemoryError("skinny_gemm_q4: no memory for a scratch panel")
-        else:
-            pw.lib.skinny_gemm(x.data_ptr(), m, k, pw.panels.data_ptr(), n, None, out.data_ptr(), threads)
-        return out
+        return pw.linear(x, None, out)
     decode = packed.decode if isinstance(packed, BF16Packed) else None
     if decode is not None and isinstance(decode.panels, Q4BF16Panels) and bias is None:
         lib, p = decode.lib, decode.panels

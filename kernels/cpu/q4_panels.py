@@ -103,17 +103,32 @@ def pack_q4(weight: torch.Tensor) -> Q4Panels | None:
     return Q4Panels(torch.from_numpy(np.ascontiguousarray(qp)), torch.from_numpy(np.ascontiguousarray(dm)))
 
 
+def fp32_output(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
+    """A skinny kernel's [m, n] fp32 output: `out` (a caller's buffer, e.g. a decode step's) checked, or a new one."""
+    if out is None:
+        return torch.empty((m, n), dtype=torch.float32)
+    if out.shape != (m, n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 [{m}, {n}], got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
 def skinny_linear_q4(
-    lib: NativeLib, x: torch.Tensor, panels: Q4Panels, n: int, bias: torch.Tensor | None
+    lib: NativeLib,
+    x: torch.Tensor,
+    panels: Q4Panels,
+    n: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ W.T + bias with W packed by `pack_q4`: bit-identical to skinny_linear on the fp32 panels."""
+    """x [M, K] @ W.T + bias with W packed by `pack_q4`: bit-identical to skinny_linear on the fp32 panels.
+    `out`: where to write it (`fp32_output`)."""
     if x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"skinny_linear_q4 takes a 2-D fp32 input, got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     m, k = x.shape
     if panels.qp.numel() != -(-n // NR) * k * NR // 2:
         raise ValueError(f"4-bit panels of {panels.qp.numel()} bytes are not {n} x {k}")
-    y = torch.empty((m, n), dtype=torch.float32)
+    y = fp32_output(out, m, n)
     b = bias.detach().contiguous().float() if bias is not None else None
     status = lib.skinny_gemm_q4(
         x.data_ptr(), m, k, panels.qp.data_ptr(), panels.dm.data_ptr(), n, b.data_ptr() if b is not None else None,

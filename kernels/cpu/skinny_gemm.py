@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from kernels.cpu.calibration import ROUNDS, alternating_best_ms, cpu_info, stored_or_measured, vector_flags
 from kernels.cpu.native import NativeLib
-from kernels.cpu.q4_panels import Q4Panels, pack_q4, random_q4_weight, skinny_linear_q4
+from kernels.cpu.q4_panels import Q4Panels, fp32_output, pack_q4, random_q4_weight, skinny_linear_q4
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,10 @@ class PanelWeight:
     max_rows: int
     lib: NativeLib
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(self.panels, Q4Panels):
-            return skinny_linear_q4(self.lib, x, self.panels, self.out_features, bias)
-        return skinny_linear(self.lib, x, self.panels, self.out_features, bias)
+            return skinny_linear_q4(self.lib, x, self.panels, self.out_features, bias, out)
+        return skinny_linear(self.lib, x, self.panels, self.out_features, bias, out)
 
 
 def pack_panels(lib: NativeLib, weight: torch.Tensor) -> torch.Tensor:
@@ -85,16 +85,22 @@ def pack_panels(lib: NativeLib, weight: torch.Tensor) -> torch.Tensor:
 
 
 def skinny_linear(
-    lib: NativeLib, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
+    lib: NativeLib,
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ W.T + bias with W packed by `pack_panels`; x is made contiguous if it is not."""
+    """x [M, K] @ W.T + bias with W packed by `pack_panels`; x is made contiguous if it is not. `out`: where to
+    write it (`fp32_output`)."""
     if x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"skinny_linear takes a 2-D fp32 input, got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     m, k = x.shape
     if panels.numel() != -(-n // NR) * k * NR:
         raise ValueError(f"packed weight of {panels.numel()} floats is not {n} x {k}")
-    y = torch.empty((m, n), dtype=torch.float32)
+    y = fp32_output(out, m, n)
     b = bias.detach().contiguous().float() if bias is not None else None
     lib.skinny_gemm(
         x.data_ptr(), m, k, panels.data_ptr(), n, b.data_ptr() if b is not None else None, y.data_ptr(),

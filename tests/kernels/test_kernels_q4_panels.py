@@ -53,6 +53,9 @@ def test_bad_arguments(native_lib) -> None:
         skinny_linear_q4(native_lib, torch.randn(2, 64).bfloat16(), q4, 32, None)
     with pytest.raises(ValueError, match="not 33 x 64"):
         skinny_linear_q4(native_lib, torch.randn(2, 64), q4, 33, None)
+    for out in (torch.empty(2, 31), torch.empty(2, 32).bfloat16(), torch.empty(32, 2).t()):
+        with pytest.raises(ValueError, match=r"contiguous fp32 \[2, 32\]"):
+            skinny_linear_q4(native_lib, torch.randn(2, 64), q4, 32, None, out)
 
 
 def test_the_embedded_models_layers_are_exactly_4bit(smollm2_fp32) -> None:
