@@ -43,7 +43,7 @@ import kernels
 from engine.models.native_decode import DecodeAttention
 from kernels.api import native_decode_lib
 from kernels.backend import cpu_attention
-from kernels.cpu import calibration, native
+from kernels.cpu import host, native
 from kernels.cpu.calibration import ShapeClass
 from kernels.cpu.paged_attention import paged_attention_native
 from kernels.reference import decode_attention_chunked_torch, prefill_attention_torch
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         dtypes = [torch.float32, torch.bfloat16]
     lib = None if cuda else native.load()  # the C kernels serve the CPU only
-    cpu = {"model": calibration.cpu_info()[0], "flags": calibration.vector_flags(),
+    cpu = {"model": host.cpu_info()[0], "flags": host.vector_flags(),
            "kernel_path": lib.vector_path if lib is not None else "not built"}  # fmt: skip
     what = torch.cuda.get_device_name(device) if cuda else f"cpu, {torch.get_num_threads()} threads"
     peak_txt = f"{peak_src} = {peak:.0f} GB/s" if peak else peak_src

@@ -59,9 +59,9 @@ def avx2_lib(native_lib):
     """The library an AVX2-only host builds, built here too, so an AVX-512 host's tests run the AVX2 paths."""
     import platform
 
-    from kernels.cpu import calibration, native
+    from kernels.cpu import host, native
 
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= set(calibration.cpu_info()[1].split()):
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= set(host.cpu_info()[1].split()):
         pytest.skip("an AVX2 build only runs on an x86 CPU with AVX2 and FMA")
     built = native.build(extra=AVX2_BUILD)
     assert built.vector_path == "avx2" and not built.has_avx512, (built.vector_path, built.has_avx512)

@@ -6,7 +6,7 @@ load was faster for some of SmolLM2's shapes and slower for others on the 2-core
 1024 rows, median of 15: [3072 x 576] 106 -> 134 GFLOPS, [960 x 576] 117 -> 132, [576 x 1536] 124 -> 115. So
 `UCM_CPU_LINEAR=auto` measures each weight shape once per machine at `ROWS` rows (two rounds, `REPS` alternating
 calls each), keeps the reordered copy only where oneDNN won both rounds, logs the numbers, and caches the answer
-beside the skinny kernel's (kernels/cpu/calibration.py: same key, same file rules). `native` takes oneDNN
+beside the skinny kernel's (kernels/cpu/calibration_store.py: same key, same file rules). `native` takes oneDNN
 wherever it is available, `torch` never. The engine uses it above the skinny kernel's row counts
 (engine/models/dense.py). Results differ from `F.linear`'s in the last bits (another summation order), as the
 skinny kernel's do; the engine's greedy outputs are tested against HF transformers either way.
@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.calibration import WinMemo, measured_win, two_way_rounds
+from kernels.cpu.linear_choice import WinMemo, measured_win
 from kernels.cpu.native import NativeLib
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, CpuLinear, cpu_linear_mode
+from kernels.cpu.timing import two_way_rounds
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ bf16, as oneDNN's rows see it), so a generated row differs from what oneDNN woul
 
 `UCM_CPU_LINEAR=auto` (the default) measures once per machine, per weight shape, the kernel against oneDNN on a
 reordered bf16 weight at `DECODE_ROWS` rows over a stack of weights larger than the caches, and uses it only
-where it won every round (logged, cached beside the other linear choices: kernels/cpu/calibration.py). `native`
+where it won every round (logged, cached beside the other linear choices: kernels/cpu/calibration_store.py). `native`
 uses it wherever the build has it, `torch` never.
 """
 
@@ -28,10 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.cpu.calibration import WinMemo, measured_win, two_way_rounds
+from kernels.cpu.linear_choice import WinMemo, measured_win
 from kernels.cpu.native import NativeLib
 from kernels.cpu.q4_panels import QB, find_q4_padded, gguf_blocks, random_q4_weight
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
+from kernels.cpu.timing import two_way_rounds
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ of `ROW_LADDER` on a stack of such weights larger than the caches (a decode step
 warm-cache micro-benchmark would flatter the BLAS), and uses the kernel for the row counts up to the last one where
 it won every time. (Against `F.linear` alone it won at 8 rows on the 2-core AMD EPYC with AVX-512 that oneDNN runs
 in 17.0 ms against the kernel's 22.2 over SmolLM2's weights.) The result is logged and cached beside the attention
-calibration (kernels/cpu/calibration.py: same key, same file rules, stored only when both rounds agree).
+calibration (kernels/cpu/calibration_store.py: same key, same file rules, stored only when both rounds agree).
 Weights under `MIN_PACK_BYTES` are left to `F.linear` unmeasured. A weight that is exactly 4-bit
 (kernels/cpu/q4_panels.py) is packed and measured as 4-bit panels ("q4 NxK" in the cache file), others as fp32.
 `UCM_CPU_LINEAR=native` uses the kernel up to the ladder's top, `torch` never.
@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.calibration import ROUNDS, alternating_best_ms, cpu_info, stored_or_measured, vector_flags
+from kernels.cpu.calibration_store import stored_or_measured
+from kernels.cpu.host import cpu_info, vector_flags
 from kernels.cpu.native import NativeLib
 from kernels.cpu.q4_panels import Q4Panels, fp32_output, pack_q4, random_q4_weight, skinny_linear_q4
+from kernels.cpu.timing import ROUNDS, alternating_best_ms
 
 log = logging.getLogger(__name__)
 

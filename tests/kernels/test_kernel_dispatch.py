@@ -17,7 +17,7 @@ import torch
 import kernels
 from engine import config as engine_config
 from kernels import api
-from kernels.cpu import calibration, native
+from kernels.cpu import calibration, calibration_store, host, native
 from kernels.cpu import paged_attention as native_attention
 from kernels.cpu.calibration import Geometry, ShapeClass
 from kernels.cpu.paged_attention import paged_attention_native
@@ -176,7 +176,7 @@ def test_cache_file_round_trip_and_key(lib, auto, tmp_path, caplog, monkeypatch)
     files = list((tmp_path / "cache" / "kernels").glob("calibration-*.json"))
     assert len(files) == 1, files
     data = json.loads(files[0].read_text())
-    assert data["key"] == calibration.calibration_key(lib, torch.get_num_threads())
+    assert data["key"] == calibration_store.calibration_key(lib, torch.get_num_threads())
     assert data["entries"][g.label()]["chunk"]["impl"] == "torch"
 
     measured = auto({}, keep_files=True)  # forget the memo: the next plan must come from the file
@@ -228,7 +228,7 @@ def test_real_calibration_picks_a_path_per_class(lib, monkeypatch, tmp_path):
 
 
 def test_vector_path_matches_the_build_flags(lib):
-    flags = set(calibration.cpu_info()[1].split())
+    flags = set(host.cpu_info()[1].split())
     if "avx512f" in flags:
         want = "avx512"
     elif {"avx2", "fma"} <= flags:
@@ -320,8 +320,8 @@ def test_rounds_that_disagree_are_used_but_not_stored(lib, auto, tmp_path, monke
     assert calibration.plan(lib, g) is picked, "memoised for the process all the same"
 
 
-def _stored(lib, root, measure_fn, name: str = "probe") -> tuple[str, calibration.Source]:
-    return calibration.stored_or_measured(
+def _stored(lib, root, measure_fn, name: str = "probe") -> tuple[str, calibration_store.Source]:
+    return calibration_store.stored_or_measured(
         "linear", name, lib, 1, root, lambda v: v if isinstance(v, str) else None, measure_fn, lambda v: v
     )
 
@@ -355,7 +355,9 @@ def test_processes_measure_one_at_a_time_and_the_next_reads_the_result(lib, tmp_
     """Two callers that miss the file together: the lock lets one measure; the other reads what it stored."""
     import threading
 
-    monkeypatch.setattr(calibration, "OTHERS_MAX_CORES", float("inf"))  # this test is about the lock, not the load
+    monkeypatch.setattr(
+        calibration_store, "OTHERS_MAX_CORES", float("inf")
+    )  # this test is about the lock, not the load
 
     measured: list[str] = []
     start = threading.Barrier(2)
@@ -384,7 +386,7 @@ def test_processes_measure_one_at_a_time_and_the_next_reads_the_result(lib, tmp_
 
 
 def test_other_cores_are_the_machine_busy_time_less_this_process(lib):
-    clock = calibration.CpuClock
+    clock = calibration_store.CpuClock
     assert clock(1.0, 2.0, 2.2).others_cores_since(clock(0.0, 0.0, 0.0)) == pytest.approx(0.2)
     assert clock(1.0, 2.0, 1.9).others_cores_since(clock(0.0, 0.0, 0.0)) == 0.0, "tick rounding is not load"
     assert clock(0.01, 0.0, 5.0).others_cores_since(clock(0.0, 0.0, 0.0)) is None, "too short to judge"
@@ -396,8 +398,8 @@ def test_a_capped_torch_isa_names_another_cache_file(lib, monkeypatch):
     and the other way round."""
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
-    uncapped = calibration.calibration_key(lib, 2)
+    uncapped = calibration_store.calibration_key(lib, 2)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    capped = calibration.calibration_key(lib, 2)
+    capped = calibration_store.calibration_key(lib, 2)
     assert capped["torch_isa"].endswith("oneDNN <= AVX2") and capped != uncapped
-    assert calibration.key_file("linear", capped, None) != calibration.key_file("linear", uncapped, None)
+    assert calibration_store.key_file("linear", capped, None) != calibration_store.key_file("linear", uncapped, None)
