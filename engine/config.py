@@ -70,11 +70,7 @@ class SchedulingPolicy(enum.Enum):
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = defaults.MAX_NUM_SEQS
-    # A step's token budget. Every prompt that finishes its prefill in a step gets its first token at the step's
-    # end, so on a small CPU, where 2048 tokens of the embedded model take ~4.5 s, a smaller step serves first
-    # tokens sooner: 1024 against 2048 on the 2-core AVX2 EPYC, in process, gave prefix_repetition (4 x 1024 +
-    # 128, 32 at once) a 15-20% lower mean TTFT and 32 x 512/64 at once a ~7% shorter wall time.
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS  # a step's token budget (why: the default's note)
     # None: the model's context length (clamped to what the KV cache can hold).
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True

@@ -59,6 +59,7 @@ class ClusterSpec:
     device: str | None = None
     kv_cache_memory: str = defaults.NODE_KV_CACHE_MEMORY
     max_num_seqs: int = defaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
     node_timeout_s: float = 3.0
     heartbeat_interval_s: float = 0.5
     router_args: tuple[str, ...] = ()
@@ -272,6 +273,8 @@ class Cluster:
             self.spec.kv_cache_memory,
             "--max-num-seqs",
             str(self.spec.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(self.spec.max_num_batched_tokens),
             "--heartbeat-interval",
             str(self.spec.heartbeat_interval_s),
             *self.spec.node_args,

@@ -56,6 +56,13 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         default=defaults.MAX_NUM_SEQS,
         help="sequences each node runs at once (vLLM's flag; more wait in its queue)",
     )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.MAX_NUM_BATCHED_TOKENS,
+        help="tokens one engine step computes at most, prompt chunks and decodes together (vLLM's flag): smaller "
+        "steps give first tokens sooner, larger ones a little more throughput",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument(
         "--enable-prefix-caching",
@@ -173,6 +180,7 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         secure=not args.insecure,
     )
     if args.insecure:

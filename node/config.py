@@ -36,6 +36,7 @@ class NodeConfig:
     device: str = "cpu"
     node_id: str = ""
     max_num_seqs: int = defaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     kv_cache_memory: str = defaults.NODE_KV_CACHE_MEMORY  # paged-cache size (the device tier of the KV cache)
     enable_prefix_caching: bool = True  # reuse prompt prefixes held in the paged cache
@@ -54,6 +55,8 @@ class NodeConfig:
         check_node_id(self.resolved_node_id)
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat interval must be positive, got {self.heartbeat_interval_s}")
         if self.step_delay_s < 0:
@@ -83,6 +86,12 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--node-id", default="", help="stable id (default: role-host-pid)")
     parser.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.MAX_NUM_BATCHED_TOKENS,
+        help="tokens one engine step computes at most (prompt chunks and decodes)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
         "--kv-cache-memory", default=defaults.NODE_KV_CACHE_MEMORY, help="paged KV cache size, e.g. 512MiB, 4GiB"
@@ -166,6 +175,7 @@ def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
         device=device,
         node_id=args.node_id,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching,

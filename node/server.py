@@ -44,7 +44,11 @@ def build_engine(config: NodeConfig, worker: RoleWorker) -> Any:
         dtype=config.dtype,
         device=config.device,
         cache=cache,
-        scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len),
+        scheduler=SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+        ),
         kv_store=config.store_addr,
         kv_role=worker.connector_role.value if config.store_addr else None,
         kv_save_policy=config.kv_save_policy,

@@ -97,6 +97,7 @@ class Controller:
             device=spec.device,
             kv_cache_memory=spec.kv_cache_memory,
             max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
             kv_save_policy=spec.kv_save_policy,
             heartbeat_interval_s=spec.heartbeat_interval_s,
             threads=spec.node_cpus,

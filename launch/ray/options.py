@@ -92,6 +92,7 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         kv_save_policy=args.kv_save_policy,
         secure=not args.insecure,
         node_cpus=args.node_cpus,

@@ -25,16 +25,19 @@ def test_up_flags_build_the_spec() -> None:
     assert (spec.prefill, spec.decode, spec.colocated, spec.secure, spec.detached) == (0, 0, 1, False, True)
     with pytest.raises(ValueError, match="--detach needs"):
         spec_from_args(build_parser().parse_args(["--ray", "--detach"]))
-    # vLLM's --max-num-seqs and the colocated nodes' save policy reach the nodes' command lines.
-    args = ["--ray", "--topology", "colocated", "--max-num-seqs", "5", "--kv-save-policy", "evicted"]
+    # vLLM's --max-num-seqs and --max-num-batched-tokens and the colocated nodes' save policy reach the nodes'
+    # command lines.
+    args = ["--ray", "--topology", "colocated", "--max-num-seqs", "5", "--max-num-batched-tokens", "48",
+            "--kv-save-policy", "evicted"]  # fmt: skip
     spec = spec_from_args(build_parser().parse_args(args))
-    assert (spec.max_num_seqs, spec.kv_save_policy) == (5, KVSavePolicy.EVICTED)
+    assert (spec.max_num_seqs, spec.max_num_batched_tokens, spec.kv_save_policy) == (5, 48, KVSavePolicy.EVICTED)
     assert spec_from_args(build_parser().parse_args(["--ray"])).kv_save_policy is None  # as computed
     launch = dict(index=0, router_addr="tcp://127.0.0.1:1", model="m", dtype="float32", device=None,
-                  kv_cache_memory="1GiB", max_num_seqs=5, kv_save_policy=KVSavePolicy.EVICTED,
+                  kv_cache_memory="1GiB", max_num_seqs=5, max_num_batched_tokens=48, kv_save_policy=KVSavePolicy.EVICTED,
                   heartbeat_interval_s=1.0, threads=1, keys=None)  # fmt: skip
     colocated = NodeLaunch(kind=NodeKind.COLOCATED, store_addr="tcp://127.0.0.1:2", **launch).argv(None)
     assert _flag(colocated, "--max-num-seqs") == "5" and _flag(colocated, "--kv-save-policy") == "evicted"
+    assert _flag(colocated, "--max-num-batched-tokens") == "48"
     prefill = NodeLaunch(kind=NodeKind.PREFILL, store_addr="tcp://127.0.0.1:2", **launch).argv(None)
     assert "--kv-save-policy" not in prefill, "prefill nodes always save as they compute"
     storeless = NodeLaunch(kind=NodeKind.COLOCATED, store_addr=None, **launch).argv(None)

@@ -12,10 +12,13 @@ import sys
 import httpx
 import pytest
 
+from benchmarks.prom_text import node_stats
 from launch.child import Child
 from launch.cluster import free_port
+from tests.cluster_helpers import wait_until
 
 openai = pytest.importorskip("openai")
+STEP_TOKENS = 32  # `serve --max-num-batched-tokens`
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -76,6 +79,8 @@ def test_serve_model_answers_under_its_served_name_within_max_model_len() -> Non
             "--no-enable-prefix-caching",
             "--max-num-seqs",
             "3",
+            "--max-num-batched-tokens",
+            str(STEP_TOKENS),
         ],
         sink=open(os.devnull, "w"),
     )
@@ -87,6 +92,15 @@ def test_serve_model_answers_under_its_served_name_within_max_model_len() -> Non
         nodes = httpx.get(url + "/health").json()["nodes"]
         assert nodes and {n["capacity"] for n in nodes.values()} == {3}, nodes  # --max-num-seqs reached the nodes
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        # --max-num-batched-tokens reached the engine: a prompt of P tokens takes ceil(P / STEP_TOKENS) steps
+        # before its one token (at the default budget, 1024, it would take one). A node reports its step count
+        # in its heartbeats, so wait for the count to show; a budget that did not arrive never gets there.
+        (node,) = nodes
+        before = node_stats(url, "steps").get(node, 0.0)
+        r1 = client.completions.create(model="tiny-chat", prompt="one two three four " * 30, max_tokens=1)
+        steps = -(-r1.usage.prompt_tokens // STEP_TOKENS)
+        assert steps >= 4, r1.usage
+        wait_until(f"{steps} steps on {node}", lambda: node_stats(url, "steps").get(node, 0.0) >= before + steps)
         hi = [{"role": "user", "content": "Hi!"}]
         r = client.chat.completions.create(model="tiny-chat", messages=hi, max_tokens=4, temperature=0)
         assert r.model == "tiny-chat" and r.choices[0].message.content and r.usage.completion_tokens <= 4
