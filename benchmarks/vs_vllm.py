@@ -134,7 +134,7 @@ def vllm_dtype(cpu: dict[str, object]) -> str:
 
 
 def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object]) -> dict[str, Server]:
-    ucm = [sys.executable, "-m", "launch.cli", "up", "--port", str(args.port)]
+    ucm = [sys.executable, "-m", "launch.cli", "up", "--port", str(args.port), *args.up_args.split()]
     venv = Path(args.vllm_venv)
     cores = os.cpu_count() or 1
     preload = [
@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=None, help="server logs and client results (default: a temp folder)")
     ap.add_argument("--json", default=None, help="write the table, ratios and every run here")
     ap.add_argument("--as-avx2", action="store_true", help="run both servers as an AVX2-only host would (see above)")
+    ap.add_argument("--up-args", default="", help="more `ucm-serve up` flags, e.g. '--max-num-batched-tokens 512'")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cpu = cpu_description(args.as_avx2)
