@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from connector.base import ConnectorMetadata, KVConnectorRole, KVConnectorWorker
 from connector.kv_layout import KVLayout, StagingBuffer, pack_blocks, unpack_blocks
 from connector.metadata import BlockSpec, ConnectorStats, UCMConnectorMetadata, commit_saves, failed_rows, store_failed
+from connector.step_loads import StepLoads
 from ucm.api import BlockRef, KVStore, StoreTask, Tier
 
 log = logging.getLogger(__name__)
@@ -44,21 +45,11 @@ class _Dump:
     small: bool = False
 
 
-@dataclass
-class _StepLoads:
-    """This step's loads flattened into one list of rows (request after request, each in prefix order)."""
-
+@dataclass(kw_only=True)
+class _StepLoads(StepLoads):
     specs: list[BlockSpec]
     row_of_spec: list[int]  # first row of each spec
     device_ids: torch.Tensor  # [rows] destination block id of each row
-    blocks: list[BlockRef]  # [rows]
-    tasks: dict[int, StoreTask | None] = field(default_factory=dict)  # layer -> task
-    failed_rows: set[int] = field(default_factory=set)
-    disk_rows: set[int] = field(default_factory=set)  # rows some layer of which the store read off disk
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.device_ids.numel())
 
 
 class UCMWorkerConnector(KVConnectorWorker):
@@ -146,7 +137,10 @@ class UCMWorkerConnector(KVConnectorWorker):
             rows += len(spec.blocks)
             ids.extend(spec.block_ids)
         loads = _StepLoads(
-            specs, first_rows, torch.tensor(ids, dtype=torch.long), [ref for spec in specs for ref in spec.blocks]
+            specs=specs,
+            row_of_spec=first_rows,
+            device_ids=torch.tensor(ids, dtype=torch.long),
+            blocks=[ref for spec in specs for ref in spec.blocks],
         )
         # Every layer at once: the store serves them in parallel. (Issuing layer 0 alone first, so that a disk
         # hit is read and promoted once, measured slower: the duplicate reads run on otherwise idle workers.)
@@ -172,17 +166,13 @@ class UCMWorkerConnector(KVConnectorWorker):
 
     def wait_for_layer_load(self, layer: int) -> None:
         loads = self._loads
-        if loads is None or layer not in loads.tasks:
-            return
         t0 = time.perf_counter()
-        task = loads.tasks.pop(layer)
-        failed, stuck = failed_rows(task, loads.num_rows, self.task_timeout_s)
-        if stuck:  # leave the buffer to the straggler; later steps get a new one
+        arrived = loads.arrive(layer, self.task_timeout_s) if loads is not None else None
+        if loads is None or arrived is None:
+            return
+        if arrived.stuck:  # leave the buffer to the straggler; later steps get a new one
             self._load_bufs[layer] = self._staging()
-        loads.failed_rows |= failed
-        if task is not None and not stuck:
-            loads.disk_rows.update(task.disk_blocks)
-        good = [r for r in range(loads.num_rows) if r not in failed]
+        good = arrived.good
         if good:
             k_cache, v_cache = self._caches[layer]
             rows = torch.tensor(good, dtype=torch.long)
@@ -203,8 +193,7 @@ class UCMWorkerConnector(KVConnectorWorker):
             self.wait_for_layer_load(min(loads.tasks))
         nbytes = self.layout.payload_nbytes * self.layout.num_layers
         for spec, first in zip(loads.specs, loads.row_of_spec):
-            bad = [i for i in range(len(spec.blocks)) if first + i in loads.failed_rows]
-            ok = bad[0] if bad else len(spec.blocks)
+            ok = loads.loaded_prefix(first, len(spec.blocks))
             # Only the loaded prefix counts; a block is a disk hit if any of its layers came off disk.
             disk = sum(1 for i in range(ok) if first + i in loads.disk_rows)
             if ok:
@@ -216,12 +205,12 @@ class UCMWorkerConnector(KVConnectorWorker):
             self.stats.bytes_loaded += ok * nbytes
             self.stats.blocks_load_failed += len(spec.blocks) - ok
             self._load_errors.update(spec.block_ids[ok:])
-            if bad:
+            if ok < len(spec.blocks):
                 self._errored_requests.add(spec.request_id)
                 log.warning(
                     "request %s: load failed for %d of %d external blocks (from block %d); recomputing",
                     spec.request_id,
-                    len(bad),
+                    sum(first + i in loads.failed_rows for i in range(len(spec.blocks))),
                     len(spec.blocks),
                     ok,
                 )

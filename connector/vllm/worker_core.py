@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +25,7 @@ from connector.base import KVConnectorRole
 from connector.metadata import ConnectorStats, commit_saves, failed_rows, store_failed
 from connector.row_copy import copy_rows
 from connector.staging_rows import StagingRows
+from connector.step_loads import StepLoads
 from connector.vllm.block_bytes import block_rows
 from connector.vllm.step import BlockLoad, StepPlan
 from ucm.api import BlockRef, KVStore, StoreTask
@@ -33,20 +34,11 @@ log = logging.getLogger(__name__)
 LOAD_STAGING_BLOCKS = 16  # rows per layer reserved at start: a 2048-token prompt in 128-token blocks
 
 
-@dataclass
-class _StepLoads:
-    """This step's loads as one list of rows, request after request, each in prefix order."""
-
+@dataclass(kw_only=True)
+class _StepLoads(StepLoads):
     loads: list[BlockLoad]
     first_row: list[int]
     device_ids: list[int]  # [rows]
-    blocks: list[BlockRef]  # [rows]
-    tasks: dict[int, StoreTask | None] = field(default_factory=dict)  # layer -> its load
-    failed_rows: set[int] = field(default_factory=set)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.blocks)
 
 
 class VllmWorkerCore:
@@ -134,7 +126,7 @@ class VllmWorkerCore:
             firsts.append(len(blocks))
             ids.extend(load.block_ids)
             blocks.extend(load.blocks)
-        loads = _StepLoads(good, firsts, ids, blocks)
+        loads = _StepLoads(loads=good, first_row=firsts, device_ids=ids, blocks=blocks)
         for layer in range(self.num_layers):  # every layer at once: the store serves them in parallel
             buf = self._load_bufs[layer]
             try:
@@ -149,16 +141,14 @@ class VllmWorkerCore:
 
     def wait_layer(self, layer: int) -> None:
         loads = self._loads
-        if loads is None or layer not in loads.tasks:
-            return
         t0 = time.perf_counter()
-        task = loads.tasks.pop(layer)
-        failed, stuck = failed_rows(task, loads.num_rows, self.task_timeout_s)
-        if stuck:  # the straggler keeps its buffer; later steps get a new one
+        arrived = loads.arrive(layer, self.task_timeout_s) if loads is not None else None
+        if loads is None or arrived is None:
+            return
+        if arrived.stuck:  # the straggler keeps its buffer; later steps get a new one
             self._load_bufs[layer] = self._staging()
-        loads.failed_rows |= failed
-        good = [r for r in range(loads.num_rows) if r not in failed]
-        if good and not stuck:
+        good = arrived.good
+        if good:
             staged = self._load_bufs[layer].rows(loads.num_rows)
             copy_rows(self._rows[layer], [loads.device_ids[r] for r in good], staged, good)
         self.stats.load_wait_seconds += time.perf_counter() - t0
@@ -172,15 +162,13 @@ class VllmWorkerCore:
             self.wait_layer(min(loads.tasks))
         nbytes = self.page_bytes * self.num_layers
         for load, first in zip(loads.loads, loads.first_row):
-            bad = [i for i in range(len(load.blocks)) if first + i in loads.failed_rows]
-            ok = bad[0] if bad else len(load.blocks)
+            ok = loads.loaded_prefix(first, len(load.blocks))
             self.stats.blocks_loaded += ok
             self.stats.bytes_loaded += ok * nbytes
-            if bad:
+            if ok < len(load.blocks):
+                bad = sum(first + i in loads.failed_rows for i in range(len(load.blocks)))
                 self._fail_request(
-                    load.request_id,
-                    load.block_ids[ok:],
-                    f"{len(bad)} of {len(load.blocks)} blocks failed from block {ok}",
+                    load.request_id, load.block_ids[ok:], f"{bad} of {len(load.blocks)} blocks failed from block {ok}"
                 )
         self._loads = None
 
