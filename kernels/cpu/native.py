@@ -92,6 +92,7 @@ class NativeLib:
     pack_panels: CFunction  # ucm_pack_panels in skinny_gemm.c
     skinny_gemm: CFunction  # ucm_skinny_gemm
     skinny_gemm_q4: CFunction  # ucm_skinny_gemm_q4 (4-bit panels: kernels/cpu/q4_panels.py)
+    skinny_gemm_q8: CFunction  # ucm_skinny_gemm_q8 (8-bit panels: kernels/cpu/q8_panels.py)
     q4_bf16: CFunction  # ucm_q4_bf16 in q4_bf16.c (a decode step's generated rows over 4-bit weights, AVX-512 BF16)
     q8_bf16: CFunction  # ucm_q8_bf16, its twin over Q8_0 weights (the embedded model's lm_head)
     has_q4_bf16: bool  # whether this build has it (-1 from every call otherwise)
@@ -239,6 +240,9 @@ def _bind(path: Path) -> NativeLib:
     skinny_q4 = cdll.ucm_skinny_gemm_q4
     skinny_q4.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i32]  # x, M, K, q panels, d|m, N, bias, y, threads
     skinny_q4.restype = i32
+    skinny_q8 = cdll.ucm_skinny_gemm_q8
+    skinny_q8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i32]  # x, M, K, q panels, d, N, bias, y, threads
+    skinny_q8.restype = i32
     q4_bf16 = cdll.ucm_q4_bf16
     q4_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]  # x, M, K, q panels, d|m, N, y, threads
     q4_bf16.restype = i32
@@ -267,6 +271,7 @@ def _bind(path: Path) -> NativeLib:
         pack,
         skinny,
         skinny_q4,
+        skinny_q8,
         q4_bf16,
         q8_bf16,
         bool(cdll.ucm_q4_bf16_available()),

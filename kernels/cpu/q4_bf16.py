@@ -30,7 +30,8 @@ import torch
 
 from kernels.cpu.linear_choice import WinMemo, measured_win
 from kernels.cpu.native import NativeLib
-from kernels.cpu.q4_panels import QB, find_q4_padded, gguf_blocks, random_q4_weight
+from kernels.cpu.q4_panels import QB, find_q4_padded, random_q4_weight
+from kernels.cpu.q8_panels import find_q8, random_q8_weight
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 from kernels.cpu.timing import two_way_rounds
 
@@ -83,24 +84,6 @@ class Q8BF16Panels:
 DecodePanelsOf = Q4BF16Panels | Q8BF16Panels  # what `linear` takes
 
 
-def find_q8(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
-    """(q [N, K] int8, d [N, K / 32] fp32) with weight == q * d exactly (fp32 product), or None. A Q8_0 block's
-    scale is its largest |w| over 127, so that q is +-127 there and the product gives w back exactly."""
-    w = gguf_blocks(weight)
-    if w is None:
-        return None
-    n, k = weight.shape
-    d = (np.abs(w).max(-1) / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(d[..., None] > 0, np.rint(w / d[..., None]), 0)
-    if np.abs(q).max() > 127:
-        return None
-    q8 = q.astype(np.int8)
-    if not ((q8.astype(np.float32) * d[..., None]).view(np.int32) == w.view(np.int32)).all():
-        return None
-    return q8.reshape(n, k), d
-
-
 def pack_q8(weight: torch.Tensor) -> Q8BF16Panels | None:
     """`weight` [N, K] fp32 as the kernel's Q8_0 panels, or None where it is not exactly Q8_0."""
     found = find_q8(weight)
@@ -137,14 +120,6 @@ def status_error(lib: NativeLib, status: int, rows: int, panels: DecodePanelsOf)
     if status == -1:
         return RuntimeError(f"{lib.path.name} was built without AVX-512 BF16: q4_bf16 is not in it")
     return RuntimeError(f"q4_bf16 failed ({status}) on {rows} rows of {panels.k}, weight {panels.n}x{panels.k}")
-
-
-def random_q8_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """An [n, k] fp32 weight that is exactly Q8_0 (calibration, tests)."""
-    q = torch.randint(-127, 128, (n, k // QB, QB), generator=gen).float()
-    q[..., 0] = 127  # each block's largest |q|, as a quantizer's blocks have
-    d = (torch.rand((n, k // QB), generator=gen) * 0.01 + 1e-3).half().float()
-    return (q * d[..., None]).reshape(n, k)
 
 
 def measure(lib: NativeLib, k: int, n: int, q8: bool = False) -> list[Timings]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.cpu.native import NativeLib
+from kernels.cpu.native import CFunction, NativeLib
 
 QB = 32  # k per scale block (skinny_gemm.c)
 NR = 16  # outputs per panel (skinny_gemm.c)
@@ -112,6 +112,57 @@ def fp32_output(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class SkinnyOperands:
+    """What every skinny kernel's C entry takes besides its weight: x [m, k] contiguous fp32, the output y [m, n],
+    the bias's pointer (None: no bias) and the threads."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    bias: torch.Tensor | None
+
+    @property
+    def bias_ptr(self) -> int | None:
+        return self.bias.data_ptr() if self.bias is not None else None
+
+
+def skinny_operands(
+    what: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor | None
+) -> SkinnyOperands:
+    """x checked (2-D fp32) and made contiguous, the output (`fp32_output`) and the bias as fp32, for kernel `what`."""
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"{what} takes a 2-D fp32 input, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    b = bias.detach().contiguous().float() if bias is not None else None
+    return SkinnyOperands(x, fp32_output(out, x.shape[0], n), b)
+
+
+def quantized_linear(
+    what: str,
+    kernel: CFunction,
+    x: torch.Tensor,
+    qp: torch.Tensor,
+    scales: torch.Tensor,
+    panel_k_bytes: int,
+    n: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [M, K] @ W.T + bias through a quantized skinny kernel (`kernel`: skinny_gemm.c's q4 or q8 entry) on W's
+    panels `qp` (`panel_k_bytes` bytes per k of a panel) and their `scales`."""
+    ops = skinny_operands(what, x, n, bias, out)
+    m, k = ops.x.shape
+    if qp.numel() != -(-n // NR) * k * panel_k_bytes:
+        raise ValueError(f"{what}: panels of {qp.numel()} bytes are not {n} x {k}")
+    status = kernel(
+        ops.x.data_ptr(), m, k, qp.data_ptr(), scales.data_ptr(), n, ops.bias_ptr, ops.y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"{what}: no memory for a scratch panel")
+    return ops.y
+
+
 def skinny_linear_q4(
     lib: NativeLib,
     x: torch.Tensor,
@@ -122,21 +173,7 @@ def skinny_linear_q4(
 ) -> torch.Tensor:
     """x [M, K] @ W.T + bias with W packed by `pack_q4`: bit-identical to skinny_linear on the fp32 panels.
     `out`: where to write it (`fp32_output`)."""
-    if x.dtype != torch.float32 or x.dim() != 2:
-        raise ValueError(f"skinny_linear_q4 takes a 2-D fp32 input, got {x.dtype} {tuple(x.shape)}")
-    x = x.contiguous()
-    m, k = x.shape
-    if panels.qp.numel() != -(-n // NR) * k * NR // 2:
-        raise ValueError(f"4-bit panels of {panels.qp.numel()} bytes are not {n} x {k}")
-    y = fp32_output(out, m, n)
-    b = bias.detach().contiguous().float() if bias is not None else None
-    status = lib.skinny_gemm_q4(
-        x.data_ptr(), m, k, panels.qp.data_ptr(), panels.dm.data_ptr(), n, b.data_ptr() if b is not None else None,
-        y.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError("skinny_gemm_q4: no memory for a scratch panel")
-    return y
+    return quantized_linear("skinny_linear_q4", lib.skinny_gemm_q4, x, panels.qp, panels.dm, NR // 2, n, bias, out)
 
 
 def random_q4_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:

@@ -150,9 +150,42 @@ static void expand_q4_panel(const uint8_t *qp, const float *dm, int64_t k, float
     }
 }
 
-/* As ucm_skinny_gemm, W given as 4-bit panels (k a multiple of 32). Returns 0, or -1 if no scratch memory. */
-int32_t ucm_skinny_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
-                           const float *bias, float *y, int32_t num_threads) {
+/* ---------------------------------------------------------------- 8-bit weights (kernels/cpu/q8_panels.py)
+ *
+ * A weight whose every 32-wide block of a row is exactly d * q (q in -127..127, fp32 product: GGUF's Q8_0, which
+ * the embedded model's tied embedding and lm_head are) is packed as qp [panels][K][16] int8, the 16 outputs' q at
+ * each k, and d [panels][K / 32][16] floats. Expanding a panel (one exact product per weight) gives the floats the
+ * fp32 panels hold, so results are bit-identical to ucm_skinny_gemm for 0.27x the memory reads. */
+
+static void expand_q8_panel(const uint8_t *qp_bytes, const float *d, int64_t k, float *dst) {
+    const int8_t *qp = (const int8_t *)qp_bytes;
+    for (int64_t kb = 0; kb < k / QB; kb++) {
+        const float *dd = d + kb * NR;
+        const int8_t *q = qp + kb * QB * NR;
+        float *w = dst + kb * QB * NR;
+#ifdef SG_AVX2
+        const __m256 d0 = _mm256_loadu_ps(dd), d1 = _mm256_loadu_ps(dd + 8);
+        for (int64_t kk = 0; kk < QB; kk++) {
+            const __m256i b0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + kk * NR)));
+            const __m256i b1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + kk * NR + 8)));
+            _mm256_storeu_ps(w + kk * NR, _mm256_mul_ps(_mm256_cvtepi32_ps(b0), d0));
+            _mm256_storeu_ps(w + kk * NR + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(b1), d1));
+        }
+#else
+        for (int64_t kk = 0; kk < QB; kk++)
+            for (int64_t j = 0; j < NR; j++) w[kk * NR + j] = (float)q[kk * NR + j] * dd[j];
+#endif
+    }
+}
+
+typedef void (*expand_panel_fn)(const uint8_t *q, const float *scales, int64_t k, float *dst);
+
+/* ucm_skinny_gemm over quantized panels: each thread expands a panel at a time into fp32 in its scratch panel and
+ * runs the fp32 tiles over it. Panel p's bytes start at q + p * q_panel_bytes, its scales at
+ * scales + p * scale_panel_floats. Returns 0, or -1 if no scratch memory. */
+static int32_t quantized_gemm(const float *x, int64_t m, int64_t k, const uint8_t *q, int64_t q_panel_bytes,
+                              const float *scales, int64_t scale_panel_floats, expand_panel_fn expand, int64_t n,
+                              const float *bias, float *y, int32_t num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
     int32_t status = 0;
     if (num_threads < 1) num_threads = 1;
@@ -166,10 +199,24 @@ int32_t ucm_skinny_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             if (scratch == NULL) continue;
-            expand_q4_panel(qp + p * k * (NR / 2), dm + p * (k / QB) * 2 * NR, k, scratch);
+            expand(q + p * q_panel_bytes, scales + p * scale_panel_floats, k, scratch);
             panel_rows(x, m, k, scratch, p, n, bias, y);
         }
         free(scratch);
     }
     return status;
+}
+
+/* As ucm_skinny_gemm, W given as 4-bit panels (k a multiple of 32). Returns 0, or -1 if no scratch memory. */
+int32_t ucm_skinny_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
+                           const float *bias, float *y, int32_t num_threads) {
+    return quantized_gemm(x, m, k, qp, k * (NR / 2), dm, (k / QB) * 2 * NR, expand_q4_panel, n, bias, y,
+                          num_threads);
+}
+
+/* As ucm_skinny_gemm, W given as 8-bit panels (k a multiple of 32). Returns 0, or -1 if no scratch memory. */
+int32_t ucm_skinny_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *qp, const float *d, int64_t n,
+                           const float *bias, float *y, int32_t num_threads) {
+    return quantized_gemm(x, m, k, (const uint8_t *)qp, k * NR, d, (k / QB) * NR, expand_q8_panel, n, bias, y,
+                          num_threads);
 }

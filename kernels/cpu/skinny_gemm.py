@@ -8,7 +8,8 @@ it won every time. (Against `F.linear` alone it won at 8 rows on the 2-core AMD 
 in 17.0 ms against the kernel's 22.2 over SmolLM2's weights.) The result is logged and cached beside the attention
 calibration (kernels/cpu/calibration_store.py: same key, same file rules, stored only when both rounds agree).
 Weights under `MIN_PACK_BYTES` are left to `F.linear` unmeasured. A weight that is exactly 4-bit
-(kernels/cpu/q4_panels.py) is packed and measured as 4-bit panels ("q4 NxK" in the cache file), others as fp32.
+(kernels/cpu/q4_panels.py) is packed and measured as 4-bit panels ("q4 NxK" in the cache file), one that is exactly
+Q8_0 (kernels/cpu/q8_panels.py) as 8-bit panels ("q8 NxK"), others as fp32 ("fp32 NxK").
 `UCM_CPU_LINEAR=native` uses the kernel up to the ladder's top, `torch` never.
 """
 
@@ -28,7 +29,8 @@ import torch.nn.functional as F
 from kernels.cpu.calibration_store import stored_or_measured
 from kernels.cpu.host import cpu_info, vector_flags
 from kernels.cpu.native import NativeLib
-from kernels.cpu.q4_panels import Q4Panels, fp32_output, pack_q4, random_q4_weight, skinny_linear_q4
+from kernels.cpu.q4_panels import Q4Panels, pack_q4, random_q4_weight, skinny_linear_q4, skinny_operands
+from kernels.cpu.q8_panels import Q8Panels, pack_q8, random_q8_weight, skinny_linear_q8
 from kernels.cpu.timing import ROUNDS, alternating_best_ms
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,14 @@ MAX_STACK = 32  # ... but no more calls than this per measurement (small weights
 MIN_PACK_BYTES = 1 << 20
 REPS = 2
 ENV = "UCM_CPU_LINEAR"
+
+
+class PanelFormat(enum.Enum):
+    """How a packed weight is held: its name in the cache file's entries ("q4 NxK")."""
+
+    FP32 = "fp32"
+    Q4 = "q4"  # exactly GGUF Q4_1 (kernels/cpu/q4_panels.py)
+    Q8 = "q8"  # exactly GGUF Q8_0 (kernels/cpu/q8_panels.py)
 
 
 class CpuLinear(str, enum.Enum):  # noqa: UP042 (the environment variable's values)
@@ -60,10 +70,10 @@ def cpu_linear_mode() -> CpuLinear:
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """W [N, K] packed for skinny_gemm.c: fp32 panels, or 4-bit ones where W is exactly 4-bit; `dense` uses it for
-    at most `max_rows` rows, else `F.linear` on W."""
+    """W [N, K] packed for skinny_gemm.c: fp32 panels, or 4- or 8-bit ones where W is exactly that; `dense` uses it
+    for at most `max_rows` rows, else `F.linear` on W."""
 
-    panels: torch.Tensor | Q4Panels
+    panels: torch.Tensor | Q4Panels | Q8Panels
     out_features: int
     in_features: int
     max_rows: int
@@ -72,6 +82,8 @@ class PanelWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(self.panels, Q4Panels):
             return skinny_linear_q4(self.lib, x, self.panels, self.out_features, bias, out)
+        if isinstance(self.panels, Q8Panels):
+            return skinny_linear_q8(self.lib, x, self.panels, self.out_features, bias, out)
         return skinny_linear(self.lib, x, self.panels, self.out_features, bias, out)
 
 
@@ -96,30 +108,32 @@ def skinny_linear(
 ) -> torch.Tensor:
     """x [M, K] @ W.T + bias with W packed by `pack_panels`; x is made contiguous if it is not. `out`: where to
     write it (`fp32_output`)."""
-    if x.dtype != torch.float32 or x.dim() != 2:
-        raise ValueError(f"skinny_linear takes a 2-D fp32 input, got {x.dtype} {tuple(x.shape)}")
-    x = x.contiguous()
-    m, k = x.shape
+    ops = skinny_operands("skinny_linear", x, n, bias, out)
+    m, k = ops.x.shape
     if panels.numel() != -(-n // NR) * k * NR:
         raise ValueError(f"packed weight of {panels.numel()} floats is not {n} x {k}")
-    y = fp32_output(out, m, n)
-    b = bias.detach().contiguous().float() if bias is not None else None
     lib.skinny_gemm(
-        x.data_ptr(), m, k, panels.data_ptr(), n, b.data_ptr() if b is not None else None, y.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return y
+        ops.x.data_ptr(), m, k, panels.data_ptr(), n, ops.bias_ptr, ops.y.data_ptr(), torch.get_num_threads()
+    )
+    return ops.y
 
 
 Timings = dict[int, tuple[float, float]]  # rows -> (native ms, best alternative's ms), best of REPS
 
 
-def measure(lib: NativeLib, k: int, n: int, quantized: bool = False) -> list[Timings]:
-    """One Timings per round (tests replace this to force a result). `quantized`: 4-bit weights and panels."""
+_RANDOM_WEIGHT: dict[PanelFormat, Callable[[int, int, torch.Generator], torch.Tensor]] = {
+    PanelFormat.FP32: lambda n, k, gen: torch.randn(n, k, generator=gen),
+    PanelFormat.Q4: random_q4_weight,
+    PanelFormat.Q8: random_q8_weight,
+}
+
+
+def measure(lib: NativeLib, k: int, n: int, fmt: PanelFormat = PanelFormat.FP32) -> list[Timings]:
+    """One Timings per round (tests replace this to force a result), on weights and panels of format `fmt`."""
     gen = torch.Generator().manual_seed(0)
     count = min(MAX_STACK, max(2, -(-STACK_BYTES // (4 * n * k))))
-    weights = [random_q4_weight(n, k, gen) if quantized else torch.randn(n, k, generator=gen) for _ in range(count)]
-    packed = [_packed(lib, w, quantized) for w in weights]
+    weights = [_RANDOM_WEIGHT[fmt](n, k, gen) for _ in range(count)]
+    packed = [_packed(lib, w, fmt) for w in weights]
     rounds: list[Timings] = []
     for _ in range(ROUNDS):
         timings: Timings = {}
@@ -135,11 +149,22 @@ def measure(lib: NativeLib, k: int, n: int, quantized: bool = False) -> list[Tim
     return rounds
 
 
-def _packed(lib: NativeLib, weight: torch.Tensor, quantized: bool) -> PanelWeight:
+def _packed(lib: NativeLib, weight: torch.Tensor, fmt: PanelFormat) -> PanelWeight:
     n, k = weight.shape
-    q4 = pack_q4(weight) if quantized else None
-    assert not quantized or q4 is not None, "random_q4_weight must give an exactly 4-bit weight"
-    return PanelWeight(pack_panels(lib, weight) if q4 is None else q4, n, k, ROW_LADDER[-1], lib)
+    found, panels = pack(lib, weight)
+    assert found is fmt, f"a random {fmt.value} weight packed as {found.value}"
+    return PanelWeight(panels, n, k, ROW_LADDER[-1], lib)
+
+
+def pack(lib: NativeLib, weight: torch.Tensor) -> tuple[PanelFormat, torch.Tensor | Q4Panels | Q8Panels]:
+    """`weight` [N, K] as panels: 4-bit where it is exactly Q4_1, 8-bit where it is exactly Q8_0, else fp32."""
+    q4 = pack_q4(weight)
+    if q4 is not None:
+        return PanelFormat.Q4, q4
+    q8 = pack_q8(weight)
+    if q8 is not None:
+        return PanelFormat.Q8, q8
+    return PanelFormat.FP32, pack_panels(lib, weight)
 
 
 def _runs(
@@ -184,14 +209,14 @@ def _table(rounds: list[Timings]) -> str:
 class _Memo:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.rows: dict[tuple[str, str, int, int, int, bool], int] = {}
+        self.rows: dict[tuple[str, str, int, int, int, PanelFormat], int] = {}
 
 
 _memo = _Memo()
 
 
-def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, quantized: bool = False) -> int:
-    """Up to how many rows the packed kernel (4-bit with `quantized`) runs for a [n, k] weight on this machine
+def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, fmt: PanelFormat = PanelFormat.FP32) -> int:
+    """Up to how many rows the packed kernel (on panels of format `fmt`) runs for a [n, k] weight on this machine
     (see the module doc)."""
     mode = cpu_linear_mode()
     if not _may_pack(mode, k, n):
@@ -199,16 +224,16 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, quantized
     if mode is CpuLinear.NATIVE:
         return ROW_LADDER[-1]
     threads = torch.get_num_threads()
-    memo_key = (str(root), lib.path.name, threads, k, n, quantized)
+    memo_key = (str(root), lib.path.name, threads, k, n, fmt)
     with _memo.lock:
         found = _memo.rows.get(memo_key)
         if found is not None:
             return found
-        name = f"{'q4' if quantized else 'fp32'} {n}x{k}"
+        name = f"{fmt.value} {n}x{k}"
         tables: list[str] = []
 
         def run() -> tuple[int, list[str]]:
-            rounds = measure(lib, k, n, quantized)
+            rounds = measure(lib, k, n, fmt)
             picks = [_rows_won(t) for t in rounds]
             tables.append(_table(rounds))
             # Disagreeing rounds: the smaller answer now, measured again by the next process.
@@ -234,16 +259,19 @@ def _may_pack(mode: CpuLinear, k: int, n: int) -> bool:
 
 
 def panel_weight(lib: NativeLib, weight: torch.Tensor) -> PanelWeight | None:
-    """`weight` packed (4-bit where it is exactly that, else fp32) for the row counts where the kernel wins here,
-    or None where it never does."""
+    """`weight` packed (`pack`) for the row counts where the kernel wins here, or None where it never does. A
+    quantized packing that never wins (its expansion costs more than the bytes it saves: a fast memory) falls back to
+    the fp32 panels where those win."""
     n, k = weight.shape
     if not _may_pack(cpu_linear_mode(), k, n):
-        return None  # before pack_q4: recovering 4-bit values costs time at start-up
-    q4 = pack_q4(weight)
-    rows = max_rows(lib, k, n, quantized=q4 is not None)
+        return None  # before pack: recovering 4- or 8-bit values costs time at start-up
+    fmt, panels = pack(lib, weight)
+    rows = max_rows(lib, k, n, fmt=fmt)
+    if rows == 0 and fmt is not PanelFormat.FP32:
+        panels, rows = pack_panels(lib, weight), max_rows(lib, k, n, fmt=PanelFormat.FP32)
     if rows == 0:
         return None
-    return PanelWeight(pack_panels(lib, weight) if q4 is None else q4, n, k, rows, lib)
+    return PanelWeight(panels, n, k, rows, lib)
 
 
 def forget() -> None:

@@ -46,7 +46,7 @@ def forced(monkeypatch, tmp_path):
     monkeypatch.setattr(
         skinny_gemm,
         "measure",
-        lambda lib, k, n, quantized=False: [{r: (1.0, 2.0) if r <= 8 else (2.0, 1.0) for r in ROW_LADDER}] * 2,
+        lambda lib, k, n, fmt=None: [{r: (1.0, 2.0) if r <= 8 else (2.0, 1.0) for r in ROW_LADDER}] * 2,
     )
     rounds = [(1.0, 2.0), (1.0, 2.0)]
     measured: list[tuple[int, int]] = []

@@ -55,7 +55,7 @@ def forced(monkeypatch, tmp_path):
     state = {"up_to": 8}
     measured: list[tuple[int, int]] = []
 
-    def fake_measure(lib, k, n, quantized=False):
+    def fake_measure(lib, k, n, fmt=None):
         measured.append((k, n))
         return [{r: (1.0, 2.0) if r <= state["up_to"] else (2.0, 1.0) for r in ROW_LADDER}] * 2
 
@@ -145,7 +145,7 @@ def test_greedy_text_is_the_same_either_way(monkeypatch, tmp_path) -> None:
 def test_disagreeing_rounds_are_not_stored_and_say_where(native_lib, forced, monkeypatch, caplog) -> None:
     forced(16)
     rounds = [{r: (1.0, 2.0) if r <= up_to else (2.0, 1.0) for r in ROW_LADDER} for up_to in (8, 16)]
-    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, quantized=False: rounds)
+    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: rounds)
     with caplog.at_level("INFO", logger="kernels.cpu.skinny_gemm"):
         assert dense_mod.pack_weight(torch.randn(48, 32)).panels.max_rows == 8, "the smaller answer until one is stored"
     assert "rounds disagreed on rows 8 vs 16" in caplog.text
