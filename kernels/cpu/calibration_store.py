@@ -38,7 +38,7 @@ T = TypeVar("T")
 # 10 ms ticks, are not judged (a test's forced result).
 OTHERS_MAX_CORES = 0.25
 MIN_JUDGED_S = 0.1
-FILE_VERSION = 3  # 3: the skinny kernel measured against oneDNN too; 2: stored only when the rounds agree
+FILE_VERSION = 4  # 4: skinny rows by the summed saving; 3: against oneDNN too; 2: stored only when rounds agree
 
 
 def calibration_key(lib: NativeLib, threads: int) -> dict[str, object]:

@@ -178,3 +178,38 @@ def test_the_kernel_must_beat_the_best_alternative(native_lib, monkeypatch, tmp_
     finally:
         skinny_gemm.forget()
     assert timed and set(timed) == {3}, "kernel, F.linear and oneDNN in every timing"
+
+
+def test_one_close_loss_at_one_row_does_not_give_up_the_rows_it_wins(native_lib, forced, monkeypatch) -> None:
+    """The kernel up to where its summed saving over the ladder peaks: a 1-row loss by 8% before wins of 5-40% at
+    4 to 32 rows keeps those (it once stored 0 rows, the ladder stopping at its first loss); losses from 64 rows on
+    end the range; a kernel that loses everywhere gets none."""
+    forced(0)
+    close = {1: (1.3, 1.2), 4: (1.4, 1.9), 8: (2.0, 2.4), 16: (3.1, 3.5), 32: (5.5, 5.8), 64: (10.0, 9.9),
+             128: (19.5, 18.6)}  # fmt: skip
+    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: [close, close])
+    assert skinny_gemm.max_rows(native_lib, 32, 48) == 32
+    skinny_gemm.forget()
+    slower = dict.fromkeys(ROW_LADDER[:2], (2.0, 1.0))  # the ladder stops after two losses in a row
+    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: [slower, slower])
+    for stored in (Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json"):
+        stored.unlink()
+    assert skinny_gemm.max_rows(native_lib, 32, 48) == 0
+
+
+def test_the_ladder_stops_after_two_losses_in_a_row(native_lib, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("UCM_CPU_LINEAR", "auto")
+    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path / "cache"))
+    # kernel ms per call by rows: loses at 1, wins at 4, loses at 8 and 16 (stop); 32 on is never timed
+    kernel = {1: 2.0, 4: 1.0, 8: 2.0, 16: 2.0}
+    timed: list[int] = []
+
+    def fake_best(runs, reps, seconds=float("inf")):
+        rows = len(timed) % 4
+        timed.append(rows)
+        return [kernel[ROW_LADDER[rows]], *[1.5] * (len(runs) - 1)]
+
+    monkeypatch.setattr(skinny_gemm, "alternating_best_ms", fake_best)
+    monkeypatch.setattr(skinny_gemm, "_runs", lambda lib, x, weights, packed: [lambda: None] * 3)
+    rounds = skinny_gemm.measure(native_lib, 32, 48)
+    assert [sorted(t) for t in rounds] == [[1, 4, 8, 16]] * len(rounds), rounds
