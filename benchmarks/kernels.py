@@ -472,13 +472,14 @@ def bench_linear_bf16(min_s: float, tokens: int = 8) -> list[Row]:
     from engine.models.native_decode import decode_linear
     from kernels.cpu import onednn_linear, q4_bf16
     from kernels.cpu.q4_panels import random_q4_weight
+    from kernels.cpu.q8_panels import random_q8_weight
 
     lib = native.load()
     if lib is None or not lib.has_q4_bf16 or not onednn_linear.available():
         return []
     gen = torch.Generator().manual_seed(0)
     *layers, (vocab, hidden) = SMOLLM2_MATMULS
-    w32 = [random_q4_weight(n, k, gen) for n, k in layers] + [q4_bf16.random_q8_weight(vocab, hidden, gen)]
+    w32 = [random_q4_weight(n, k, gen) for n, k in layers] + [random_q8_weight(vocab, hidden, gen)]
     chosen = [decode_panels(w) for w in w32[:-1]] + [lm_head_panels(w32[-1])]
     weights = [w.bfloat16() for w in w32]
     packed = [pack_weight(w, d) for w, d in zip(weights, chosen, strict=True)]

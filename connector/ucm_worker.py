@@ -167,8 +167,7 @@ class UCMWorkerConnector(KVConnectorWorker):
     def wait_for_layer_load(self, layer: int) -> None:
         loads = self._loads
         t0 = time.perf_counter()
-        arrived = loads.arrive(layer, self.task_timeout_s) if loads is not None else None
-        if loads is None or arrived is None:
+        if loads is None or (arrived := loads.arrive(layer, self.task_timeout_s)) is None:
             return
         if arrived.stuck:  # leave the buffer to the straggler; later steps get a new one
             self._load_bufs[layer] = self._staging()

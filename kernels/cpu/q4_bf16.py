@@ -31,7 +31,7 @@ import torch
 from kernels.cpu.linear_choice import WinMemo, measured_win
 from kernels.cpu.native import NativeLib
 from kernels.cpu.q4_panels import QB, find_q4_padded, random_q4_weight
-from kernels.cpu.q8_panels import find_q8, random_q8_weight
+from kernels.cpu.q8_panels import find_q8_padded, random_q8_weight
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 from kernels.cpu.timing import two_way_rounds
 
@@ -86,14 +86,12 @@ DecodePanelsOf = Q4BF16Panels | Q8BF16Panels  # what `linear` takes
 
 def pack_q8(weight: torch.Tensor) -> Q8BF16Panels | None:
     """`weight` [N, K] fp32 as the kernel's Q8_0 panels, or None where it is not exactly Q8_0."""
-    found = find_q8(weight)
+    found = find_q8_padded(weight, NR)  # outputs past n: q = 0, d = 0 (never stored)
     if found is None:
         return None
     q, d = found
     n, k = weight.shape
-    pad = -n % NR  # outputs past n: q = 0, d = 0 (never stored)
-    q, d = np.pad(q, ((0, pad), (0, 0))), np.pad(d, ((0, pad), (0, 0)))
-    panels = (n + pad) // NR
+    panels = q.shape[0] // NR
     qp = q.reshape(panels, NR, k // 2, 2).transpose(0, 2, 3, 1)  # [P, K/2, 2, 16]
     dp = d.reshape(panels, NR, k // QB).transpose(0, 2, 1)  # [P, K/32, 16]
     return Q8BF16Panels(torch.from_numpy(np.ascontiguousarray(qp)), torch.from_numpy(np.ascontiguousarray(dp)), n, k)

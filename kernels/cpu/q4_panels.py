@@ -84,9 +84,14 @@ def find_q4_padded(weight: torch.Tensor, nr: int) -> tuple[np.ndarray, np.ndarra
     found = find_q4(weight)
     if found is None:
         return None
-    q, d, m = found
-    pad = ((0, -q.shape[0] % nr), (0, 0))
-    return np.pad(q, pad), np.pad(d, pad), np.pad(m, pad)
+    q, d, m = pad_outputs(nr, *found)
+    return q, d, m
+
+
+def pad_outputs(nr: int, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per-output arrays ([N, ...] each) padded with zeros to a multiple of `nr` outputs (a panel)."""
+    pad = ((0, -arrays[0].shape[0] % nr), (0, 0))
+    return tuple(np.pad(a, pad) for a in arrays)
 
 
 def pack_q4(weight: torch.Tensor) -> Q4Panels | None:
@@ -114,8 +119,8 @@ def fp32_output(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SkinnyOperands:
-    """What every skinny kernel's C entry takes besides its weight: x [m, k] contiguous fp32, the output y [m, n],
-    the bias's pointer (None: no bias) and the threads."""
+    """What every skinny kernel's C entry takes besides its weight and threads: x [m, k] contiguous fp32, the output
+    y [m, n] and the bias as fp32 (None: no bias)."""
 
     x: torch.Tensor
     y: torch.Tensor

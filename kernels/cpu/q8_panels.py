@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kernels.cpu.native import NativeLib
-from kernels.cpu.q4_panels import NR, QB, gguf_blocks, quantized_linear
+from kernels.cpu.q4_panels import NR, QB, gguf_blocks, pad_outputs, quantized_linear
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,8 @@ def find_q8_padded(weight: torch.Tensor, nr: int) -> tuple[np.ndarray, np.ndarra
     found = find_q8(weight)
     if found is None:
         return None
-    q, d = found
-    pad = ((0, -q.shape[0] % nr), (0, 0))
-    return np.pad(q, pad), np.pad(d, pad)
+    q, d = pad_outputs(nr, *found)
+    return q, d
 
 
 def pack_q8(weight: torch.Tensor) -> Q8Panels | None:

@@ -4,8 +4,9 @@
 best of `F.linear` and oneDNN on a reordered weight (kernels/cpu/onednn_linear.py, where available) at each row count
 of `ROW_LADDER` on a stack of such weights larger than the caches (a decode step reads every weight from memory; a
 warm-cache micro-benchmark would flatter the BLAS), and uses the kernel up to the row count where its summed saving
-over the ladder peaks, in the round that gives the fewest rows (`_rows_won`). (Against `F.linear` alone it won at 8 rows on the 2-core AMD EPYC with AVX-512 that oneDNN runs
-in 17.0 ms against the kernel's 22.2 over SmolLM2's weights.) The result is logged and cached beside the attention
+over the ladder peaks, in the round that gives the fewest rows (`_rows_won`). (Against `F.linear` alone it won at 8
+rows on the 2-core AMD EPYC with AVX-512 that oneDNN runs in 17.0 ms against the kernel's 22.2 over SmolLM2's
+weights.) The result is logged and cached beside the attention
 calibration (kernels/cpu/calibration_store.py: same key, same file rules, stored only when both rounds agree).
 Weights under `MIN_PACK_BYTES` are left to `F.linear` unmeasured. A weight that is exactly 4-bit
 (kernels/cpu/q4_panels.py) is packed and measured as 4-bit panels ("q4 NxK" in the cache file), one that is exactly
@@ -154,9 +155,9 @@ def measure(lib: NativeLib, k: int, n: int, fmt: PanelFormat = PanelFormat.FP32)
 
 def _packed(lib: NativeLib, weight: torch.Tensor, fmt: PanelFormat) -> PanelWeight:
     n, k = weight.shape
-    found, panels = pack(lib, weight)
-    assert found is fmt, f"a random {fmt.value} weight packed as {found.value}"
-    return PanelWeight(panels, n, k, ROW_LADDER[-1], lib)
+    panels = {PanelFormat.Q4: pack_q4, PanelFormat.Q8: pack_q8}[fmt](weight) if fmt is not PanelFormat.FP32 else None
+    assert fmt is PanelFormat.FP32 or panels is not None, f"a random {fmt.value} weight must pack as {fmt.value}"
+    return PanelWeight(pack_panels(lib, weight) if panels is None else panels, n, k, ROW_LADDER[-1], lib)
 
 
 def pack(lib: NativeLib, weight: torch.Tensor) -> tuple[PanelFormat, torch.Tensor | Q4Panels | Q8Panels]:

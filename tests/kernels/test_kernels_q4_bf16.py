@@ -14,8 +14,9 @@ from engine.attention import set_forward_context
 from engine.generated_rows import GeneratedRows
 from engine.models import dense as dense_mod
 from kernels.cpu import onednn_linear, q4_bf16
-from kernels.cpu.q4_bf16 import find_q8, kernel_wins, linear, pack, pack_q8, random_q8_weight
+from kernels.cpu.q4_bf16 import kernel_wins, linear, pack, pack_q8
 from kernels.cpu.q4_panels import random_q4_weight
+from kernels.cpu.q8_panels import find_q8, random_q8_weight
 
 
 @pytest.fixture
