@@ -3,7 +3,9 @@
 CUDA: achieved memory bandwidth (bytes the kernel must move / time) as a fraction of the device's peak HBM
 bandwidth (from a table by device name, else a measured large copy), with torch SDPA on already-gathered dense
 K/V (and torch index_select / index_copy_ for blocks) as the baseline. Prefill attention on CUDA is compute
-bound: TFLOP/s per causal pair, against torch's flash SDPA on dense K/V, with a sweep of the Triton kernel's tiles.
+bound: TFLOP/s per causal pair, against torch's flash SDPA on dense K/V, with a sweep of the Triton kernel's tiles;
+"dispatched (triton|torch)" is the path kernels/gpu_prefill_choice.py measured faster for the call's length, and
+the last table puts it beside the better of the Triton kernel at its default tile and the torch path.
 CPU: tokens/s of what `kernels` dispatches to ("dispatched (native|torch)": the path the start-up calibration,
 kernels/cpu/calibration.py, measured faster for that shape class; a decode as a decode step calls it, through
 `native_decode.DecodeAttention` where the native kernel won) next to the native C kernel (kernels/cpu/), the
@@ -41,7 +43,7 @@ if not __package__:  # run as a file, this folder is sys.path[0] and `import ker
 
 import kernels
 from engine.models.native_decode import DecodeAttention
-from kernels.api import native_decode_lib
+from kernels.api import gpu_prefill_on_torch, native_decode_lib
 from kernels.backend import cpu_attention
 from kernels.cpu import host, native
 from kernels.cpu.calibration import ShapeClass
@@ -345,15 +347,22 @@ def bench_prefill_gpu(s: Shape, dtype: torch.dtype, device: torch.device, min_s:
     gqa = s.num_q_heads != s.num_kv_heads
     from kernels.triton_prefill_attention import prefill_attention_triton
 
+    chosen = kernels.calibrate_gpu_prefill(dtype, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size, device)
+    print(f"  {s.name} prefill choice: {chosen.describe() if chosen is not None else 'forced'}", flush=True)
     rows = []
     for new, what in ((s.ctx, "whole prompt"), (s.ctx // 2, "half new")):
         q = torch.randn(new, s.num_q_heads, s.head_dim, dtype=dtype, device=device)
         qsl = torch.tensor([0, new], dtype=torch.int32, device=device)
         lens = torch.tensor([s.ctx], dtype=torch.int32, device=device)
         args = (q, k_cache, v_cache, qsl, lens, tables, scale, new)
+        on_torch = gpu_prefill_on_torch(q, k_cache, qsl, lens, s.ctx)
         runs: dict[str, Callable[[], object]] = {
-            "paged (dispatch)": lambda args=args: kernels.prefill_attention(*args),
+            f"dispatched ({'torch' if on_torch else 'triton'})": lambda args=args: kernels.prefill_attention(
+                *args,
+                context_tokens=s.ctx,  # as the engine calls it: the sum of seq_lens from the host
+            ),
             "torch path": lambda args=args: prefill_attention_torch(*args),
+            "triton (default tile)": lambda args=args: prefill_attention_triton(*args),
         }
         if new == s.ctx:  # is_causal aligns top-left, right only when queries and keys are the same positions
             qd = q.transpose(0, 1).unsqueeze(0)
@@ -530,14 +539,20 @@ def print_table(rows: list[Row]) -> None:
         print(f"{r.bench:8} {r.shape:40} {r.impl:24} {r.ms:9.3f} {gb} {fr} {tk}")
 
 
+# What a dispatch chooses among: the native kernel or the torch path (CPU attention), oneDNN on reordered weights
+# (CPU linear rows), the Triton kernel at its default tile or the torch path (GPU prefill).
+ALTERNATIVES = ("native (in place)", "torch path", "oneDNN (reordered)", "triton (default tile)")
+
+
 def dispatch_check(rows: list[Row]) -> list[dict]:
-    """Per CPU shape: the dispatched time beside the best of the alternatives it chooses among (the native kernel,
-    the torch path, and for linear rows oneDNN on reordered weights)."""
+    """Per shape: the dispatched time beside the best of the `ALTERNATIVES` it chooses among."""
     out = []
     for shape in dict.fromkeys(r.shape for r in rows if r.impl.startswith("dispatched")):
         by = {r.impl: r.ms for r in rows if r.shape == shape}
         disp = next(ms for impl, ms in by.items() if impl.startswith("dispatched"))
-        alts = {impl: by[impl] for impl in ("native (in place)", "torch path", "oneDNN (reordered)") if impl in by}
+        alts = {impl: by[impl] for impl in ALTERNATIVES if impl in by}
+        if not alts:  # e.g. a GPU decode: Triton is all it dispatches to
+            continue
         best = min(alts, key=alts.get)
         out.append({"shape": shape, "dispatched_ms": disp, "best": best, "best_ms": alts[best],
                     "ratio": disp / alts[best]})  # fmt: skip
@@ -594,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_linear_cpu([1, 8, 32] if args.quick else [1, 8, 32, 128, 512], min_s)
         rows += bench_linear_bf16(min_s)
     print_table(rows)
-    check = [] if cuda else dispatch_check(rows)
+    check = dispatch_check(rows)
     if check:
         print(f"\n{'shape':40} {'dispatched ms':>13} {'best alternative':>28} {'ratio':>6}")
         for c in check:

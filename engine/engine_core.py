@@ -83,6 +83,11 @@ class EngineCore:
         if config.device == "cpu":  # measure (or read) which CPU attention path is faster now, not on the first step
             mc = self.model_config
             kernels.calibrate_cpu_attention(self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim, bs)
+        elif torch.device(config.device).type == "cuda":  # likewise which CUDA prefills run the torch path
+            mc = self.model_config
+            kernels.calibrate_gpu_prefill(
+                self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim, bs, torch.device(config.device)
+            )
         self.namespace = KeyNamespace(loaded_model.fingerprint, self.dtype_name, bs)
         if kv_connector is None and config.kv_store is not None:
             from connector.base import KVConnectorRole

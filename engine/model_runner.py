@@ -69,6 +69,7 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
+            context_tokens=int(seq_lens.sum()),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         prompt_lens = np.fromiter((s.request.num_prompt_tokens for s in sched), dtype=np.int64, count=num_seqs)

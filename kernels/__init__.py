@@ -14,6 +14,7 @@ Map (caches are per layer `[num_blocks, block_size, num_kv_heads, head_dim]`):
   triton_write_kv.py           reshape-and-cache (slot -1 skips)
   triton_decode_attention.py   one query per sequence, GQA, split-KV + merge kernel for long contexts
   triton_prefill_attention.py  packed varlen causal queries over a partly cached context
+  gpu_prefill_choice.py        CUDA prefill: Triton or the torch path (flash SDPA), by lengths measured on the GPU
   triton_block_transfer.py     gather / scatter blocks <-> contiguous staging (connector save/load)
   triton_block_copy.py         copy-on-write block copies across all layers
   triton_attention_tile.py     the online-softmax tile step both attention kernels run
@@ -34,6 +35,7 @@ from typing import Any
 
 _LAZY = {
     "calibrate_cpu_attention": "kernels.api",
+    "calibrate_gpu_prefill": "kernels.api",
     "copy_blocks": "kernels.api",
     "decode_attention": "kernels.api",
     "gather_blocks": "kernels.api",

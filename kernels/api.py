@@ -1,5 +1,8 @@
 """The kernel entry points the engine and connector call; each picks Triton or the CPU path per call from the device.
 
+CUDA prefills run the Triton kernel, or the torch path (a gather, then flash SDPA) for calls whose new tokens per
+sequence reach the length from which that path measured faster on this GPU (`kernels/gpu_prefill_choice.py`).
+
 CPU attention runs, per shape class (decode, prefill chunk over a cached prefix, whole prompt), whichever of the
 native C kernel (`kernels/cpu/`, K/V read in place from the paged cache) and the torch path measured faster on
 this machine (`kernels/cpu/calibration.py`: once per machine, geometry and thread count, cached on disk);
@@ -19,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.backend import AttentionBackend, CpuAttention, cpu_attention, select_backend
+from kernels import gpu_prefill_choice
+from kernels.backend import AttentionBackend, CpuAttention, cpu_attention, forced_backend, select_backend
 from kernels.cpu import calibration, native
 from kernels.cpu import elementwise as native_elementwise
 from kernels.cpu import write_kv as native_write
@@ -27,6 +31,7 @@ from kernels.cpu.calibration import Geometry, Plan, ShapeClass
 from kernels.cpu.native import NativeLib
 from kernels.cpu.paged_attention import DTYPE_CODES as NATIVE_DTYPES
 from kernels.cpu.paged_attention import paged_attention_native, prefill_attention_native, supports
+from kernels.gpu_prefill_choice import GpuPrefillPlan
 from kernels.reference import (
     copy_blocks_torch,
     decode_attention_chunked_torch,
@@ -119,6 +124,40 @@ def _all_whole_prompts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) ->
     return bool(((n == seq_lens) | (n == 0)).all())
 
 
+def calibrate_gpu_prefill(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device
+) -> GpuPrefillPlan | None:
+    """Measure now which path CUDA prefills of this geometry run (kernels/gpu_prefill_choice.py), e.g. at engine
+    start-up rather than on the first prefill; None where no choice is made (not CUDA, a forced backend)."""
+    if device.type != "cuda" or forced_backend() is not None or dtype not in gpu_prefill_choice.FLASH_DTYPES:
+        return None
+    return gpu_prefill_choice.plan(Geometry(str(dtype).removeprefix("torch."), num_q_heads, num_kv_heads, head_dim,
+                                            block_size), device)  # fmt: skip
+
+
+def gpu_prefill_on_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    context_tokens: int | None = None,
+) -> bool:
+    """On CUDA with the backend not forced: whether this GPU measured the torch path faster for a call like this.
+    `context_tokens` (sum of seq_lens, from the host) tells whole prompts from chunks without a device sync:
+    each sequence's new tokens are at most its context, so they sum to it exactly when all are whole prompts."""
+    if (q.device.type != "cuda" or forced_backend() is not None or q.dtype not in gpu_prefill_choice.FLASH_DTYPES
+            or torch.cuda.is_current_stream_capturing()):  # fmt: skip
+        return False
+    chosen = gpu_prefill_choice.plan(_geometry(q, k_cache), q.device)
+
+    def whole() -> bool:
+        if context_tokens is not None:
+            return q.shape[0] == context_tokens
+        return _all_whole_prompts(query_start_loc, seq_lens)
+
+    return chosen.runs_torch(q.shape[0], seq_lens.shape[0], whole)
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -187,8 +226,13 @@ def prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int,
+    context_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Packed varlen causal attention: q [T, Hq, D]; each sequence's new tokens are the last of its seq_lens."""
+    """Packed varlen causal attention: q [T, Hq, D]; each sequence's new tokens are the last of its seq_lens.
+
+    context_tokens (optional, additive to the team API): sum of seq_lens when the caller knows it on the host,
+    which saves a CUDA call long enough to weigh the torch path a device sync.
+    """
     _check_cache_pair(k_cache, v_cache)
     _check_query(q, k_cache)
     num_seqs = seq_lens.shape[0]
@@ -198,6 +242,10 @@ def prefill_attention(
             f"seq_lens {tuple(seq_lens.shape)}, block_tables {tuple(block_tables.shape)}"
         )
     if select_backend(q.device) is AttentionBackend.TRITON:
+        if gpu_prefill_on_torch(q, k_cache, query_start_loc, seq_lens, context_tokens):
+            return prefill_attention_torch(
+                q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len
+            )
         from kernels.triton_prefill_attention import prefill_attention_triton
 
         return prefill_attention_triton(
@@ -237,8 +285,9 @@ def paged_attention(
     if md.is_decode_only and q.shape[0] == md.num_seqs:
         return decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, md.max_seq_len)
     return prefill_attention(
-        q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, scale, md.max_query_len
-    )
+        q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, scale, md.max_query_len,
+        md.context_tokens,
+    )  # fmt: skip
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

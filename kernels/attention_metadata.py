@@ -24,6 +24,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    context_tokens: int | None = None  # sum of seq_lens, known on the host (saves a CUDA prefill a device sync)
 
     @property
     def num_seqs(self) -> int:

@@ -27,12 +27,15 @@ class PrefillTile:
     num_stages: int
 
 
-def default_tile(head_dim: int) -> PrefillTile:
+def default_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
     """The fastest tile of benchmarks/kernels.py's sweep on an H100 (bf16, one 4k or 8k prompt, whole or its
     second half over a cached first): head_dim 64 128 x 64 with 8 warps (0.123 / 0.110 ms on SmolLM2's heads at
     4k), head_dim 128 128 x 128 with 8 warps (2.11 / 1.61 ms on Llama-8B's at 8k). The 32 x 32 tiles and Triton's
-    default launch used before ran 2.5-2.8x slower on all four."""
-    return PrefillTile(128, 64, 8, 2) if head_dim <= 64 else PrefillTile(128, 128, 8, 2)
+    default launch used before ran 2.5-2.8x slower on all four. fp32 tiles take twice the shared memory: at
+    head_dim 128 the 128 x 128 one (~320 KB over two stages) is past a Hopper SM's 228 KB, so 64 x 64 there."""
+    if head_dim <= 64:
+        return PrefillTile(128, 64, 8, 2)
+    return PrefillTile(128, 128, 8, 2) if dtype.itemsize <= 2 else PrefillTile(64, 64, 4, 2)
 
 
 @triton.jit
@@ -165,7 +168,7 @@ def prefill_attention_triton(
 ) -> torch.Tensor:
     """q [T, Hq, D] packed by query_start_loc [B + 1]; seq_lens [B] include the new tokens -> [T, Hq, D].
 
-    block_m / block_n / num_warps / num_stages are tuning knobs (None: `default_tile(head_dim)`);
+    block_m / block_n / num_warps / num_stages are tuning knobs (None: `default_tile(head_dim, q.dtype)`);
     benchmarks/kernels.py sweeps them on a GPU."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -176,7 +179,7 @@ def prefill_attention_triton(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
-    tile = default_tile(head_dim)
+    tile = default_tile(head_dim, q.dtype)
     block_m, block_n = block_m or tile.block_m, block_n or tile.block_n
     launch = dict(num_warps=num_warps or tile.num_warps, num_stages=num_stages or tile.num_stages)
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels
+from kernels.cpu.calibration import ShapeClass
 from kernels.reference import decode_attention_torch, prefill_attention_torch
 from kernels.testing import make_paged_case
 
@@ -74,3 +75,56 @@ def test_block_transfer_roundtrip_compiled():
     other = torch.zeros_like(cache)
     kernels.scatter_blocks(staged, other, ids)
     assert torch.equal(other[ids], cache[ids])
+
+
+@pytest.fixture
+def torch_path_calls(monkeypatch):
+    """Count the CUDA prefills that the dispatch sends to the torch path, with this process's plans forgotten."""
+    import kernels.api as api
+    from kernels import gpu_prefill_choice
+
+    gpu_prefill_choice.forget()
+    calls = []
+    real = api.prefill_attention_torch
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "prefill_attention_torch", counted)
+    yield calls
+    gpu_prefill_choice.forget()
+
+
+def test_prefill_dispatch_follows_a_forced_plan(monkeypatch, torch_path_calls):
+    """Whole prompts of 512+ tokens measured faster on torch, chunks never: the dispatch runs what was measured,
+    and both paths give the reference's output."""
+    from kernels import gpu_prefill_choice
+    from kernels.gpu_prefill_choice import LENGTHS, LengthTiming
+
+    def forced(g, device):
+        prompt = tuple(LengthTiming(n, 2.0, 1.0 if n >= 512 else 3.0) for n in LENGTHS)
+        return {ShapeClass.PROMPT: prompt, ShapeClass.CHUNK: tuple(LengthTiming(n, 1.0, 2.0) for n in LENGTHS)}
+
+    monkeypatch.setattr(gpu_prefill_choice, "measure", forced)
+    for ctx, new, want_torch in (([600], [600], True), ([1200], [600], False), ([300], [300], False)):
+        case = make_paged_case(ctx, new, 9, 3, 64, dtype=torch.bfloat16, device="cuda")
+        args = (case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables,
+                64**-0.5, case.max_query_len)  # fmt: skip
+        for context_tokens in (None, sum(ctx)):  # told from the device's seq_lens, or from the host's sum
+            before = len(torch_path_calls)
+            out = kernels.prefill_attention(*args, context_tokens=context_tokens)
+            assert (len(torch_path_calls) > before) is want_torch, (ctx, new, context_tokens)
+            torch.testing.assert_close(out, prefill_attention_torch(*args), **BF16)
+
+
+def test_prefill_dispatch_measured_on_this_gpu(torch_path_calls):
+    """The real measurement: a plan for both classes, and a long prompt dispatched by it matches the reference."""
+    plan = kernels.calibrate_gpu_prefill(torch.bfloat16, 32, 8, 128, 16, torch.device("cuda"))
+    assert plan is not None and all(len(plan.timings[c]) > 0 for c in (ShapeClass.PROMPT, ShapeClass.CHUNK))
+    case = make_paged_case([4096], [4096], 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    args = (case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables,
+            128**-0.5, case.max_query_len)  # fmt: skip
+    torch.testing.assert_close(kernels.prefill_attention(*args), prefill_attention_torch(*args), **BF16)
+    crossing = plan.crossover(ShapeClass.PROMPT)
+    assert (len(torch_path_calls) == 1) is (crossing is not None and crossing <= 4096), plan.describe()
