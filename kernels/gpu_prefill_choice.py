@@ -130,7 +130,7 @@ def measure(g: Geometry, device: torch.device) -> dict[ShapeClass, tuple[LengthT
 class _Memo:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.plans: dict[tuple[str, Geometry], GpuPrefillPlan] = {}
+        self.plans: dict[tuple[int, Geometry], GpuPrefillPlan] = {}
 
 
 _memo = _Memo()
@@ -138,7 +138,8 @@ _memo = _Memo()
 
 def plan(g: Geometry, device: torch.device) -> GpuPrefillPlan:
     """This GPU's plan for the geometry: measured on the first call per process, a dict lookup after."""
-    key = (torch.cuda.get_device_name(device), g)
+    # The device's index, not its name: asking the driver for the name on every prefill costs launch time.
+    key = (device.index if device.index is not None else torch.cuda.current_device(), g)
     found = _memo.plans.get(key)
     if found is not None:
         return found
@@ -146,7 +147,7 @@ def plan(g: Geometry, device: torch.device) -> GpuPrefillPlan:
         found = _memo.plans.get(key)
         if found is None:
             found = GpuPrefillPlan(measure(g, device))
-            log.info("GPU prefill on %s, %s: %s", key[0], g.label(), found.describe())
+            log.info("GPU prefill on %s, %s: %s", torch.cuda.get_device_name(device), g.label(), found.describe())
             _memo.plans[key] = found
         return found
 
