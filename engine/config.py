@@ -70,7 +70,8 @@ class SchedulingPolicy(enum.Enum):
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = defaults.MAX_NUM_SEQS
-    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS  # a step's token budget (why: the default's note)
+    # A step's token budget; None: chosen for the host at engine start-up (engine/step_budget.py).
+    max_num_batched_tokens: int | None = defaults.MAX_NUM_BATCHED_TOKENS
     # None: the model's context length (clamped to what the KV cache can hold).
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
@@ -80,7 +81,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
@@ -91,6 +92,7 @@ class SchedulerConfig:
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
+            and self.max_num_batched_tokens is not None
             and self.max_model_len > self.max_num_batched_tokens
         ):
             raise ValueError(

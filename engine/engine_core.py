@@ -42,6 +42,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import TokenLogprobs
 from engine.stats import EngineStats
+from engine.step_budget import StepBudget, auto_budget
+from kernels.cpu.amx_gemm import engine_bf16_rows_invariant
 from ucm.keys import BlockKey, KeyNamespace, root_key
 
 logger = logging.getLogger(__name__)
@@ -77,12 +79,24 @@ class EngineCore:
         self.dtype: torch.dtype = loaded_model.dtype
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         bs = config.cache.block_size
+        self.step_budget = (
+            StepBudget(config.scheduler.max_num_batched_tokens, "given")
+            if config.scheduler.max_num_batched_tokens is not None
+            else auto_budget(self.model_config, self.dtype_name, config.device)
+        )
+        logger.info("engine: steps of at most %d tokens (%s)", self.step_budget.tokens, self.step_budget.why)
         num_blocks = num_blocks_for_budget(config.cache.kv_cache_bytes, self.model_config, bs, self.dtype)
         self.max_model_len = self._resolve_max_model_len(num_blocks * bs)
         self.kv_caches = allocate_kv_caches(num_blocks, self.model_config, bs, self.dtype, config.device)
         if config.device == "cpu":  # measure (or read) which CPU attention path is faster now, not on the first step
             mc = self.model_config
             kernels.calibrate_cpu_attention(self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim, bs)
+            if self.dtype == torch.bfloat16 and not engine_bf16_rows_invariant():
+                logger.warning(
+                    "bf16 matmuls on this CPU give a row different bits in calls of different sizes (oneDNN on "
+                    "AMX) and the native library has no AMX kernel to stand in: greedy output after a prefix-cache "
+                    "hit may differ from the cold run's; fp32 keeps it"
+                )
         elif torch.device(config.device).type == "cuda":  # likewise which CUDA prefills run the torch path
             mc = self.model_config
             kernels.calibrate_gpu_prefill(
@@ -104,7 +118,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=config.scheduler.max_num_seqs,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_num_batched_tokens=self.step_budget.tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
@@ -141,7 +155,7 @@ class EngineCore:
         limit = min(wanted, kv_tokens)
         if not self.config.scheduler.enable_chunked_prefill:
             # Without chunking a prompt is computed in one step, so it must fit one step's token budget.
-            limit = min(limit, self.config.scheduler.max_num_batched_tokens)
+            limit = min(limit, self.step_budget.tokens)
         return limit
 
     # -- requests -------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ class LLM:
         kv_cache_memory: int | str = "1GiB",
         block_size: int = 16,
         max_num_seqs: int = SchedulerConfig.max_num_seqs,
-        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+        max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,

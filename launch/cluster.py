@@ -59,7 +59,7 @@ class ClusterSpec:
     device: str | None = None
     kv_cache_memory: str = defaults.NODE_KV_CACHE_MEMORY
     max_num_seqs: int = defaults.MAX_NUM_SEQS
-    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
+    max_num_batched_tokens: int | None = defaults.MAX_NUM_BATCHED_TOKENS  # None: each engine picks it
     node_timeout_s: float = 3.0
     heartbeat_interval_s: float = 0.5
     router_args: tuple[str, ...] = ()
@@ -273,8 +273,6 @@ class Cluster:
             self.spec.kv_cache_memory,
             "--max-num-seqs",
             str(self.spec.max_num_seqs),
-            "--max-num-batched-tokens",
-            str(self.spec.max_num_batched_tokens),
             "--heartbeat-interval",
             str(self.spec.heartbeat_interval_s),
             *self.spec.node_args,
@@ -283,6 +281,8 @@ class Cluster:
             args += ["--device", self.spec.device]
         if self.spec.max_model_len is not None:
             args += ["--max-model-len", str(self.spec.max_model_len)]
+        if self.spec.max_num_batched_tokens is not None:
+            args += ["--max-num-batched-tokens", str(self.spec.max_num_batched_tokens)]
         if not self.spec.enable_prefix_caching:
             args.append("--no-enable-prefix-caching")
         if "--threads" not in self.spec.node_args:

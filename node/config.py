@@ -36,7 +36,7 @@ class NodeConfig:
     device: str = "cpu"
     node_id: str = ""
     max_num_seqs: int = defaults.MAX_NUM_SEQS
-    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
+    max_num_batched_tokens: int | None = defaults.MAX_NUM_BATCHED_TOKENS  # None: the engine picks it for the host
     max_model_len: int | None = None
     kv_cache_memory: str = defaults.NODE_KV_CACHE_MEMORY  # paged-cache size (the device tier of the KV cache)
     enable_prefix_caching: bool = True  # reuse prompt prefixes held in the paged cache
@@ -55,7 +55,7 @@ class NodeConfig:
         check_node_id(self.resolved_node_id)
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat interval must be positive, got {self.heartbeat_interval_s}")
@@ -90,7 +90,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=defaults.MAX_NUM_BATCHED_TOKENS,
-        help="tokens one engine step computes at most (prompt chunks and decodes)",
+        help="tokens one engine step computes at most (prompt chunks and decodes); default: chosen for the host "
+        "at start-up (engine/step_budget.py)",
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(

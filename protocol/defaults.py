@@ -13,10 +13,7 @@ NODE_KV_CACHE_MEMORY = "2GiB"  # each node's paged KV cache (the device tier)
 # Sequences an engine runs at once (vLLM's --max-num-seqs); more wait in its queue.
 MAX_NUM_SEQS = 64
 # Tokens an engine step computes at most, decodes and prompt chunks together (vLLM's --max-num-batched-tokens).
-# Every prompt that finishes its prefill in a step gets its first token at the step's end, so on a small CPU,
-# where 2048 tokens of the embedded model take ~4.5 s, a smaller step serves first tokens sooner: 1024 against
-# 2048 on the 2-core AVX2 EPYC, in process, gave prefix_repetition (4 x 1024 + 128, 32 at once) a 15-20% lower
-# mean TTFT and 32 x 512/64 at once a ~7% shorter wall time.
-MAX_NUM_BATCHED_TOKENS = 1024
+# None: each engine picks it for its host by measurement at start-up (engine/step_budget.py says how and why).
+MAX_NUM_BATCHED_TOKENS: int | None = None
 STORE_DRAM = "4GiB"  # the store daemon's DRAM tier
 STORE_DISK = "20GiB"  # the store daemon's disk tier (LMDB map size; the file grows as blocks arrive)

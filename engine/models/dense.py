@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from engine.attention import current_forward_context
 from engine.generated_rows import GeneratedRows
 from kernels.cpu import onednn_linear, q4_bf16
+from kernels.cpu.amx_gemm import AmxWeight, amx_weight
 from kernels.cpu.native import NativeLib
 from kernels.cpu.q4_bf16 import DecodePanelsOf
 from kernels.cpu.skinny_gemm import PanelWeight, panel_weight
@@ -78,6 +79,9 @@ class BF16Packed:
 
     onednn: torch.Tensor
     decode: DecodePanels | None
+    # Where oneDNN gives a row other bits in calls of other sizes (AMX): every row that is not a quantized-panel
+    # generated row goes through the row-invariant AMX kernel instead (kernels/cpu/amx_gemm.py).
+    amx: AmxWeight | None = None
 
 
 Packed = BF16Packed | F32Packed | None  # bf16 copies, fp32 copies, or nothing
@@ -132,7 +136,7 @@ def pack_weight(weight: torch.Tensor, decode: DecodePanels | None = None) -> Pac
         log.warning("oneDNN weight packing unavailable (%s); using plain linear layers", e)
         return None
     assert decode is None or (decode.panels.n, decode.panels.k) == tuple(weight.shape), "panels of another weight"
-    return BF16Packed(onednn, decode)
+    return BF16Packed(onednn, decode, amx_weight(weight.detach()))
 
 
 def _f32_packed(weight: torch.Tensor) -> F32Packed | None:
@@ -168,13 +172,16 @@ def dense(
         context = current_forward_context()
         rows = context.generated_rows if context is not None else None
     if decode is None or rows is None or bias is not None or x.dim() != 2 or x.shape[0] != rows.total:
-        return _onednn_bf16(x, packed.onednn, bias)
+        return _bf16(x, packed, bias)
     return rows.apply(
         x,
         lambda g: q4_bf16.linear(decode.lib, g, decode.panels),
-        lambda p: _onednn_bf16(p, packed.onednn, bias),
+        lambda p: _bf16(p, packed, bias),
     )
 
 
-def _onednn_bf16(x: torch.Tensor, onednn: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
+def _bf16(x: torch.Tensor, packed: BF16Packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """Rows that do not take quantized panels: the AMX kernel where this machine needs it, else oneDNN."""
+    if packed.amx is not None and bias is None:
+        return packed.amx.linear(x)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")

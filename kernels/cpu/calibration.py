@@ -18,11 +18,12 @@ native, a model-shaped matmul in bf16 and in fp32, cached the same way.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import platform
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,6 +39,14 @@ from kernels.reference import decode_attention_chunked_torch, prefill_attention_
 log = logging.getLogger(__name__)
 
 NATIVE, TORCH = "native", "torch"
+# bf16 overrides the measurement: a row's bits must not depend on how its prompt was split (whole, in chunks,
+# after a prefix-cache hit, a decode), or greedy output after a cache hit differs from the cold run's. The native
+# kernel computes each row the same way whatever the split (kernels/cpu/paged_attention_dpbf16.h); torch's SDPA
+# does not (its flash kernel's key blocks follow the call's lengths, and a chunk needs an explicit mask). On a
+# 2-core Xeon with AMX that measured torch faster for prompts and chunks, 6 prompts continued after a 496-token
+# hit diverged from the cold run (tests/engine/test_bf16_cache_hit.py). fp32's rounding is too fine to flip a
+# greedy token, so fp32 keeps the faster path.
+BF16_NATIVE_WHY = "the same bits for a row whatever the split (the cache-hit oracle), faster or not"
 MAX_S_PER_ROUND = 0.15  # stop a round early once it has taken this long (keeps a whole plan near 1 s)
 
 
@@ -187,6 +196,9 @@ def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
             "calibration", g.label(), lib, threads, root, _parse_plan, lambda: _measure_plan(lib, g), _encode_plan
         )
         log.info("%s (%s)", _describe(g, threads, result, "calibrated" if where.measured else "calibration"), where)
+        if g.dtype == "bfloat16" and any(p.impl != NATIVE for p in result.values()):
+            result = {c: replace(p, impl=NATIVE) for c, p in result.items()}
+            log.info("CPU attention in bf16 runs native for every shape class: %s", BF16_NATIVE_WHY)
         _memo.plans[memo_key] = result
         return result
 
@@ -214,6 +226,13 @@ def measure_matmul() -> dict[str, float]:
 
 def bf16_matmul_faster(root: Path | None = None) -> tuple[bool, dict[str, float]]:
     """Whether a bf16 matmul beats fp32 here, with the milliseconds; cached per CPU, torch version and threads."""
+    times = matmul_times(root)
+    return times["bfloat16"] < times["float32"], times
+
+
+def matmul_times(root: Path | None = None) -> dict[str, float]:
+    """MATMUL_SHAPE's milliseconds in bf16 and fp32 on this machine: read from the cache file, else measured and
+    stored (engine/step_budget.py reads the rate off them too)."""
     model, flags = cpu_info()
     key = {"cpu": model, "flags": flags, "machine": platform.machine(), "torch": torch.__version__,
            "torch_isa": torch_isa(), "threads": torch.get_num_threads()}  # fmt: skip
@@ -222,4 +241,23 @@ def bf16_matmul_faster(root: Path | None = None) -> tuple[bool, dict[str, float]
     if not (isinstance(times, dict) and set(times) == {"bfloat16", "float32"}):
         times = measure_matmul()
         write_entry(path, key, "matmul", times)
-    return times["bfloat16"] < times["float32"], times
+    return times
+
+
+INVARIANCE_ROWS = (1, 16, 48, 64, 128, 256, 512)  # call sizes compared with one call of 2048 rows
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_linear_rows_invariant() -> bool:
+    """Whether torch's bf16 matmul (oneDNN) gives a row the same bits whatever the call's row count, here.
+
+    The engine's prompt rows go through it, so the bf16 cache-hit oracle (a prompt continued after a prefix hit,
+    whose last few rows are a small call, gives the cold run's greedy tokens) needs it. The AVX-512 BF16 EPYC
+    (Zen 5) has it; a 2-core Xeon with AMX does not: SmolLM2's three prompt shapes differ from the 2048-row
+    call at 48-512 rows, and agree at up to 32 and at 1024, 1 thread or 2 (oneDNN picks another AMX blocking by
+    row count). Capping oneDNN below AMX restores it at a tenth of the speed. A probe of ~20 ms, once a process."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(960, 576, generator=gen).bfloat16()
+    x = torch.randn(2048, 576, generator=gen).bfloat16()
+    whole = F.linear(x, w)
+    return all(torch.equal(F.linear(x[:m], w), whole[:m]) for m in INVARIANCE_ROWS)

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # keeps one build-or-fallback decision per process.
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_attention.c", "elementwise.c", "elementwise_f32.c", "skinny_gemm.c", "q4_bf16.c")
+    for name in ("paged_attention.c", "elementwise.c", "elementwise_f32.c", "skinny_gemm.c", "q4_bf16.c", "amx_gemm.c")
 )
 # Included by the sources: not compiled on their own, but part of what the library hash covers.
 HEADERS = tuple(
@@ -101,6 +101,8 @@ class NativeLib:
     vector_path: str  # what head_dims that are multiples of 16 run: "avx512", "avx2", "neon" or "scalar"
     lanes_rows: int  # fp32 prefill rows per item of the lanes body (paged_attention_lanes.h); 0: not in this build
     bf16_lanes_rows: int  # rows per item of the bf16 bodies on AVX-512 BF16, which take every bf16 row (dpbf16.h)
+    amx_gemm: CFunction  # ucm_amx_gemm in amx_gemm.c (bf16 prompt rows on AMX, row-invariant)
+    has_amx: bool  # whether this build has it (1 from every call otherwise)
 
 
 class _State:
@@ -249,6 +251,10 @@ def _bind(path: Path) -> NativeLib:
     q8_bf16 = cdll.ucm_q8_bf16
     q8_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]  # x, M, K, q panels, d, N, y, threads
     q8_bf16.restype = i32
+    amx = cdll.ucm_amx_gemm
+    amx.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]  # x, M, K, packed W, N, y, pad scratch, threads
+    amx.restype = i32
+    cdll.ucm_amx_available.restype = i32
     cdll.ucm_q4_bf16_available.restype = i32
     cdll.ucm_has_avx512.restype = i32
     cdll.ucm_has_openmp.restype = i32
@@ -280,6 +286,8 @@ def _bind(path: Path) -> NativeLib:
         cdll.ucm_vector_path().decode(),
         int(cdll.ucm_lanes_rows()),
         int(cdll.ucm_bf16_lanes_rows()),
+        amx,
+        bool(cdll.ucm_amx_available()),
     )
 
 

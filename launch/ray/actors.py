@@ -69,7 +69,7 @@ class NodeLaunch:
     device: str | None
     kv_cache_memory: str
     max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_batched_tokens: int | None
     kv_save_policy: KVSavePolicy | None  # given to a colocated node with a store; None: its default (as computed)
     heartbeat_interval_s: float
     threads: int
@@ -85,7 +85,8 @@ class NodeLaunch:
         args = [self.kind.command, "--router", self.router_addr, "--store", self.store_addr or "none"]
         args += ["--model", self.model, *auth, "--node-id", self.node_id, "--dtype", self.dtype]
         args += ["--kv-cache-memory", self.kv_cache_memory, "--max-num-seqs", str(self.max_num_seqs)]
-        args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.max_num_batched_tokens is not None:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         args += ["--heartbeat-interval", str(self.heartbeat_interval_s), "--threads", str(self.threads)]
         if self.device:
             args += ["--device", self.device]

@@ -65,7 +65,7 @@ class DeploymentSpec:
     device: str | None = None  # None: each node's default (cuda when its host has one)
     kv_cache_memory: str = _UP.kv_cache_memory
     max_num_seqs: int = _UP.max_num_seqs
-    max_num_batched_tokens: int = _UP.max_num_batched_tokens
+    max_num_batched_tokens: int | None = _UP.max_num_batched_tokens
     # When colocated nodes save their blocks to the store (prefill nodes always save as they compute). None: as
     # computed, since a Ray deployment scales and another node may need a block this one's device cache holds.
     kv_save_policy: KVSavePolicy | None = None

@@ -7,9 +7,18 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from engine import LLM, SamplingParams
+from kernels.cpu.amx_gemm import engine_bf16_rows_invariant
 
 
+@pytest.mark.xfail(
+    not engine_bf16_rows_invariant(),
+    reason="this CPU's bf16 matmul (oneDNN on AMX) gives a row other bits in calls of other sizes, and the native "
+    "library here has no AMX kernel to stand in (kernels/cpu/amx_gemm.py)",
+    strict=True,
+)
 def test_a_prefix_hit_continues_like_the_cold_run_in_bf16() -> None:
     rng = random.Random(1)
     prompts = [[rng.randrange(1000, 40000) for _ in range(500)] for _ in range(6)]

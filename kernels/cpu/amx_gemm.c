@@ -1,0 +1,149 @@
+/* bf16 y = x @ W^T for prompt rows on CPUs with AMX, the same bits for a row whatever else the call holds.
+ *
+ * oneDNN's bf16 matmul on AMX picks its blocking by the call's row count: on a 2-core Xeon, SmolLM2's prompt
+ * shapes gave a row other bits at 48-512 rows than at up to 32 or at 2048 (kernels/cpu/calibration.py,
+ * bf16_linear_rows_invariant). The engine needs a row's bits to depend on the row alone, or a prompt continued
+ * after a prefix-cache hit (its last rows a small call) stops giving the cold run's greedy tokens. Here every
+ * output element is one AMX accumulator tile element that TDPBF16PS adds 32 k at a time, k blocks in order, and
+ * rows past the call's end are zeros in a padded copy: the arithmetic of a row is fixed by K alone.
+ *
+ * Tiles (palette 1): C0..C3 = 2 x 2 blocks of 16 rows x 16 outputs (fp32), A0, A1 = 16 rows x 32 k of x,
+ * B0, B1 = 32 k x 16 outputs of W in VNNI order (k pairs interleaved): wp [N / 16][K / 32][16 pairs][16 out][2],
+ * packed once at load (kernels/cpu/amx_gemm.py). Work is split over threads by blocks of MC rows x NC outputs,
+ * which keeps a block's x and W in L2. The accumulators go to fp32 scratch and out as bf16 (round to nearest
+ * even, as torch rounds).
+ */
+
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define UCM_HAS_AMX 1
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define MC 128 /* rows per thread block */
+#define NC 256 /* outputs per thread block */
+
+int32_t ucm_amx_available(void) {
+#ifdef UCM_HAS_AMX
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef UCM_HAS_AMX
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux gives a process AMX state only when asked (once; oneDNN may have asked already). */
+static int amx_permitted(void) {
+    static int state = 0; /* 0 unknown, 1 yes, -1 no */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void load_config(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* 32 rows of x (stride K) x 32 outputs (panels nb, nb + 1) -> c[32][32] fp32. */
+static inline void block_32x32(const uint16_t *x, int64_t k, const uint16_t *wp, int64_t nb, float *c) {
+    const int64_t kb_count = k / 32;
+    const uint16_t *b0 = wp + nb * kb_count * 512, *b1 = b0 + kb_count * 512;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < kb_count; kb++) {
+        _tile_loadd(4, x + kb * 32, k * 2);
+        _tile_loadd(5, x + 16 * k + kb * 32, k * 2);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+#endif
+
+/* y[m][n] (bf16) = x[m][k] (bf16, row-major) @ W^T, W packed by kernels/cpu/amx_gemm.py. pad: a scratch of
+ * 32 * k bf16 per thread for a last block of fewer than 32 rows. Returns 0, or 1 where this build or the OS has no
+ * AMX, 2 for a shape it does not take (k or n not a multiple of 32). */
+int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y,
+                     uint16_t *pad, int32_t num_threads) {
+#ifndef UCM_HAS_AMX
+    (void)x, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)pad, (void)num_threads;
+    return 1;
+#else
+    if (!amx_permitted()) return 1;
+    if (k % 32 || n % 32 || k <= 0 || n <= 0) return 2;
+    if (m <= 0) return 0;
+    const int64_t mblocks = (m + MC - 1) / MC, nblocks = (n + NC - 1) / NC;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        load_config();
+        float c[32 * 32] __attribute__((aligned(64)));
+#ifdef _OPENMP
+        int tid = omp_get_thread_num();
+#else
+        int tid = 0;
+#endif
+        uint16_t *mypad = pad + (int64_t)tid * 32 * k;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t bn = 0; bn < nblocks; bn++) {
+            for (int64_t bm = 0; bm < mblocks; bm++) {
+                const int64_t n_end = (bn + 1) * NC < n ? (bn + 1) * NC : n;
+                const int64_t m_end = (bm + 1) * MC < m ? (bm + 1) * MC : m;
+                for (int64_t r0 = bm * MC; r0 < m_end; r0 += 32) {
+                    const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
+                    const uint16_t *xs = x + r0 * k;
+                    if (rows < 32) { /* the call's last rows: zeros below them, the same arithmetic per row */
+                        memcpy(mypad, xs, (size_t)(rows * k) * 2);
+                        memset(mypad + rows * k, 0, (size_t)((32 - rows) * k) * 2);
+                        xs = mypad;
+                    }
+                    for (int64_t o0 = bn * NC; o0 < n_end; o0 += 32) {
+                        block_32x32(xs, k, wp, o0 / 16, c);
+                        for (int64_t r = 0; r < rows; r++) {
+                            __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
+                            __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);
+                            _mm512_storeu_si512((void *)(y + (r0 + r) * n + o0), (__m512i)both);
+                        }
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+#endif
+}

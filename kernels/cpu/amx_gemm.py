@@ -1,0 +1,85 @@
+"""bf16 matmuls of prompt rows through the AMX kernel (amx_gemm.c) where oneDNN's would give a row other bits in
+calls of other sizes (`calibration.bf16_linear_rows_invariant`): the cache-hit oracle needs a row's bits to depend
+on the row alone. The weight is packed once into AMX's VNNI tile order; the kernel takes K and N multiples of 32
+(every weight of the embedded model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu.native import NativeLib
+
+TILE_K, TILE_N = 32, 16  # k per tile row block, outputs per tile
+
+
+def takes(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and k % 32 == 0 and n % 32 == 0
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] bf16 -> [N / 16][K / 32][16 k pairs][16 outputs][2]: one B tile per (16 outputs, 32 k)."""
+    if not takes(weight):
+        raise ValueError(f"the AMX kernel takes a bf16 CPU weight with K and N multiples of 32, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+    n, k = weight.shape
+    tiles = weight.detach().reshape(n // TILE_N, TILE_N, k // TILE_K, TILE_K // 2, 2)
+    return tiles.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def linear(lib: NativeLib, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T -> [M, N] bf16, W as `pack` left it."""
+    n = packed.shape[0] * TILE_N
+    k = packed.shape[1] * TILE_K
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be [M, {k}] bf16, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    pad = torch.empty(threads * 32 * k, dtype=torch.bfloat16)
+    status = lib.amx_gemm(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), pad.data_ptr(), threads)
+    if status != 0:
+        raise RuntimeError(f"ucm_amx_gemm returned {status} (1: no AMX in this build or process, 2: shape)")
+    return y
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """A weight packed for the kernel, and the library that runs it."""
+
+    lib: NativeLib
+    packed: torch.Tensor
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N]."""
+        flat = x.reshape(-1, x.shape[-1])
+        return linear(self.lib, flat, self.packed).view(*x.shape[:-1], self.packed.shape[0] * TILE_N)
+
+
+def needed_and_available() -> NativeLib | None:
+    """The library when this machine needs the kernel (oneDNN's bf16 rows are not row-invariant here) and has it."""
+    from kernels.cpu import native
+    from kernels.cpu.calibration import bf16_linear_rows_invariant
+
+    if bf16_linear_rows_invariant():
+        return None
+    lib = native.load()
+    return lib if lib is not None and lib.has_amx else None
+
+
+def engine_bf16_rows_invariant() -> bool:
+    """Whether the engine's bf16 matmuls give a row the same bits in any call here: oneDNN's are, or the kernel
+    stands in for them. False on an AMX host whose library has no AMX kernel (a compiler without AMX)."""
+    from kernels.cpu.calibration import bf16_linear_rows_invariant
+
+    return bf16_linear_rows_invariant() or needed_and_available() is not None
+
+
+def amx_weight(weight: torch.Tensor) -> AmxWeight | None:
+    """The packed weight where this machine needs it (oneDNN's bf16 rows are not row-invariant here, and the
+    library has the kernel) and the kernel takes the shape; else None (oneDNN)."""
+    lib = needed_and_available() if takes(weight) else None
+    return AmxWeight(lib, pack(weight)) if lib is not None else None

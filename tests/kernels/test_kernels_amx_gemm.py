@@ -1,0 +1,75 @@
+"""The row-invariant bf16 GEMM on AMX (kernels/cpu/amx_gemm.c): results within bf16 rounding of an fp32 product of
+the same bf16 operands, every row's bits independent of the call's size and of where the row sits in it, and the
+engine's bf16 linear layers routed through it where oneDNN's rows are not invariant. Needs a CPU with AMX (the
+others skip, except the checks of what the library says without it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import dense as dense_mod
+from kernels.cpu import amx_gemm
+from kernels.cpu.calibration import bf16_linear_rows_invariant
+
+
+@pytest.fixture
+def amx_lib(native_lib):
+    if not native_lib.has_amx:
+        pytest.skip("this CPU (or compiler) has no AMX: the library has no AMX kernel")
+    return native_lib
+
+
+SHAPES = [(960, 576), (3072, 576), (576, 1536), (64, 32)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_within_bf16_rounding_of_the_fp32_product(amx_lib, n, k):
+    gen = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(77, k, generator=gen).bfloat16()
+    got = amx_gemm.linear(amx_lib, x, amx_gemm.pack(w)).float()
+    want = x.float() @ w.float().t()
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=2**-7)  # the output rounded to bf16 (8 bits)
+
+
+@pytest.mark.parametrize("n,k", SHAPES[:3])
+def test_a_rows_bits_do_not_depend_on_the_call(amx_lib, n, k):
+    gen = torch.Generator().manual_seed(k)
+    w, x = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(1100, k, generator=gen).bfloat16()
+    packed = amx_gemm.pack(w)
+    whole = amx_gemm.linear(amx_lib, x, packed)
+    for m in (1, 5, 16, 31, 32, 33, 48, 64, 100, 128, 256, 512, 1024):
+        assert torch.equal(amx_gemm.linear(amx_lib, x[:m], packed), whole[:m]), f"{m} rows"
+    for start in (1, 7, 33, 500):
+        part = slice(start, start + 200)
+        assert torch.equal(amx_gemm.linear(amx_lib, x[part], packed), whole[part]), f"rows from {start}"
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(amx_gemm.linear(amx_lib, x, packed), whole), "one thread"
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_the_engines_bf16_layers_take_it_where_onednn_rows_vary(amx_lib):
+    w = torch.randn(960, 576).bfloat16()
+    packed = dense_mod.pack_weight(w)
+    assert isinstance(packed, dense_mod.BF16Packed)
+    if bf16_linear_rows_invariant():
+        assert packed.amx is None, "oneDNN is row-invariant here: no second copy"
+        return
+    assert packed.amx is not None
+    x = torch.randn(40, 576).bfloat16()
+    assert torch.equal(dense_mod.dense(x, w, None, packed), amx_gemm.linear(amx_lib, x, packed.amx.packed))
+
+
+def test_bad_operands_are_refused(native_lib):
+    with pytest.raises(ValueError, match="multiples of 32"):
+        amx_gemm.pack(torch.randn(48, 64).bfloat16())
+    with pytest.raises(ValueError, match="multiples of 32"):
+        amx_gemm.pack(torch.randn(64, 64))
+    packed = amx_gemm.pack(torch.randn(64, 64).bfloat16())
+    with pytest.raises(ValueError, match=r"\[M, 64\] bf16"):
+        amx_gemm.linear(native_lib, torch.randn(3, 32).bfloat16(), packed)
+    if not native_lib.has_amx:
+        with pytest.raises(RuntimeError, match="no AMX"):
+            amx_gemm.linear(native_lib, torch.randn(3, 64).bfloat16(), packed)
