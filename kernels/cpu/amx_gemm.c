@@ -31,14 +31,6 @@
 #define MC 128 /* rows per thread block */
 #define NC 256 /* outputs per thread block */
 
-int32_t ucm_amx_available(void) {
-#ifdef UCM_HAS_AMX
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 #ifdef UCM_HAS_AMX
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -49,6 +41,18 @@ static int amx_permitted(void) {
     if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
     return state == 1;
 }
+#endif
+
+/* Whether this build has the kernel and the OS lets this process use AMX. */
+int32_t ucm_amx_available(void) {
+#ifdef UCM_HAS_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+#ifdef UCM_HAS_AMX
 
 typedef struct {
     uint8_t palette_id;

@@ -102,7 +102,7 @@ class NativeLib:
     lanes_rows: int  # fp32 prefill rows per item of the lanes body (paged_attention_lanes.h); 0: not in this build
     bf16_lanes_rows: int  # rows per item of the bf16 bodies on AVX-512 BF16, which take every bf16 row (dpbf16.h)
     amx_gemm: CFunction  # ucm_amx_gemm in amx_gemm.c (bf16 prompt rows on AMX, row-invariant)
-    has_amx: bool  # whether this build has it (1 from every call otherwise)
+    has_amx: bool  # whether this build has it and the OS lets the process use AMX (1 from every call otherwise)
 
 
 class _State:
