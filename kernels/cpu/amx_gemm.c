@@ -9,7 +9,8 @@
  *
  * Tiles (palette 1): C0..C3 = 2 x 2 blocks of 16 rows x 16 outputs (fp32), A0, A1 = 16 rows x 32 k of x,
  * B0, B1 = 32 k x 16 outputs of W in VNNI order (k pairs interleaved): wp [N / 16][K / 32][16 pairs][16 out][2],
- * packed once at load (kernels/cpu/amx_gemm.py). Work is split over threads by blocks of MC rows x NC outputs,
+ * packed once at load (kernels/cpu/amx_gemm.py). Work is split over threads by blocks of MC rows x NC outputs
+ * (fewer outputs a block when the call has few rows, so that every thread gets a share),
  * which keeps a block's x and W in L2. The accumulators go to fp32 scratch and out as bf16 (round to nearest
  * even, as torch rounds).
  */
@@ -110,8 +111,13 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
     if (!amx_permitted()) return 1;
     if (k % 32 || n % 32 || k <= 0 || n <= 0) return 2;
     if (m <= 0) return 0;
-    const int64_t mblocks = (m + MC - 1) / MC, nblocks = (n + NC - 1) / NC;
     if (num_threads < 1) num_threads = 1;
+    const int64_t mblocks = (m + MC - 1) / MC;
+    /* Few rows (a decode step) make one row block: split the outputs finer so every thread gets a share. The split
+     * changes who computes an element, never how. */
+    int64_t nc = NC;
+    while (nc > 32 && mblocks * ((n + nc - 1) / nc) < 4 * num_threads) nc /= 2;
+    const int64_t nblocks = (n + nc - 1) / nc;
 #pragma omp parallel num_threads(num_threads)
     {
         load_config();
@@ -125,7 +131,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
 #pragma omp for collapse(2) schedule(static)
         for (int64_t bn = 0; bn < nblocks; bn++) {
             for (int64_t bm = 0; bm < mblocks; bm++) {
-                const int64_t n_end = (bn + 1) * NC < n ? (bn + 1) * NC : n;
+                const int64_t n_end = (bn + 1) * nc < n ? (bn + 1) * nc : n;
                 const int64_t m_end = (bm + 1) * MC < m ? (bm + 1) * MC : m;
                 for (int64_t r0 = bm * MC; r0 < m_end; r0 += 32) {
                     const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
@@ -135,7 +141,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                         memset(mypad + rows * k, 0, (size_t)((32 - rows) * k) * 2);
                         xs = mypad;
                     }
-                    for (int64_t o0 = bn * NC; o0 < n_end; o0 += 32) {
+                    for (int64_t o0 = bn * nc; o0 < n_end; o0 += 32) {
                         block_32x32(xs, k, wp, o0 / 16, c);
                         for (int64_t r = 0; r < rows; r++) {
                             __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
