@@ -95,9 +95,12 @@ def native_decode_lib(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return lib if plan is None or plan[ShapeClass.DECODE].impl == calibration.NATIVE else None
 
 
+def _geometry_of(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> Geometry:
+    return Geometry(str(dtype).removeprefix("torch."), num_q_heads, num_kv_heads, head_dim, block_size)
+
+
 def _geometry(q: torch.Tensor, k_cache: torch.Tensor) -> Geometry:
-    dtype = str(q.dtype).removeprefix("torch.")
-    return Geometry(dtype, q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1])
+    return _geometry_of(q.dtype, q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1])
 
 
 def _auto_plan(lib: NativeLib, q: torch.Tensor, k_cache: torch.Tensor) -> Plan | None:
@@ -115,8 +118,7 @@ def calibrate_cpu_attention(
     lib = native.load()
     if lib is None:
         return None
-    return calibration.plan(lib, Geometry(str(dtype).removeprefix("torch."), num_q_heads, num_kv_heads, head_dim,
-                                          block_size))  # fmt: skip
+    return calibration.plan(lib, _geometry_of(dtype, num_q_heads, num_kv_heads, head_dim, block_size))
 
 
 def _all_whole_prompts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> bool:
@@ -131,8 +133,7 @@ def calibrate_gpu_prefill(
     start-up rather than on the first prefill; None where no choice is made (not CUDA, a forced backend)."""
     if device.type != "cuda" or forced_backend() is not None or dtype not in gpu_prefill_choice.FLASH_DTYPES:
         return None
-    return gpu_prefill_choice.plan(Geometry(str(dtype).removeprefix("torch."), num_q_heads, num_kv_heads, head_dim,
-                                            block_size), device)  # fmt: skip
+    return gpu_prefill_choice.plan(_geometry_of(dtype, num_q_heads, num_kv_heads, head_dim, block_size), device)
 
 
 def gpu_prefill_on_torch(

@@ -17,6 +17,7 @@ compile, which Triton caches on disk); `kernels.calibrate_gpu_prefill` runs it a
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -62,8 +63,12 @@ class GpuPrefillPlan:
     def __post_init__(self) -> None:
         assert set(self.timings) == set(CLASSES), f"a plan covers {CLASSES}, got {sorted(self.timings)}"
 
+    @functools.cached_property
+    def _crossovers(self) -> dict[ShapeClass, int | None]:
+        return {c: crossover(self.timings[c]) for c in CLASSES}  # once: runs_torch asks on every CUDA prefill
+
     def crossover(self, shape_class: ShapeClass) -> int | None:
-        return crossover(self.timings[shape_class])
+        return self._crossovers[shape_class]
 
     def runs_torch(self, num_tokens: int, num_seqs: int, all_whole_prompts: Callable[[], bool]) -> bool:
         """Whether a call of `num_tokens` new tokens over `num_seqs` sequences runs the torch path;
