@@ -477,7 +477,7 @@ def bench_linear_bf16(min_s: float, tokens: int = 8) -> list[Row]:
     machine's calibration chose them, oneDNN elsewhere), the kernels on every weight ("native (in place)") and oneDNN
     on every weight. Needs AVX-512 BF16 (else no rows)."""
     from engine.generated_rows import GeneratedRows
-    from engine.models.dense import BF16Packed, decode_panels, dense, lm_head_panels, pack_weight
+    from engine.models.dense import BF16Packed, decode_panels, dense, lm_head_panels, onednn_packed, pack_weight
     from engine.models.native_decode import decode_linear
     from kernels.cpu import onednn_linear, q4_bf16
     from kernels.cpu.q4_panels import random_q4_weight
@@ -493,6 +493,7 @@ def bench_linear_bf16(min_s: float, tokens: int = 8) -> list[Row]:
     weights = [w.bfloat16() for w in w32]
     packed = [pack_weight(w, d) for w, d in zip(weights, chosen, strict=True)]
     assert all(isinstance(p, BF16Packed) for p in packed), "oneDNN packs bf16 weights here"
+    reordered = [onednn_packed(w) for w in weights]  # the baseline even where AMX stands in for prompt rows
     panels = [q4_bf16.pack(w) for w in w32[:-1]] + [q4_bf16.pack_q8(w32[-1])]
     del w32
     xs = {k: torch.randn(tokens, k, generator=gen).bfloat16() for k in {k for _, k in SMOLLM2_MATMULS}}
@@ -513,8 +514,8 @@ def bench_linear_bf16(min_s: float, tokens: int = 8) -> list[Row]:
         ],
         "oneDNN (reordered)": lambda: [
             torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p.onednn, None, "none", [], "")
-            for w, p in zip(weights, packed, strict=True)
-            if isinstance(p, BF16Packed)
+            for w, p in zip(weights, reordered, strict=True)
+            if p is not None and p.onednn is not None
         ],
     }
     nbytes = sum(w.numel() * 2 for w in weights)

@@ -77,11 +77,15 @@ class BF16Packed:
     """A bf16 weight on CPU: oneDNN's layout for prompt rows; quantized panels for generated rows where the weight is
     Q4_1 (the layers) or Q8_0 (the lm_head) and the kernel won here."""
 
-    onednn: torch.Tensor
+    onednn: torch.Tensor | None
     decode: DecodePanels | None
     # Where oneDNN gives a row other bits in calls of other sizes (AMX): every row that is not a quantized-panel
-    # generated row goes through the row-invariant AMX kernel instead (kernels/cpu/amx_gemm.py).
+    # generated row goes through the row-invariant AMX kernel instead (kernels/cpu/amx_gemm.py), and no oneDNN copy
+    # is made (it would double the weight memory and a cached load's packing time for nothing).
     amx: AmxWeight | None = None
+
+    def __post_init__(self) -> None:
+        assert (self.onednn is None) != (self.amx is None), "exactly one copy for prompt rows: oneDNN's or AMX's"
 
 
 Packed = BF16Packed | F32Packed | None  # bf16 copies, fp32 copies, or nothing
@@ -129,14 +133,21 @@ def pack_weight(weight: torch.Tensor, decode: DecodePanels | None = None) -> Pac
         return _f32_packed(weight)
     if not packing_supported(weight):
         return None
+    assert decode is None or (decode.panels.n, decode.panels.k) == tuple(weight.shape), "panels of another weight"
+    amx = amx_weight(weight.detach())
+    return BF16Packed(None, decode, amx) if amx is not None else onednn_packed(weight, decode)
+
+
+def onednn_packed(weight: torch.Tensor, decode: DecodePanels | None = None) -> BF16Packed | None:
+    """A bf16 weight's oneDNN copy for prompt rows, whether or not this machine would take the AMX kernel instead
+    (`pack_weight` chooses; tests and benchmarks compare the two); None where torch lacks the op."""
     try:
         # The batch-size hint only picks among equivalent blocked layouts; measured flat from 1 to 2048 rows.
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     except RuntimeError as e:  # a torch build without this private op: the plain path is still correct
         log.warning("oneDNN weight packing unavailable (%s); using plain linear layers", e)
         return None
-    assert decode is None or (decode.panels.n, decode.panels.k) == tuple(weight.shape), "panels of another weight"
-    return BF16Packed(onednn, decode, amx_weight(weight.detach()))
+    return BF16Packed(onednn, decode)
 
 
 def _f32_packed(weight: torch.Tensor) -> F32Packed | None:
@@ -182,6 +193,8 @@ def dense(
 
 def _bf16(x: torch.Tensor, packed: BF16Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """Rows that do not take quantized panels: the AMX kernel where this machine needs it, else oneDNN."""
-    if packed.amx is not None and bias is None:
-        return packed.amx.linear(x)
+    if packed.amx is not None:
+        y = packed.amx.linear(x)
+        return y.add_(bias) if bias is not None else y  # per element, so a row's bits still stand alone
+    assert packed.onednn is not None, "BF16Packed holds one of the two copies"
     return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -96,13 +95,11 @@ def test_gguf_conversion_is_cached(fresh_cache, monkeypatch, smollm2_fp32):
     (folder,) = (fresh_cache / "models").iterdir()
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     before = gguf_convert.conversions_done
-    wall, cpu = time.perf_counter(), time.process_time()
     lm = load_model("smollm2-135m", dtype=torch.bfloat16)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    # Counters and the file's stamp, not a time bound (no timing assertions in tests: a CPU-time bound here failed
+    # CI on a loaded host at 2.8-3.3 s against 1.5 s idle). The load's cost is in benchmarks.vs_vllm's start-up.
     assert lm.path == folder and gguf_convert.conversions_done == before, "second load converted again"
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
-    # CPU time, not wall time: the shared 2-core CI box is often oversubscribed (~0.7 s CPU, ~1 s wall idle).
-    assert cpu < 2.0, f"cached load took {cpu:.2f} s of CPU ({wall:.2f} s wall)"
     # An independent conversion (another process, another cache dir: think another host) gives the same
     # bytes, hence the same fingerprint and block keys.
     assert lm.fingerprint == smollm2_fp32.fingerprint

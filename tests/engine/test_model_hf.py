@@ -233,9 +233,7 @@ def test_bf16_serving_dtype_is_as_accurate_as_hf_bf16(smollm2_fp32, prompt_ids, 
 def test_bf16_packed_matmul_weights_change_nothing(smollm2_fp32, prompt_ids):
     """The oneDNN-packed weights (engine/models/dense.py) give the very same logits as plain F.linear. (Where the
     AMX kernel stands in for oneDNN it computes another way: tests/kernels/test_kernels_amx_gemm.py; left out.)"""
-    import dataclasses
-
-    from engine.models.dense import BF16Packed, packing_supported
+    from engine.models.dense import BF16Packed, onednn_packed, packing_supported
 
     lm = load_model(smollm2_fp32.path, dtype=torch.bfloat16)
     model = lm.model
@@ -244,15 +242,24 @@ def test_bf16_packed_matmul_weights_change_nothing(smollm2_fp32, prompt_ids):
     layer = model.layers[0]
     assert layer.attn.qkv_packed is not None and layer.mlp.down_packed is not None and model.lm_head_packed is not None
 
-    def onednn_only(packed):
-        return dataclasses.replace(packed, amx=None) if isinstance(packed, BF16Packed) else packed
+    def onednn_only(packed, weight):
+        assert isinstance(packed, BF16Packed)
+        return onednn_packed(weight, packed.decode)
 
     for layer in model.layers:
-        for name in ("qkv_packed", "o_packed"):
-            setattr(layer.attn, name, onednn_only(getattr(layer.attn, name)))
-        for name in ("gate_up_packed", "down_packed"):
-            setattr(layer.mlp, name, onednn_only(getattr(layer.mlp, name)))
-    model.lm_head_packed = onednn_only(model.lm_head_packed)
+        for name in ("qkv", "o"):
+            setattr(
+                layer.attn,
+                f"{name}_packed",
+                onednn_only(getattr(layer.attn, f"{name}_packed"), getattr(layer.attn, f"{name}_weight")),
+            )
+        for name in ("gate_up", "down"):
+            setattr(
+                layer.mlp,
+                f"{name}_packed",
+                onednn_only(getattr(layer.mlp, f"{name}_packed"), getattr(layer.mlp, f"{name}_weight")),
+            )
+    model.lm_head_packed = onednn_only(model.lm_head_packed, model.lm_head_weight)
     batch = list(enumerate(prompt_ids[:6]))
     with_packed = PagedCache(lm, seed=7).step(batch)
     for layer in model.layers:

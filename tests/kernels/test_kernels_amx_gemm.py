@@ -57,9 +57,15 @@ def test_the_engines_bf16_layers_take_it_where_onednn_rows_vary(amx_lib):
     if bf16_linear_rows_invariant():
         assert packed.amx is None, "oneDNN is row-invariant here: no second copy"
         return
-    assert packed.amx is not None
+    assert packed.amx is not None and packed.onednn is None, "the AMX copy replaces oneDNN's, not beside it"
     x = torch.randn(40, 576).bfloat16()
-    assert torch.equal(dense_mod.dense(x, w, None, packed), amx_gemm.linear(amx_lib, x, packed.amx.packed))
+    want = amx_gemm.linear(amx_lib, x, packed.amx.packed)
+    assert torch.equal(dense_mod.dense(x, w, None, packed), want)
+    # A bias (Qwen's qkv) is added to the kernel's rows, so a row's bits still stand alone.
+    bias = torch.randn(960).bfloat16()
+    with_bias = dense_mod.dense(x, w, bias, packed)
+    assert torch.equal(with_bias, want + bias)
+    assert torch.equal(dense_mod.dense(x[7:9], w, bias, packed), with_bias[7:9])
 
 
 def test_bad_operands_are_refused(native_lib):
