@@ -10,7 +10,9 @@ CPU: tokens/s of what `kernels` dispatches to ("dispatched (native|torch)": the 
 kernels/cpu/calibration.py, measured faster for that shape class; a decode as a decode step calls it, through
 `native_decode.DecodeAttention` where the native kernel won) next to the native C kernel (kernels/cpu/), the
 torch path (`UCM_CPU_ATTENTION=torch`) and SDPA on pre-gathered K/V, in the same run; a last table puts each
-dispatched time beside the best of native and torch. The "cold" shape cycles through one cache per layer (30,
+dispatched time beside the best of native and torch. A bf16 prompt or chunk is called as the engine calls it, its
+new tokens given as prompt rows: with AMX that is the AMX body ("dispatched (native AMX)"), while "native (in
+place)" is the VDPBF16PS body that rows without a class take. The "cold" shape cycles through one cache per layer (30,
 > the last-level cache) as the engine does, so K/V come from DRAM. "linear" rows: SmolLM2-135M's fp32 matmuls of
 one step (30 layers' qkv, o, gate_up, down, then lm_head: 0.54 GB of weights, read from DRAM as in the engine) at a
 few token counts as dispatched (kernels/cpu/skinny_gemm.py's calibration) for a step of that many generated rows
@@ -314,13 +316,25 @@ def bench_prefill_cpu(s: Shape, dtype: torch.dtype, min_s: float) -> list[Row]:
         (new, f"{new} whole prompt", ShapeClass.PROMPT),
     ):
         lens = torch.tensor([ctx], dtype=torch.int32)
+        label = dispatched(cls, one, dtype)
+        if label == "dispatched (native)" and lib is not None and lib.has_amx_attention and dtype == torch.bfloat16:
+            label = "dispatched (native AMX)"
         runs = {
-            dispatched(cls, one, dtype): lambda: kernels.prefill_attention(
-                q, k_cache, v_cache, qsl, lens, tables, scale, new
+            # Every new token a prompt token, as the engine's model runner says of a prompt chunk.
+            label: lambda: kernels.prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                qsl,
+                lens,
+                tables,
+                scale,
+                new,
+                prompt_queries=torch.tensor([new], dtype=torch.int32),
             ),
             "torch path": lambda: prefill_attention_torch(q, k_cache, v_cache, qsl, lens, tables, scale, new),
         }
-        if lib is not None:
+        if lib is not None:  # no row classes: the VDPBF16PS body for bf16, as before the AMX one
             runs["native (in place)"] = lambda: paged_attention_native(
                 lib, q, k_cache, v_cache, qsl, lens, tables, scale
             )

@@ -62,6 +62,8 @@ class ModelRunner:
             block_tables[i, : len(s.block_ids)] = s.block_ids
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         dev = self.device
+        prompt_lens = np.fromiter((s.request.num_prompt_tokens for s in sched), dtype=np.int64, count=num_seqs)
+        prompt_queries = np.clip(prompt_lens - computed, 0, num_new)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
@@ -70,9 +72,9 @@ class ModelRunner:
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             context_tokens=int(seq_lens.sum()),
+            prompt_queries=torch.from_numpy(prompt_queries.astype(np.int32)).to(dev),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        prompt_lens = np.fromiter((s.request.num_prompt_tokens for s in sched), dtype=np.int64, count=num_seqs)
         generated = GeneratedRows.from_mask(positions >= prompt_lens[seq_of_token], dev)
         return input_ids, torch.from_numpy(positions).to(dev), meta, generated
 

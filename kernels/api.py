@@ -195,10 +195,12 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int | None = None,
+    prompt_queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] over seq_lens[b] cached tokens -> [B, Hq, D].
 
     max_seq_len (optional, additive to the team API) saves a device sync when the caller knows it.
+    prompt_queries (optional, additive): AttentionMetadata.prompt_queries (a row that is a prompt's last token).
     """
     _check_cache_pair(k_cache, v_cache)
     _check_query(q, k_cache)
@@ -213,7 +215,7 @@ def decode_attention(
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
     lib = native_decode_lib(q, k_cache, v_cache)
     if lib is not None:
-        return paged_attention_native(lib, q, k_cache, v_cache, None, seq_lens, block_tables, scale)
+        return paged_attention_native(lib, q, k_cache, v_cache, None, seq_lens, block_tables, scale, prompt_queries)
     # Torch: the length-chunked path (same result as the plain reference, which stays the oracle).
     return decode_attention_chunked_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
 
@@ -228,11 +230,13 @@ def prefill_attention(
     scale: float,
     max_query_len: int,
     context_tokens: int | None = None,
+    prompt_queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed varlen causal attention: q [T, Hq, D]; each sequence's new tokens are the last of its seq_lens.
 
     context_tokens (optional, additive to the team API): sum of seq_lens when the caller knows it on the host,
-    which saves a CUDA call long enough to weigh the torch path a device sync.
+    which saves a CUDA call long enough to weigh the torch path a device sync. prompt_queries (optional,
+    additive): AttentionMetadata.prompt_queries, which the native CPU kernel sends to its AMX body where it has one.
     """
     _check_cache_pair(k_cache, v_cache)
     _check_query(q, k_cache)
@@ -263,11 +267,13 @@ def prefill_attention(
         if chunks_native or (prompts_native and _all_whole_prompts(query_start_loc, seq_lens)):
             return prefill_attention_native(
                 lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                whole_prompts_on_torch=not prompts_native,
+                whole_prompts_on_torch=not prompts_native, prompt_queries=prompt_queries,
             )  # fmt: skip
         lib = None
     if lib is not None:
-        return prefill_attention_native(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+        return prefill_attention_native(
+            lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, prompt_queries=prompt_queries
+        )
     return prefill_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len)
 
 
@@ -284,10 +290,12 @@ def paged_attention(
     """
     md = attn_metadata
     if md.is_decode_only and q.shape[0] == md.num_seqs:
-        return decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, md.max_seq_len)
+        return decode_attention(
+            q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, md.max_seq_len, md.prompt_queries
+        )
     return prefill_attention(
         q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, scale, md.max_query_len,
-        md.context_tokens,
+        md.context_tokens, md.prompt_queries,
     )  # fmt: skip
 
 

@@ -25,6 +25,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     context_tokens: int | None = None  # sum of seq_lens, known on the host (saves a CUDA prefill a device sync)
+    # [num_seqs] int32: how many of each sequence's first new tokens are prompt tokens (the rest are generated ones,
+    # after a preemption's recompute). On CPUs with AMX, bf16 prompt rows take the AMX attention body; None: none.
+    prompt_queries: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

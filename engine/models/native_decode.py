@@ -57,10 +57,11 @@ class DecodeAttention:
         this layer's paged caches, into out [rows, Hq, D]."""
         rows, hq, d = out.shape
         tables = self.block_tables
+        # prompt_queries None: this path takes only steps whose rows are all generated tokens (`NativeDecode.plan`).
         rc = self.lib.paged_attention(
             q_ptr, q_row_stride, d, k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), None,
             self.seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1], self.num_blocks, rows,
-            rows, hq, self.num_kv_heads, d, self.block_size, self.dtype_code, scale, 0, threads, self._err_ref,
+            rows, hq, self.num_kv_heads, d, self.block_size, self.dtype_code, scale, 0, None, threads, self._err_ref,
             self._skipped_ref,
         )  # fmt: skip
         if rc:

@@ -18,31 +18,14 @@
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define UCM_HAS_AMX 1
-#include <immintrin.h>
-#endif
+#include "amx_tiles.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #define MC 128 /* rows per thread block */
 #define NC 256 /* outputs per thread block */
-
-#ifdef UCM_HAS_AMX
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Linux gives a process AMX state only when asked (once; oneDNN may have asked already). */
-static int amx_permitted(void) {
-    static int state = 0; /* 0 unknown, 1 yes, -1 no */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
-#endif
 
 /* Whether this build has the kernel and the OS lets this process use AMX. */
 int32_t ucm_amx_available(void) {
@@ -54,26 +37,6 @@ int32_t ucm_amx_available(void) {
 }
 
 #ifdef UCM_HAS_AMX
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static void load_config(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* 32 rows of x (stride K) x 32 outputs (panels nb, nb + 1) -> c[32][32] fp32. */
 static inline void block_32x32(const uint16_t *x, int64_t k, const uint16_t *wp, int64_t nb, float *c) {
     const int64_t kb_count = k / 32;
@@ -120,7 +83,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
     const int64_t nblocks = (n + nc - 1) / nc;
 #pragma omp parallel num_threads(num_threads)
     {
-        load_config();
+        amx_load_config();
         float c[32 * 32] __attribute__((aligned(64)));
 #ifdef _OPENMP
         int tid = omp_get_thread_num();

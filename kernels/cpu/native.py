@@ -53,6 +53,8 @@ HEADERS = tuple(
         "paged_attention_vec.h",
         "paged_attention_lanes.h",
         "paged_attention_dpbf16.h",
+        "paged_attention_amx.h",
+        "amx_tiles.h",
     )
 )
 LIBRARY_STEM = "ucm_kernels"
@@ -103,6 +105,7 @@ class NativeLib:
     bf16_lanes_rows: int  # rows per item of the bf16 bodies on AVX-512 BF16, which take every bf16 row (dpbf16.h)
     amx_gemm: CFunction  # ucm_amx_gemm in amx_gemm.c (bf16 prompt rows on AMX, row-invariant)
     has_amx: bool  # whether this build has it and the OS lets the process use AMX (1 from every call otherwise)
+    has_amx_attention: bool  # whether bf16 prompt rows given as such take AMX tiles (paged_attention_amx.h)
 
 
 class _State:
@@ -210,7 +213,8 @@ def _bind(path: Path) -> NativeLib:
         i32,
         ctypes.c_float,
         i32,
-        i32,  # dtype, scale, skip_whole_prompts, num_threads
+        ptr,
+        i32,  # dtype, scale, skip_whole_prompts, prompt_queries (NULL: none), num_threads
         _c_int32_p,
         _c_int32_p,  # err_seq, num_skipped (out)
     ]
@@ -255,6 +259,7 @@ def _bind(path: Path) -> NativeLib:
     amx.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]  # x, M, K, packed W, N, y, pad scratch, threads
     amx.restype = i32
     cdll.ucm_amx_available.restype = i32
+    cdll.ucm_amx_attention_available.restype = i32
     cdll.ucm_q4_bf16_available.restype = i32
     cdll.ucm_has_avx512.restype = i32
     cdll.ucm_has_openmp.restype = i32
@@ -288,6 +293,7 @@ def _bind(path: Path) -> NativeLib:
         int(cdll.ucm_bf16_lanes_rows()),
         amx,
         bool(cdll.ucm_amx_available()),
+        bool(cdll.ucm_amx_attention_available()),
     )
 
 

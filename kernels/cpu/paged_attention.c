@@ -24,13 +24,16 @@
  * paged_attention_vec.h) and a scalar loop for the rest (below); and two prefill bodies with the query rows in
  * vector lanes, whose items are rows of one kv head instead: fp32 on the AVX2/NEON path (any head_dim, LR rows;
  * paged_attention_lanes.h) and bf16 with AVX-512 BF16 (head_dim % 16 == 0, DR rows, every bf16 row: decodes too,
- * so that a row's bits never depend on the body; paged_attention_dpbf16.h). They
+ * so that a row's bits never depend on the body; paged_attention_dpbf16.h). Where the CPU has AMX, a bf16 sequence's
+ * prompt rows, when the caller says which they are (prompt_queries), take that body with its products on AMX tiles
+ * instead (head_dim % 32 == 0; paged_attention_amx.h): a row's class, not its step, picks the body. They
  * are one translation unit: this file includes them, keeps the scalar body, the dispatch (pick_item_fn,
  * item_at) and the exported entry points; the types they share are in paged_attention_common.h. Whether the
  * engine calls this kernel or the torch path at all is measured per machine
  * (kernels/cpu/calibration.py).
  */
 
+#define _GNU_SOURCE /* syscall(), for the AMX permission (amx_tiles.h) */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -152,6 +155,16 @@ int ucm_bf16_lanes_rows(void) {
 #endif
 }
 
+/* 1 when bf16 prompt rows passed as such (prompt_queries) take the AMX body here: this build has it and the OS
+ * lets the process use AMX (paged_attention_amx.h). */
+int ucm_amx_attention_available(void) {
+#ifdef UCM_HAS_AMX_ATTN
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
 int ucm_has_openmp(void) {
 #ifdef _OPENMP
     return 1;
@@ -179,31 +192,77 @@ static inline int32_t lane_rows(const Problem *p, int32_t seq, int32_t dtype) {
     return 0;
 }
 
-static inline int32_t items_of(const Problem *p, int32_t seq, int32_t dtype) {
-#ifdef UCM_HAS_DPBF16
-    if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, seq)) return 1;
+/* How many of sequence seq's first queries take the AMX prompt body: its prompt tokens (Problem.prompt_queries)
+ * where this build and the OS have AMX and the head_dim is whole tiles; else 0. */
+static inline int32_t amx_queries(const Problem *p, int32_t seq, int32_t dtype) {
+#ifdef UCM_HAS_AMX_ATTN
+    if (p->prompt_queries && dtype == UCM_DTYPE_BF16 && p->head_dim % 32 == 0 && amx_permitted()) {
+        const int32_t n = num_queries(p, seq), k = p->prompt_queries[seq];
+        return k < 0 ? 0 : k > n ? n : k;
+    }
 #endif
-    const int32_t lr = lane_rows(p, seq, dtype);
-    if (lr) return p->num_kv_heads * ((num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads) + lr - 1) / lr);
-    return (num_queries(p, seq) * p->num_q_heads + MAX_ROWS - 1) / MAX_ROWS;
+    (void)p, (void)seq, (void)dtype;
+    return 0;
 }
 
-/* Item i of sequence seq (0 <= i < items_of): lanes items go kv head by kv head. */
-static inline Item item_at(const Problem *p, int32_t seq, int32_t i, int32_t dtype) {
+/* The AMX prompt items of sequence seq, all kv heads: DR rows each. */
+static inline int32_t amx_items(const Problem *p, int32_t seq, int32_t dtype) {
+#ifdef UCM_HAS_AMX_ATTN
+    const int32_t rows = amx_queries(p, seq, dtype) * (p->num_q_heads / p->num_kv_heads);
+    return p->num_kv_heads * ((rows + DR - 1) / DR);
+#else
+    (void)p, (void)seq, (void)dtype;
+    return 0;
+#endif
+}
+
+/* The items of the queries the AMX body leaves (all of them where it takes none), from query `first` on. */
+static inline int32_t rest_items(const Problem *p, int32_t seq, int32_t dtype, int32_t first) {
+    const int32_t queries = num_queries(p, seq) - first;
+    if (queries == 0) return 0;
 #ifdef UCM_HAS_DPBF16
-    if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, seq))
-        return (Item){seq, 0, p->num_kv_heads}; /* every kv head in one item */
+    if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, queries)) return 1;
+#endif
+    const int32_t lr = lane_rows(p, seq, dtype);
+    if (lr) return p->num_kv_heads * ((queries * (p->num_q_heads / p->num_kv_heads) + lr - 1) / lr);
+    return (queries * p->num_q_heads + MAX_ROWS - 1) / MAX_ROWS;
+}
+
+static inline int32_t items_of(const Problem *p, int32_t seq, int32_t dtype) {
+    return amx_items(p, seq, dtype) + rest_items(p, seq, dtype, amx_queries(p, seq, dtype));
+}
+
+/* Item i of sequence seq (0 <= i < items_of): the AMX prompt items first, then the rest's; lanes and AMX items go
+ * kv head by kv head. Only bf16 bodies with rows of one kv head follow AMX ones, so the rest's rows start at
+ * first * group (the per-ISA items, token * num_q_heads + head, never have an AMX part before them). */
+static inline Item item_at(const Problem *p, int32_t seq, int32_t i, int32_t dtype) {
+    const int32_t group = p->num_q_heads / p->num_kv_heads, first = amx_queries(p, seq, dtype);
+    const int32_t amx = amx_items(p, seq, dtype);
+    if (i < amx) {
+        const int32_t per_head = amx / p->num_kv_heads;
+        return (Item){seq, i % per_head * 32, i / per_head, first * group};
+    }
+    i -= amx;
+#ifdef UCM_HAS_DPBF16
+    if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, num_queries(p, seq) - first))
+        return (Item){seq, first * group, p->num_kv_heads, 0}; /* every kv head in one item */
 #endif
     const int32_t lr = lane_rows(p, seq, dtype);
     if (lr) {
-        const int32_t per_head = items_of(p, seq, dtype) / p->num_kv_heads;
-        return (Item){seq, i % per_head * lr, i / per_head};
+        const int32_t per_head = rest_items(p, seq, dtype, first) / p->num_kv_heads;
+        return (Item){seq, first * group + i % per_head * lr, i / per_head, 0};
     }
-    return (Item){seq, i * MAX_ROWS, -1};
+    return (Item){seq, i * MAX_ROWS, -1, 0};
 }
 
 /* One item on the body it was made for: kv_head >= 0 marks a lanes item (lane_rows). */
 static inline void run_item(const Problem *p, const Item *it, ItemFn fn, int32_t dtype) {
+#ifdef UCM_HAS_AMX_ATTN
+    if (it->amx_end > 0) {
+        (p->head_dim == 64 ? amx_d64 : amx_any)(p, it->seq, it->kv_head, it->row0, it->amx_end);
+        return;
+    }
+#endif
     if (it->kv_head < 0) {
         fn(p, it);
         return;
@@ -256,14 +315,16 @@ static int validate(const Problem *p, int32_t dtype, int32_t num_seqs, int32_t n
 /* Varlen causal paged attention (see the file comment). dtype: 0 fp32, 1 bf16. num_threads > 1 splits the
  * work items over OpenMP threads when the build has OpenMP (it shares the process's libgomp with torch).
  * With skip_whole_prompts, sequences whose queries are their whole context are left out (their output rows
- * untouched) and counted in *num_skipped. Returns UCM_OK or an UCM_ERR_* code with the sequence in *err_seq. */
+ * untouched) and counted in *num_skipped. prompt_queries (NULL: none): per sequence, how many of its first queries
+ * are prompt tokens, which take the AMX body where there is one (a bf16 row must meet the same body in every
+ * step: the caller passes them every time or never). Returns UCM_OK or an UCM_ERR_* code with the sequence in *err_seq. */
 int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_head, const void *k_cache,
                         const void *v_cache, void *out, const int32_t *query_start_loc, const int32_t *seq_lens,
                         const int32_t *block_tables, int64_t block_table_stride, int32_t max_blocks_per_seq,
                         int64_t num_blocks, int32_t num_seqs, int32_t num_tokens, int32_t num_q_heads,
                         int32_t num_kv_heads, int32_t head_dim, int32_t block_size, int32_t dtype, float scale,
-                        int32_t skip_whole_prompts, int32_t num_threads, int32_t *err_seq,
-                        int32_t *num_skipped) {
+                        int32_t skip_whole_prompts, const int32_t *prompt_queries, int32_t num_threads,
+                        int32_t *err_seq, int32_t *num_skipped) {
     *err_seq = -1;
     *num_skipped = 0;
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim > MAX_D ||
@@ -271,7 +332,7 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
         return UCM_ERR_BAD_SHAPE;
     const Problem p = {q, q_stride_tok, q_stride_head, k_cache, v_cache, out, query_start_loc, seq_lens,
                        block_tables, block_table_stride, num_q_heads, num_kv_heads, head_dim, block_size,
-                       scale * LOG2E, skip_whole_prompts};
+                       scale * LOG2E, skip_whole_prompts, prompt_queries};
     int64_t num_items = 0;
     const int rc = validate(&p, dtype, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
     if (rc != UCM_OK) return rc;

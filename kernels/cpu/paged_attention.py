@@ -70,13 +70,20 @@ def _call(
     block_tables: torch.Tensor,
     scale: float,
     skip_whole_prompts: bool,
+    prompt_queries: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """One kernel call -> (out, number of whole prompts it skipped)."""
+    """One kernel call -> (out, number of whole prompts it skipped). prompt_queries [num_seqs] (None: none): how
+    many of each sequence's first queries are prompt tokens (AttentionMetadata.prompt_queries)."""
     num_tokens, hq, d = q.shape
     num_blocks, block_size, hkv, _ = k_cache.shape
     out = torch.empty((num_tokens, hq, d), dtype=q.dtype)
     seq_lens, block_tables = _int32(seq_lens), _int32(block_tables)
     qsl_ptr = None if query_start_loc is None else _int32(query_start_loc).data_ptr()
+    if prompt_queries is not None:
+        prompt_queries = _int32(prompt_queries)
+        if prompt_queries.shape != seq_lens.shape:
+            raise ValueError(f"prompt_queries {tuple(prompt_queries.shape)} must be [num_seqs] like seq_lens")
+    pq_ptr = None if prompt_queries is None else prompt_queries.data_ptr()
     err_seq, skipped = ctypes.c_int32(-1), ctypes.c_int32(0)
     rc = lib.paged_attention(
         q.data_ptr(), q.stride(0), q.stride(1),
@@ -84,7 +91,7 @@ def _call(
         qsl_ptr, seq_lens.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], num_blocks,
         seq_lens.shape[0], num_tokens, hq, hkv, d, block_size,
-        DTYPE_CODES[q.dtype], scale, skip_whole_prompts, torch.get_num_threads(),
+        DTYPE_CODES[q.dtype], scale, skip_whole_prompts, pq_ptr, torch.get_num_threads(),
         ctypes.byref(err_seq), ctypes.byref(skipped),
     )  # fmt: skip
     if rc != 0:
@@ -106,10 +113,11 @@ def paged_attention_native(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    prompt_queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel alone on every sequence, whole prompts included; query_start_loc None: one query per
     sequence, row b (`kernels.decode_attention`'s contract; the caller checked `supports`)."""
-    return _call(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, False)[0]
+    return _call(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, False, prompt_queries)[0]
 
 
 def prefill_attention_native(
@@ -122,11 +130,12 @@ def prefill_attention_native(
     block_tables: torch.Tensor,
     scale: float,
     whole_prompts_on_torch: bool = False,
+    prompt_queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kernels.prefill_attention`'s contract (packed varlen, causal); whole prompts go to torch's SDPA when
     `whole_prompts_on_torch` (the calibration measured it faster) or WHOLE_PROMPTS_ON_TORCH (module doc)."""
     skip = whole_prompts_on_torch or WHOLE_PROMPTS_ON_TORCH
-    out, skipped = _call(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, skip)
+    out, skipped = _call(lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, skip, prompt_queries)
     if not skipped:
         return out
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()

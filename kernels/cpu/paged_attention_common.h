@@ -61,12 +61,15 @@ typedef struct {
     int32_t num_q_heads, num_kv_heads, head_dim, block_size;
     float scale_log2;           /* softmax scale folded with log2(e): scores live in base 2 */
     int32_t skip_whole_prompts; /* leave sequences whose queries are their whole context (n == L > 1) alone */
+    const int32_t *prompt_queries; /* per sequence, how many of its first queries are prompt tokens; NULL: none
+                                      (where AMX is, they take paged_attention_amx.h's body) */
 } Problem;
 
 typedef struct {
     int32_t seq, row0; /* row0: first row (token * num_q_heads + query head) of the item */
     int32_t kv_head;   /* -1: the per-ISA body's item; >= 0: a lanes item of this kv head, row0 = token * group +
                           head in group (paged_attention_lanes.h) */
+    int32_t amx_end;   /* > 0: an AMX prompt item of that kv head, its rows row0 .. min(row0 + 32, amx_end) - 1 */
 } Item;
 
 /* One item's rows, resolved: where each row's query and output live, its kv head and last visible key. */

@@ -14,7 +14,8 @@
  * row sums stay fp32. The online softmax (base 2) is element-wise over the rows' lanes, once per DKC keys.
  *
  * Every bf16 row goes through this file, not only long prefills: a row's bits must not depend on how its prompt
- * was split (whole, in chunks, after a cache hit) or on whether it is a decode. Items of fewer than DCOLS rows (a
+ * was split (whole, in chunks, after a cache hit) or on whether it is a decode. (On CPUs with AMX, prompt rows
+ * given as such run attend_dpbf16 with its products on tiles, paged_attention_amx.h, in every step.) Items of fewer than DCOLS rows (a
  * decode's GQA group) run attend_dpbf16_cols, which does each row's operations in the same order with the keys or
  * the output columns in the lanes instead: bit for bit the same rows (tested). A decode is one item of all its kv
  * heads, so each chunk's block rows are read whole. Against the AVX-512 body, 2 threads: 8 decodes over 512
@@ -47,10 +48,10 @@ static inline int dpbf16_take(const Problem *p, int32_t seq, int32_t dtype) {
     return dtype == UCM_DTYPE_BF16 && p->head_dim % 16 == 0;
 }
 
-/* Whether a bf16 sequence is one item of every kv head (kv_head == num_kv_heads marks it): few rows per head, as
- * a decode has, and heads that fit attend_dpbf16_cols. */
-static inline int dpbf16_all_heads(const Problem *p, int32_t seq) {
-    return num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads) < DCOLS && p->num_kv_heads <= DCOLS_HEADS;
+/* Whether a bf16 sequence's `queries` (those the AMX prompt body leaves) are one item of every kv head (kv_head ==
+ * num_kv_heads marks it): few rows per head, as a decode has, and heads that fit attend_dpbf16_cols. */
+static inline int dpbf16_all_heads(const Problem *p, int32_t queries) {
+    return queries * (p->num_q_heads / p->num_kv_heads) < DCOLS && p->num_kv_heads <= DCOLS_HEADS;
 }
 
 /* S[j][0:DR] = scale * sum_c kp[j][c] . qT[c][0:DR] over the d2 dword pairs, for kb (<= DKB) keys. */
@@ -136,11 +137,43 @@ ALWAYS_INLINE void interleave_v_pairs(uint32_t *Vp, const uint16_t *const *vp, i
 
 _Static_assert(DKB == 6, "SWITCH_UP_TO_6 unrolls blocks of up to 6");
 
-/* One item: rows row0 .. row0 + DR - 1 of kv head h of sequence seq, row = token * group + head in group. */
-ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32_t row0, int d) {
+/* 16 x 16 dwords transposed in registers: r[i][j] -> r[j][i]. */
+ALWAYS_INLINE void transpose16x16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) { /* 128-bit lanes: [a0 b0 a2 b2] and [a1 b1 a3 b3] over rows i and i + 4 */
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], _MM_SHUFFLE(2, 0, 2, 0));
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], _MM_SHUFFLE(3, 1, 3, 1));
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], _MM_SHUFFLE(2, 0, 2, 0));
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], _MM_SHUFFLE(2, 0, 2, 0));
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], _MM_SHUFFLE(3, 1, 3, 1));
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(2, 0, 2, 0));
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+#include "paged_attention_amx.h"
+
+
+/* One item: rows row0 .. min(row0 + DR, row_end) - 1 of kv head h of sequence seq, row = token * group + head in
+ * group. amx (a constant): the products on AMX tiles (paged_attention_amx.h), for prompt rows. */
+ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32_t row0, int32_t row_end, int d,
+                                 const int amx) {
     const int32_t group = p->num_q_heads / p->num_kv_heads, n = num_queries(p, seq), len = p->seq_lens[seq];
     const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq, bs = p->block_size;
-    const int32_t nrows = n * group - row0 < DR ? n * group - row0 : DR, d2 = d / 2;
+    const int32_t nrows = row_end - row0 < DR ? row_end - row0 : DR, d2 = d / 2;
     const int32_t *table = table_of(p, seq);
     if (len == 0) { /* a padding sequence (a decode row of a wide GQA group) */
         zero_lane_rows(p, q0, h, row0, nrows, 2);
@@ -148,6 +181,12 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
     }
     _Alignas(64) uint32_t qT[MAX_D / 2 * DR], Pp[DKC / 2 * DR], Vp[DKC / 2 * MAX_D];
     _Alignas(64) float oT[MAX_D * DR], S[DKC * DR];
+#ifdef UCM_HAS_AMX_ATTN
+    _Alignas(64) uint16_t Kc[16 * MAX_D];
+    _Alignas(64) uint32_t VT[MAX_D * DKC / 2];
+    const int64_t key_stride = (int64_t)p->num_kv_heads * d * 2;
+    if (amx) amx_load_config();
+#endif
     const uint32_t *kp[DKC];
     const uint16_t *vp[DKC];
     _Alignas(64) int32_t pos[DR];
@@ -179,11 +218,15 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
             vp[j] = vbase + at;
             if (++off == bs) off = 0, blk++;
         }
-        for (int j = 0; j < nk; j += DKB) {
+#ifdef UCM_HAS_AMX_ATTN
+        if (amx) amx_qk(S, qT, kp, nk, d, start, bs, key_stride, Kc, scale);
+        else
+#endif
+            for (int j = 0; j < nk; j += DKB) {
 #define QK(N) dp_qk(S + j * DR, qT, kp + j, N, d2, scale)
-            SWITCH_UP_TO_6(nk - j, QK)
+                SWITCH_UP_TO_6(nk - j, QK)
 #undef QK
-        }
+            }
         interleave_v_pairs(Vp, vp, nk, d);
         if (start + nk - 1 > first) /* some row stops inside this chunk: mask the keys past it */
             for (int j = 0; j < nk; j++) {
@@ -224,12 +267,19 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
             }
 #pragma GCC unroll 2
         for (int v = 0; v < DV; v++) l[v] = _mm512_add_ps(_mm512_mul_ps(l[v], alpha[v]), sum[v]);
-        for (int c = 0; c < d; c += DKB) {
+#ifdef UCM_HAS_AMX_ATTN
+        if (amx) amx_pv(oT, Pp, Vp, VT, alpha, n2, d);
+        else
+#endif
+            for (int c = 0; c < d; c += DKB) {
 #define PV(N) dp_pv(oT, Pp, Vp, alpha, n2, c, N, d)
-            SWITCH_UP_TO_6(d - c, PV)
+                SWITCH_UP_TO_6(d - c, PV)
 #undef PV
-        }
+            }
     }
+#ifdef UCM_HAS_AMX_ATTN
+    if (amx) _tile_release();
+#endif
     _Alignas(64) float inv[DR];
 #pragma GCC unroll 2
     for (int v = 0; v < DV; v++) _mm512_store_ps(inv + v * 16, _mm512_div_ps(_mm512_set1_ps(1.0f), l[v]));
@@ -237,33 +287,6 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
         const int32_t row = row0 + r, tok = row / group, head = h * group + row % group;
         uint16_t *o = (uint16_t *)p->out + ((int64_t)(q0 + tok) * p->num_q_heads + head) * d;
         for (int c = 0; c < d; c++) o[c] = f32_to_bf16(oT[c * DR + r] * inv[r]);
-    }
-}
-
-/* 16 x 16 dwords transposed in registers: r[i][j] -> r[j][i]. */
-ALWAYS_INLINE void transpose16x16_epi32(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 4; i++) { /* 128-bit lanes: [a0 b0 a2 b2] and [a1 b1 a3 b3] over rows i and i + 4 */
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], _MM_SHUFFLE(2, 0, 2, 0));
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], _MM_SHUFFLE(3, 1, 3, 1));
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], _MM_SHUFFLE(2, 0, 2, 0));
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], _MM_SHUFFLE(2, 0, 2, 0));
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], _MM_SHUFFLE(3, 1, 3, 1));
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(2, 0, 2, 0));
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
     }
 }
 
@@ -421,7 +444,7 @@ ALWAYS_INLINE void attend_dpbf16_item(const Problem *p, int32_t seq, int32_t h, 
     const int32_t rows = num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads) - row0;
     if (h == p->num_kv_heads) attend_dpbf16_cols(p, seq, 0, p->num_kv_heads, row0, d); /* dpbf16_all_heads */
     else if (rows < DCOLS) attend_dpbf16_cols(p, seq, h, h + 1, row0, d);
-    else attend_dpbf16(p, seq, h, row0, d);
+    else attend_dpbf16(p, seq, h, row0, num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads), d, 0);
 }
 static void dpbf16_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
     attend_dpbf16_item(p, seq, h, row0, 64);
@@ -429,6 +452,15 @@ static void dpbf16_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
 static void dpbf16_any(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
     attend_dpbf16_item(p, seq, h, row0, p->head_dim);
 }
+#ifdef UCM_HAS_AMX_ATTN
+/* A prompt item on AMX: rows row0 .. min(row0 + DR, row_end) - 1 of kv head h. */
+static void amx_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0, int32_t row_end) {
+    attend_dpbf16(p, seq, h, row0, row_end, 64, 1);
+}
+static void amx_any(const Problem *p, int32_t seq, int32_t h, int32_t row0, int32_t row_end) {
+    attend_dpbf16(p, seq, h, row0, row_end, p->head_dim, 1);
+}
+#endif
 #endif /* __AVX512F__ && __AVX512BF16__ */
 
 #endif /* UCM_PAGED_ATTENTION_DPBF16_H */

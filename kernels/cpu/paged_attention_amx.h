@@ -1,0 +1,98 @@
+/* The bf16 prompt rows' two products on AMX tiles: attend_dpbf16 (paged_attention_dpbf16.h) with its scores and
+ * P V computed by TDPBF16PS instead of VDPBF16PS, on CPUs with AMX.
+ *
+ * On a 2-core Xeon with AMX the VDPBF16PS body took ~20 ms a layer for SmolLM2's 2048-token prompt, against torch's
+ * SDPA at 7.4 ms; SDPA cannot take bf16 prompts because it is not split-invariant (a row's bits change with the
+ * chunk it is computed in), which the cache-hit oracle needs. Here the item, its softmax (base 2, DKC keys a step
+ * from key 0) and its bf16 rounding of P are attend_dpbf16's; only the products move to tiles:
+ *   scores  S^T[16 keys][16 rows] += K[16 keys][32 d] x qT[16 d pairs][16 rows][2]   (K read in place)
+ *   output  oT[16 cols][16 rows]  += V^T[16 cols][32 keys] x Pp[16 key pairs][16 rows][2]
+ * qT and Pp already are VNNI tiles (dword pairs by row in the lanes); V^T is Vp's dword transpose. A tile
+ * element's sum depends on its own row and column alone, so a row's bits do not depend on the other rows of
+ * its item, nor on how its prompt was split. TDPBF16PS adds a tile's pairs in another order than VDPBF16PS (a
+ * measured 43% of elements differ), so a row must always meet the same body: the caller sends a sequence's prompt
+ * rows here (Problem.prompt_queries) and its generated rows to the VDPBF16PS bodies, in every step.
+ *
+ * Part of paged_attention.c's translation unit, included by paged_attention_dpbf16.h.
+ */
+#ifndef UCM_PAGED_ATTENTION_AMX_H
+#define UCM_PAGED_ATTENTION_AMX_H
+
+#include "amx_tiles.h"
+#include "paged_attention_common.h"
+
+#if defined(UCM_HAS_AMX) && defined(UCM_HAS_DPBF16)
+#define UCM_HAS_AMX_ATTN 1
+
+_Static_assert(DR == 32 && DKC % 32 == 0, "two 16-row tiles an item; whole 32-key tiles a step");
+
+/* S[j][0:DR] = scale * k_j . q[0:DR] for the chunk's keys j < nk (S's rows from nk to the next 16 are left
+ * undefined; nothing reads them). kp[j]: key j's head row. Sixteen keys of one cache block are one tile load,
+ * key_stride bytes apart; a group that crosses a block's end is gathered into Kc, zeros past nk. */
+ALWAYS_INLINE void amx_qk(float *S, const uint32_t *qT, const uint32_t *const *kp, int nk, int d, int32_t start,
+                          int32_t bs, int64_t key_stride, uint16_t *Kc, __m512 scale) {
+    for (int j0 = 0; j0 < nk; j0 += 16) {
+        const void *a = kp[j0];
+        int64_t a_stride = key_stride;
+        if ((start + j0) % bs + 16 > bs) {
+            const int kn = nk - j0 < 16 ? nk - j0 : 16;
+            for (int i = 0; i < 16; i++)
+                if (i < kn) memcpy(Kc + i * d, kp[j0 + i], (size_t)d * 2);
+                else memset(Kc + i * d, 0, (size_t)d * 2);
+            a = Kc;
+            a_stride = (int64_t)d * 2;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int kb = 0; kb < d / 32; kb++) {
+            _tile_loadd(2, (const char *)a + kb * 64, a_stride);
+            _tile_loadd(3, qT + kb * 16 * DR, DR * 4);
+            _tile_loadd(4, qT + kb * 16 * DR + 16, DR * 4);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, S + j0 * DR, DR * 4);
+        _tile_stored(1, S + j0 * DR + 16, DR * 4);
+    }
+    for (int j = 0; j < nk; j++)
+#pragma GCC unroll 2
+        for (int v = 0; v < DV; v++) _mm512_store_ps(S + j * DR + v * 16, _mm512_mul_ps(_mm512_load_ps(S + j * DR + v * 16), scale));
+}
+
+/* oT[c][0:DR] = oT[c][0:DR] * alpha + sum over the chunk's n2 key pairs of Vp[i][c] . Pp[i][0:DR], for every column.
+ * Pairs past n2 up to the next 16 are zeroed in Pp and V^T (VT: [d][DKC / 2] dwords). */
+ALWAYS_INLINE void amx_pv(float *oT, uint32_t *Pp, const uint32_t *Vp, uint32_t *VT, const __m512 *alpha, int n2,
+                          int d) {
+    const int n2r = (n2 + 15) & ~15;
+    for (int i = n2; i < n2r; i++)
+#pragma GCC unroll 2
+        for (int v = 0; v < DV; v++) _mm512_store_si512(Pp + i * DR + v * 16, _mm512_setzero_si512());
+    for (int i0 = 0; i0 < n2r; i0 += 16)
+        for (int c0 = 0; c0 < d; c0 += 16) {
+            __m512i t[16];
+            for (int i = 0; i < 16; i++)
+                t[i] = i0 + i < n2 ? _mm512_load_si512(Vp + (int64_t)(i0 + i) * d + c0) : _mm512_setzero_si512();
+            transpose16x16_epi32(t);
+            for (int c = 0; c < 16; c++) _mm512_store_si512(VT + (c0 + c) * (DKC / 2) + i0, t[c]);
+        }
+    for (int c = 0; c < d; c++)
+#pragma GCC unroll 2
+        for (int v = 0; v < DV; v++)
+            _mm512_store_ps(oT + c * DR + v * 16, _mm512_mul_ps(_mm512_load_ps(oT + c * DR + v * 16), alpha[v]));
+    for (int c0 = 0; c0 < d; c0 += 16) {
+        _tile_loadd(0, oT + c0 * DR, DR * 4);
+        _tile_loadd(1, oT + c0 * DR + 16, DR * 4);
+        for (int i0 = 0; i0 < n2r; i0 += 16) {
+            _tile_loadd(2, VT + c0 * (DKC / 2) + i0, DKC / 2 * 4);
+            _tile_loadd(3, Pp + i0 * DR, DR * 4);
+            _tile_loadd(4, Pp + i0 * DR + 16, DR * 4);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, oT + c0 * DR, DR * 4);
+        _tile_stored(1, oT + c0 * DR + 16, DR * 4);
+    }
+}
+#endif
+
+#endif /* UCM_PAGED_ATTENTION_AMX_H */
