@@ -76,11 +76,14 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
     if (m <= 0) return 0;
     if (num_threads < 1) num_threads = 1;
     const int64_t mblocks = (m + MC - 1) / MC;
-    /* Few rows (a decode step) make one row block: split the outputs finer so every thread gets a share. The split
-     * changes who computes an element, never how. */
-    int64_t nc = NC;
-    while (nc > 32 && mblocks * ((n + nc - 1) / nc) < 4 * num_threads) nc /= 2;
-    const int64_t nblocks = (n + nc - 1) / nc;
+    /* Output blocks of about NC outputs and of equal size, in 32-output panels: 576 outputs cut as 256 + 256 + 64
+     * gave one of two threads twice the other's work under the static schedule (a 2048-row prompt: 23% of its
+     * samples in this kernel on one thread, 14% on the other). Few rows (a decode step) make one row block: the
+     * outputs are split finer so every thread gets a share. The split changes who computes an element, never how. */
+    const int64_t panels = n / 32;
+    int64_t nblocks = (panels + NC / 32 - 1) / (NC / 32);
+    while (nblocks < panels && mblocks * nblocks < 4 * num_threads) nblocks *= 2;
+    if (nblocks > panels) nblocks = panels;
 #pragma omp parallel num_threads(num_threads)
     {
         amx_load_config();
@@ -94,7 +97,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
 #pragma omp for collapse(2) schedule(static)
         for (int64_t bn = 0; bn < nblocks; bn++) {
             for (int64_t bm = 0; bm < mblocks; bm++) {
-                const int64_t n_end = (bn + 1) * nc < n ? (bn + 1) * nc : n;
+                const int64_t n_begin = bn * panels / nblocks * 32, n_end = (bn + 1) * panels / nblocks * 32;
                 const int64_t m_end = (bm + 1) * MC < m ? (bm + 1) * MC : m;
                 for (int64_t r0 = bm * MC; r0 < m_end; r0 += 32) {
                     const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
@@ -104,7 +107,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                         memset(mypad + rows * k, 0, (size_t)((32 - rows) * k) * 2);
                         xs = mypad;
                     }
-                    for (int64_t o0 = bn * nc; o0 < n_end; o0 += 32) {
+                    for (int64_t o0 = n_begin; o0 < n_end; o0 += 32) {
                         block_32x32(xs, k, wp, o0 / 16, c);
                         for (int64_t r = 0; r < rows; r++) {
                             __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
