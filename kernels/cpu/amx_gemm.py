@@ -14,9 +14,13 @@ from kernels.cpu.native import NativeLib
 TILE_K, TILE_N = 32, 16  # k per tile row block, outputs per tile
 
 
+def takes_shape(n: int, k: int) -> bool:
+    """Whether the kernel takes an [n, k] weight (K and N multiples of 32)."""
+    return k % 32 == 0 and n % 32 == 0
+
+
 def takes(weight: torch.Tensor) -> bool:
-    n, k = weight.shape
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and k % 32 == 0 and n % 32 == 0
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and takes_shape(*weight.shape)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

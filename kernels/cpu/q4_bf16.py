@@ -13,8 +13,9 @@ The weight must be exactly Q4_1 in fp32 (`q4_panels.find_q4`: the embedded model
 panels before it casts the model to bf16). The kernel computes x . w with w = d * q + m exactly (not w rounded to
 bf16, as oneDNN's rows see it), so a generated row differs from what oneDNN would give it by about bf16 rounding.
 
-`UCM_CPU_LINEAR=auto` (the default) measures once per machine, per weight shape, the kernel against oneDNN on a
-reordered bf16 weight at `DECODE_ROWS` rows over a stack of weights larger than the caches, and uses it only
+`UCM_CPU_LINEAR=auto` (the default) measures once per machine, per weight shape, the kernel against what those rows
+would run instead (oneDNN on a reordered bf16 weight, or the AMX kernel where it stands in for oneDNN: amx_gemm.py)
+at `DECODE_ROWS` rows over a stack of weights larger than the caches, and uses it only
 where it won every round (logged, cached beside the other linear choices: kernels/cpu/calibration_store.py). `native`
 uses it wherever the build has it, `torch` never.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels.cpu import amx_gemm
 from kernels.cpu.linear_choice import WinMemo, measured_win
 from kernels.cpu.native import NativeLib
 from kernels.cpu.q4_panels import QB, find_q4_padded, random_q4_weight
@@ -120,19 +122,28 @@ def status_error(lib: NativeLib, status: int, rows: int, panels: DecodePanelsOf)
     return RuntimeError(f"q4_bf16 failed ({status}) on {rows} rows of {panels.k}, weight {panels.n}x{panels.k}")
 
 
+def _baseline_is_amx(k: int, n: int) -> bool:
+    """Whether a bf16 [n, k] weight's rows that do not take this kernel go through the AMX kernel here
+    (engine/models/dense.py), not oneDNN: the baseline the kernel must beat."""
+    return amx_gemm.takes_shape(n, k) and amx_gemm.needed_and_available() is not None
+
+
 def measure(lib: NativeLib, k: int, n: int, q8: bool = False) -> list[Timings]:
-    """One (kernel, oneDNN) pair per round (tests replace this to force a result); q8: the Q8_0 kernel."""
+    """One (kernel, baseline) pair per round (tests replace this to force a result); q8: the Q8_0 kernel. The
+    baseline is what the engine would run instead: the AMX kernel where it stands in for oneDNN, else oneDNN."""
     gen = torch.Generator().manual_seed(0)
     count = min(MAX_STACK, max(2, -(-STACK_BYTES // (2 * n * k))))
     weights = [(random_q8_weight if q8 else random_q4_weight)(n, k, gen) for _ in range(count)]
     panels = [(pack_q8 if q8 else pack)(w) for w in weights]
     assert all(p is not None for p in panels), "the random weights are exactly 4- or 8-bit"
-    reordered = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in weights]
     x = torch.randn(DECODE_ROWS, k, generator=gen).bfloat16()
-    runs = [
-        lambda: [linear(lib, x, p) for p in panels if p is not None],
-        lambda: [torch.ops.mkldnn._linear_pointwise(x, r, None, "none", [], "") for r in reordered],
-    ]
+    if _baseline_is_amx(k, n):
+        amx = [amx_gemm.amx_weight(w.bfloat16()) for w in weights]
+        baseline = lambda: [a.linear(x) for a in amx if a is not None]  # noqa: E731
+    else:
+        reordered = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in weights]
+        baseline = lambda: [torch.ops.mkldnn._linear_pointwise(x, r, None, "none", [], "") for r in reordered]  # noqa: E731
+    runs = [lambda: [linear(lib, x, p) for p in panels if p is not None], baseline]
     return two_way_rounds(runs, REPS)
 
 
@@ -150,10 +161,12 @@ def kernel_wins(lib: NativeLib, k: int, n: int, root: Path | None = None, q8: bo
     if 4 * k * n < MIN_PACK_BYTES:
         return False  # the tests' tiny models: cache-sized, and measuring them would be noise
     bits = 8 if q8 else 4
+    amx = _baseline_is_amx(k, n)
     return measured_win(
-        _memo, lib, root, f"decode q{bits} bf16 {n}x{k}", f"q{bits}_decode_kernel",
+        _memo, lib, root, f"decode q{bits} bf16 {n}x{k}{' vs AMX' if amx else ''}", f"q{bits}_decode_kernel",
         (lambda: measure(lib, k, n, q8=True)) if q8 else (lambda: measure(lib, k, n)),
-        (f"the {bits}-bit kernel", "oneDNN"), "generated rows", f"{DECODE_ROWS} rows", log,
+        (f"the {bits}-bit kernel", "the AMX kernel" if amx else "oneDNN"), "generated rows", f"{DECODE_ROWS} rows",
+        log,
     )  # fmt: skip
 
 

@@ -182,3 +182,12 @@ def test_the_lm_head_routes_sampled_rows_by_class(bf16_lib, forced) -> None:
     assert torch.equal(got, torch.where(torch.from_numpy(mask)[:, None], kernel, onednn))
     rounds[:] = [(2.0, 1.0), (2.0, 1.0)]
     assert dense_mod.lm_head_panels(random_q8_weight(24, 64, gen)) is None, "lost to oneDNN"
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (48, 64), (40, 64)])
+def test_the_choice_is_measured_against_the_path_the_rows_would_take(bf16_lib, n, k) -> None:
+    """Rows that lose the kernel go where `dense` sends them: the AMX kernel where it stands in for oneDNN (an AMX
+    host whose oneDNN rows vary), else oneDNN; the calibration must time that one."""
+    packed = dense_mod.pack_weight(torch.randn(n, k).bfloat16())
+    assert isinstance(packed, dense_mod.BF16Packed)
+    assert q4_bf16._baseline_is_amx(k, n) == (packed.amx is not None)
