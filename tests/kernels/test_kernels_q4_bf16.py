@@ -34,7 +34,9 @@ def _operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 # m: one row, a full pass of 8, two passes; n: whole panels of 16 and tails; k: one and several Q4_1 blocks
-@pytest.mark.parametrize(("m", "n", "k"), [(8, 960, 576), (5, 20, 64), (1, 7, 32), (13, 33, 96), (8, 64, 1536)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(8, 960, 576), (5, 20, 64), (1, 7, 32), (13, 33, 96), (8, 64, 1536), (40, 33, 96)]
+)
 def test_matches_a_float64_reference(bf16_lib, m, n, k) -> None:
     x, w = _operands(m, n, k, seed=m * n + k)
     panels = pack(w)
@@ -48,19 +50,20 @@ def test_matches_a_float64_reference(bf16_lib, m, n, k) -> None:
 
 
 def test_a_rows_bits_do_not_depend_on_the_call(bf16_lib) -> None:
-    """Alone, in any position of a batch of any size, on 1 or 2 threads: the same bits (what the engine relies on)."""
-    x, w = _operands(11, 70, 96, seed=3)
+    """Alone, in any position of a batch of any size, on 1 or 2 threads: the same bits (what the engine relies on).
+    37 rows: several passes of either body's rows (8 on VDPBF16PS, 16 on AMX tiles)."""
+    x, w = _operands(37, 70, 96, seed=3)
     panels = pack(w)
     assert panels is not None
     whole = linear(bf16_lib, x, panels)
     for i in range(x.shape[0]):
         assert torch.equal(linear(bf16_lib, x[i : i + 1], panels), whole[i : i + 1])
-    shuffled = torch.randperm(11, generator=torch.Generator().manual_seed(0))
+    shuffled = torch.randperm(37, generator=torch.Generator().manual_seed(0))
     assert torch.equal(linear(bf16_lib, x[shuffled], panels), whole[shuffled])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(linear(bf16_lib, x[3:10], panels), whole[3:10])
+        assert torch.equal(linear(bf16_lib, x[3:30], panels), whole[3:30])
     finally:
         torch.set_num_threads(threads)
 
@@ -139,7 +142,7 @@ def test_dense_routes_rows_by_class(bf16_lib, forced) -> None:
 
 
 # Q8_0 (the embedded model's tied embedding, its lm_head): m one row to two passes; n panels and tails; k blocks
-@pytest.mark.parametrize(("m", "n", "k"), [(8, 1000, 576), (1, 7, 32), (13, 33, 96)])
+@pytest.mark.parametrize(("m", "n", "k"), [(8, 1000, 576), (1, 7, 32), (13, 33, 96), (40, 50, 64)])
 def test_q8_matches_a_float64_reference_and_each_rows_bits_stand_alone(bf16_lib, m, n, k) -> None:
     gen = torch.Generator().manual_seed(m + n + k)
     x, w = torch.randn(m, k, generator=gen).bfloat16(), random_q8_weight(n, k, gen)
