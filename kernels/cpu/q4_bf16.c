@@ -216,13 +216,13 @@ static int32_t decode_matmul(const uint16_t *x, int64_t m, int64_t k, const void
                 const void *pq = q8 ? (const void *)((const int8_t *)qp + p * pairs * 2 * NR)
                                     : (const void *)((const uint8_t *)qp + p * pairs * NR);
                 const float *pd = dm + p * blocks * (q8 ? 1 : 2) * NR;
+                /* One body per process (amx), each instance with q8 a constant. */
 #ifdef UCM_HAS_AMX
-                if (amx) { /* two instances, the flag a constant in each */
-                    if (q8) panel_amx(xp, sx, k, pq, pd, out, (int)rows, wbuf, cbuf, 1);
-                    else panel_amx(xp, sx, k, pq, pd, out, (int)rows, wbuf, cbuf, 0);
-                } else
+                if (amx && q8) panel_amx(xp, sx, k, pq, pd, out, (int)rows, wbuf, cbuf, 1);
+                else if (amx) panel_amx(xp, sx, k, pq, pd, out, (int)rows, wbuf, cbuf, 0);
+                else
 #endif
-                    if (q8) panel(xp, sx, k, pq, pd, out, 1);
+                if (q8) panel(xp, sx, k, pq, pd, out, 1);
                 else panel(xp, sx, k, pq, pd, out, 0);
                 const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
                 const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
