@@ -258,22 +258,19 @@ def prefill_attention(
         )
     lib = _native_lib(supports(q, k_cache, v_cache))
     plan = _auto_plan(lib, q, k_cache) if lib is not None else None
-    if lib is not None and plan is not None:
-        chunks_native = plan[ShapeClass.CHUNK].impl == calibration.NATIVE
-        prompts_native = plan[ShapeClass.PROMPT].impl == calibration.NATIVE
-        # Chunks on native: the kernel leaves whole prompts to torch when they measured faster there. Chunks on
-        # torch: a batch of whole prompts only may still go native; a mixed one runs torch whole (splitting it
-        # would copy q and the output).
-        if chunks_native or (prompts_native and _all_whole_prompts(query_start_loc, seq_lens)):
-            return prefill_attention_native(
-                lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                whole_prompts_on_torch=not prompts_native, prompt_queries=prompt_queries,
-            )  # fmt: skip
-        lib = None
-    if lib is not None:
+    prompts_native = plan is None or plan[ShapeClass.PROMPT].impl == calibration.NATIVE
+    # Chunks on native: the kernel leaves whole prompts to torch when they measured faster there. Chunks on torch: a
+    # batch of whole prompts only may still go native; a mixed one runs torch whole (splitting it would copy q and
+    # the output). No plan (a forced path): native for every class.
+    if lib is not None and (
+        plan is None
+        or plan[ShapeClass.CHUNK].impl == calibration.NATIVE
+        or (prompts_native and _all_whole_prompts(query_start_loc, seq_lens))
+    ):
         return prefill_attention_native(
-            lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, prompt_queries=prompt_queries
-        )
+            lib, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+            whole_prompts_on_torch=not prompts_native, prompt_queries=prompt_queries,
+        )  # fmt: skip
     return prefill_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len)
 
 
