@@ -312,6 +312,47 @@ static int validate(const Problem *p, int32_t dtype, int32_t num_seqs, int32_t n
     return UCM_OK;
 }
 
+#ifdef UCM_HAS_AMX_ATTN
+/* p->amx_vt for the sequences with AMX items, every chunk of every kv head built once, in parallel: one block
+ * (*block, to free; NULL when no sequence has AMX items) and the per-sequence pointers into it (*ptrs, to free). */
+static int build_amx_vt(Problem *p, int32_t dtype, int32_t num_seqs, int32_t num_threads, uint32_t ***ptrs,
+                        uint32_t **block) {
+    int64_t dwords = 0, tasks = 0;
+    *ptrs = NULL;
+    *block = NULL;
+    for (int32_t b = 0; b < num_seqs; b++)
+        if (!skipped(p, b) && amx_items(p, b, dtype) > 0) {
+            dwords += p->num_kv_heads * amx_vt_head_dwords(p, b);
+            tasks += (int64_t)p->num_kv_heads * ((p->seq_lens[b] + DKC - 1) / DKC);
+        }
+    if (tasks == 0) return UCM_OK;
+    int32_t(*task)[3] = malloc((size_t)tasks * sizeof *task);
+    *ptrs = calloc((size_t)num_seqs, sizeof **ptrs);
+    *block = aligned_alloc(64, ((size_t)dwords * 4 + 63) / 64 * 64);
+    if (!task || !*ptrs || !*block) {
+        free(task), free(*ptrs), free(*block);
+        *ptrs = NULL, *block = NULL;
+        return UCM_ERR_NO_MEMORY;
+    }
+    int64_t k = 0, at = 0;
+    for (int32_t b = 0; b < num_seqs; b++) {
+        if (skipped(p, b) || amx_items(p, b, dtype) == 0) continue;
+        (*ptrs)[b] = *block + at;
+        at += p->num_kv_heads * amx_vt_head_dwords(p, b);
+        for (int32_t h = 0; h < p->num_kv_heads; h++)
+            for (int32_t c = 0; c < (p->seq_lens[b] + DKC - 1) / DKC; c++) task[k][0] = b, task[k][1] = h, task[k++][2] = c;
+    }
+    p->amx_vt = (const uint32_t *const *)*ptrs;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int32_t b = task[t][0], h = task[t][1], c = task[t][2];
+        amx_build_vt(p, b, h, c, (*ptrs)[b] + amx_vt_head_dwords(p, b) * h + (int64_t)c * p->head_dim * (DKC / 2));
+    }
+    free(task);
+    return UCM_OK;
+}
+#endif
+
 /* Varlen causal paged attention (see the file comment). dtype: 0 fp32, 1 bf16. num_threads > 1 splits the
  * work items over OpenMP threads when the build has OpenMP (it shares the process's libgomp with torch).
  * With skip_whole_prompts, sequences whose queries are their whole context are left out (their output rows
@@ -330,39 +371,47 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim > MAX_D ||
         block_size <= 0 || (dtype != UCM_DTYPE_F32 && dtype != UCM_DTYPE_BF16))
         return UCM_ERR_BAD_SHAPE;
-    const Problem p = {q, q_stride_tok, q_stride_head, k_cache, v_cache, out, query_start_loc, seq_lens,
-                       block_tables, block_table_stride, num_q_heads, num_kv_heads, head_dim, block_size,
-                       scale * LOG2E, skip_whole_prompts, prompt_queries};
+    Problem p = {q, q_stride_tok, q_stride_head, k_cache, v_cache, out, query_start_loc, seq_lens,
+                 block_tables, block_table_stride, num_q_heads, num_kv_heads, head_dim, block_size,
+                 scale * LOG2E, skip_whole_prompts, prompt_queries, NULL};
     int64_t num_items = 0;
-    const int rc = validate(&p, dtype, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
+    int rc = validate(&p, dtype, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
     if (rc != UCM_OK) return rc;
+#ifdef UCM_HAS_AMX_ATTN
+    uint32_t **vt_ptrs, *vt_block;
+    rc = build_amx_vt(&p, dtype, num_seqs, num_threads, &vt_ptrs, &vt_block);
+    if (rc != UCM_OK) return rc;
+#endif
     const ItemFn fn = pick_item_fn(head_dim, dtype);
 #define RUN(it) run_item(&p, (it), fn, dtype)
+    Item *items = NULL;
 #ifdef _OPENMP
-    if (num_threads > 1 && num_items > 1) {
-        Item *items = malloc((size_t)num_items * sizeof *items);
-        if (items) {
-            int64_t k = 0;
-            for (int32_t b = 0; b < num_seqs; b++) {
-                if (skipped(&p, b)) continue;
-                for (int32_t i = 0; i < items_of(&p, b, dtype); i++) items[k++] = item_at(&p, b, i, dtype);
-            }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-            for (int64_t i = 0; i < num_items; i++) RUN(&items[i]);
-            free(items);
-            return UCM_OK;
-        }
-    }
+    if (num_threads > 1 && num_items > 1) items = malloc((size_t)num_items * sizeof *items);
 #endif
-    (void)num_threads;
-    for (int32_t b = 0; b < num_seqs; b++) {
-        if (skipped(&p, b)) continue;
-        for (int32_t i = 0; i < items_of(&p, b, dtype); i++) {
-            const Item it = item_at(&p, b, i, dtype);
-            RUN(&it);
+    if (items) {
+        int64_t k = 0;
+        for (int32_t b = 0; b < num_seqs; b++) {
+            if (skipped(&p, b)) continue;
+            for (int32_t i = 0; i < items_of(&p, b, dtype); i++) items[k++] = item_at(&p, b, i, dtype);
+        }
+        /* The last items of a sequence's kv head see the most keys: taken first, no thread is left with one of
+         * them while the other idles. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        for (int64_t i = num_items - 1; i >= 0; i--) RUN(&items[i]);
+        free(items);
+    } else {
+        for (int32_t b = 0; b < num_seqs; b++) {
+            if (skipped(&p, b)) continue;
+            for (int32_t i = 0; i < items_of(&p, b, dtype); i++) {
+                const Item it = item_at(&p, b, i, dtype);
+                RUN(&it);
+            }
         }
     }
 #undef RUN
+#ifdef UCM_HAS_AMX_ATTN
+    free(vt_ptrs), free(vt_block);
+#endif
     return UCM_OK;
 }
 

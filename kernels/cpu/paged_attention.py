@@ -40,6 +40,7 @@ _ERRORS = {
     3: "has a block id outside the cache",
     4: "has query_start_loc entries out of order or past the query tokens",
     5: "has an unsupported shape (head_dim > 256, or query heads not a multiple of kv heads)",
+    6: "could not be given its scratch memory (the host is out of memory)",
 }
 
 

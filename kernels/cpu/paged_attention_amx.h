@@ -26,11 +26,11 @@
 
 _Static_assert(DR == 32 && DKC % 32 == 0, "two 16-row tiles an item; whole 32-key tiles a step");
 
-/* S[j][0:DR] = scale * k_j . q[0:DR] for the chunk's keys j < nk (S's rows from nk to the next 16 are left
+/* S[j][0:DR] = k_j . q[0:DR] (unscaled: amx_scale_mask_max) for the chunk's keys j < nk (S's rows from nk to the next 16 are left
  * undefined; nothing reads them). kp[j]: key j's head row. Sixteen keys of one cache block are one tile load,
  * key_stride bytes apart; a group that crosses a block's end is gathered into Kc, zeros past nk. */
 ALWAYS_INLINE void amx_qk(float *S, const uint32_t *qT, const uint32_t *const *kp, int nk, int d, int32_t start,
-                          int32_t bs, int64_t key_stride, uint16_t *Kc, __m512 scale) {
+                          int32_t bs, int64_t key_stride, uint16_t *Kc) {
     for (int j0 = 0; j0 < nk; j0 += 16) {
         const void *a = kp[j0];
         int64_t a_stride = key_stride;
@@ -54,20 +54,47 @@ ALWAYS_INLINE void amx_qk(float *S, const uint32_t *qT, const uint32_t *const *k
         _tile_stored(0, S + j0 * DR, DR * 4);
         _tile_stored(1, S + j0 * DR + 16, DR * 4);
     }
-    for (int j = 0; j < nk; j++)
-#pragma GCC unroll 2
-        for (int v = 0; v < DV; v++) _mm512_store_ps(S + j * DR + v * 16, _mm512_mul_ps(_mm512_load_ps(S + j * DR + v * 16), scale));
 }
 
-/* oT[c][0:DR] = oT[c][0:DR] * alpha + sum over the chunk's n2 key pairs of Vp[i][c] . Pp[i][0:DR], for every column.
- * Pairs past n2 up to the next 16 are zeroed in Pp and V^T (VT: [d][DKC / 2] dwords). */
-ALWAYS_INLINE void amx_pv(float *oT, uint32_t *Pp, const uint32_t *Vp, uint32_t *VT, const __m512 *alpha, int n2,
-                          int d) {
-    const int n2r = (n2 + 15) & ~15;
-    for (int i = n2; i < n2r; i++)
+/* amx_qk's scores times scale (base 2), those of keys past a row's position -inf where some row stops inside the
+ * chunk (diag), and mx[v] = max(mx[v], every score): the VDPBF16PS body's scale, mask and max passes in one, the
+ * same values. */
+ALWAYS_INLINE void amx_scale_mask_max(float *S, int nk, int32_t start, int diag, const __m512i *posv, __m512 scale,
+                                      __m512 *mx) {
+    for (int j = 0; j < nk; j++) {
+        const __m512i key = _mm512_set1_epi32(start + j);
 #pragma GCC unroll 2
-        for (int v = 0; v < DV; v++) _mm512_store_si512(Pp + i * DR + v * 16, _mm512_setzero_si512());
-    for (int i0 = 0; i0 < n2r; i0 += 16)
+        for (int v = 0; v < DV; v++) {
+            __m512 s = _mm512_mul_ps(_mm512_load_ps(S + j * DR + v * 16), scale);
+            if (diag) s = _mm512_mask_mov_ps(s, _mm512_cmpgt_epi32_mask(key, posv[v]), _mm512_set1_ps(-INFINITY));
+            _mm512_store_ps(S + j * DR + v * 16, s);
+            mx[v] = _mm512_max_ps(mx[v], s);
+        }
+    }
+}
+
+/* Dwords of one kv head's V^T for sequence seq (Problem.amx_vt): every DKC-key chunk up to its last key. */
+static inline int64_t amx_vt_head_dwords(const Problem *p, int32_t seq) {
+    return (int64_t)((p->seq_lens[seq] + DKC - 1) / DKC) * p->head_dim * (DKC / 2);
+}
+
+/* Chunk `chunk` of kv head h's V for sequence seq as P V's A tiles: VT[c][i] = (v_2i[c], v_2i+1[c]) for the
+ * chunk's DKC / 2 key pairs, zeros past the sequence's last key. Every prompt item of the head reads every chunk
+ * up to its last row, so the call builds each chunk once (paged_attention.c) instead of each item building its
+ * own: that took a third of the body's time on a 2048-token prompt. */
+static void amx_build_vt(const Problem *p, int32_t seq, int32_t h, int32_t chunk, uint32_t *VT) {
+    const int d = p->head_dim;
+    const int32_t len = p->seq_lens[seq], start = chunk * DKC, bs = p->block_size;
+    const int nk = len - start < DKC ? len - start : DKC, n2 = (nk + 1) / 2;
+    const int32_t *table = table_of(p, seq);
+    const uint16_t *vp[DKC];
+    for (int32_t j = 0, blk = start / bs, off = start % bs; j < nk; j++) {
+        vp[j] = (const uint16_t *)p->v_cache + cache_offset(p, table[blk], off, h);
+        if (++off == bs) off = 0, blk++;
+    }
+    _Alignas(64) uint32_t Vp[DKC / 2 * MAX_D];
+    interleave_v_pairs(Vp, vp, nk, d);
+    for (int i0 = 0; i0 < DKC / 2; i0 += 16)
         for (int c0 = 0; c0 < d; c0 += 16) {
             __m512i t[16];
             for (int i = 0; i < 16; i++)
@@ -75,10 +102,23 @@ ALWAYS_INLINE void amx_pv(float *oT, uint32_t *Pp, const uint32_t *Vp, uint32_t 
             transpose16x16_epi32(t);
             for (int c = 0; c < 16; c++) _mm512_store_si512(VT + (c0 + c) * (DKC / 2) + i0, t[c]);
         }
-    for (int c = 0; c < d; c++)
+}
+
+/* oT[c][0:DR] = oT[c][0:DR] * alpha + sum over the chunk's n2 key pairs of VT[c][i] . Pp[i][0:DR], for every
+ * column; VT: the chunk's amx_build_vt. Pp's pairs past n2 up to the next 16 are zeroed (VT's may be later keys). */
+ALWAYS_INLINE void amx_pv(float *oT, uint32_t *Pp, const uint32_t *VT, const __m512 *alpha, int n2, int d) {
+    const int n2r = (n2 + 15) & ~15;
+    for (int i = n2; i < n2r; i++)
 #pragma GCC unroll 2
-        for (int v = 0; v < DV; v++)
-            _mm512_store_ps(oT + c * DR + v * 16, _mm512_mul_ps(_mm512_load_ps(oT + c * DR + v * 16), alpha[v]));
+        for (int v = 0; v < DV; v++) _mm512_store_si512(Pp + i * DR + v * 16, _mm512_setzero_si512());
+    __mmask16 moved = 0; /* rows whose running max rose: alpha == 1 exactly elsewhere, and x * 1 == x */
+#pragma GCC unroll 2
+    for (int v = 0; v < DV; v++) moved |= _mm512_cmp_ps_mask(alpha[v], _mm512_set1_ps(1.0f), _CMP_NEQ_UQ);
+    if (moved)
+        for (int c = 0; c < d; c++)
+#pragma GCC unroll 2
+            for (int v = 0; v < DV; v++)
+                _mm512_store_ps(oT + c * DR + v * 16, _mm512_mul_ps(_mm512_load_ps(oT + c * DR + v * 16), alpha[v]));
     for (int c0 = 0; c0 < d; c0 += 16) {
         _tile_loadd(0, oT + c0 * DR, DR * 4);
         _tile_loadd(1, oT + c0 * DR + 16, DR * 4);

@@ -48,6 +48,7 @@
 #define UCM_ERR_BLOCK_ID_OUT_OF_RANGE 3
 #define UCM_ERR_BAD_QUERY_START_LOC 4
 #define UCM_ERR_BAD_SHAPE 5
+#define UCM_ERR_NO_MEMORY 6
 
 static const float LOG2E = 1.4426950408889634f;
 
@@ -63,6 +64,8 @@ typedef struct {
     int32_t skip_whole_prompts; /* leave sequences whose queries are their whole context (n == L > 1) alone */
     const int32_t *prompt_queries; /* per sequence, how many of its first queries are prompt tokens; NULL: none
                                       (where AMX is, they take paged_attention_amx.h's body) */
+    const uint32_t *const *amx_vt; /* per sequence with AMX items: V's key pairs transposed, chunk by chunk
+                                      (paged_attention_amx.h, amx_build_vt); NULL elsewhere */
 } Problem;
 
 typedef struct {

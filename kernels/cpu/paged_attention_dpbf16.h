@@ -107,9 +107,10 @@ ALWAYS_INLINE void dp_pv(float *oT, const uint32_t *Pp, const uint32_t *Vp, cons
 
 /* Two fp32 vectors rounded to bf16 (nearest even) and interleaved: dword r = (lo[r], hi[r]), lo in the low half. */
 ALWAYS_INLINE __m512i bf16_pairs(__m512 lo, __m512 hi) {
-    const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
-    const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
-    return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+    const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* lo's 16 words, then hi's */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(pairs, words);
 }
 
 /* V's keys in pairs for one chunk: Vp[i][c] = (v_2i[c], v_2i+1[c]), read one broadcast dword at a time. */
@@ -183,8 +184,8 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
     _Alignas(64) float oT[MAX_D * DR], S[DKC * DR];
 #ifdef UCM_HAS_AMX_ATTN
     _Alignas(64) uint16_t Kc[16 * MAX_D];
-    _Alignas(64) uint32_t VT[MAX_D * DKC / 2];
     const int64_t key_stride = (int64_t)p->num_kv_heads * d * 2;
+    const uint32_t *const vt = amx ? p->amx_vt[seq] + amx_vt_head_dwords(p, seq) * h : NULL;
     if (amx) amx_load_config();
 #endif
     const uint32_t *kp[DKC];
@@ -219,7 +220,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
             if (++off == bs) off = 0, blk++;
         }
 #ifdef UCM_HAS_AMX_ATTN
-        if (amx) amx_qk(S, qT, kp, nk, d, start, bs, key_stride, Kc, scale);
+        if (amx) amx_qk(S, qT, kp, nk, d, start, bs, key_stride, Kc);
         else
 #endif
             for (int j = 0; j < nk; j += DKB) {
@@ -227,22 +228,29 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
                 SWITCH_UP_TO_6(nk - j, QK)
 #undef QK
             }
-        interleave_v_pairs(Vp, vp, nk, d);
-        if (start + nk - 1 > first) /* some row stops inside this chunk: mask the keys past it */
-            for (int j = 0; j < nk; j++) {
-                const __m512i key = _mm512_set1_epi32(start + j);
-#pragma GCC unroll 2
-                for (int v = 0; v < DV; v++) {
-                    const __mmask16 past = _mm512_cmpgt_epi32_mask(key, posv[v]);
-                    _mm512_mask_store_ps(S + j * DR + v * 16, past, _mm512_set1_ps(-INFINITY));
-                }
-            }
+        if (!amx) interleave_v_pairs(Vp, vp, nk, d); /* AMX: the call's V^T (amx_build_vt) */
         __m512 mx[DV], sum[DV];
 #pragma GCC unroll 2
         for (int v = 0; v < DV; v++) mx[v] = m[v];
-        for (int j = 0; j < nk; j++)
+        const int diag = start + nk - 1 > first; /* some row stops inside this chunk: mask the keys past it */
+#ifdef UCM_HAS_AMX_ATTN
+        if (amx) amx_scale_mask_max(S, nk, start, diag, posv, scale, mx);
+        else
+#endif
+        {
+            if (diag)
+                for (int j = 0; j < nk; j++) {
+                    const __m512i key = _mm512_set1_epi32(start + j);
 #pragma GCC unroll 2
-            for (int v = 0; v < DV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_load_ps(S + j * DR + v * 16));
+                    for (int v = 0; v < DV; v++) {
+                        const __mmask16 past = _mm512_cmpgt_epi32_mask(key, posv[v]);
+                        _mm512_mask_store_ps(S + j * DR + v * 16, past, _mm512_set1_ps(-INFINITY));
+                    }
+                }
+            for (int j = 0; j < nk; j++)
+#pragma GCC unroll 2
+                for (int v = 0; v < DV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_load_ps(S + j * DR + v * 16));
+        }
 #pragma GCC unroll 2
         for (int v = 0; v < DV; v++) {
             /* first chunk: m = -inf, alpha ~ 0 on a zero output (every row sees key 0, so mx is finite) */
@@ -250,6 +258,16 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
             m[v] = mx[v];
             sum[v] = _mm512_setzero_ps();
         }
+        if (!diag && nk == DKC) /* every key live: the masks below would keep every lane */
+            for (int i = 0; i < n2; i++)
+#pragma GCC unroll 2
+                for (int v = 0; v < DV; v++) {
+                    const __m512 pe = exp2_ps(_mm512_sub_ps(_mm512_load_ps(S + 2 * i * DR + v * 16), m[v]));
+                    const __m512 po = exp2_ps(_mm512_sub_ps(_mm512_load_ps(S + (2 * i + 1) * DR + v * 16), m[v]));
+                    sum[v] = _mm512_add_ps(sum[v], _mm512_add_ps(pe, po));
+                    _mm512_store_si512(Pp + i * DR + v * 16, bf16_pairs(pe, po));
+                }
+        else
         for (int i = 0; i < n2; i++)
 #pragma GCC unroll 2
             for (int v = 0; v < DV; v++) {
@@ -268,7 +286,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
 #pragma GCC unroll 2
         for (int v = 0; v < DV; v++) l[v] = _mm512_add_ps(_mm512_mul_ps(l[v], alpha[v]), sum[v]);
 #ifdef UCM_HAS_AMX_ATTN
-        if (amx) amx_pv(oT, Pp, Vp, VT, alpha, n2, d);
+        if (amx) amx_pv(oT, Pp, vt + (int64_t)start / DKC * d * (DKC / 2), alpha, n2, d);
         else
 #endif
             for (int c = 0; c < d; c += DKB) {
@@ -283,11 +301,18 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
     _Alignas(64) float inv[DR];
 #pragma GCC unroll 2
     for (int v = 0; v < DV; v++) _mm512_store_ps(inv + v * 16, _mm512_div_ps(_mm512_set1_ps(1.0f), l[v]));
-    for (int32_t r = 0; r < nrows; r++) {
-        const int32_t row = row0 + r, tok = row / group, head = h * group + row % group;
-        uint16_t *o = (uint16_t *)p->out + ((int64_t)(q0 + tok) * p->num_q_heads + head) * d;
-        for (int c = 0; c < d; c++) o[c] = f32_to_bf16(oT[c * DR + r] * inv[r]);
-    }
+    for (int32_t r0 = 0; r0 < nrows; r0 += 16) /* oT's 16 x 16 blocks turned to rows: o[c] = bf16(oT[c][r] * inv[r]) */
+        for (int c0 = 0; c0 < d; c0 += 16) {
+            __m512i t[16];
+            for (int c = 0; c < 16; c++) t[c] = _mm512_load_si512(oT + (c0 + c) * DR + r0);
+            transpose16x16_epi32(t);
+            for (int32_t r = 0; r < 16 && r0 + r < nrows; r++) {
+                const int32_t row = row0 + r0 + r, tok = row / group, head = h * group + row % group;
+                uint16_t *o = (uint16_t *)p->out + ((int64_t)(q0 + tok) * p->num_q_heads + head) * d + c0;
+                const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(t[r]), _mm512_set1_ps(inv[r0 + r]));
+                _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(bf16x16_bits(x)));
+            }
+        }
 }
 
 /* attend_dpbf16_cols' work on one chunk for the rows of one kv head: scores (each Kt vector loaded once for the
