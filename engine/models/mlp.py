@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.dense import DecodePanels, Packed, decode_panels, dense, pack_weight
-from kernels.api import silu_and_mul
+from engine.models.dense import DecodePanels, Packed, decode_panels, dense, dense_silu_and_mul, pack_weight
 
 
 class GatedMLP(nn.Module):
@@ -27,9 +26,9 @@ class GatedMLP(nn.Module):
         self._decode = {"gate_up": decode_panels(self.gate_up_weight), "down": decode_panels(self.down_weight)}
 
     def pack_weights(self) -> None:
-        self.gate_up_packed = pack_weight(self.gate_up_weight, self._decode.get("gate_up"))
+        self.gate_up_packed = pack_weight(self.gate_up_weight, self._decode.get("gate_up"), gate_up=True)
         self.down_packed = pack_weight(self.down_weight, self._decode.get("down"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = dense(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
-        return dense(silu_and_mul(gate_up), self.down_weight, self.down_bias, self.down_packed)
+        h = dense_silu_and_mul(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
+        return dense(h, self.down_weight, self.down_bias, self.down_packed)

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "amx_tiles.h"
+#include "silu_bf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -28,6 +29,16 @@
 #define MC 128 /* rows per thread block */
 #define NC 256 /* outputs per thread block */
 #define RG 512 /* rows per group (a multiple of MC) */
+
+/* What the kernel does with a block's 32 outputs (two 16-output panels). PAIRS and SILU take a gate_up weight
+ * packed with its gate and up panels alternating (amx_gemm.py, pack(paired=True)): panel 2j holds gate outputs
+ * 16j .. 16j + 15, panel 2j + 1 the same up outputs, so a block holds both halves of 16 SwiGLU outputs. */
+enum {
+    EPI_PLAIN = 0, /* y [m][n] */
+    EPI_PAIRS = 1, /* y [m][n] as [gate | up]: the unpaired weight's y */
+    EPI_SILU = 2,  /* y [m][n / 2] = silu(gate) * up, each of gate and up rounded to bf16 first: what
+                      elementwise.c's silu_and_mul gives on the PAIRS y, without writing and reading it */
+};
 
 /* Whether this build has the kernel and the OS lets this process use AMX. */
 int32_t ucm_amx_available(void) {
@@ -64,17 +75,17 @@ static inline void block_32x32(const uint16_t *x, int64_t k, const uint16_t *wp,
 }
 #endif
 
-/* y[m][n] (bf16) = x[m][k] (bf16, row-major) @ W^T, W packed by kernels/cpu/amx_gemm.py. pad: a scratch of
- * 32 * k bf16 per thread for a last block of fewer than 32 rows. Returns 0, or 1 where this build or the OS has no
- * AMX, 2 for a shape it does not take (k or n not a multiple of 32). */
+/* y[m][n] (bf16) = x[m][k] (bf16, row-major) @ W^T, W packed by kernels/cpu/amx_gemm.py, through `epilogue`
+ * (EPI_*). pad: a scratch of 32 * k bf16 per thread for a last block of fewer than 32 rows. Returns 0, or 1 where
+ * this build or the OS has no AMX, 2 for a shape or epilogue it does not take (k or n not a multiple of 32). */
 int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y,
-                     uint16_t *pad, int32_t num_threads) {
-#ifndef UCM_HAS_AMX
-    (void)x, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)pad, (void)num_threads;
+                     uint16_t *pad, int32_t num_threads, int32_t epilogue) {
+#if !defined(UCM_HAS_AMX) || !defined(UCM_HAS_SILU16)
+    (void)x, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)pad, (void)num_threads, (void)epilogue;
     return 1;
 #else
     if (!amx_permitted()) return 1;
-    if (k % 32 || n % 32 || k <= 0 || n <= 0) return 2;
+    if (k % 32 || n % 32 || k <= 0 || n <= 0 || epilogue < EPI_PLAIN || epilogue > EPI_SILU) return 2;
     if (m <= 0) return 0;
     if (num_threads < 1) num_threads = 1;
     /* Row groups of RG rows, one after another: a group's x stays in L2 while every output block passes over it. */
@@ -87,10 +98,11 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
     int64_t nblocks = (panels + NC / 32 - 1) / (NC / 32);
     while (nblocks < panels && mblocks * nblocks < 4 * num_threads) nblocks *= 2;
     if (nblocks > panels) nblocks = panels;
+    const int64_t slice = epilogue == EPI_SILU ? NC : 32; /* outputs whose tiles run before their epilogue */
 #pragma omp parallel num_threads(num_threads)
     {
         amx_load_config();
-        float c[32 * 32] __attribute__((aligned(64)));
+        float c[32 * NC] __attribute__((aligned(64))); /* a slice's 32 rows x up to NC outputs, block after block */
 #ifdef _OPENMP
         int tid = omp_get_thread_num();
 #else
@@ -111,13 +123,32 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                             memset(mypad + rows * k, 0, (size_t)((32 - rows) * k) * 2);
                             xs = mypad;
                         }
-                        for (int64_t o0 = n_begin; o0 < n_end; o0 += 32) {
-                            block_32x32(xs, k, wp, o0 / 16, c);
+                        /* SILU: every block of the row slice first, then its epilogue: the exp and divide between
+                         * each block's tiles made the gate_up GEMM slower than it and a separate SiLU pass together */
+                        for (int64_t s0 = n_begin; s0 < n_end; s0 += slice) {
+                        const int64_t s_end = s0 + slice < n_end ? s0 + slice : n_end;
+                        for (int64_t o0 = s0; o0 < s_end; o0 += 32) block_32x32(xs, k, wp, o0 / 16, c + (o0 - s0) * 32);
+                        for (int64_t o0 = s0; o0 < s_end; o0 += 32) {
+                            const float *cb = c + (o0 - s0) * 32;
                             for (int64_t r = 0; r < rows; r++) {
-                                __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
-                                __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);
-                                _mm512_storeu_si512((void *)(y + (r0 + r) * n + o0), (__m512i)both);
+                                __m512 lo = _mm512_load_ps(cb + r * 32), hi = _mm512_load_ps(cb + r * 32 + 16);
+                                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                                if (epilogue == EPI_PLAIN) {
+                                    _mm512_storeu_si512((void *)(y + (r0 + r) * n + o0), both);
+                                    continue;
+                                }
+                                const __m256i gate = _mm512_castsi512_si256(both);
+                                const __m256i up = _mm512_extracti64x4_epi64(both, 1);
+                                if (epilogue == EPI_PAIRS) {
+                                    _mm256_storeu_si256((__m256i *)(y + (r0 + r) * n + o0 / 2), gate);
+                                    _mm256_storeu_si256((__m256i *)(y + (r0 + r) * n + n / 2 + o0 / 2), up);
+                                } else {
+                                    const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(gate), 16));
+                                    const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16));
+                                    f32x16_store_bf16(y + (r0 + r) * (n / 2) + o0 / 2, silu_mul16(g, u));
+                                }
                             }
+                        }
                         }
                     }
                 }

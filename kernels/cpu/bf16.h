@@ -2,7 +2,8 @@
  *
  * bf16 tensors are passed as uint16_t: the high half of an fp32. Rounding is to nearest even with a NaN kept a
  * NaN, exactly as c10::BFloat16 rounds, so the kernels reproduce torch's bf16 results bit for bit. (Native
- * VCVTNEPS2BF16 flushes denormals; only paged_attention.c's output store may use it.)
+ * VCVTNEPS2BF16 flushes denormals: only results defined by it may use it, as the AMX kernels' P and GEMM
+ * outputs are.)
  * Every helper is static inline: each translation unit gets its own copy and the library exports none of them.
  */
 #ifndef UCM_BF16_H

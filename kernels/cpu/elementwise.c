@@ -20,6 +20,7 @@
 
 #include "bf16.h"
 #include "row_loop.h"
+#include "silu_bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -150,38 +151,11 @@ static void add_row(const uint16_t *x, uint16_t *residual, int64_t n) {
 
 /* ---------------------------------------------------------------- SiLU */
 
-#ifdef EW_AVX512
-/* exp on 16 lanes: n = round(x / ln2), r = x - n ln2 (ln2 split in two so r is exact), Cephes' degree-7
- * polynomial for e^r, then scalef by 2^n (which handles n = 128 and the overflow to inf). About 1 ulp. */
-EW_INLINE __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* below: 0 (the caller only adds it to 1) */
-    x = _mm512_min_ps(x, _mm512_set1_ps(89.0f));   /* above: inf, through scalef */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
-
 /* out = bf16(bf16(silu(gate)) * up) with silu(g) = g / (1 + exp(-g)) in fp32, as torch's bf16 F.silu. */
 static void silu_and_mul_row(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
     int64_t i = 0;
 #ifdef EW_AVX512
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; i + 16 <= n; i += 16) {
-        const __m512 g = load16(gate + i);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 s = round16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
-        store16(out + i, _mm512_mul_ps(s, load16(up + i)));
-    }
+    for (; i + 16 <= n; i += 16) store16(out + i, silu_mul16(load16(gate + i), load16(up + i)));
 #endif
     for (; i < n; i++) {
         const float g = bf16_to_f32(gate[i]);

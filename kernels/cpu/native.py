@@ -55,6 +55,7 @@ HEADERS = tuple(
         "paged_attention_dpbf16.h",
         "paged_attention_amx.h",
         "amx_tiles.h",
+        "silu_bf16.h",
     )
 )
 LIBRARY_STEM = "ucm_kernels"
@@ -256,7 +257,7 @@ def _bind(path: Path) -> NativeLib:
     q8_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]  # x, M, K, q panels, d, N, y, threads
     q8_bf16.restype = i32
     amx = cdll.ucm_amx_gemm
-    amx.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]  # x, M, K, packed W, N, y, pad scratch, threads
+    amx.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32, i32]  # x, M, K, packed W, N, y, pad, threads, epilogue
     amx.restype = i32
     cdll.ucm_amx_available.restype = i32
     cdll.ucm_amx_attention_available.restype = i32

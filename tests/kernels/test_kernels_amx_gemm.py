@@ -5,12 +5,17 @@ others skip, except the checks of what the library says without it)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from engine.attention import set_forward_context
+from engine.generated_rows import GeneratedRows
 from engine.models import dense as dense_mod
-from kernels.cpu import amx_gemm
+from kernels import api
+from kernels.cpu import amx_gemm, q4_bf16
 from kernels.cpu.calibration import bf16_linear_rows_invariant
+from kernels.cpu.q4_panels import random_q4_weight
 
 
 @pytest.fixture
@@ -66,6 +71,49 @@ def test_the_engines_bf16_layers_take_it_where_onednn_rows_vary(amx_lib):
     with_bias = dense_mod.dense(x, w, bias, packed)
     assert torch.equal(with_bias, want + bias)
     assert torch.equal(dense_mod.dense(x[7:9], w, bias, packed), with_bias[7:9])
+
+
+@pytest.mark.parametrize("n,k", [(3072, 576), (64, 32)])
+def test_a_paired_gate_up_gives_the_plain_product_and_its_silu(amx_lib, n, k):
+    """Packed with its gate and up panels alternating, the weight gives the plain product (PAIRS), and the SiLU
+    epilogue gives kernels.api.silu_and_mul of that product bit for bit, each row alone."""
+    gen = torch.Generator().manual_seed(n + k)
+    w, x = (torch.randn(n, k, generator=gen) * 0.1).bfloat16(), torch.randn(300, k, generator=gen).bfloat16()
+    plain = amx_gemm.linear(amx_lib, x, amx_gemm.pack(w))
+    paired = amx_gemm.AmxWeight(amx_lib, amx_gemm.pack(w, paired=True), paired=True)
+    assert torch.equal(paired.linear(x), plain)
+    fused = paired.silu_and_mul(x)
+    assert fused.shape == (300, n // 2)
+    assert torch.equal(fused, api.silu_and_mul(plain))
+    for m in (1, 17, 33, 130):
+        assert torch.equal(paired.silu_and_mul(x[:m]), fused[:m]), f"{m} rows"
+    with pytest.raises(AssertionError, match="paired"):
+        amx_gemm.AmxWeight(amx_lib, amx_gemm.pack(w)).silu_and_mul(x)
+
+
+def test_the_engines_gate_up_takes_the_silu_epilogue_by_row_class(amx_lib):
+    """An MLP's gate_up: prompt rows through the AMX kernel with SiLU in its epilogue, generated rows through the
+    4-bit panels and then silu_and_mul; each row's bits are what the unfused path gives it, however a step mixes
+    the two classes."""
+    gen = torch.Generator().manual_seed(9)
+    w32 = random_q4_weight(128, 64, gen)
+    w, x = w32.bfloat16(), torch.randn(9, 64, generator=gen).bfloat16()
+    panels = q4_bf16.pack(w32)
+    assert panels is not None
+    packed = dense_mod.pack_weight(w, dense_mod.DecodePanels(amx_lib, panels), gate_up=True)
+    assert isinstance(packed, dense_mod.BF16Packed)
+    if bf16_linear_rows_invariant():
+        assert packed.amx is None
+    else:
+        assert packed.amx is not None and packed.amx.paired
+        from_panels = api.silu_and_mul(q4_bf16.linear(amx_lib, x, panels))
+        assert (packed.amx.silu_and_mul(x) != from_panels).any(), "the two classes must differ for routing to show"
+    meta = object()  # the matmul reads only the generated rows from the context
+    for mask in (np.ones(9, bool), np.zeros(9, bool), np.array([0, 1, 1, 0, 0, 1, 0, 0, 1], bool)):
+        with set_forward_context(meta, None, GeneratedRows.from_mask(mask, torch.device("cpu"))):  # type: ignore[arg-type]
+            got = dense_mod.dense_silu_and_mul(x, w, None, packed)
+            want = api.silu_and_mul(dense_mod.dense(x, w, None, packed))
+        assert torch.equal(got, want), f"rows {mask.astype(int).tolist()}"
 
 
 def test_bad_operands_are_refused(native_lib):
