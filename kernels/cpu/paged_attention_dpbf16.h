@@ -213,12 +213,18 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
     const uint16_t *const kbase = (const uint16_t *)p->k_cache, *const vbase = (const uint16_t *)p->v_cache;
     for (int32_t start = 0; start <= last; start += DKC) {
         const int nk = last - start + 1 < DKC ? last - start + 1 : DKC, n2 = (nk + 1) / 2;
-        for (int32_t j = 0, blk = start / bs, off = start % bs; j < nk; j++) { /* no division per key */
-            const int64_t at = cache_offset(p, table[blk], off, h);
-            kp[j] = (const uint32_t *)(kbase + at);
-            vp[j] = vbase + at;
-            if (++off == bs) off = 0, blk++;
-        }
+#ifdef UCM_HAS_AMX_ATTN
+        if (amx && bs % 16 == 0) /* amx_qk reads 16 keys of one block in place from the first's row alone */
+            for (int j0 = 0; j0 < nk; j0 += 16)
+                kp[j0] = (const uint32_t *)(kbase + cache_offset(p, table[(start + j0) / bs], (start + j0) % bs, h));
+        else
+#endif
+            for (int32_t j = 0, blk = start / bs, off = start % bs; j < nk; j++) { /* no division per key */
+                const int64_t at = cache_offset(p, table[blk], off, h);
+                kp[j] = (const uint32_t *)(kbase + at);
+                vp[j] = vbase + at;
+                if (++off == bs) off = 0, blk++;
+            }
 #ifdef UCM_HAS_AMX_ATTN
         if (amx) amx_qk(S, qT, kp, nk, d, start, bs, key_stride, Kc);
         else
