@@ -159,7 +159,7 @@ class NativeDecode:
             kcp, vcp = k_cache.data_ptr(), v_cache.data_ptr()
             bad = lib.write_kv(
                 kp, stride * esize, kp + kv_size * esize, stride * esize, kcp, vcp, slots.data_ptr(), tokens,
-                num_slots, kv_size * esize,
+                num_slots, kv_size * esize, threads,
             )  # fmt: skip
             if bad:
                 raise native_write.slot_error(slots, bad, num_slots)

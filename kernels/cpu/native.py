@@ -221,8 +221,9 @@ def _bind(path: Path) -> NativeLib:
     ]
     fn.restype = i32
     write = cdll.ucm_write_kv
-    # key, key token stride (bytes), value, value token stride, k_cache, v_cache, slots, T, num slots, row bytes
-    write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    # key, key token stride (bytes), value, value token stride, k_cache, v_cache, slots, T, num slots, row bytes,
+    # threads
+    write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
     write.restype = i64
     f32 = ctypes.c_float
     elementwise = {

@@ -417,12 +417,14 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
 
 /* Reshape-and-cache: key/value token t (num_kv_heads * head_dim contiguous elements, token_stride apart) goes
  * to cache slot slot_mapping[t] (block * block_size + offset); slot -1 skips. Checks every slot first and
- * returns the first bad token + 1 (0: all written). */
+ * returns the first bad token + 1 (0: all written). A prompt's rows are copied by num_threads OpenMP threads. */
 int64_t ucm_write_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
                      void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_slots,
-                     int64_t row_bytes) {
+                     int64_t row_bytes, int32_t num_threads) {
     for (int64_t t = 0; t < num_tokens; t++)
         if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return t + 1;
+    /* A prompt's rows land in blocks nobody has touched for a while: the copy waits on memory, not the core. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_tokens >= 256)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;

@@ -43,7 +43,7 @@ def write_kv_native(
     bad = lib.write_kv(
         key.data_ptr(), key.stride(0) * esize, value.data_ptr(), value.stride(0) * esize,
         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0], num_slots,
-        key.shape[1] * key.shape[2] * esize,
+        key.shape[1] * key.shape[2] * esize, torch.get_num_threads(),
     )  # fmt: skip
     if bad:
         raise slot_error(slot_mapping, bad, num_slots)
