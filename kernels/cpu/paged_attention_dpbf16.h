@@ -324,25 +324,35 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
 /* attend_dpbf16_cols' work on one chunk for the rows of one kv head: scores (each Kt vector loaded once for the
  * rows), the online softmax's step, P V (each Vp vector loaded once for the rows). */
 ALWAYS_INLINE void dp_cols_rows(const uint32_t *Kt, const uint32_t *Vp, const uint32_t *const *qrow, const int32_t *pos,
-                                float *m, float *l, float *o, float *w, uint16_t *P16, int32_t nrows, int32_t start,
+                                float *m, float *l, float *o, float *w, uint16_t *P16, const int32_t nrows, int32_t start,
                                 int nk, int n2, int ng, int d2, int d, __m512 scale, __m512 ninf, __m512i lane_ids) {
-    /* Scores of every row: each Kt vector loaded once for the item's rows. */
+    /* nrows is a constant here (dp_cols_rows_n), and every loop over rows or key groups has a constant bound, so
+     * the accumulators stay in registers: with a run-time row count they lived on the stack, and each VDPBF16PS
+     * waited on a store and a load. Groups past ng compute on stale Kt and are never read. */
     __m512 acc[DCOLS][DKC / 16];
+#pragma GCC unroll 8
     for (int32_t r = 0; r < nrows; r++)
-        for (int g = 0; g < ng; g++) acc[r][g] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int g = 0; g < DKC / 16; g++) acc[r][g] = _mm512_setzero_ps();
     for (int c = 0; c < d2; c++) {
         __m512bh kc[DKC / 16];
-        for (int g = 0; g < ng; g++) kc[g] = (__m512bh)_mm512_load_si512(Kt + c * DKC + 16 * g);
+#pragma GCC unroll 4
+        for (int g = 0; g < DKC / 16; g++) kc[g] = (__m512bh)_mm512_load_si512(Kt + c * DKC + 16 * g);
+#pragma GCC unroll 8
         for (int32_t r = 0; r < nrows; r++) {
             const __m512bh qc = (__m512bh)_mm512_set1_epi32((int)qrow[r][c]);
-            for (int g = 0; g < ng; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qc, kc[g]);
+#pragma GCC unroll 4
+            for (int g = 0; g < DKC / 16; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qc, kc[g]);
         }
     }
     float alpha[DCOLS];
+#pragma GCC unroll 8
     for (int32_t r = 0; r < nrows; r++) {
         __m512 mxv = _mm512_set1_ps(m[r]);
         __mmask16 live[DKC / 16];
-        for (int g = 0; g < ng; g++) {
+#pragma GCC unroll 4
+        for (int g = 0; g < DKC / 16; g++) {
+            if (g >= ng) break;
             const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(start + 16 * g), lane_ids);
             const int in_chunk = nk - 16 * g < 16 ? nk - 16 * g : 16;
             live[g] = (__mmask16)(_mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos[r])) &
@@ -354,7 +364,9 @@ ALWAYS_INLINE void dp_cols_rows(const uint32_t *Kt, const uint32_t *Vp, const ui
         alpha[r] = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m[r] - mx)));
         m[r] = mx;
         float *wr = w + r * (DKC + 16);
-        for (int g = 0; g < ng; g++) {
+#pragma GCC unroll 4
+        for (int g = 0; g < DKC / 16; g++) {
+            if (g >= ng) break;
             const __m512 pg = _mm512_maskz_mov_ps(live[g], exp2_ps(_mm512_sub_ps(acc[r][g], _mm512_set1_ps(mx))));
             _mm512_store_ps(wr + 16 * g, pg);
             _mm256_store_si256((__m256i *)(P16 + r * (DKC + 16) + 16 * g), (__m256i)_mm512_cvtneps_pbh(pg));
@@ -365,20 +377,69 @@ ALWAYS_INLINE void dp_cols_rows(const uint32_t *Kt, const uint32_t *Vp, const ui
         for (int i = 0; i < n2; i++) sum = sum + (wr[2 * i] + wr[2 * i + 1]);
         l[r] = l[r] * alpha[r] + sum;
     }
-    /* P V for every row: each Vp vector loaded once for the item's rows. */
-    for (int c = 0; c < d; c += 16) {
+    /* P V for every row: each Vp vector loaded once for the item's rows; 4 column blocks at once, so that
+     * 4 * nrows sums are in flight instead of nrows (each element's sum still runs over the pairs in order). */
+    int c = 0;
+    for (; c + 64 <= d; c += 64) {
+        __m512 a[DCOLS][4];
+#pragma GCC unroll 8
+        for (int32_t r = 0; r < nrows; r++)
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; b++)
+                a[r][b] = _mm512_mul_ps(_mm512_load_ps(o + r * d + c + 16 * b), _mm512_set1_ps(alpha[r]));
+        for (int i = 0; i < n2; i++) {
+            __m512bh vc[4];
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; b++) vc[b] = (__m512bh)_mm512_load_si512(Vp + (int64_t)i * d + c + 16 * b);
+#pragma GCC unroll 8
+            for (int32_t r = 0; r < nrows; r++) {
+                const __m512bh pr = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(P16 + r * (DKC + 16)))[i]);
+#pragma GCC unroll 4
+                for (int b = 0; b < 4; b++) a[r][b] = _mm512_dpbf16_ps(a[r][b], pr, vc[b]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int32_t r = 0; r < nrows; r++)
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; b++) _mm512_store_ps(o + r * d + c + 16 * b, a[r][b]);
+    }
+    for (; c < d; c += 16) {
         __m512 a[DCOLS];
+#pragma GCC unroll 8
         for (int32_t r = 0; r < nrows; r++)
             a[r] = _mm512_mul_ps(_mm512_load_ps(o + r * d + c), _mm512_set1_ps(alpha[r]));
         for (int i = 0; i < n2; i++) {
             const __m512bh vc = (__m512bh)_mm512_load_si512(Vp + (int64_t)i * d + c);
+#pragma GCC unroll 8
             for (int32_t r = 0; r < nrows; r++) {
                 const uint32_t pr = ((const uint32_t *)(P16 + r * (DKC + 16)))[i];
                 a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32((int)pr), vc);
             }
         }
+#pragma GCC unroll 8
         for (int32_t r = 0; r < nrows; r++) _mm512_store_ps(o + r * d + c, a[r]);
     }
+}
+
+_Static_assert(DCOLS == 8, "dp_cols_rows_n instantiates row counts 1 .. 8");
+
+/* dp_cols_rows with its row count a constant, one instance per count. */
+ALWAYS_INLINE void dp_cols_rows_n(const uint32_t *Kt, const uint32_t *Vp, const uint32_t *const *qrow,
+                                  const int32_t *pos, float *m, float *l, float *o, float *w, uint16_t *P16,
+                                  int32_t nrows, int32_t start, int nk, int n2, int ng, int d2, int d, __m512 scale,
+                                  __m512 ninf, __m512i lane_ids) {
+#define ROWS(N) dp_cols_rows(Kt, Vp, qrow, pos, m, l, o, w, P16, N, start, nk, n2, ng, d2, d, scale, ninf, lane_ids)
+    switch (nrows) {
+    case 1: ROWS(1); break;
+    case 2: ROWS(2); break;
+    case 3: ROWS(3); break;
+    case 4: ROWS(4); break;
+    case 5: ROWS(5); break;
+    case 6: ROWS(6); break;
+    case 7: ROWS(7); break;
+    default: ROWS(8); break;
+    }
+#undef ROWS
 }
 
 /* An item of fewer than DCOLS rows per kv head (a decode: one token's GQA group), row by row with the keys
@@ -437,12 +498,14 @@ ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_l
             for (int g = 0; g < ng; g++) { /* Kt[c][16g + i] = dword pair c of key 16g + i; keys past nk are 0 */
                 /* The next chunk's keys 16g.. into the caches while this group is transposed: a decode's KV comes
                  * from DRAM in random block order, which the hardware prefetchers do not follow. */
-                for (int32_t i = 0, key = start + DKC + 16 * g; i < 16 && key <= last; i++, key++) {
-                    const int64_t nxt = cache_offset(p, table[key / bs], key % bs, h);
+                const int32_t key0 = start + DKC + 16 * g, keys = last - key0 + 1 < 16 ? last - key0 + 1 : 16;
+                for (int32_t i = 0, blk = key0 / bs, off = key0 % bs; i < keys; i++) { /* no division per key */
+                    const int64_t nxt = cache_offset(p, table[blk], off, h);
                     for (int b = 0; b < d * 2; b += 64) {
                         __builtin_prefetch((const char *)(kbase + nxt) + b, 0, 3);
                         __builtin_prefetch((const char *)(vbase + nxt) + b, 0, 3);
                     }
+                    if (++off == bs) off = 0, blk++;
                 }
                 for (int c0 = 0; c0 < d2; c0 += 16) {
                     const int nc = d2 - c0 < 16 ? d2 - c0 : 16;
@@ -456,7 +519,7 @@ ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_l
                 }
             }
             interleave_v_pairs(Vp, vp, nk, d);
-            dp_cols_rows(Kt, Vp, qrow[hh], pos, m[hh], l[hh], o + hh * DCOLS * d, w, P16, nrows, start, nk, n2, ng,
+            dp_cols_rows_n(Kt, Vp, qrow[hh], pos, m[hh], l[hh], o + hh * DCOLS * d, w, P16, nrows, start, nk, n2, ng,
                          d2, d, scale, ninf, lane_ids);
         }
     }
