@@ -40,7 +40,7 @@ _ERRORS = {
     3: "has a block id outside the cache",
     4: "has query_start_loc entries out of order or past the query tokens",
     5: "has an unsupported shape (head_dim > 256, or query heads not a multiple of kv heads)",
-    6: "could not be given its scratch memory (the host is out of memory)",
+    6: "could not be given its scratch memory (the host is out of memory)",  # no sequence at fault: seq -1
 }
 
 
@@ -102,7 +102,8 @@ def _call(
 
 def attention_error(rc: int, seq: int) -> ValueError:
     """The error for the kernel's non-zero return `rc` about sequence `seq`."""
-    return ValueError(f"paged attention: sequence {seq} {_ERRORS.get(rc, f'failed with code {rc}')}")
+    what = _ERRORS.get(rc, f"failed with code {rc}")
+    return ValueError(f"paged attention: sequence {seq} {what}" if seq >= 0 else f"paged attention: the call {what}")
 
 
 def paged_attention_native(
