@@ -73,6 +73,30 @@ static inline void block_32x32(const uint16_t *x, int64_t k, const uint16_t *wp,
     _tile_stored(2, c + 16 * 32, 128);
     _tile_stored(3, c + 16 * 32 + 16, 128);
 }
+
+/* A block's c[rows][32] (panels o0 / 16 and o0 / 16 + 1) into y through `epilogue`, rounded to bf16 as torch
+ * rounds (nearest even). */
+static inline void store_block(const float *c, int64_t rows, uint16_t *y, int64_t n, int64_t r0, int64_t o0,
+                               int32_t epilogue) {
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        uint16_t *row = y + (r0 + r) * (epilogue == EPI_SILU ? n / 2 : n);
+        if (epilogue == EPI_PLAIN) {
+            _mm512_storeu_si512((void *)(row + o0), both);
+            continue;
+        }
+        const __m256i gate = _mm512_castsi512_si256(both), up = _mm512_extracti64x4_epi64(both, 1);
+        if (epilogue == EPI_PAIRS) {
+            _mm256_storeu_si256((__m256i *)(row + o0 / 2), gate);
+            _mm256_storeu_si256((__m256i *)(row + n / 2 + o0 / 2), up);
+        } else {
+            const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(gate), 16));
+            const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16));
+            f32x16_store_bf16(row + o0 / 2, silu_mul16(g, u));
+        }
+    }
+}
 #endif
 
 /* y[m][n] (bf16) = x[m][k] (bf16, row-major) @ W^T, W packed by kernels/cpu/amx_gemm.py, through `epilogue`
@@ -126,29 +150,11 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                         /* SILU: every block of the row slice first, then its epilogue: the exp and divide between
                          * each block's tiles made the gate_up GEMM slower than it and a separate SiLU pass together */
                         for (int64_t s0 = n_begin; s0 < n_end; s0 += slice) {
-                        const int64_t s_end = s0 + slice < n_end ? s0 + slice : n_end;
-                        for (int64_t o0 = s0; o0 < s_end; o0 += 32) block_32x32(xs, k, wp, o0 / 16, c + (o0 - s0) * 32);
-                        for (int64_t o0 = s0; o0 < s_end; o0 += 32) {
-                            const float *cb = c + (o0 - s0) * 32;
-                            for (int64_t r = 0; r < rows; r++) {
-                                __m512 lo = _mm512_load_ps(cb + r * 32), hi = _mm512_load_ps(cb + r * 32 + 16);
-                                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-                                if (epilogue == EPI_PLAIN) {
-                                    _mm512_storeu_si512((void *)(y + (r0 + r) * n + o0), both);
-                                    continue;
-                                }
-                                const __m256i gate = _mm512_castsi512_si256(both);
-                                const __m256i up = _mm512_extracti64x4_epi64(both, 1);
-                                if (epilogue == EPI_PAIRS) {
-                                    _mm256_storeu_si256((__m256i *)(y + (r0 + r) * n + o0 / 2), gate);
-                                    _mm256_storeu_si256((__m256i *)(y + (r0 + r) * n + n / 2 + o0 / 2), up);
-                                } else {
-                                    const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(gate), 16));
-                                    const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16));
-                                    f32x16_store_bf16(y + (r0 + r) * (n / 2) + o0 / 2, silu_mul16(g, u));
-                                }
-                            }
-                        }
+                            const int64_t s_end = s0 + slice < n_end ? s0 + slice : n_end;
+                            for (int64_t o0 = s0; o0 < s_end; o0 += 32)
+                                block_32x32(xs, k, wp, o0 / 16, c + (o0 - s0) * 32);
+                            for (int64_t o0 = s0; o0 < s_end; o0 += 32)
+                                store_block(c + (o0 - s0) * 32, rows, y, n, r0, o0, epilogue);
                         }
                     }
                 }

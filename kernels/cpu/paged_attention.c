@@ -346,7 +346,7 @@ static int build_amx_vt(Problem *p, int32_t dtype, int32_t num_seqs, int32_t num
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int64_t t = 0; t < tasks; t++) {
         const int32_t b = task[t][0], h = task[t][1], c = task[t][2];
-        amx_build_vt(p, b, h, c, (*ptrs)[b] + amx_vt_head_dwords(p, b) * h + (int64_t)c * p->head_dim * (DKC / 2));
+        amx_build_vt(p, b, h, c, amx_vt_chunk(p, b, h, c));
     }
     free(task);
     return UCM_OK;

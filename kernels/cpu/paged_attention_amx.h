@@ -78,6 +78,12 @@ static inline int64_t amx_vt_head_dwords(const Problem *p, int32_t seq) {
     return (int64_t)((p->seq_lens[seq] + DKC - 1) / DKC) * p->head_dim * (DKC / 2);
 }
 
+/* Where chunk `chunk` of kv head h's V^T lies in Problem.amx_vt (one block a sequence: head after head, chunk
+ * after chunk). */
+static inline uint32_t *amx_vt_chunk(const Problem *p, int32_t seq, int32_t h, int32_t chunk) {
+    return (uint32_t *)p->amx_vt[seq] + amx_vt_head_dwords(p, seq) * h + (int64_t)chunk * p->head_dim * (DKC / 2);
+}
+
 /* Chunk `chunk` of kv head h's V for sequence seq as P V's A tiles: VT[c][i] = (v_2i[c], v_2i+1[c]) for the
  * chunk's DKC / 2 key pairs, zeros past the sequence's last key. Every prompt item of the head reads every chunk
  * up to its last row, so the call builds each chunk once (paged_attention.c) instead of each item building its

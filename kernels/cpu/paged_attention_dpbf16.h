@@ -165,6 +165,27 @@ ALWAYS_INLINE void transpose16x16_epi32(__m512i r[16]) {
     }
 }
 
+/* One chunk's weights p = 2^(s - m) of every row (lanes): their sum added pair by pair into sum, the pairs
+ * rounded to bf16 into Pp. all_live (a constant where inlined): no key of the chunk is masked and nk is even, so
+ * the masks that zero a masked key's weight (exp2_ps clamps at 2^-127: a denormal, not 0) would keep every lane. */
+ALWAYS_INLINE void dp_weights(const float *S, uint32_t *Pp, const __m512 *m, __m512 *sum, int n2, int nk,
+                              const int all_live) {
+    for (int i = 0; i < n2; i++)
+#pragma GCC unroll 2
+        for (int v = 0; v < DV; v++) {
+            const __m512 se = _mm512_load_ps(S + 2 * i * DR + v * 16);
+            const __m512 so = 2 * i + 1 < nk ? _mm512_load_ps(S + (2 * i + 1) * DR + v * 16)
+                                             : _mm512_set1_ps(-INFINITY);
+            __m512 pe = exp2_ps(_mm512_sub_ps(se, m[v])), po = exp2_ps(_mm512_sub_ps(so, m[v]));
+            if (!all_live) {
+                pe = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(se, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), pe);
+                po = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(so, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), po);
+            }
+            sum[v] = _mm512_add_ps(sum[v], _mm512_add_ps(pe, po));
+            _mm512_store_si512(Pp + i * DR + v * 16, bf16_pairs(pe, po));
+        }
+}
+
 #include "paged_attention_amx.h"
 
 
@@ -185,7 +206,6 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
 #ifdef UCM_HAS_AMX_ATTN
     _Alignas(64) uint16_t Kc[16 * MAX_D];
     const int64_t key_stride = (int64_t)p->num_kv_heads * d * 2;
-    const uint32_t *const vt = amx ? p->amx_vt[seq] + amx_vt_head_dwords(p, seq) * h : NULL;
     if (amx) amx_load_config();
 #endif
     const uint32_t *kp[DKC];
@@ -264,35 +284,12 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
             m[v] = mx[v];
             sum[v] = _mm512_setzero_ps();
         }
-        if (!diag && nk == DKC) /* every key live: the masks below would keep every lane */
-            for (int i = 0; i < n2; i++)
-#pragma GCC unroll 2
-                for (int v = 0; v < DV; v++) {
-                    const __m512 pe = exp2_ps(_mm512_sub_ps(_mm512_load_ps(S + 2 * i * DR + v * 16), m[v]));
-                    const __m512 po = exp2_ps(_mm512_sub_ps(_mm512_load_ps(S + (2 * i + 1) * DR + v * 16), m[v]));
-                    sum[v] = _mm512_add_ps(sum[v], _mm512_add_ps(pe, po));
-                    _mm512_store_si512(Pp + i * DR + v * 16, bf16_pairs(pe, po));
-                }
-        else
-        for (int i = 0; i < n2; i++)
-#pragma GCC unroll 2
-            for (int v = 0; v < DV; v++) {
-                const __m512 se = _mm512_load_ps(S + 2 * i * DR + v * 16);
-                const __m512 so = 2 * i + 1 < nk ? _mm512_load_ps(S + (2 * i + 1) * DR + v * 16)
-                                                 : _mm512_set1_ps(-INFINITY);
-                /* exp2_ps clamps at 2^-127: a masked key's weight is a denormal that bf16 rounding flushes to 0 */
-                const __m512 pe = exp2_ps(_mm512_sub_ps(se, m[v])), po = exp2_ps(_mm512_sub_ps(so, m[v]));
-                const __mmask16 live_e = _mm512_cmp_ps_mask(se, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                const __mmask16 live_o = _mm512_cmp_ps_mask(so, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                sum[v] = _mm512_add_ps(sum[v], _mm512_add_ps(_mm512_maskz_mov_ps(live_e, pe),
-                                                             _mm512_maskz_mov_ps(live_o, po)));
-                _mm512_store_si512(Pp + i * DR + v * 16,
-                                   bf16_pairs(_mm512_maskz_mov_ps(live_e, pe), _mm512_maskz_mov_ps(live_o, po)));
-            }
+        if (!diag && nk == DKC) dp_weights(S, Pp, m, sum, n2, nk, 1); /* no masked key, no odd partner */
+        else dp_weights(S, Pp, m, sum, n2, nk, 0);
 #pragma GCC unroll 2
         for (int v = 0; v < DV; v++) l[v] = _mm512_add_ps(_mm512_mul_ps(l[v], alpha[v]), sum[v]);
 #ifdef UCM_HAS_AMX_ATTN
-        if (amx) amx_pv(oT, Pp, vt + (int64_t)start / DKC * d * (DKC / 2), alpha, n2, d);
+        if (amx) amx_pv(oT, Pp, amx_vt_chunk(p, seq, h, start / DKC), alpha, n2, d);
         else
 #endif
             for (int c = 0; c < d; c += DKB) {
@@ -319,6 +316,33 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
                 _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(bf16x16_bits(x)));
             }
         }
+}
+
+/* dp_cols_rows' P V for output columns c .. c + 16 * nb - 1 of every row (nb, nrows: constants where it is
+ * inlined): o[r][cols] = o[r][cols] * alpha[r] + sum over the n2 key pairs of P16's pair . Vp's pair, in order. */
+ALWAYS_INLINE void dp_cols_pv(const uint32_t *Vp, const uint16_t *P16, float *o, const float *alpha,
+                              const int32_t nrows, int n2, int d, int c, const int nb) {
+    __m512 a[DCOLS][4];
+#pragma GCC unroll 8
+    for (int32_t r = 0; r < nrows; r++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++)
+            a[r][b] = _mm512_mul_ps(_mm512_load_ps(o + r * d + c + 16 * b), _mm512_set1_ps(alpha[r]));
+    for (int i = 0; i < n2; i++) {
+        __m512bh vc[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) vc[b] = (__m512bh)_mm512_load_si512(Vp + (int64_t)i * d + c + 16 * b);
+#pragma GCC unroll 8
+        for (int32_t r = 0; r < nrows; r++) {
+            const __m512bh pr = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(P16 + r * (DKC + 16)))[i]);
+#pragma GCC unroll 4
+            for (int b = 0; b < nb; b++) a[r][b] = _mm512_dpbf16_ps(a[r][b], pr, vc[b]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int32_t r = 0; r < nrows; r++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) _mm512_store_ps(o + r * d + c + 16 * b, a[r][b]);
 }
 
 /* attend_dpbf16_cols' work on one chunk for the rows of one kv head: scores (each Kt vector loaded once for the
@@ -380,45 +404,8 @@ ALWAYS_INLINE void dp_cols_rows(const uint32_t *Kt, const uint32_t *Vp, const ui
     /* P V for every row: each Vp vector loaded once for the item's rows; 4 column blocks at once, so that
      * 4 * nrows sums are in flight instead of nrows (each element's sum still runs over the pairs in order). */
     int c = 0;
-    for (; c + 64 <= d; c += 64) {
-        __m512 a[DCOLS][4];
-#pragma GCC unroll 8
-        for (int32_t r = 0; r < nrows; r++)
-#pragma GCC unroll 4
-            for (int b = 0; b < 4; b++)
-                a[r][b] = _mm512_mul_ps(_mm512_load_ps(o + r * d + c + 16 * b), _mm512_set1_ps(alpha[r]));
-        for (int i = 0; i < n2; i++) {
-            __m512bh vc[4];
-#pragma GCC unroll 4
-            for (int b = 0; b < 4; b++) vc[b] = (__m512bh)_mm512_load_si512(Vp + (int64_t)i * d + c + 16 * b);
-#pragma GCC unroll 8
-            for (int32_t r = 0; r < nrows; r++) {
-                const __m512bh pr = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(P16 + r * (DKC + 16)))[i]);
-#pragma GCC unroll 4
-                for (int b = 0; b < 4; b++) a[r][b] = _mm512_dpbf16_ps(a[r][b], pr, vc[b]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int32_t r = 0; r < nrows; r++)
-#pragma GCC unroll 4
-            for (int b = 0; b < 4; b++) _mm512_store_ps(o + r * d + c + 16 * b, a[r][b]);
-    }
-    for (; c < d; c += 16) {
-        __m512 a[DCOLS];
-#pragma GCC unroll 8
-        for (int32_t r = 0; r < nrows; r++)
-            a[r] = _mm512_mul_ps(_mm512_load_ps(o + r * d + c), _mm512_set1_ps(alpha[r]));
-        for (int i = 0; i < n2; i++) {
-            const __m512bh vc = (__m512bh)_mm512_load_si512(Vp + (int64_t)i * d + c);
-#pragma GCC unroll 8
-            for (int32_t r = 0; r < nrows; r++) {
-                const uint32_t pr = ((const uint32_t *)(P16 + r * (DKC + 16)))[i];
-                a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32((int)pr), vc);
-            }
-        }
-#pragma GCC unroll 8
-        for (int32_t r = 0; r < nrows; r++) _mm512_store_ps(o + r * d + c, a[r]);
-    }
+    for (; c + 64 <= d; c += 64) dp_cols_pv(Vp, P16, o, alpha, nrows, n2, d, c, 4);
+    for (; c < d; c += 16) dp_cols_pv(Vp, P16, o, alpha, nrows, n2, d, c, 1);
 }
 
 _Static_assert(DCOLS == 8, "dp_cols_rows_n instantiates row counts 1 .. 8");
