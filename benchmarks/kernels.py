@@ -436,7 +436,7 @@ def _linear_path(d: object, rows: int) -> str:
     if isinstance(d, F32Packed):
         if d.panels is not None and rows <= d.panels.max_rows:
             return "native"
-        if d.onednn is not None:
+        if d.onednn is not None and d.onednn.takes(rows):
             return "oneDNN"
     return "torch"
 

@@ -15,7 +15,7 @@ the same results bit for bit from a sixth of the memory reads, and a sixth of th
 copies add the weights' size, as for bf16. Past those row counts (prefill chunks; on a CPU where oneDNN beats the kernel
 at few rows, decode steps too), a weight whose shape ran faster through oneDNN than through `F.linear` here also
 keeps a oneDNN-reordered copy (kernels/cpu/onednn_linear.py; a [3072 x 576] matmul of 1024 rows: 106 -> 134 GFLOPS
-on the same EPYC). lm_head too: on a 2-core AMD EPYC with AVX-512, where the kernel loses to oneDNN from a few rows
+on the same EPYC), used for the row classes where it won (prefill-sized calls, and each few-row class apart). lm_head too: on a 2-core AMD EPYC with AVX-512, where the kernel loses to oneDNN from a few rows
 on, its logits of 8 rows went through F.linear (MKL) at 2.7x oneDNN's time.
 
 bf16 on AVX-512 BF16, a weight that is exactly Q4_1 (the embedded model's layers; the loader finds the 4-bit form
@@ -42,6 +42,7 @@ from kernels.api import silu_and_mul
 from kernels.cpu import onednn_linear, q4_bf16
 from kernels.cpu.amx_gemm import AmxWeight, amx_weight
 from kernels.cpu.native import NativeLib
+from kernels.cpu.onednn_linear import OnednnWeight
 from kernels.cpu.q4_bf16 import DecodePanelsOf
 from kernels.cpu.skinny_gemm import PanelWeight, panel_weight
 
@@ -63,7 +64,7 @@ class F32Packed:
     """An fp32 weight's packed copies on CPU: skinny-kernel panels for few rows, oneDNN's layout for many."""
 
     panels: PanelWeight | None
-    onednn: torch.Tensor | None
+    onednn: OnednnWeight | None
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,8 @@ def dense(
     if isinstance(packed, F32Packed):
         if packed.panels is not None and x.dim() == 2 and x.shape[0] <= packed.panels.max_rows:
             return packed.panels.linear(x, bias)
-        if packed.onednn is not None:
-            return onednn_linear.linear(x, packed.onednn, bias)
+        if packed.onednn is not None and packed.onednn.takes(x.numel() // x.shape[-1]):
+            return onednn_linear.linear(x, packed.onednn.reordered, bias)
         return F.linear(x, weight, bias)
     return _bf16_by_class(x, packed, bias, rows, lambda y: y, lambda p: _bf16(p, packed, bias))
 

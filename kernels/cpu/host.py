@@ -42,3 +42,29 @@ def torch_isa() -> str:
     mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS", "")
     caps = [f"oneDNN <= {onednn}"] * bool(onednn) + [f"MKL <= {mkl}"] * bool(mkl)
     return ", ".join([torch.backends.cpu.get_cpu_capability(), *caps])
+
+
+@lru_cache(maxsize=1)
+def last_level_cache_bytes() -> int | None:
+    """The size of the CPU's last-level cache (the highest level sysfs lists for cpu0), or None where sysfs has none."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    best: tuple[int, int] | None = None
+    try:
+        for entry in os.listdir(root):
+            if not entry.startswith("index"):
+                continue
+            with open(f"{root}/{entry}/level", encoding="ascii") as f:
+                level = int(f.read())
+            with open(f"{root}/{entry}/size", encoding="ascii") as f:
+                size = _cache_size(f.read().strip())
+            if size and (best is None or level > best[0]):
+                best = (level, size)
+    except (OSError, ValueError):
+        return None
+    return best[1] if best else None
+
+
+def _cache_size(text: str) -> int:
+    """sysfs's cache size ("491520K", "32M", "1024") in bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)

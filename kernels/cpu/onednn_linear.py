@@ -10,26 +10,39 @@ beside the skinny kernel's (kernels/cpu/calibration_store.py: same key, same fil
 wherever it is available, `torch` never. The engine uses it above the skinny kernel's row counts
 (engine/models/dense.py). Results differ from `F.linear`'s in the last bits (another summation order), as the
 skinny kernel's do; the engine's greedy outputs are tested against HF transformers either way.
+
+Few-row calls (a decode step's) are another regime: the weights stream from memory, and which path is faster
+changes with the row count and the shape. On a 2-core Xeon with AMX (480 MiB L3), 30 layers' fp32 matmuls plus the
+lm_head at 1 row took 23.7 ms through F.linear against 31.4 through oneDNN, at 8 rows 48.9 against 39.1
+(benchmarks/kernels.py), and one choice at 512 rows sent both counts down one path. So each row class of
+`FEW_ROWS` (a call takes the smallest class at least its row count) is measured too, on a stack of weights as a
+decode step reads them (past the last-level cache: `few_rows_stack_bytes`), and oneDNN takes the classes it won
+(`OnednnWeight.takes`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu.calibration_store import stored_or_measured
+from kernels.cpu.host import cpu_info, last_level_cache_bytes, vector_flags
 from kernels.cpu.linear_choice import WinMemo, measured_win
 from kernels.cpu.native import NativeLib
-from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, CpuLinear, cpu_linear_mode
-from kernels.cpu.timing import two_way_rounds
+from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
+from kernels.cpu.timing import ROUNDS, alternating_best_ms, two_way_rounds
 
 log = logging.getLogger(__name__)
 
 ROWS = 512  # a prefill chunk's rows: what the choice is for (fewer go to the skinny kernel or F.linear)
 MAX_FLOP = 2 << 30  # ... but a wide weight (lm_head: 49152 x 576) is measured at fewer, so start-up stays short
 REPS = 3
+FEW_ROWS = (1, 8, 32)  # row classes of few-row calls; more rows than the last take the choice made at ROWS
 
 
 def measured_rows(k: int, n: int) -> int:
@@ -80,16 +93,144 @@ def onednn_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> boo
     # Disagreeing rounds: F.linear now (no extra copy), measured again by the next process.
     return measured_win(
         _memo, lib, root, f"onednn fp32 {n}x{k}", "onednn", lambda: measure(k, n),
-        ("oneDNN", "F.linear"), "calls above the skinny kernel's rows", f"{measured_rows(k, n)} rows", log,
+        ("oneDNN", "F.linear"), f"calls of more than {FEW_ROWS[-1]} rows", f"{measured_rows(k, n)} rows", log,
     )  # fmt: skip
 
 
-def onednn_weight(lib: NativeLib, weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` reordered for oneDNN where that wins here, else None (F.linear, no extra memory)."""
+def row_class(rows: int) -> int | None:
+    """The `FEW_ROWS` class of a call of `rows` rows (the smallest class at least that), None past the last."""
+    return next((c for c in FEW_ROWS if rows <= c), None)
+
+
+FewTimings = dict[int, Timings]  # per row class: (oneDNN ms, F.linear ms) over the stack, best of REPS
+
+
+def few_rows_stack_bytes() -> int:
+    """The weight bytes `measure_few` cycles through: past the last-level cache, as a decode step's weights are
+    when the model's are larger than it. A fixed 64 MB (STACK_BYTES) sat inside the 480 MiB L3 of a Xeon with AMX,
+    where F.linear won 8-row calls that oneDNN won in the engine's step (0.54 GB of fp32 weights)."""
+    llc = last_level_cache_bytes() or 0
+    return max(STACK_BYTES, llc + llc // 4)
+
+
+def measure_few(k: int, n: int) -> list[FewTimings]:
+    """One FewTimings per round (tests replace this to force a result): each `FEW_ROWS` class over a stack of
+    random [n, k] weights of `few_rows_stack_bytes`, each path taking its turn."""
+    gen = torch.Generator().manual_seed(0)
+    count = max(2, -(-few_rows_stack_bytes() // (4 * n * k)))
+    # One allocation, filled at memory speed (randn of 600 MB took seconds); the weights are its slices.
+    weights = list(torch.empty(count, n, k).uniform_(-1.0, 1.0, generator=gen).unbind(0))
+    reordered = [reorder(w) for w in weights]
+    xs = {rows: torch.randn(rows, k, generator=gen) for rows in FEW_ROWS}
+    runs = {
+        rows: [
+            lambda x=x: [linear(x, r, None) for r in reordered],
+            lambda x=x: [F.linear(x, w) for w in weights],
+        ]
+        for rows, x in xs.items()
+    }
+    for pair in runs.values():
+        for fn in pair:
+            fn()
+    rounds: list[FewTimings] = []
+    for _ in range(ROUNDS):
+        timings: FewTimings = {}
+        for rows, pair in runs.items():
+            onednn_ms, torch_ms = alternating_best_ms(pair, REPS)
+            timings[rows] = (onednn_ms, torch_ms)
+        rounds.append(timings)
+    return rounds
+
+
+class _FewMemo:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.classes: dict[tuple[str, str, int, int, int], frozenset[int]] = {}
+
+
+_few_memo = _FewMemo()
+
+
+def _parse_classes(stored: object) -> frozenset[int] | None:
+    rows = stored.get("onednn_rows") if isinstance(stored, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, int) and r in FEW_ROWS for r in rows):
+        return None
+    return frozenset(rows)
+
+
+def few_rows_won(lib: NativeLib, k: int, n: int, root: Path | None = None) -> frozenset[int]:
+    """The `FEW_ROWS` classes whose calls oneDNN runs for a [n, k] weight on this machine: those it won over the
+    rounds. Stored only when every round agreed on every class; otherwise used now and measured again by the next
+    process."""
+    mode = cpu_linear_mode()
+    if mode is CpuLinear.TORCH or not available():
+        return frozenset()
+    if mode is CpuLinear.NATIVE:
+        return frozenset(FEW_ROWS)
+    if 4 * k * n < MIN_PACK_BYTES:
+        return frozenset()
+    threads = torch.get_num_threads()
+    memo_key = (str(root), lib.path.name, threads, k, n)
+    with _few_memo.lock:
+        found = _few_memo.classes.get(memo_key)
+        if found is not None:
+            return found
+        tables: list[str] = []
+
+        def run() -> tuple[frozenset[int], list[str]]:
+            rounds = measure_few(k, n)
+            won = [frozenset(c for c in FEW_ROWS if c in t and t[c][0] < t[c][1]) for t in rounds]
+            tables.append(
+                ", ".join(
+                    f"{c}: {min(t[c][0] for t in rounds):.2f} vs {min(t[c][1] for t in rounds):.2f} ms"
+                    for c in FEW_ROWS
+                )
+            )
+            # A class the rounds disagree on (a near tie) goes to the path with the smaller total, unstored.
+            disagreed = sorted(frozenset.union(*won) - frozenset.intersection(*won))
+            total = {c: [sum(t[c][i] for t in rounds) for i in (0, 1)] for c in FEW_ROWS}
+            taken = frozenset(c for c in FEW_ROWS if total[c][0] < total[c][1])
+            return taken, [f"{c} rows" for c in disagreed]
+
+        classes, where = stored_or_measured(
+            "linear", f"onednn fp32 {n}x{k} few rows", lib, threads, root, _parse_classes, run,
+            lambda c: {"onednn_rows": sorted(c)},
+        )  # fmt: skip
+        measured = f" (oneDNN vs F.linear over a stack of weights: {tables[0]})" if tables else ""
+        log.info(
+            "CPU linear onednn fp32 %dx%d for %s [%s], %d thread(s): calls of up to %s rows through oneDNN at %s, "
+            "F.linear at the others%s (%s)",
+            n, k, cpu_info()[0], " ".join(vector_flags()), threads, FEW_ROWS[-1],
+            sorted(classes) or "none", measured, where,
+        )  # fmt: skip
+        _few_memo.classes[memo_key] = classes
+        return classes
+
+
+@dataclass(frozen=True)
+class OnednnWeight:
+    """A weight reordered for oneDNN, and the calls it runs: the `FEW_ROWS` classes it won, and whether it won at
+    `ROWS` (every call past the last class)."""
+
+    reordered: torch.Tensor
+    few_rows: frozenset[int]
+    many_rows: bool
+
+    def takes(self, rows: int) -> bool:
+        c = row_class(rows)
+        return self.many_rows if c is None else c in self.few_rows
+
+
+def onednn_weight(lib: NativeLib, weight: torch.Tensor) -> OnednnWeight | None:
+    """`weight` reordered for oneDNN with the calls it wins here, or None where it wins none (F.linear, no extra
+    memory)."""
     n, k = weight.shape
-    return reorder(weight) if onednn_wins(lib, k, n) else None
+    many, few = onednn_wins(lib, k, n), few_rows_won(lib, k, n)
+    return OnednnWeight(reorder(weight), few, many) if many or few else None
 
 
 def forget() -> None:
     """Drop this process's memoised choices (tests)."""
     _memo.clear()
+    with _few_memo.lock:
+        _few_memo.classes.clear()

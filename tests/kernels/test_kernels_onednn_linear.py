@@ -1,7 +1,7 @@
 """oneDNN fp32 linear (kernels/cpu/onednn_linear.py) against F.linear, and its dispatch in `engine.models.dense`:
-prefill-sized row counts go to oneDNN only for weight shapes where it measured faster, the choice is cached per
-machine, lm_head gets no copy, and `UCM_CPU_LINEAR=torch` turns it off. No timing asserts: `measure` is replaced
-by fixed numbers wherever a choice is tested."""
+prefill-sized row counts, and each few-row class apart, go to oneDNN only for weight shapes where it measured faster,
+the choices are cached per machine, and `UCM_CPU_LINEAR=torch` turns it off. No timing asserts: `measure` and
+`measure_few` are replaced by fixed numbers wherever a choice is tested."""
 
 from __future__ import annotations
 
@@ -33,10 +33,15 @@ def test_matches_f_linear(m, k, n, bias) -> None:
         onednn_linear.reorder(w.bfloat16())
 
 
+FEW: list[dict[int, tuple[float, float]]] = []  # measure_few's rounds while `forced` is in use
+FEW_MEASURED: list[tuple[int, int]] = []
+
+
 @pytest.fixture
 def forced(monkeypatch, tmp_path):
-    """UCM_CPU_LINEAR=auto, a fresh cache dir, the skinny kernel winning up to 8 rows, and oneDNN's `measure`
-    replaced by the rounds in `rounds` (oneDNN ms, F.linear ms); returns (rounds, the (k, n) measured)."""
+    """UCM_CPU_LINEAR=auto, a fresh cache dir, the skinny kernel winning up to 8 rows, oneDNN's `measure` replaced by
+    the rounds in `rounds` (oneDNN ms, F.linear ms) and `measure_few` by oneDNN winning every few-row class (tests
+    set `FEW` otherwise); returns (rounds, the (k, n) measured)."""
     monkeypatch.setenv("UCM_CPU_LINEAR", "auto")
     monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path / "cache"))
     skinny_gemm.forget()
@@ -51,6 +56,9 @@ def forced(monkeypatch, tmp_path):
     rounds = [(1.0, 2.0), (1.0, 2.0)]
     measured: list[tuple[int, int]] = []
     monkeypatch.setattr(onednn_linear, "measure", lambda k, n: measured.append((k, n)) or list(rounds))
+    FEW[:] = [dict.fromkeys(onednn_linear.FEW_ROWS, (1.0, 2.0))] * 2
+    monkeypatch.setattr(onednn_linear, "measure_few", lambda k, n: FEW_MEASURED.append((k, n)) or list(FEW))
+    FEW_MEASURED.clear()
     yield rounds, measured
     skinny_gemm.forget()
     onednn_linear.forget()
@@ -85,6 +93,7 @@ def test_a_wide_weight_is_measured_at_fewer_rows() -> None:
 def test_no_copy_where_it_lost_disagreed_or_is_off(native_lib, forced, monkeypatch) -> None:
     rounds, measured = forced
     rounds[:] = [(2.0, 1.0), (2.0, 1.0)]
+    FEW[:] = [dict.fromkeys(onednn_linear.FEW_ROWS, (2.0, 1.0))] * 2
     assert dense_mod.pack_weight(torch.randn(48, 32)).onednn is None, "no memory spent where F.linear wins"
     rounds[:] = [(1.0, 2.0), (2.0, 1.0)]
     assert dense_mod.pack_weight(torch.randn(40, 32)).onednn is None, "rounds that disagree: F.linear"
@@ -94,3 +103,42 @@ def test_no_copy_where_it_lost_disagreed_or_is_off(native_lib, forced, monkeypat
     monkeypatch.setenv("UCM_CPU_LINEAR", "torch")
     measured.clear()
     assert dense_mod.pack_weight(torch.randn(56, 32)) is None and measured == []
+
+
+def test_few_row_classes_choose_apart(native_lib, forced, monkeypatch) -> None:
+    """The skinny kernel losing everywhere (as on the Xeon with AMX in fp32): 1 and 32 rows measured faster through
+    F.linear, 8 rows and prefill-sized calls through oneDNN; each call takes its class's path, and the classes are
+    stored for the next process."""
+    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: [dict.fromkeys(ROW_LADDER, (2.0, 1.0))] * 2)
+    FEW[:] = [{1: (2.0, 1.0), 8: (1.0, 2.0), 32: (2.0, 1.0)}] * 2
+    w = torch.randn(64, 32)
+    packed = dense_mod.pack_weight(w)
+    assert isinstance(packed, dense_mod.F32Packed) and packed.panels is None and packed.onednn is not None
+    assert packed.onednn.few_rows == {8} and packed.onednn.many_rows
+    calls: list[int] = []
+    real = onednn_linear.linear
+    monkeypatch.setattr(onednn_linear, "linear", lambda x, r, b: calls.append(x.shape[0]) or real(x, r, b))
+    for rows in (1, 2, 8, 9, 32, 33, 200):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(dense_mod.dense(x, w, None, packed), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    assert calls == [2, 8, 33, 200], "2-8 rows: the 8-row class; 9-32: the 32-row class; past 32: the prefill choice"
+    (stored,) = (Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json")
+    assert json.loads(stored.read_text())["entries"]["onednn fp32 64x32 few rows"] == {"onednn_rows": [8]}
+    onednn_linear.forget()
+    again = dense_mod.pack_weight(w)
+    assert again.onednn.few_rows == {8} and FEW_MEASURED == [(32, 64)], "read from the file, not measured again"
+
+
+def test_a_few_row_class_the_rounds_disagree_on_goes_by_the_total(native_lib, forced) -> None:
+    FEW[:] = [{1: (2.0, 1.0), 8: (1.0, 2.0), 32: (1.0, 2.0)}, {1: (2.0, 1.0), 8: (2.5, 1.0), 32: (1.0, 2.0)}]
+    assert dense_mod.pack_weight(torch.randn(72, 32)).onednn.few_rows == {32}, "8 rows: 3.5 vs 3.0 ms in all"
+    FEW[:] = [{1: (2.0, 1.0), 8: (1.0, 2.0), 32: (1.0, 2.0)}, {1: (2.0, 1.0), 8: (1.5, 1.0), 32: (1.0, 2.0)}]
+    onednn_linear.forget()
+    assert dense_mod.pack_weight(torch.randn(72, 32)).onednn.few_rows == {8, 32}, "8 rows: 2.5 vs 3.0 ms in all"
+    onednn_linear.forget()
+    dense_mod.pack_weight(torch.randn(72, 32))
+    assert FEW_MEASURED.count((32, 72)) == 3, "a disagreement is not stored: the next process measures again"
+
+
+def test_row_classes() -> None:
+    assert [onednn_linear.row_class(r) for r in (1, 2, 8, 9, 32, 33, 4096)] == [1, 8, 8, 32, 32, None, None]
