@@ -90,14 +90,13 @@ static inline uint32_t *amx_vt_chunk(const Problem *p, int32_t seq, int32_t h, i
  * own: that took a third of the body's time on a 2048-token prompt. */
 static void amx_build_vt(const Problem *p, int32_t seq, int32_t h, int32_t chunk, uint32_t *VT) {
     const int d = p->head_dim;
-    const int32_t len = p->seq_lens[seq], start = chunk * DKC, bs = p->block_size;
+    const int32_t len = p->seq_lens[seq], start = chunk * DKC;
     const int nk = len - start < DKC ? len - start : DKC, n2 = (nk + 1) / 2;
     const int32_t *table = table_of(p, seq);
     const uint16_t *vp[DKC];
-    for (int32_t j = 0, blk = start / bs, off = start % bs; j < nk; j++) {
-        vp[j] = (const uint16_t *)p->v_cache + cache_offset(p, table[blk], off, h);
-        if (++off == bs) off = 0, blk++;
-    }
+    int64_t at[DKC];
+    key_offsets(p, table, start, nk, h, at);
+    for (int j = 0; j < nk; j++) vp[j] = (const uint16_t *)p->v_cache + at[j];
     _Alignas(64) uint32_t Vp[DKC / 2 * MAX_D];
     interleave_v_pairs(Vp, vp, nk, d);
     for (int i0 = 0; i0 < DKC / 2; i0 += 16)

@@ -121,6 +121,17 @@ static inline int64_t cache_offset(const Problem *p, int32_t block, int32_t t, i
     return (((int64_t)block * p->block_size + t) * p->num_kv_heads + kv_head) * p->head_dim;
 }
 
+/* at[j] = cache_offset of key start + j's row of kv head h, j < nk, for the sequence whose block table is `table`:
+ * the block and offset advance key by key, with no division per key. Every body that gathers a chunk's key rows
+ * walks the table through here. */
+static inline void key_offsets(const Problem *p, const int32_t *table, int32_t start, int nk, int32_t h, int64_t *at) {
+    const int32_t bs = p->block_size;
+    for (int32_t j = 0, blk = start / bs, off = start % bs; j < nk; j++) {
+        at[j] = cache_offset(p, table[blk], off, h);
+        if (++off == bs) off = 0, blk++;
+    }
+}
+
 /* ---------------------------------------------------------------- dtype helpers (scalar) */
 
 static inline float load_f(const void *base, int64_t i, int dtype) {

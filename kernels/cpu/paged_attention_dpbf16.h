@@ -210,6 +210,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
 #endif
     const uint32_t *kp[DKC];
     const uint16_t *vp[DKC];
+    int64_t at[DKC];
     _Alignas(64) int32_t pos[DR];
     /* Rows past the sequence's last (the item's tail) copy the last real row and are never stored. */
     for (int32_t r = 0; r < DR; r++) {
@@ -239,12 +240,13 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
                 kp[j0] = (const uint32_t *)(kbase + cache_offset(p, table[(start + j0) / bs], (start + j0) % bs, h));
         else
 #endif
-            for (int32_t j = 0, blk = start / bs, off = start % bs; j < nk; j++) { /* no division per key */
-                const int64_t at = cache_offset(p, table[blk], off, h);
-                kp[j] = (const uint32_t *)(kbase + at);
-                vp[j] = vbase + at;
-                if (++off == bs) off = 0, blk++;
+        {
+            key_offsets(p, table, start, nk, h, at);
+            for (int j = 0; j < nk; j++) {
+                kp[j] = (const uint32_t *)(kbase + at[j]);
+                vp[j] = vbase + at[j];
             }
+        }
 #ifdef UCM_HAS_AMX_ATTN
         if (amx) amx_qk(S, qT, kp, nk, d, start, bs, key_stride, Kc);
         else
@@ -397,10 +399,17 @@ ALWAYS_INLINE void dp_cols_rows(const uint32_t *Kt, const uint32_t *Vp, const ui
         }
         wr[nk] = 0.0f; /* the odd partner past the chunk's last key (there: a masked key, weight 0) */
         P16[r * (DKC + 16) + nk] = 0;
-        float sum = 0.0f;
-        for (int i = 0; i < n2; i++) sum = sum + (wr[2 * i] + wr[2 * i + 1]);
-        l[r] = l[r] * alpha[r] + sum;
     }
+    /* Each row's weights summed pair by pair in order, as attend_dpbf16 sums them; the rows' chains of dependent
+     * adds side by side instead of one after another. */
+    float sum[DCOLS];
+#pragma GCC unroll 8
+    for (int32_t r = 0; r < nrows; r++) sum[r] = 0.0f;
+    for (int i = 0; i < n2; i++)
+#pragma GCC unroll 8
+        for (int32_t r = 0; r < nrows; r++) sum[r] = sum[r] + (w[r * (DKC + 16) + 2 * i] + w[r * (DKC + 16) + 2 * i + 1]);
+#pragma GCC unroll 8
+    for (int32_t r = 0; r < nrows; r++) l[r] = l[r] * alpha[r] + sum[r];
     /* P V for every row: each Vp vector loaded once for the item's rows; 4 column blocks at once, so that
      * 4 * nrows sums are in flight instead of nrows (each element's sum still runs over the pairs in order). */
     int c = 0;
@@ -429,6 +438,16 @@ ALWAYS_INLINE void dp_cols_rows_n(const uint32_t *Kt, const uint32_t *Vp, const 
 #undef ROWS
 }
 
+/* at[j] = the cache offset of key start + j's row (kv head 0 of the item: later heads are d elements on), for the
+ * DKC-key chunk from `start` up to key `last`; returns how many keys that is (0 past `last`). One walk of the block
+ * table per chunk, shared by the chunk's prefetch (a chunk ahead) and its work. */
+ALWAYS_INLINE int chunk_offsets(const Problem *p, const int32_t *table, int32_t start, int32_t last, int64_t *at,
+                                int32_t h_lo) {
+    const int nk = start > last ? 0 : last - start + 1 < DKC ? last - start + 1 : DKC;
+    key_offsets(p, table, start, nk, h_lo, at);
+    return nk;
+}
+
 /* An item of fewer than DCOLS rows per kv head (a decode: one token's GQA group), row by row with the keys
  * (scores) or the output columns (P V) in the lanes instead of the rows, so that 3 live rows do not pay for 32
  * lanes. Every row goes through attend_dpbf16's operations in its order, lane for lane: the same dword-pair
@@ -440,7 +459,7 @@ ALWAYS_INLINE void dp_cols_rows_n(const uint32_t *Kt, const uint32_t *Vp, const 
 ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_lo, int32_t h_hi, int32_t row0,
                                       int d) {
     const int32_t group = p->num_q_heads / p->num_kv_heads, n = num_queries(p, seq), len = p->seq_lens[seq];
-    const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq, bs = p->block_size;
+    const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq;
     const int32_t nrows = n * group - row0 < DR ? n * group - row0 : DR, d2 = d / 2, nh = h_hi - h_lo;
     const int32_t *table = table_of(p, seq);
     if (nrows <= 0 || nrows > DCOLS || nh <= 0 || nh > DCOLS_HEADS) return; /* items are made within these */
@@ -470,14 +489,13 @@ ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_l
     const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const int32_t last = pos[nrows - 1];
     const uint16_t *const kbase = (const uint16_t *)p->k_cache, *const vbase = (const uint16_t *)p->v_cache;
+    int64_t next_at[DKC]; /* the next chunk's key rows (kv head h_lo), looked up once for its prefetch and its work */
+    chunk_offsets(p, table, 0, last, next_at, h_lo);
     for (int32_t start = 0; start <= last; start += DKC) {
         const int nk = last - start + 1 < DKC ? last - start + 1 : DKC, n2 = (nk + 1) / 2, ng = (nk + 15) / 16;
-        for (int32_t j = 0, blk = start / bs, off = start % bs; j < nk; j++) {
-            at[j] = cache_offset(p, table[blk], off, h_lo);
-            if (++off == bs) off = 0, blk++;
-        }
+        memcpy(at, next_at, (size_t)nk * sizeof at[0]);
+        const int next_nk = chunk_offsets(p, table, start + DKC, last, next_at, h_lo);
         for (int32_t hh = 0; hh < nh; hh++) {
-            const int32_t h = h_lo + hh;
             for (int j = 0; j < nk; j++) {
                 kp[j] = (const uint32_t *)(kbase + at[j] + (int64_t)hh * d);
                 vp[j] = vbase + at[j] + (int64_t)hh * d;
@@ -485,14 +503,12 @@ ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_l
             for (int g = 0; g < ng; g++) { /* Kt[c][16g + i] = dword pair c of key 16g + i; keys past nk are 0 */
                 /* The next chunk's keys 16g.. into the caches while this group is transposed: a decode's KV comes
                  * from DRAM in random block order, which the hardware prefetchers do not follow. */
-                const int32_t key0 = start + DKC + 16 * g, keys = last - key0 + 1 < 16 ? last - key0 + 1 : 16;
-                for (int32_t i = 0, blk = key0 / bs, off = key0 % bs; i < keys; i++) { /* no division per key */
-                    const int64_t nxt = cache_offset(p, table[blk], off, h);
+                for (int i = 16 * g; i < 16 * g + 16 && i < next_nk; i++) {
+                    const int64_t nxt = next_at[i] + (int64_t)hh * d;
                     for (int b = 0; b < d * 2; b += 64) {
                         __builtin_prefetch((const char *)(kbase + nxt) + b, 0, 3);
                         __builtin_prefetch((const char *)(vbase + nxt) + b, 0, 3);
                     }
-                    if (++off == bs) off = 0, blk++;
                 }
                 for (int c0 = 0; c0 < d2; c0 += 16) {
                     const int nc = d2 - c0 < 16 ? d2 - c0 : 16;

@@ -93,7 +93,7 @@ _Static_assert(KB == 6, "SWITCH_UP_TO_6 unrolls blocks of up to 6");
 /* One item: rows row0 .. row0 + LR - 1 of kv head h of sequence seq, row = token * group + head in group. */
 ALWAYS_INLINE void attend_lanes(const Problem *p, int32_t seq, int32_t h, int32_t row0, int d) {
     const int32_t group = p->num_q_heads / p->num_kv_heads, n = num_queries(p, seq), len = p->seq_lens[seq];
-    const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq, bs = p->block_size;
+    const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq;
     const int32_t nrows = n * group - row0 < LR ? n * group - row0 : LR;
     const int32_t *table = table_of(p, seq);
     if (len == 0) { /* a padding sequence (a decode row of a wide GQA group) */
@@ -102,6 +102,7 @@ ALWAYS_INLINE void attend_lanes(const Problem *p, int32_t seq, int32_t h, int32_
     }
     _Alignas(64) float qT[MAX_D * LR], oT[MAX_D * LR], S[KC * LR];
     const float *kp[KC], *vp[KC];
+    int64_t at[KC];
     int32_t pos[LR];
     /* Rows past the sequence's last (the item's tail) copy the last real row and are never stored. */
     for (int32_t r = 0; r < LR; r++) {
@@ -125,11 +126,10 @@ ALWAYS_INLINE void attend_lanes(const Problem *p, int32_t seq, int32_t h, int32_
     const float *const kbase = (const float *)p->k_cache, *const vbase = (const float *)p->v_cache;
     for (int32_t start = 0; start <= last; start += KC) {
         const int nk = last - start + 1 < KC ? last - start + 1 : KC;
-        for (int32_t j = 0, blk = start / bs, off = start % bs; j < nk; j++) { /* no division per key */
-            const int64_t at = cache_offset(p, table[blk], off, h);
-            kp[j] = kbase + at;
-            vp[j] = vbase + at;
-            if (++off == bs) off = 0, blk++;
+        key_offsets(p, table, start, nk, h, at);
+        for (int j = 0; j < nk; j++) {
+            kp[j] = kbase + at[j];
+            vp[j] = vbase + at[j];
         }
         for (int j = 0; j < nk; j += KB) {
 #define QK(N) lanes_qk(S + j * LR, qT, kp + j, N, d)
