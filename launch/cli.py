@@ -7,7 +7,10 @@ when chosen, so `ucm-serve router` never imports torch and `ucm-serve store` nev
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+from node.openmp_env import node_openmp_env
 
 # subcommand -> (module, function taking argv, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -24,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "down": ("launch.ray.cli", "down_main", "stop a Ray deployment (one started with up --ray --detach)"),
     "serve": ("launch.launcher", "serve_main", "`serve MODEL`: the same as `up --model MODEL` (vLLM's one-line form)"),
 }
+# The serving nodes: their OpenMP wait policy is set before their module imports torch (node/openmp_env.py).
+NODE_COMMANDS = ("prefill", "decode")
 
 
 def version() -> str:
@@ -55,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ucm-serve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, func_name, _ = SUBCOMMANDS[name]
+    if name in NODE_COMMANDS:
+        node_openmp_env(os.environ)
     func = getattr(importlib.import_module(module_name), func_name)
     return int(func(rest) or 0)
 

@@ -8,6 +8,7 @@ the step's outputs, and only when idle waits on the socket. Heartbeats run on th
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -20,6 +21,7 @@ from node.config import NodeConfig
 from node.heartbeat import HeartbeatThread, StoreStatsPoller
 from node.job import RoleWorker
 from node.key_cache import RecentKeys
+from node.openmp_env import openmp_wait
 from node.runner import JobRunner
 from protocol import messages as P
 from protocol.peer_identity import Channel, PeerIdentity
@@ -109,7 +111,7 @@ class NodeServer:
         self._store_stats = poller
         print(
             f"ucm-serve {self.config.role.value} node {self.node_id} ready: router {self.config.router_addr}, "
-            f"store {self.config.store_addr or 'none'}",
+            f"store {self.config.store_addr or 'none'}, OpenMP wait {openmp_wait(os.environ)}",
             flush=True,
         )
         try:

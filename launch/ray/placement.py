@@ -9,9 +9,11 @@ nodes     SPREAD over the hosts, each reserving `node_cpus` CPUs (its torch thre
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from launch.ray.spec import DeploymentSpec
+from node.openmp_env import node_openmp_env
 
 LOOPBACK = "127.0.0.1"
 
@@ -64,4 +66,7 @@ def node_options(spec: DeploymentSpec) -> dict[str, Any]:
         "max_restarts": spec.max_restarts,
         "max_task_retries": 0,  # a call to a restarting node fails fast: the controller never waits on a dead actor
         "scheduling_strategy": "SPREAD",
+        # before the actor's process imports torch: how its idle OpenMP threads wait, unless the user's environment
+        # (the driver's, as Ray workers inherit theirs) chose (node/openmp_env.py)
+        "runtime_env": {"env_vars": node_openmp_env(dict(os.environ))},
     }
