@@ -18,7 +18,10 @@ def _scratch_rows(slot: str, rows: int, cols: int, dtype: torch.dtype, device: t
     buffers: dict = _scratch.__dict__.setdefault("buffers", {})
     key = (slot, dtype)
     buf = buffers.get(key)
-    if buf is None or buf.numel() < rows * cols:
+    # A buffer made under inference_mode is an inference tensor, which may not be written outside it (a start-up
+    # calibration measures under inference_mode, callers after it need not); a normal one serves both.
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or stale or buf.numel() < rows * cols:
         buf = torch.empty(rows * cols, dtype=dtype)
         buffers[key] = buf
     return buf[: rows * cols].view(rows, cols)

@@ -101,3 +101,20 @@ def test_block_ops_reference():
     copy_blocks_torch([(k, v)], torch.tensor([3, 6]), torch.tensor([4, 3]))
     assert torch.equal(k[4], before_k[3]) and torch.equal(k[3], before_k[6]) and torch.equal(v[3], before_v[6])
     assert torch.equal(k[[0, 1, 2, 5, 6, 7]], before_k[[0, 1, 2, 5, 6, 7]])
+
+
+def test_gather_scratch_made_under_inference_mode_serves_outside_it() -> None:
+    """The CPU gather's per-thread scratch: a buffer first made under inference_mode (a start-up calibration) must
+    not be handed to a later call outside it, where writing an inference tensor raises."""
+    from kernels.reference.paged_gather import gather_context
+
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(6, 4, 2, 8, generator=gen)
+    tables = torch.tensor([[5, 1, 3], [2, 0, 4]], dtype=torch.int32)
+    want = cache[tables.long()].reshape(2, 12, 2, 8).transpose(1, 2)
+    with torch.inference_mode():
+        inside = gather_context(cache, tables, 3, slot="scratch-test").clone()
+    outside = gather_context(cache, tables, 3, slot="scratch-test")
+    assert torch.equal(inside, want) and torch.equal(outside, want)
+    with torch.inference_mode():
+        assert torch.equal(gather_context(cache, tables, 3, slot="scratch-test"), want)
