@@ -8,6 +8,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 
@@ -15,17 +16,24 @@ from kernels.cpu.calibration_store import stored_or_measured
 from kernels.cpu.host import cpu_info, vector_flags
 from kernels.cpu.native import NativeLib
 
+K = TypeVar("K")
+V = TypeVar("V")
 
-class WinMemo:
-    """This process's answers of `measured_win`, per (root, library, threads, choice)."""
+
+class ChoiceMemo(Generic[K, V]):
+    """This process's answers of a linear-layer choice, per key (root, library, threads, what was chosen): the
+    lock is held while one is measured, so the threads of a process measure it once."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.wins: dict[tuple[str, str, int, str], bool] = {}
+        self.values: dict[K, V] = {}
 
     def clear(self) -> None:
         with self.lock:
-            self.wins.clear()
+            self.values.clear()
+
+
+WinMemo = ChoiceMemo[tuple[str, str, int, str], bool]  # `measured_win`'s answers
 
 
 def measured_win(
@@ -47,7 +55,7 @@ def measured_win(
     threads = torch.get_num_threads()
     memo_key = (str(root), lib.path.name, threads, name)
     with memo.lock:
-        found = memo.wins.get(memo_key)
+        found = memo.values.get(memo_key)
         if found is not None:
             return found
         tables: list[str] = []
@@ -69,5 +77,5 @@ def measured_win(
             name, cpu_info()[0], " ".join(vector_flags()), threads, calls, paths[0] if wins else paths[1], measured,
             where,
         )  # fmt: skip
-        memo.wins[memo_key] = wins
+        memo.values[memo_key] = wins
         return wins

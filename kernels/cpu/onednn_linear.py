@@ -23,7 +23,6 @@ decode step reads them (past the last-level cache: `few_rows_stack_bytes`), and 
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 
 from kernels.cpu.calibration_store import stored_or_measured
 from kernels.cpu.host import cpu_info, last_level_cache_bytes, vector_flags
-from kernels.cpu.linear_choice import WinMemo, measured_win
+from kernels.cpu.linear_choice import ChoiceMemo, WinMemo, measured_win
 from kernels.cpu.native import NativeLib
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 from kernels.cpu.timing import ROUNDS, alternating_best_ms, two_way_rounds
@@ -142,13 +141,7 @@ def measure_few(k: int, n: int) -> list[FewTimings]:
     return rounds
 
 
-class _FewMemo:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.classes: dict[tuple[str, str, int, int, int], frozenset[int]] = {}
-
-
-_few_memo = _FewMemo()
+_few_memo: ChoiceMemo[tuple[str, str, int, int, int], frozenset[int]] = ChoiceMemo()
 
 
 def _parse_classes(stored: object) -> frozenset[int] | None:
@@ -172,7 +165,7 @@ def few_rows_won(lib: NativeLib, k: int, n: int, root: Path | None = None) -> fr
     threads = torch.get_num_threads()
     memo_key = (str(root), lib.path.name, threads, k, n)
     with _few_memo.lock:
-        found = _few_memo.classes.get(memo_key)
+        found = _few_memo.values.get(memo_key)
         if found is not None:
             return found
         tables: list[str] = []
@@ -203,7 +196,7 @@ def few_rows_won(lib: NativeLib, k: int, n: int, root: Path | None = None) -> fr
             n, k, cpu_info()[0], " ".join(vector_flags()), threads, FEW_ROWS[-1],
             sorted(classes) or "none", measured, where,
         )  # fmt: skip
-        _few_memo.classes[memo_key] = classes
+        _few_memo.values[memo_key] = classes
         return classes
 
 
@@ -232,5 +225,4 @@ def onednn_weight(lib: NativeLib, weight: torch.Tensor) -> OnednnWeight | None:
 def forget() -> None:
     """Drop this process's memoised choices (tests)."""
     _memo.clear()
-    with _few_memo.lock:
-        _few_memo.classes.clear()
+    _few_memo.clear()

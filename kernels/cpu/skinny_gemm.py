@@ -19,7 +19,6 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 from kernels.cpu.calibration_store import stored_or_measured
 from kernels.cpu.host import cpu_info, vector_flags
+from kernels.cpu.linear_choice import ChoiceMemo
 from kernels.cpu.native import NativeLib
 from kernels.cpu.q4_panels import Q4Panels, pack_q4, random_q4_weight, skinny_linear_q4, skinny_operands
 from kernels.cpu.q8_panels import Q8Panels, pack_q8, random_q8_weight, skinny_linear_q8
@@ -218,13 +218,7 @@ def _table(rounds: list[Timings]) -> str:
     )
 
 
-class _Memo:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.rows: dict[tuple[str, str, int, int, int, PanelFormat], int] = {}
-
-
-_memo = _Memo()
+_memo: ChoiceMemo[tuple[str, str, int, int, int, PanelFormat], int] = ChoiceMemo()
 
 
 def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, fmt: PanelFormat = PanelFormat.FP32) -> int:
@@ -238,7 +232,7 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, fmt: Pane
     threads = torch.get_num_threads()
     memo_key = (str(root), lib.path.name, threads, k, n, fmt)
     with _memo.lock:
-        found = _memo.rows.get(memo_key)
+        found = _memo.values.get(memo_key)
         if found is not None:
             return found
         name = f"{fmt.value} {n}x{k}"
@@ -261,7 +255,7 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, fmt: Pane
             "CPU linear %s for %s [%s], %d thread(s): packed kernel up to %d rows%s (%s)",
             name, cpu_info()[0], " ".join(vector_flags()), threads, rows, measured, where,
         )  # fmt: skip
-        _memo.rows[memo_key] = rows
+        _memo.values[memo_key] = rows
         return rows
 
 
@@ -288,5 +282,4 @@ def panel_weight(lib: NativeLib, weight: torch.Tensor) -> PanelWeight | None:
 
 def forget() -> None:
     """Drop this process's memoised row counts (tests)."""
-    with _memo.lock:
-        _memo.rows.clear()
+    _memo.clear()
