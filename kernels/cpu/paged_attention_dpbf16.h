@@ -472,7 +472,7 @@ ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_l
     _Alignas(64) uint16_t P16[DCOLS * (DKC + 16)];
     const uint32_t *kp[DKC], *qrow[DCOLS_HEADS][DCOLS];
     const uint16_t *vp[DKC];
-    int64_t at[DKC];
+    int64_t offsets[2][DKC]; /* a chunk's key rows (kv head h_lo) and the next chunk's, walked once each */
     float m[DCOLS_HEADS][DCOLS], l[DCOLS_HEADS][DCOLS];
     int32_t pos[DCOLS] = {0};
     for (int32_t r = 0; r < nrows; r++) pos[r] = len - n + (row0 + r) / group;
@@ -489,11 +489,10 @@ ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_l
     const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const int32_t last = pos[nrows - 1];
     const uint16_t *const kbase = (const uint16_t *)p->k_cache, *const vbase = (const uint16_t *)p->v_cache;
-    int64_t next_at[DKC]; /* the next chunk's key rows (kv head h_lo), looked up once for its prefetch and its work */
-    chunk_offsets(p, table, 0, last, next_at, h_lo);
+    int64_t *at = offsets[0], *next_at = offsets[1];
+    int nk = chunk_offsets(p, table, 0, last, at, h_lo);
     for (int32_t start = 0; start <= last; start += DKC) {
-        const int nk = last - start + 1 < DKC ? last - start + 1 : DKC, n2 = (nk + 1) / 2, ng = (nk + 15) / 16;
-        memcpy(at, next_at, (size_t)nk * sizeof at[0]);
+        const int n2 = (nk + 1) / 2, ng = (nk + 15) / 16;
         const int next_nk = chunk_offsets(p, table, start + DKC, last, next_at, h_lo);
         for (int32_t hh = 0; hh < nh; hh++) {
             for (int j = 0; j < nk; j++) {
@@ -525,6 +524,10 @@ ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_l
             dp_cols_rows_n(Kt, Vp, qrow[hh], pos, m[hh], l[hh], o + hh * DCOLS * d, w, P16, nrows, start, nk, n2, ng,
                          d2, d, scale, ninf, lane_ids);
         }
+        int64_t *const done = at; /* the next chunk's rows become this one's: no copy, no second walk */
+        at = next_at;
+        next_at = done;
+        nk = next_nk;
     }
     for (int32_t hh = 0; hh < nh; hh++)
         for (int32_t r = 0; r < nrows; r++) {
