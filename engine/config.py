@@ -63,7 +63,9 @@ class SchedulingPolicy(enum.Enum):
     FCFS = "fcfs"  # arrival order (vLLM's default)
     # Fewest prompt tokens left to compute after the device prefix cache first (shortest job first, which is what
     # minimises mean TTFT; with shared prefixes it serves cache hits first, like SGLang's longest-prefix-match),
-    # arrival order among equals, and any sequence waiting longer than `max_wait_s` goes first so none starves.
+    # where sequences that would share their next blocks count as one group at its tokens per sequence
+    # (engine/prefix_groups.py), arrival order among equals, and any sequence waiting longer than `max_wait_s`
+    # goes first so none starves.
     CACHE_AWARE = "cache_aware"
 
 
@@ -77,6 +79,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: SchedulingPolicy = SchedulingPolicy.CACHE_AWARE
     max_wait_s: float = 30.0  # CACHE_AWARE: past this a waiting sequence is admitted in arrival order
+    # A step already computing this many tokens starts no waiting prompt it cannot finish (None: always fills the
+    # budget with a chunk of the next one).
+    chunk_after_tokens: int | None = 512
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -89,6 +94,8 @@ class SchedulerConfig:
             raise ValueError(f"policy must be a SchedulingPolicy, got {self.policy!r}")
         if self.max_wait_s <= 0:
             raise ValueError(f"max_wait_s must be positive, got {self.max_wait_s}")
+        if self.chunk_after_tokens is not None and self.chunk_after_tokens <= 0:
+            raise ValueError(f"chunk_after_tokens must be positive or None, got {self.chunk_after_tokens}")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

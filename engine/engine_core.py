@@ -124,6 +124,7 @@ class EngineCore:
             enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
             policy=config.scheduler.policy,
             max_wait_s=config.scheduler.max_wait_s,
+            chunk_after_tokens=config.scheduler.chunk_after_tokens,
             connector=conn_sched,
             stats=self.stats_counters,
         )

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from engine.config import SchedulingPolicy
+from engine.config import SchedulerConfig, SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -34,7 +34,14 @@ def make_request(rid: str, num_tokens: int, max_tokens: int = 4, priority: int =
 
 
 def make_scheduler(
-    num_blocks=32, budget=16, max_seqs=8, max_model_len=64, chunked=True, policy=SchedulingPolicy.FCFS, clock=None
+    num_blocks=32,
+    budget=16,
+    max_seqs=8,
+    max_model_len=64,
+    chunked=True,
+    policy=SchedulingPolicy.FCFS,
+    clock=None,
+    chunk_after_tokens=SchedulerConfig.chunk_after_tokens,
 ) -> Scheduler:
     return Scheduler(
         KVCacheManager(num_blocks, BS),
@@ -44,6 +51,7 @@ def make_scheduler(
         eos_token_ids=frozenset([EOS]),
         enable_chunked_prefill=chunked,
         policy=policy,
+        chunk_after_tokens=chunk_after_tokens,
         **({"clock": clock} if clock else {}),
     )
 
@@ -334,6 +342,53 @@ def test_cache_aware_admits_the_fewest_tokens_to_compute_first_and_ages_the_rest
     sched.add_request(short)
     out = step(sched)
     assert next(iter(out.num_scheduled_tokens)) == "old", out.num_scheduled_tokens
+
+
+def _prompt(rid: str, tokens: list[int]) -> Request:
+    return Request(
+        rid,
+        tokens,
+        SamplingParams(max_tokens=1, ignore_eos=True),
+        root_key=ROOT,
+        block_size=BS,
+        arrival=next(_arrival),
+        seed=0,
+    )
+
+
+@pytest.mark.parametrize("policy", [SchedulingPolicy.FCFS, SchedulingPolicy.CACHE_AWARE])
+def test_cache_aware_starts_the_shared_prefix_group_with_the_fewest_tokens_per_prompt_first(policy):
+    """Two prompts behind prefix A arrive first, four behind prefix B after them (12 shared tokens each, one of
+    their own): B's leader computes 13 tokens for 4 first tokens, A's 13 for 2, so CACHE_AWARE starts B, and each
+    follower then computes only its own token."""
+    sched = make_scheduler(budget=13, num_blocks=64, policy=policy, clock=lambda: 0.0)
+    a = [_prompt(f"a{i}", list(range(1, 13)) + [50 + i]) for i in range(2)]
+    b = [_prompt(f"b{i}", list(range(100, 112)) + [60 + i]) for i in range(4)]
+    for req in a + b:
+        sched.add_request(req)
+    firsts: list[str] = []
+    while sched.has_unfinished_requests():
+        step(sched)
+        firsts += [r.request_id for r in a + b if r.num_output_tokens and r.request_id not in firsts]
+    assert firsts[0] == ("b0" if policy is SchedulingPolicy.CACHE_AWARE else "a0"), firsts
+    assert sched.stats.computed_tokens == 13 + 1 + 13 + 3, "each prefix computed once, each follower its own token"
+
+
+def test_a_step_that_finishes_prompts_starts_no_chunk_of_the_next():
+    """At `chunk_after_tokens` a step takes no chunk of a prompt it cannot finish (its finishing prompt's first
+    token would wait for it); below it, and with None, the budget is filled with a chunk as before."""
+    runs = {}
+    for after in (8, None):
+        sched = make_scheduler(budget=16, num_blocks=64, chunk_after_tokens=after)
+        sched.add_request(make_request("a", 10, max_tokens=1))
+        sched.add_request(make_request("b", 30, max_tokens=1, start=100))
+        runs[after] = [step(sched).num_scheduled_tokens for _ in range(3)]
+    assert runs[8][0] == {"a": 10} and runs[8][1] == {"b": 16}, runs[8]
+    assert runs[None][0] == {"a": 10, "b": 6}, runs[None]
+    sched = make_scheduler(budget=16, num_blocks=64, chunk_after_tokens=8)
+    sched.add_request(make_request("c", 4, max_tokens=1))
+    sched.add_request(make_request("d", 30, max_tokens=1, start=100))
+    assert step(sched).num_scheduled_tokens == {"c": 4, "d": 12}, "under the threshold the step still chunks"
 
 
 class _AlwaysChangedCache(KVCacheManager):
