@@ -3,8 +3,8 @@
  *
  * On a 2-core Xeon with AMX the VDPBF16PS body took ~20 ms a layer for SmolLM2's 2048-token prompt, against torch's
  * SDPA at 7.4 ms; SDPA cannot take bf16 prompts because it is not split-invariant (a row's bits change with the
- * chunk it is computed in), which the cache-hit oracle needs. Here the item, its softmax (base 2, DKC keys a step
- * from key 0) and its bf16 rounding of P are attend_dpbf16's; only the products move to tiles:
+ * chunk it is computed in), which the cache-hit oracle needs. Here the item, its online softmax (base 2, DKC keys
+ * a step from key 0) and its bf16 rounding of P are attend_dpbf16's, and the products move to tiles:
  *   scores  S^T[16 keys][16 rows] += K[16 keys][32 d] x qT[16 d pairs][16 rows][2]   (K read in place)
  *   output  oT[16 cols][16 rows]  += V^T[16 cols][32 keys] x Pp[16 key pairs][16 rows][2]
  * qT and Pp already are VNNI tiles (dword pairs by row in the lanes); V^T is Vp's dword transpose. A tile
@@ -12,6 +12,13 @@
  * its item, nor on how its prompt was split. TDPBF16PS adds a tile's pairs in another order than VDPBF16PS (a
  * measured 43% of elements differ), so a row must always meet the same body: the caller sends a sequence's prompt
  * rows here (Problem.prompt_queries) and its generated rows to the VDPBF16PS bodies, in every step.
+ *
+ * With the products on tiles the softmax's vector work was what the item waited on (~0.9 TFLOP/s against the
+ * GEMM's 2.5 on that Xeon), so this body's softmax does less of it (its own bits, as the products already are):
+ * the scores stay unscaled until the weights' multiply-add (amx_mask_max), the weights take a degree-3 2^x
+ * (exp2_short_ps: they are rounded to bf16 next), and a row's reference max moves only when its scores pass it by
+ * 2^LAZY_MAX_LOG2, so the output's rescale, once nearly every chunk, runs in few. Xeon with AMX, builds
+ * alternated: SmolLM2's prompt attention 0.80-0.81x at 128-4096 rows.
  *
  * Part of paged_attention.c's translation unit, included by paged_attention_dpbf16.h.
  */
@@ -26,7 +33,7 @@
 
 _Static_assert(DR == 32 && DKC % 32 == 0, "two 16-row tiles an item; whole 32-key tiles a step");
 
-/* S[j][0:DR] = k_j . q[0:DR] (unscaled: amx_scale_mask_max) for the chunk's keys j < nk (S's rows from nk to the next 16 are left
+/* S[j][0:DR] = k_j . q[0:DR] (unscaled: dp_weights scales them) for the chunk's keys j < nk (S's rows from nk to the next 16 are left
  * undefined; nothing reads them). kp[j]: key j's head row. Sixteen keys of one cache block are one tile load,
  * key_stride bytes apart; a group that crosses a block's end is gathered into Kc, zeros past nk. */
 ALWAYS_INLINE void amx_qk(float *S, const uint32_t *qT, const uint32_t *const *kp, int nk, int d, int32_t start,
@@ -56,21 +63,29 @@ ALWAYS_INLINE void amx_qk(float *S, const uint32_t *qT, const uint32_t *const *k
     }
 }
 
-/* amx_qk's scores times scale (base 2), those of keys past a row's position -inf where some row stops inside the
- * chunk (diag), and mx[v] = max(mx[v], every score): the VDPBF16PS body's scale, mask and max passes in one, the
- * same values. */
-ALWAYS_INLINE void amx_scale_mask_max(float *S, int nk, int32_t start, int diag, const __m512i *posv, __m512 scale,
-                                      __m512 *mx) {
+/* Keys past a row's position -inf in amx_qk's scores where some row stops inside the chunk (diag), and
+ * mx[v] = max(mx[v], every score * scale): the VDPBF16PS body's mask and max passes in one. The scores stay
+ * unscaled (dp_weights scales them inside its multiply-add): scaling by a positive number commutes with max. */
+ALWAYS_INLINE void amx_mask_max(float *S, int nk, int32_t start, int diag, const __m512i *posv, __m512 scale,
+                                __m512 *mx) {
+    __m512 raw[DV];
+#pragma GCC unroll 2
+    for (int v = 0; v < DV; v++) raw[v] = _mm512_set1_ps(-INFINITY);
     for (int j = 0; j < nk; j++) {
         const __m512i key = _mm512_set1_epi32(start + j);
 #pragma GCC unroll 2
         for (int v = 0; v < DV; v++) {
-            __m512 s = _mm512_mul_ps(_mm512_load_ps(S + j * DR + v * 16), scale);
-            if (diag) s = _mm512_mask_mov_ps(s, _mm512_cmpgt_epi32_mask(key, posv[v]), _mm512_set1_ps(-INFINITY));
-            _mm512_store_ps(S + j * DR + v * 16, s);
-            mx[v] = _mm512_max_ps(mx[v], s);
+            __m512 s = _mm512_load_ps(S + j * DR + v * 16);
+            if (diag) {
+                const __mmask16 past = _mm512_cmpgt_epi32_mask(key, posv[v]);
+                s = _mm512_mask_mov_ps(s, past, _mm512_set1_ps(-INFINITY));
+                _mm512_mask_store_ps(S + j * DR + v * 16, past, s);
+            }
+            raw[v] = _mm512_max_ps(raw[v], s);
         }
     }
+#pragma GCC unroll 2
+    for (int v = 0; v < DV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_mul_ps(raw[v], scale));
 }
 
 /* Dwords of one kv head's V^T for sequence seq (Problem.amx_vt): every DKC-key chunk up to its last key. */

@@ -33,6 +33,7 @@
 #define DR 32         /* query rows per item, in lanes */
 #define DV (DR / 16)  /* vectors of rows */
 #define DKB 6         /* keys (scores) or output columns (P V) per register block: DKB * DV accumulators */
+#define LAZY_MAX_LOG2 8.0f /* the AMX body's softmax reference lags its max by up to this (attend_dpbf16) */
 #define DKC 64        /* keys per online-softmax step: the output's rescale and V's interleave, once per DKC keys */
 
 #define DCOLS 8       /* an item with fewer rows per kv head (a decode: one token's GQA group): attend_dpbf16_cols */
@@ -167,16 +168,26 @@ ALWAYS_INLINE void transpose16x16_epi32(__m512i r[16]) {
 
 /* One chunk's weights p = 2^(s - m) of every row (lanes): their sum added pair by pair into sum, the pairs
  * rounded to bf16 into Pp. all_live (a constant where inlined): no key of the chunk is masked and nk is even, so
- * the masks that zero a masked key's weight (exp2_ps clamps at 2^-127: a denormal, not 0) would keep every lane. */
+ * the masks that zero a masked key's weight (exp2_ps clamps at 2^-127: a denormal, not 0) would keep every lane.
+ * amx (a constant): S holds unscaled scores and p = 2^(s * scale - m) by exp2_short_ps, the AMX body's weights
+ * (its own bits: no other body computes a prompt row on a CPU with AMX). */
 ALWAYS_INLINE void dp_weights(const float *S, uint32_t *Pp, const __m512 *m, __m512 *sum, int n2, int nk,
-                              const int all_live) {
+                              const int all_live, const int amx, __m512 scale) {
     for (int i = 0; i < n2; i++)
 #pragma GCC unroll 2
         for (int v = 0; v < DV; v++) {
             const __m512 se = _mm512_load_ps(S + 2 * i * DR + v * 16);
             const __m512 so = 2 * i + 1 < nk ? _mm512_load_ps(S + (2 * i + 1) * DR + v * 16)
                                              : _mm512_set1_ps(-INFINITY);
-            __m512 pe = exp2_ps(_mm512_sub_ps(se, m[v])), po = exp2_ps(_mm512_sub_ps(so, m[v]));
+            __m512 pe, po;
+            if (amx) {
+                const __m512 nm = _mm512_sub_ps(_mm512_setzero_ps(), m[v]);
+                pe = exp2_short_ps(_mm512_fmadd_ps(se, scale, nm), all_live);
+                po = exp2_short_ps(_mm512_fmadd_ps(so, scale, nm), all_live);
+            } else {
+                pe = exp2_ps(_mm512_sub_ps(se, m[v]));
+                po = exp2_ps(_mm512_sub_ps(so, m[v]));
+            }
             if (!all_live) {
                 pe = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(se, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), pe);
                 po = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(so, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), po);
@@ -262,7 +273,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
         for (int v = 0; v < DV; v++) mx[v] = m[v];
         const int diag = start + nk - 1 > first; /* some row stops inside this chunk: mask the keys past it */
 #ifdef UCM_HAS_AMX_ATTN
-        if (amx) amx_scale_mask_max(S, nk, start, diag, posv, scale, mx);
+        if (amx) amx_mask_max(S, nk, start, diag, posv, scale, mx);
         else
 #endif
         {
@@ -281,13 +292,20 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
         }
 #pragma GCC unroll 2
         for (int v = 0; v < DV; v++) {
+            /* AMX: a row's reference rises only past its max by more than LAZY_MAX_LOG2 (weights up to 2^that, in
+             * fp32 and bf16 alike), so that the output's rescale (amx_pv) runs only in the few chunks where
+             * some row's does; elsewhere m is the running max. */
+            if (amx) mx[v] = _mm512_mask_mov_ps(m[v], _mm512_cmp_ps_mask(mx[v], _mm512_add_ps(m[v], _mm512_set1_ps(LAZY_MAX_LOG2)), _CMP_GT_OQ), mx[v]);
             /* first chunk: m = -inf, alpha ~ 0 on a zero output (every row sees key 0, so mx is finite) */
             alpha[v] = exp2_ps(_mm512_sub_ps(m[v], mx[v]));
             m[v] = mx[v];
             sum[v] = _mm512_setzero_ps();
         }
-        if (!diag && nk == DKC) dp_weights(S, Pp, m, sum, n2, nk, 1); /* no masked key, no odd partner */
-        else dp_weights(S, Pp, m, sum, n2, nk, 0);
+        if (amx) {
+            if (!diag && nk == DKC) dp_weights(S, Pp, m, sum, n2, nk, 1, 1, scale); /* no masked key, no odd partner */
+            else dp_weights(S, Pp, m, sum, n2, nk, 0, 1, scale);
+        } else if (!diag && nk == DKC) dp_weights(S, Pp, m, sum, n2, nk, 1, 0, scale);
+        else dp_weights(S, Pp, m, sum, n2, nk, 0, 0, scale);
 #pragma GCC unroll 2
         for (int v = 0; v < DV; v++) l[v] = _mm512_add_ps(_mm512_mul_ps(l[v], alpha[v]), sum[v]);
 #ifdef UCM_HAS_AMX_ATTN

@@ -59,6 +59,23 @@ def test_prompt_rows_match_the_oracles_on_any_thread_count(amx_lib, hq, hkv, hea
     assert not torch.equal(one, plain), "the prompt rows ran the AMX body (its sums differ from VDPBF16PS's)"
 
 
+def test_scores_that_rise_past_the_lazy_max_rescale_the_output(amx_lib):
+    """The softmax reference lags a row's max by up to 2^8 (LAZY_MAX_LOG2); keys 128 on scaled 4x make every row's
+    scores rise far past that in a later chunk, so the output's rescale must run, and the rows still match."""
+    ctx, new, bs = [300], [300], 16
+    case = make_paged_case(ctx, new, 9, 3, 64, block_size=bs, dtype=torch.bfloat16, seed=3)
+    for t in range(128, 300):
+        case.keys[0][t] *= 4  # a power of two: exact in bf16
+        case.k_cache[case.block_tables[0, t // bs], t % bs] = case.keys[0][t]
+    scale = 64**-0.5
+    args = (case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables, scale)
+    out = paged_attention_native(amx_lib, *args, _prompts(new))
+    dense = naive_attention(case.q, case.keys, case.values, new, scale)
+    late = slice(200, 300)  # rows whose keys since 128 outscore the first chunk's by far
+    torch.testing.assert_close(out[late].double(), dense[late], **TOL)
+    torch.testing.assert_close(out.double(), dense, **TOL)
+
+
 @pytest.mark.parametrize(("hq", "hkv", "head_dim"), HEADS[:3])
 def test_a_prompt_row_has_the_same_bits_however_the_prompt_was_split(amx_lib, hq, hkv, head_dim):
     """Whole, in a chunk over a cached prefix of any length, or as a prompt's last token in a decode-form call (a
