@@ -33,6 +33,7 @@ from router.node_client import NodeClient, NodeLost, NodeUnavailable
 from router.openai_schema import ApiError, bad_request
 from router.pairing import pick_decode, pick_prefill
 from router.registry import NodeState, Registry
+from ucm.keys import BlockKey
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +148,13 @@ class Dispatcher:
                 yield event
 
     async def _prefill(self, req: SeqRequest, trace: SeqTrace) -> P.PrefillDone | None:
-        keys = self.registry.prompt_keys(req.prompt_token_ids, req.cache_salt)
+        keys: list[BlockKey] | None = None  # hashed only once there is a prefill node to pick by them
         tried: set[str] = set()
         while True:
-            choice = pick_prefill(self.registry.alive(P.NodeRole.PREFILL), keys, exclude=tried)
+            alive = self.registry.alive(P.NodeRole.PREFILL)
+            if keys is None and alive:
+                keys = self.registry.prompt_keys(req.prompt_token_ids, req.cache_salt)
+            choice = pick_prefill(alive, keys or [], exclude=tried)
             if choice is None:
                 if trace.prefill_attempts:
                     log.warning("%s: no prefill node left (tried %s); decode node prefills", req.request_id, tried)
