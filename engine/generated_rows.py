@@ -29,15 +29,6 @@ class GeneratedRows:
             return cls(mask.size, count, torch.from_numpy(np.flatnonzero(mask)).to(device))
         return cls(mask.size, count, None)
 
-    def select(self, rows: list[int]) -> GeneratedRows:
-        """The classes of the given packed rows, in that order (the rows a step samples, for the lm_head)."""
-        if self.count in (0, self.total):
-            return GeneratedRows(len(rows), len(rows) if self.count else 0, None)
-        assert self.generated is not None, "a mixed step has the generated rows' indices"
-        mask = np.zeros(self.total, dtype=bool)
-        mask[self.generated.cpu().numpy()] = True
-        return GeneratedRows.from_mask(mask[rows], self.generated.device)
-
     def apply(
         self,
         x: torch.Tensor,

@@ -107,12 +107,10 @@ class ModelRunner:
             result.loaded_by_tier = conn.take_loaded_by_tier()
             conn.clear_connector_metadata()
         if hidden is not None:
-            self._sample(out, hidden, result, generated)
+            self._sample(out, hidden, result)
         return result
 
-    def _sample(
-        self, out: SchedulerOutput, hidden: torch.Tensor, result: ModelRunnerOutput, generated: GeneratedRows
-    ) -> None:
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         logit_rows: list[int] = []
         rows: list[SamplingRow] = []
         owners: list[str] = []
@@ -137,7 +135,7 @@ class ModelRunner:
         if not rows:
             return
         unique = sorted(set(logit_rows))
-        logits = self.model.compute_logits(hidden[torch.tensor(unique, device=hidden.device)], generated.select(unique))
+        logits = self.model.compute_logits(hidden[torch.tensor(unique, device=hidden.device)])
         if len(unique) != len(logit_rows):
             where = {r: j for j, r in enumerate(unique)}
             logits = logits[torch.tensor([where[r] for r in logit_rows], device=logits.device)]

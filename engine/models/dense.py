@@ -22,9 +22,9 @@ bf16 on AVX-512 BF16, a weight that is exactly Q4_1 (the embedded model's layers
 while the model is still fp32): a step's generated-token rows go through kernels/cpu/q4_bf16.c, which reads a
 quarter of oneDNN's bytes, and its prompt rows through oneDNN, by the row's class rather than the call's row count,
 so that a row's bits never depend on how its step was made up (engine/generated_rows.py says why). Per weight shape
-only where the kernel beat oneDNN on the machine (kernels/cpu/q4_bf16.py). The lm_head likewise where it is exactly
-Q8_0 (the embedded model's tied embedding): the generated rows' logits through the 8-bit twin, a prompt's last row's
-through oneDNN (`LlamaForCausalLM.compute_logits` passes the sampled rows' classes).
+only where the kernel beat oneDNN on the machine (kernels/cpu/q4_bf16.py). The lm_head where it is exactly Q8_0 (the
+embedded model's tied embedding) takes its 8-bit twin for every sampled row, a prompt's last row too
+(`LlamaForCausalLM.compute_logits` says why).
 """
 
 from __future__ import annotations

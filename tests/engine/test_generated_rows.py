@@ -47,16 +47,3 @@ def test_apply_routes_each_row_and_keeps_the_order() -> None:
     assert every.generated is None and torch.equal(every.apply(x, lambda g: g + 1000, lambda p: -p), x + 1000)
     none = GeneratedRows.from_mask(np.zeros(6, bool), torch.device("cpu"))
     assert none.count == 0 and torch.equal(none.apply(x, lambda g: g + 1000, lambda p: -p), -x)
-
-
-def test_select_gives_the_sampled_rows_classes_in_order() -> None:
-    cpu = torch.device("cpu")
-    mixed = GeneratedRows.from_mask(np.array([0, 1, 1, 0, 1], bool), cpu)
-    picked = mixed.select([4, 0, 2])
-    assert (picked.total, picked.count) == (3, 2)
-    assert picked.generated is not None and picked.generated.tolist() == [0, 2]
-    assert mixed.select([0, 3]).count == 0 and mixed.select([1, 2]).count == 2
-    every = GeneratedRows.from_mask(np.ones(4, bool), cpu).select([1, 3])
-    assert (every.total, every.count, every.generated) == (2, 2, None)
-    none = GeneratedRows.from_mask(np.zeros(4, bool), cpu).select([2])
-    assert (none.total, none.count, none.generated) == (1, 0, None)

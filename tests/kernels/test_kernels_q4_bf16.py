@@ -167,9 +167,26 @@ def test_find_q8_takes_the_embedded_lm_head_exactly_and_nothing_else(smollm2_fp3
     assert find_q8(w[:16, :40].contiguous()) is None, "K not whole Q8_0 blocks"
 
 
-def test_the_lm_head_routes_sampled_rows_by_class(bf16_lib, forced) -> None:
-    """compute_logits passes the sampled rows' classes: generated rows through the 8-bit kernel, a prompt's last
-    row through oneDNN (engine/models/dense.py); where the kernel lost, both through oneDNN."""
+def test_compute_logits_sends_every_sampled_row_through_the_8bit_kernel(bf16_lib) -> None:
+    """The embedded model in bf16: a prompt's last row and a generated one alike through the lm_head's Q8_0 panels
+    (engine/models/llama.py), the same logits for a row alone or among others."""
+    from engine.loader import load_model
+
+    model = load_model("smollm2-135m", dtype=torch.bfloat16, device="cpu").model
+    packed = model.lm_head_packed
+    if not (isinstance(packed, dense_mod.BF16Packed) and packed.decode is not None):
+        pytest.skip("the 8-bit kernel lost to the bf16 lm_head on this CPU: no panels")
+    h = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = linear(packed.decode.lib, h, packed.decode.panels).float()
+    assert torch.equal(model.compute_logits(h), want)
+    assert torch.equal(model.compute_logits(h[2:3].contiguous()), want[2:3]), "a row alone"
+    bf16 = dense_mod.dense(h, model.lm_head_weight, None, packed, GeneratedRows(5, 0, None)).float()
+    assert not torch.equal(want, bf16), "the two paths differ somewhere, so the routing shows"
+
+
+def test_dense_routes_q8_rows_by_class(bf16_lib, forced) -> None:
+    """A bf16 weight with 8-bit panels: generated rows through the kernel, prompt rows through oneDNN
+    (engine/models/dense.py); where the kernel lost, both through oneDNN."""
     rounds, _ = forced
     gen = torch.Generator().manual_seed(8)
     x, w32 = torch.randn(6, 64, generator=gen).bfloat16(), random_q8_weight(300, 64, gen)
