@@ -32,12 +32,20 @@ ALWAYS_INLINE void store_bf16x16(uint16_t *dst, __m512 y) {
 #endif
 }
 
-/* 2^x for x <= 0: round, degree-7 Taylor of 2^f on [-0.5, 0.5] (relative error < 1e-8), scalef adds the
- * exponent. Below -127 the result is ~0 either way; callers zero masked lanes themselves. */
-ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+/* x = n + f for 2^x = 2^f * 2^n: n the nearest integer (returned), |f| <= 0.5. clamp (a constant): x is first
+ * raised to -127, below which 2^x is ~0 either way, so that a -inf lane does not make f a NaN (-inf - -inf). */
+ALWAYS_INLINE __m512 exp2_split(__m512 x, __m512 *f, const int clamp) {
+    if (clamp) x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
+    *f = _mm512_sub_ps(x, n);
+    return n;
+}
+
+/* 2^x for x <= 0: degree-7 Taylor of 2^f on [-0.5, 0.5] (relative error < 1e-8), scalef adds the exponent.
+ * Callers zero masked lanes themselves. */
+ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
+    __m512 f;
+    const __m512 n = exp2_split(x, &f, 1);
     __m512 y = _mm512_set1_ps(1.525273380405984e-05f);
     y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530393381606e-04f));
     y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-03f));
@@ -54,9 +62,8 @@ ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
  * of the AMX prompt body's vector work a score. finite (a constant): no lane is -inf, so no clamp is needed
  * (scalef takes any exponent to 0 or a denormal). */
 ALWAYS_INLINE __m512 exp2_short_ps(__m512 x, const int finite) {
-    if (!finite) x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f)); /* -inf - -inf would be NaN */
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 f;
+    const __m512 n = exp2_split(x, &f, !finite);
     __m512 y = _mm512_set1_ps(5.517090594437039e-02f);
     y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4260952690589277e-01f));
     y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.932609624309474e-01f));
