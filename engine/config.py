@@ -79,8 +79,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: SchedulingPolicy = SchedulingPolicy.CACHE_AWARE
     max_wait_s: float = 30.0  # CACHE_AWARE: past this a waiting sequence is admitted in arrival order
-    # A step already computing this many tokens starts no waiting prompt it cannot finish (None: always fills the
-    # budget with a chunk of the next one).
+    # A step that already finishes this many prompt tokens starts no waiting prompt it cannot finish (None: always
+    # fills the budget with a chunk of the next one).
     chunk_after_tokens: int | None = 512
 
     def __post_init__(self) -> None:

@@ -7,9 +7,10 @@ admitted by priority, then per `SchedulingPolicy` (arrival order, or fewest toke
 of a shared-prefix group, with aging), except one whose next uncached block a running sequence is computing right
 now: it waits (keeping its place) until that block is cached and then loads it, instead of computing the same
 prefix a second time in parallel (a burst of prompts sharing a system prompt would otherwise compute it once per
-prompt admitted before the first finished). A step that already computes `chunk_after_tokens` starts no prompt it
-cannot finish: every prompt finishing in a step gets its first token at the step's end, and a chunk of a later one
-would only make them wait longer (scheduler_sim: prefix_repetition's mean TTFT -15%). Connector call sites follow
+prompt admitted before the first finished). A step that already finishes `chunk_after_tokens` prompt tokens starts
+no prompt it cannot finish: every prompt finishing in a step gets its first token at the step's end, and a chunk of a
+later one would only make them wait longer (scheduler_sim: prefix_repetition's mean TTFT -15%). Decodes do not
+count, so however many run, a long prompt still starts in chunks. Connector call sites follow
 connector/base.py's documented order."""
 
 from __future__ import annotations
@@ -218,6 +219,10 @@ class Scheduler:
         if not self.waiting or budget <= 0 or (self.running and len(self.running) >= self.max_num_seqs):
             return budget
         in_flight = self._blocks_in_flight() if self.kv.enable_caching else set()
+        # Prompt tokens this step finishes (their first tokens wait for the step's end); decodes do not count.
+        finishing = sum(
+            s.num_scheduled_tokens for s in out.scheduled if s.completes_prompt and s.num_scheduled_tokens > 1
+        )
         for req, _ in self._admission_order():
             if budget <= 0:
                 break
@@ -240,12 +245,10 @@ class Scheduler:
             num_new = req.num_tokens - num_computed - num_external
             if not self.enable_chunked_prefill and num_new > budget:
                 break
-            if (
-                num_new > budget
-                and self.chunk_after_tokens is not None
-                and self.max_num_batched_tokens - budget >= self.chunk_after_tokens
-            ):
-                break  # a chunk would only make this step's finishing work wait for work that finishes later
+            if num_new > budget and self.chunk_after_tokens is not None and finishing >= self.chunk_after_tokens:
+                break  # a chunk would only make this step's finishing prompts wait for work that finishes later
+            if num_new <= budget:
+                finishing += num_new
             num_new = min(num_new, budget)
             block_ids = self.kv.allocate_slots(req, num_new, prefix, num_external)
             if block_ids is None:

@@ -389,6 +389,14 @@ def test_a_step_that_finishes_prompts_starts_no_chunk_of_the_next():
     sched.add_request(make_request("c", 4, max_tokens=1))
     sched.add_request(make_request("d", 30, max_tokens=1, start=100))
     assert step(sched).num_scheduled_tokens == {"c": 4, "d": 12}, "under the threshold the step still chunks"
+    # Decodes do not count: five of them (over a threshold of 3) still leave the long prompt its chunk.
+    sched = make_scheduler(budget=16, num_blocks=64, chunk_after_tokens=3)
+    for i in range(5):
+        sched.add_request(make_request(f"dec{i}", 2, max_tokens=8, start=10 * i + 1))
+    step(sched)
+    sched.add_request(make_request("long", 30, max_tokens=1, start=200))
+    out = step(sched).num_scheduled_tokens
+    assert out == {**{f"dec{i}": 1 for i in range(5)}, "long": 11}, out
 
 
 class _AlwaysChangedCache(KVCacheManager):
