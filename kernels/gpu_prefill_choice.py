@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kernels.choice_memo import ChoiceMemo
 from kernels.cpu.calibration import Geometry, ShapeClass
 from kernels.cpu.timing import REPS, alternating_best_ms
 from kernels.reference import prefill_attention_torch
@@ -132,32 +132,25 @@ def measure(g: Geometry, device: torch.device) -> dict[ShapeClass, tuple[LengthT
     return timings
 
 
-class _Memo:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.plans: dict[tuple[int, Geometry], GpuPrefillPlan] = {}
-
-
-_memo = _Memo()
+_memo: ChoiceMemo[tuple[int, Geometry], GpuPrefillPlan] = ChoiceMemo()
 
 
 def plan(g: Geometry, device: torch.device) -> GpuPrefillPlan:
     """This GPU's plan for the geometry: measured on the first call per process, a dict lookup after."""
     # The device's index, not its name: asking the driver for the name on every prefill costs launch time.
     key = (device.index if device.index is not None else torch.cuda.current_device(), g)
-    found = _memo.plans.get(key)
+    found = _memo.values.get(key)
     if found is not None:
         return found
     with _memo.lock:
-        found = _memo.plans.get(key)
+        found = _memo.values.get(key)
         if found is None:
             found = GpuPrefillPlan(measure(g, device))
             log.info("GPU prefill on %s, %s: %s", torch.cuda.get_device_name(device), g.label(), found.describe())
-            _memo.plans[key] = found
+            _memo.values[key] = found
         return found
 
 
 def forget() -> None:
     """Drop this process's plans (tests)."""
-    with _memo.lock:
-        _memo.plans.clear()
+    _memo.clear()

@@ -21,7 +21,6 @@ import enum
 import functools
 import logging
 import platform
-import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.choice_memo import ChoiceMemo
 from kernels.cpu.calibration_store import key_file, read_entries, stored_or_measured, write_entry
 from kernels.cpu.host import cpu_info, torch_isa, vector_flags
 from kernels.cpu.native import NativeLib
@@ -151,13 +151,7 @@ def _describe(g: Geometry, threads: int, plan: Plan, source: str) -> str:
             f"{g.label()}: {cls}")  # fmt: skip
 
 
-class _Memo:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.plans: dict[tuple[str, str, int, Geometry], Plan] = {}
-
-
-_memo = _Memo()
+_memo: ChoiceMemo[tuple[str, str, int, Geometry], Plan] = ChoiceMemo()
 
 
 def _parse_plan(stored: object) -> Plan | None:
@@ -185,11 +179,11 @@ def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
     threads = torch.get_num_threads()
     # The memo's key stands for the file's (same CPU and torch within a process): no hashing per call.
     memo_key = (str(root), lib.path.name, threads, g)
-    found = _memo.plans.get(memo_key)
+    found = _memo.values.get(memo_key)
     if found is not None:
         return found
     with _memo.lock:
-        found = _memo.plans.get(memo_key)
+        found = _memo.values.get(memo_key)
         if found is not None:
             return found
         result, where = stored_or_measured(
@@ -199,14 +193,13 @@ def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
         if g.dtype == "bfloat16" and any(p.impl != NATIVE for p in result.values()):
             result = {c: replace(p, impl=NATIVE) for c, p in result.items()}
             log.info("CPU attention in bf16 runs native for every shape class: %s", BF16_NATIVE_WHY)
-        _memo.plans[memo_key] = result
+        _memo.values[memo_key] = result
         return result
 
 
 def forget() -> None:
     """Drop this process's memoised plans (tests)."""
-    with _memo.lock:
-        _memo.plans.clear()
+    _memo.clear()
 
 
 # ---------------------------------------------------------------- dtype="auto": is bf16 actually faster here?

@@ -5,33 +5,15 @@ kernels/cpu/onednn_linear.py, kernels/cpu/q4_bf16.py."""
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Generic, TypeVar
 
 import torch
 
+from kernels.choice_memo import ChoiceMemo
 from kernels.cpu.calibration_store import stored_or_measured
 from kernels.cpu.host import cpu_info, vector_flags
 from kernels.cpu.native import NativeLib
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class ChoiceMemo(Generic[K, V]):
-    """This process's answers of a linear-layer choice, per key (root, library, threads, what was chosen): the
-    lock is held while one is measured, so the threads of a process measure it once."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.values: dict[K, V] = {}
-
-    def clear(self) -> None:
-        with self.lock:
-            self.values.clear()
-
 
 WinMemo = ChoiceMemo[tuple[str, str, int, str], bool]  # `measured_win`'s answers
 

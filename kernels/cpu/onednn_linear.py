@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.choice_memo import ChoiceMemo
 from kernels.cpu.calibration_store import stored_or_measured
 from kernels.cpu.host import cpu_info, last_level_cache_bytes, vector_flags
-from kernels.cpu.linear_choice import ChoiceMemo, WinMemo, measured_win
+from kernels.cpu.linear_choice import WinMemo, measured_win
 from kernels.cpu.native import NativeLib
 from kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 from kernels.cpu.timing import ROUNDS, alternating_best_ms, two_way_rounds

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.choice_memo import ChoiceMemo
 from kernels.cpu.calibration_store import stored_or_measured
 from kernels.cpu.host import cpu_info, vector_flags
-from kernels.cpu.linear_choice import ChoiceMemo
 from kernels.cpu.native import NativeLib
 from kernels.cpu.q4_panels import Q4Panels, pack_q4, random_q4_weight, skinny_linear_q4, skinny_operands
 from kernels.cpu.q8_panels import Q8Panels, pack_q8, random_q8_weight, skinny_linear_q8
