@@ -4,6 +4,7 @@ the linear-layer choices), each keyed by what the answer depends on within a pro
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 K = TypeVar("K")
@@ -17,6 +18,18 @@ class ChoiceMemo(Generic[K, V]):
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.values: dict[K, V] = {}
+
+    def get_or_make(self, key: K, make: Callable[[], V]) -> V:
+        """The answer for `key`: remembered, else `make()`'s, made under the lock (so once per process) and kept."""
+        found = self.values.get(key)  # a dict read needs no lock: the hot path of every call after the first
+        if found is not None:
+            return found
+        with self.lock:
+            found = self.values.get(key)
+            if found is None:
+                found = make()
+                self.values[key] = found
+            return found
 
     def clear(self) -> None:
         with self.lock:

@@ -139,16 +139,13 @@ def plan(g: Geometry, device: torch.device) -> GpuPrefillPlan:
     """This GPU's plan for the geometry: measured on the first call per process, a dict lookup after."""
     # The device's index, not its name: asking the driver for the name on every prefill costs launch time.
     key = (device.index if device.index is not None else torch.cuda.current_device(), g)
-    found = _memo.values.get(key)
-    if found is not None:
-        return found
-    with _memo.lock:
-        found = _memo.values.get(key)
-        if found is None:
-            found = GpuPrefillPlan(measure(g, device))
-            log.info("GPU prefill on %s, %s: %s", torch.cuda.get_device_name(device), g.label(), found.describe())
-            _memo.values[key] = found
-        return found
+
+    def make() -> GpuPrefillPlan:
+        made = GpuPrefillPlan(measure(g, device))
+        log.info("GPU prefill on %s, %s: %s", torch.cuda.get_device_name(device), g.label(), made.describe())
+        return made
+
+    return _memo.get_or_make(key, make)
 
 
 def forget() -> None:

@@ -179,13 +179,8 @@ def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
     threads = torch.get_num_threads()
     # The memo's key stands for the file's (same CPU and torch within a process): no hashing per call.
     memo_key = (str(root), lib.path.name, threads, g)
-    found = _memo.values.get(memo_key)
-    if found is not None:
-        return found
-    with _memo.lock:
-        found = _memo.values.get(memo_key)
-        if found is not None:
-            return found
+
+    def make() -> Plan:
         result, where = stored_or_measured(
             "calibration", g.label(), lib, threads, root, _parse_plan, lambda: _measure_plan(lib, g), _encode_plan
         )
@@ -193,8 +188,9 @@ def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
         if g.dtype == "bfloat16" and any(p.impl != NATIVE for p in result.values()):
             result = {c: replace(p, impl=NATIVE) for c, p in result.items()}
             log.info("CPU attention in bf16 runs native for every shape class: %s", BF16_NATIVE_WHY)
-        _memo.values[memo_key] = result
         return result
+
+    return _memo.get_or_make(memo_key, make)
 
 
 def forget() -> None:

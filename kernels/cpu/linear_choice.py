@@ -36,10 +36,8 @@ def measured_win(
     once per process: `calls` names the calls the choice is for, `setting` what was measured (e.g. "8 rows")."""
     threads = torch.get_num_threads()
     memo_key = (str(root), lib.path.name, threads, name)
-    with memo.lock:
-        found = memo.values.get(memo_key)
-        if found is not None:
-            return found
+
+    def make() -> bool:
         tables: list[str] = []
 
         def run() -> tuple[bool, list[str]]:
@@ -59,5 +57,6 @@ def measured_win(
             name, cpu_info()[0], " ".join(vector_flags()), threads, calls, paths[0] if wins else paths[1], measured,
             where,
         )  # fmt: skip
-        memo.values[memo_key] = wins
         return wins
+
+    return memo.get_or_make(memo_key, make)

@@ -165,10 +165,8 @@ def few_rows_won(lib: NativeLib, k: int, n: int, root: Path | None = None) -> fr
         return frozenset()
     threads = torch.get_num_threads()
     memo_key = (str(root), lib.path.name, threads, k, n)
-    with _few_memo.lock:
-        found = _few_memo.values.get(memo_key)
-        if found is not None:
-            return found
+
+    def make() -> frozenset[int]:
         tables: list[str] = []
 
         def run() -> tuple[frozenset[int], list[str]]:
@@ -197,8 +195,9 @@ def few_rows_won(lib: NativeLib, k: int, n: int, root: Path | None = None) -> fr
             n, k, cpu_info()[0], " ".join(vector_flags()), threads, FEW_ROWS[-1],
             sorted(classes) or "none", measured, where,
         )  # fmt: skip
-        _few_memo.values[memo_key] = classes
         return classes
+
+    return _few_memo.get_or_make(memo_key, make)
 
 
 @dataclass(frozen=True)

@@ -231,10 +231,8 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, fmt: Pane
         return ROW_LADDER[-1]
     threads = torch.get_num_threads()
     memo_key = (str(root), lib.path.name, threads, k, n, fmt)
-    with _memo.lock:
-        found = _memo.values.get(memo_key)
-        if found is not None:
-            return found
+
+    def make() -> int:
         name = f"{fmt.value} {n}x{k}"
         tables: list[str] = []
 
@@ -255,8 +253,9 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, fmt: Pane
             "CPU linear %s for %s [%s], %d thread(s): packed kernel up to %d rows%s (%s)",
             name, cpu_info()[0], " ".join(vector_flags()), threads, rows, measured, where,
         )  # fmt: skip
-        _memo.values[memo_key] = rows
         return rows
+
+    return _memo.get_or_make(memo_key, make)
 
 
 def _may_pack(mode: CpuLinear, k: int, n: int) -> bool:
