@@ -17,7 +17,7 @@ from torch import nn
 from engine.generated_rows import GeneratedRows
 from engine.model_config import ModelConfig
 from engine.models.attention_layer import PagedSelfAttention
-from engine.models.dense import BF16Packed, DecodePanels, Packed, dense, lm_head_panels, pack_weight
+from engine.models.dense import DecodePanels, Packed, dense, lm_head_panels, pack_weight
 from engine.models.mlp import GatedMLP
 from engine.models.native_decode import NativeDecode
 from engine.models.rmsnorm import RMSNorm
@@ -129,7 +129,5 @@ class LlamaForCausalLM(nn.Module):
         kernel, a prompt's last row as well as a generated one: it reads half the bf16 copy's bytes (one row on the
         Xeon with AMX: 1.46 against 2.56 ms), a step that samples both classes no longer runs both paths, and the
         kernel is row-invariant, so a row's logits still do not depend on its step."""
-        n = hidden.shape[0]
-        packed = self.lm_head_packed
-        panels = isinstance(packed, BF16Packed) and packed.decode is not None
-        return dense(hidden, self.lm_head_weight, None, packed, GeneratedRows(n, n if panels else 0, None)).float()
+        n = hidden.shape[0]  # every row in the generated class: `dense` sends it to the panels where there are any
+        return dense(hidden, self.lm_head_weight, None, self.lm_head_packed, GeneratedRows(n, n, None)).float()
