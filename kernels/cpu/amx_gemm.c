@@ -156,6 +156,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
     int64_t nblocks = (panels + NC / 32 - 1) / (NC / 32);
     while (nblocks < panels && mblocks * nblocks < 4 * num_threads) nblocks *= 2;
     if (nblocks > panels) nblocks = panels;
+    const int64_t kbs = k / 32, kbc = m > SPLIT_ROWS ? KBC : kbs; /* k blocks, and those a pass over a slice takes */
 #pragma omp parallel num_threads(num_threads)
     {
         amx_load_config();
@@ -182,8 +183,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                             xs = mypad;
                         }
                         for (int64_t s0 = n_begin; s0 < n_end; s0 += SLICE) {
-                            const int64_t s_end = s0 + SLICE < n_end ? s0 + SLICE : n_end, kbs = k / 32;
-                            const int64_t kbc = m > SPLIT_ROWS ? KBC : kbs;
+                            const int64_t s_end = s0 + SLICE < n_end ? s0 + SLICE : n_end;
                             float *sums = pending.c == c[0] ? c[1] : c[0];
                             /* the pending slice's rows go out in even shares, one after each block's pass */
                             const int64_t passes = (kbs + kbc - 1) / kbc * ((s_end - s0) / 32);

@@ -295,17 +295,17 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
             /* AMX: a row's reference rises only past its max by more than LAZY_MAX_LOG2 (weights up to 2^that, in
              * fp32 and bf16 alike), so that the output's rescale (amx_pv) runs only in the few chunks where
              * some row's does; elsewhere m is the running max. */
-            if (amx) mx[v] = _mm512_mask_mov_ps(m[v], _mm512_cmp_ps_mask(mx[v], _mm512_add_ps(m[v], _mm512_set1_ps(LAZY_MAX_LOG2)), _CMP_GT_OQ), mx[v]);
+            if (amx) {
+                const __m512 lagged = _mm512_add_ps(m[v], _mm512_set1_ps(LAZY_MAX_LOG2));
+                mx[v] = _mm512_mask_mov_ps(m[v], _mm512_cmp_ps_mask(mx[v], lagged, _CMP_GT_OQ), mx[v]);
+            }
             /* first chunk: m = -inf, alpha ~ 0 on a zero output (every row sees key 0, so mx is finite) */
             alpha[v] = exp2_ps(_mm512_sub_ps(m[v], mx[v]));
             m[v] = mx[v];
             sum[v] = _mm512_setzero_ps();
         }
-        if (amx) {
-            if (!diag && nk == DKC) dp_weights(S, Pp, m, sum, n2, nk, 1, 1, scale); /* no masked key, no odd partner */
-            else dp_weights(S, Pp, m, sum, n2, nk, 0, 1, scale);
-        } else if (!diag && nk == DKC) dp_weights(S, Pp, m, sum, n2, nk, 1, 0, scale);
-        else dp_weights(S, Pp, m, sum, n2, nk, 0, 0, scale);
+        if (!diag && nk == DKC) dp_weights(S, Pp, m, sum, n2, nk, 1, amx, scale); /* no masked key, no odd partner */
+        else dp_weights(S, Pp, m, sum, n2, nk, 0, amx, scale);
 #pragma GCC unroll 2
         for (int v = 0; v < DV; v++) l[v] = _mm512_add_ps(_mm512_mul_ps(l[v], alpha[v]), sum[v]);
 #ifdef UCM_HAS_AMX_ATTN
