@@ -49,17 +49,21 @@ class KVCacheManager:
         return self.pool.cache_version
 
     def get_computed_blocks(self, request: Request) -> PrefixMatch:
-        """Longest cached prefix, leaving at least one token to compute (its logits give the next token)."""
+        """Longest cached prefix, leaving at least one token to compute (its logits give the next token).
+
+        Every block may hit, the last too: a block-aligned sequence found whole then computes only its last token,
+        into a copy of the last block (allocate_slots), not that block's every token. On a repeated 2048-token
+        prompt that is 1 row through the model instead of 16 (what the connector does for a store hit)."""
         if not self.enable_caching:
             return PrefixMatch()
-        max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_keys))
+        max_blocks = min(request.num_tokens // self.block_size, len(request.block_keys))
         hits: list[KVCacheBlock] = []
         for i in range(max_blocks):
             block = self.pool.lookup(request.block_keys[i], request.block_parent_key(i), request.block_token_ids(i))
             if block is None:
                 break
             hits.append(block)
-        return PrefixMatch(hits, len(hits) * self.block_size)
+        return PrefixMatch(hits, min(len(hits) * self.block_size, request.num_tokens - 1) if hits else 0)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's blocks that are now full and computed."""
@@ -99,7 +103,7 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
         total = num_computed + num_external_tokens + num_new_tokens
         num_new_blocks = max(0, self.blocks_needed(total) - len(owned) - len(hits))
-        cow_index = self._cow_index(owned, num_computed) if num_new_tokens > 0 else None
+        cow_index = self._cow_index(owned + hits, num_computed) if num_new_tokens > 0 else None
         evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new_blocks + (cow_index is not None) > self.pool.num_free_blocks - evictable_hits:
             return None
@@ -116,11 +120,14 @@ class KVCacheManager:
             self._num_cached_blocks[rid] = len(hits)
         return [b.block_id for b in owned]
 
-    def _cow_index(self, owned: list[KVCacheBlock], num_computed: int) -> int | None:
-        """The next write lands in a partially filled block that another sequence shares → copy it first."""
+    def _cow_index(self, blocks: list[KVCacheBlock], num_computed: int) -> int | None:
+        """The next write lands inside a block that another sequence shares or the prefix cache holds (a whole
+        hit whose last token is recomputed) → copy it first."""
         index = num_computed // self.block_size
-        if num_computed % self.block_size and index < len(owned) and owned[index].ref_cnt > 1:
-            return index
+        if num_computed % self.block_size and index < len(blocks):
+            block = blocks[index]
+            if block.ref_cnt > 1 or block.key is not None:
+                return index
         return None
 
     def fork(self, parent: Request, child: Request) -> None:

@@ -49,7 +49,7 @@ def tokens_per_sequence(waiting: Sequence[Waiting], block_size: int) -> dict[str
     groups: dict[BlockKey, list[Waiting]] = {}
     cost: dict[str, float] = {}
     for w in waiting:
-        nxt = w.num_computed // block_size
+        nxt = -(-w.num_computed // block_size)  # past a whole hit's last block, whose last token is recomputed
         if nxt < len(w.block_keys):
             groups.setdefault(w.block_keys[nxt], []).append(w)
         else:  # only a partial block left: nothing to share

@@ -232,12 +232,13 @@ class Scheduler:
             # Matched again if an admission before this one in the loop changed the prefix cache (evicted blocks).
             prefix = self._prefix_match(req)
             num_computed = req.num_computed_tokens + prefix.num_tokens
-            next_block = num_computed // self.kv.block_size
+            next_block = -(-num_computed // self.kv.block_size)  # a whole hit's last block is not computed again
             if next_block < len(req.block_keys) and req.block_keys[next_block] in in_flight:
                 self.stats.prefix_deferrals += 1  # its prefix is being computed: it hits the cache in a step or two
                 continue
             num_external = 0
-            if self.connector is not None:
+            # A whole device hit (only its last token to compute, not block-aligned) has nothing to load.
+            if self.connector is not None and num_computed % self.kv.block_size == 0:
                 num_external, _load_async = self.connector.get_num_new_matched_tokens(req, num_computed)
                 # Loads run inside this step's forward (layer by layer), so async loads are treated as sync.
                 # At least one token must be computed: its logits give the next token.

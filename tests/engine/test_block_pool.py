@@ -62,13 +62,36 @@ def test_prefill_allocates_exact_ids_and_prefix_hit(manager):
     manager.free(b)
 
 
-def test_full_hit_leaves_last_token_to_compute(manager):
+def test_full_hit_computes_only_the_last_token_into_a_copy(manager):
     a = make_request("a", list(range(8)))
-    admit(manager, a)
+    assert admit(manager, a) == [0, 1]
     manager.free(a)
     b = make_request("b", list(range(8)))
     prefix = manager.get_computed_blocks(b)
-    assert prefix.num_tokens == 4  # the last block holds the token whose logits we need
+    # Both blocks hit; the last token is left to compute (its logits give the next token).
+    assert [blk.block_id for blk in prefix.blocks] == [0, 1] and prefix.num_tokens == 7
+    b.num_computed_tokens = 0
+    # Its KV slot is written into a copy of block 1: the cached block itself is never written.
+    assert manager.allocate_slots(b, 1, prefix) == [0, 2]
+    assert manager.take_pending_copies() == [(1, 2)]
+    assert manager.pool.blocks[1].ref_cnt == 0 and manager.pool.blocks[1].key == b.block_keys[1]
+    b.num_computed_tokens = 8
+    manager.cache_full_blocks(b)
+    assert manager.pool.blocks[2].key is None  # the copy is not cached a second time
+    manager.free(b)
+    assert manager.get_computed_blocks(make_request("c", list(range(8)))).blocks == prefix.blocks
+
+
+def test_hit_of_all_full_blocks_before_a_partial_one_copies_nothing(manager):
+    a = make_request("a", list(range(9)))
+    admit(manager, a)
+    manager.free(a)
+    b = make_request("b", list(range(9)))
+    prefix = manager.get_computed_blocks(b)
+    assert prefix.num_tokens == 8
+    b.num_computed_tokens = 0
+    assert manager.allocate_slots(b, 1, prefix) == [0, 1, 3] and manager.take_pending_copies() == []
+    manager.free(b)
 
 
 def test_salt_isolates(manager):

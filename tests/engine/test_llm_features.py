@@ -55,6 +55,30 @@ def test_shared_prefix_computes_only_new_tokens(llm, smollm2_fp32):
     cold.engine.check_integrity()
 
 
+def test_block_aligned_repeat_computes_only_its_last_token_into_a_copy(llm, smollm2_fp32):
+    """Every block of a block-aligned prompt hits: only its last token is computed, written into a copy of the
+    last block, so the cached block keeps its bytes and the output is the uncached one."""
+    ids = smollm2_fp32.tokenizer.encode(LONG_PREFIX + "Name the largest planet.")
+    ids = ids[: len(ids) // 16 * 16]
+    assert len(ids) >= 48
+    (first,) = llm.generate([ids], GREEDY, use_tqdm=False)
+    kv = llm.engine.kv_manager
+    (last,) = [b for b in kv.pool._cached.values() if b.token_ids == tuple(ids[-16:])]
+    k_cache = llm.engine.kv_caches[0][0]
+    before_bytes = k_cache[last.block_id].clone()
+    before = llm.engine.stats()
+    (again,) = llm.generate([ids], GREEDY, use_tqdm=False)
+    after = llm.engine.stats()
+    assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == len(ids) - 1
+    assert after.computed_tokens - before.computed_tokens == 1
+    assert again.num_cached_tokens == len(ids) - 1
+    assert torch.equal(k_cache[last.block_id], before_bytes), "the cached block was written"
+    assert kv.pool._cached[last.key] is last, "the copy replaced the cached block"
+    cold = make_llm(smollm2_fp32, enable_prefix_caching=False)
+    (ref,) = cold.generate([ids], GREEDY, use_tqdm=False)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
 def test_tiny_kv_budget_preempts_and_outputs_stay_identical(llm, smollm2_fp32):
     prompts = PROMPTS[:6]
     params = [GREEDY, SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True)] * 3
