@@ -17,7 +17,7 @@ from torch import nn
 from engine.generated_rows import GeneratedRows
 from engine.model_config import ModelConfig
 from engine.models.attention_layer import PagedSelfAttention
-from engine.models.dense import DecodePanels, Packed, dense, lm_head_panels, pack_weight
+from engine.models.dense import DecodePanels, Packed, dense, f32_layer_choice, lm_head_panels, pack_weight
 from engine.models.mlp import GatedMLP
 from engine.models.native_decode import NativeDecode
 from engine.models.rmsnorm import RMSNorm
@@ -31,6 +31,10 @@ class DecoderLayer(nn.Module):
         self.attn = PagedSelfAttention(config, layer_index)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def matmul_weights(self) -> list[torch.Tensor]:
+        """The layer's matmul weights in the order its forward calls them."""
+        return [self.attn.qkv_weight, self.attn.o_weight, self.mlp.gate_up_weight, self.mlp.down_weight]
 
     def forward(
         self,
@@ -73,9 +77,11 @@ class LlamaForCausalLM(nn.Module):
         """Pre-pack the matmul weights for the CPU backend (see engine/models/dense.py); call once the weights
         are loaded and on their final device/dtype. The packed copies add the matmul weights' size in memory."""
         layers = self.decoder_layers()
+        # fp32: the layers' prefill-sized matmuls through one library where switching between them costs time
+        many_rows = f32_layer_choice(layers[0].matmul_weights()) if layers else None
         for layer in layers:
-            layer.attn.pack_weights()
-            layer.mlp.pack_weights()
+            layer.attn.pack_weights(many_rows)
+            layer.mlp.pack_weights(many_rows)
         self.lm_head_packed = pack_weight(self.lm_head_weight, self._lm_head_decode)
         self.native_decode = NativeDecode.build(self, layers)
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.dense import DecodePanels, Packed, decode_panels, dense, dense_silu_and_mul, pack_weight
+from engine.models.dense import (
+    DecodePanels,
+    ManyRows,
+    Packed,
+    decode_panels,
+    dense,
+    dense_silu_and_mul,
+    pack_weight,
+)
 
 
 class GatedMLP(nn.Module):
@@ -25,9 +33,11 @@ class GatedMLP(nn.Module):
         """While the weights are still fp32 (a bf16 model being loaded): their 4-bit decode panels, if any."""
         self._decode = {"gate_up": decode_panels(self.gate_up_weight), "down": decode_panels(self.down_weight)}
 
-    def pack_weights(self) -> None:
-        self.gate_up_packed = pack_weight(self.gate_up_weight, self._decode.get("gate_up"), gate_up=True)
-        self.down_packed = pack_weight(self.down_weight, self._decode.get("down"))
+    def pack_weights(self, many_rows: ManyRows | None = None) -> None:
+        self.gate_up_packed = pack_weight(
+            self.gate_up_weight, self._decode.get("gate_up"), gate_up=True, many_rows=many_rows
+        )
+        self.down_packed = pack_weight(self.down_weight, self._decode.get("down"), many_rows=many_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = dense_silu_and_mul(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)

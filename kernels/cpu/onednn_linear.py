@@ -18,11 +18,19 @@ lm_head at 1 row took 23.7 ms through F.linear against 31.4 through oneDNN, at 8
 `FEW_ROWS` (a call takes the smallest class at least its row count) is measured too, on a stack of weights as a
 decode step reads them (past the last-level cache: `few_rows_stack_bytes`), and oneDNN takes the classes it won
 (`OnednnWeight.takes`).
+
+Each shape chooses alone, but a layer calls its matmuls one after another, and alternating the two libraries costs
+time that neither shape's measurement sees. On the Xeon with AMX (fp32, 2 threads, SmolLM2's four layer shapes plus
+the lm_head, 30 layers): qkv and down chose oneDNN, o and gate_up F.linear, and that mix took 94.4 ms at 64 rows
+against 80.3 all through oneDNN and 88.8 all through F.linear (134.5 / 125.0 / 131.3 at 128). So where a layer's
+shapes disagree, `layer_many_rows` times the layer's calls their way, all through oneDNN and all through F.linear,
+and the layer takes the fastest (stored like the others).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +51,8 @@ ROWS = 512  # a prefill chunk's rows: what the choice is for (fewer go to the sk
 MAX_FLOP = 2 << 30  # ... but a wide weight (lm_head: 49152 x 576) is measured at fewer, so start-up stays short
 REPS = 3
 FEW_ROWS = (1, 8, 32)  # row classes of few-row calls; more rows than the last take the choice made at ROWS
+LAYER_ROWS = (64, ROWS)  # a layer's calls past FEW_ROWS are timed at these: a batch of decodes, a prefill chunk
+LAYER_STACK = 4  # layers of weights `measure_layer` cycles through, as a step goes from layer to layer
 
 
 def measured_rows(k: int, n: int) -> int:
@@ -95,6 +105,81 @@ def onednn_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> boo
         _memo, lib, root, f"onednn fp32 {n}x{k}", "onednn", lambda: measure(k, n),
         ("oneDNN", "F.linear"), f"calls of more than {FEW_ROWS[-1]} rows", f"{measured_rows(k, n)} rows", log,
     )  # fmt: skip
+
+
+LayerChoice = tuple[bool, ...]  # per weight of a layer, in call order: oneDNN for its calls past FEW_ROWS
+
+
+def measure_layer(shapes: Sequence[tuple[int, int]], candidates: Sequence[LayerChoice]) -> list[list[float]]:
+    """Per round, each candidate's ms per row (summed over LAYER_ROWS) for LAYER_STACK layers of `shapes` ([n, k],
+    in call order), the candidates taking turns (tests replace this to force a result)."""
+    gen = torch.Generator().manual_seed(0)
+    stack = [[torch.randn(n, k, generator=gen) for n, k in shapes] for _ in range(LAYER_STACK)]
+    reordered = [[reorder(w) for w in layer] for layer in stack]
+    xs = {(rows, k): torch.randn(rows, k, generator=gen) for rows in LAYER_ROWS for _, k in shapes}
+
+    def run(choice: LayerChoice, rows: int) -> None:
+        for layer, copies in zip(stack, reordered, strict=True):
+            for w, r, one in zip(layer, copies, choice, strict=True):
+                x = xs[(rows, w.shape[1])]
+                _ = linear(x, r, None) if one else F.linear(x, w)
+
+    runs = [lambda c=c, r=r: run(c, r) for c in candidates for r in LAYER_ROWS]
+    for fn in runs:
+        fn()
+    per_round = []
+    for _ in range(ROUNDS):
+        ms = alternating_best_ms(runs, REPS)
+        per_round.append([
+            sum(ms[i * len(LAYER_ROWS) + j] / rows for j, rows in enumerate(LAYER_ROWS)) for i in range(len(candidates))
+        ])  # fmt: skip
+    return per_round
+
+
+_layer_memo: ChoiceMemo[tuple[str, str, int, str], LayerChoice] = ChoiceMemo()
+
+
+def layer_many_rows(lib: NativeLib, shapes: Sequence[tuple[int, int]], root: Path | None = None) -> LayerChoice:
+    """Which of a layer's weights ([n, k] shapes in call order) take oneDNN for calls past FEW_ROWS: each shape's
+    own choice (`onednn_wins`) where they agree; where they disagree, whichever of that mix, all oneDNN and all
+    F.linear ran the layer fastest in every round (rounds that disagree: the mix, unstored). See the module doc."""
+    own = tuple(onednn_wins(lib, k, n, root) for n, k in shapes)
+    if len(set(own)) < 2:
+        return own
+    candidates = [own, (True,) * len(own), (False,) * len(own)]
+    labels = ("as each shape chose", "all oneDNN", "all F.linear")
+    name = "onednn fp32 layer " + " ".join(f"{n}x{k}" for n, k in shapes)
+    threads = torch.get_num_threads()
+
+    def make() -> LayerChoice:
+        tables: list[str] = []
+
+        def run() -> tuple[LayerChoice, list[str]]:
+            rounds = measure_layer(shapes, candidates)
+            picks = {min(range(len(candidates)), key=r.__getitem__) for r in rounds}
+            tables.append("; ".join(" / ".join(f"{ms:.4f}" for ms in r) for r in rounds))
+            if len(picks) > 1:
+                return own, ["the layer's fastest paths"]
+            return candidates[picks.pop()], []
+
+        def parse(stored: object) -> LayerChoice | None:
+            got = stored.get("onednn_layer") if isinstance(stored, dict) else None
+            if not isinstance(got, list) or len(got) != len(own) or not all(isinstance(b, bool) for b in got):
+                return None
+            return tuple(got)
+
+        choice, where = stored_or_measured(
+            "linear", name, lib, threads, root, parse, run, lambda c: {"onednn_layer": list(c)}
+        )
+        measured = f" ({' / '.join(labels)}, ms a row at {LAYER_ROWS} rows: {tables[0]})" if tables else ""
+        log.info(
+            "CPU linear %s for %s [%s], %d thread(s): calls of more than %d rows %s%s (%s)",
+            name, cpu_info()[0], " ".join(vector_flags()), threads, FEW_ROWS[-1],
+            labels[candidates.index(choice)] if choice in candidates else choice, measured, where,
+        )  # fmt: skip
+        return choice
+
+    return _layer_memo.get_or_make((str(root), lib.path.name, threads, name), make)
 
 
 def row_class(rows: int) -> int | None:
@@ -214,11 +299,12 @@ class OnednnWeight:
         return self.many_rows if c is None else c in self.few_rows
 
 
-def onednn_weight(lib: NativeLib, weight: torch.Tensor) -> OnednnWeight | None:
+def onednn_weight(lib: NativeLib, weight: torch.Tensor, many_rows: bool | None = None) -> OnednnWeight | None:
     """`weight` reordered for oneDNN with the calls it wins here, or None where it wins none (F.linear, no extra
-    memory)."""
+    memory). `many_rows`: its layer's choice for calls past FEW_ROWS (`layer_many_rows`), else its own."""
     n, k = weight.shape
-    many, few = onednn_wins(lib, k, n), few_rows_won(lib, k, n)
+    many = onednn_wins(lib, k, n) if many_rows is None else many_rows
+    few = few_rows_won(lib, k, n)
     return OnednnWeight(reorder(weight), few, many) if many or few else None
 
 
@@ -226,3 +312,4 @@ def forget() -> None:
     """Drop this process's memoised choices (tests)."""
     _memo.clear()
     _few_memo.clear()
+    _layer_memo.clear()

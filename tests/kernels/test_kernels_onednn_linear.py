@@ -142,3 +142,60 @@ def test_a_few_row_class_the_rounds_disagree_on_goes_by_the_total(native_lib, fo
 
 def test_row_classes() -> None:
     assert [onednn_linear.row_class(r) for r in (1, 2, 8, 9, 32, 33, 4096)] == [1, 8, 8, 32, 32, None, None]
+
+
+@pytest.fixture
+def layer_rounds(forced, monkeypatch):
+    """Shapes 48x32 (oneDNN wins alone) and 40x32 (F.linear wins alone); `measure_layer` replaced by the per-round
+    ms of (the shapes' mix, all oneDNN, all F.linear) in the returned list; each call's shapes are recorded."""
+    del forced  # its UCM_CPU_LINEAR, cache dir and few-row results; `measure` is replaced below
+    monkeypatch.setattr(onednn_linear, "measure", lambda k, n: [(1.0, 2.0)] * 2 if n == 48 else [(2.0, 1.0)] * 2)
+    layer: list[list[float]] = [[3.0, 2.0, 1.0], [3.0, 2.0, 1.0]]
+    calls: list[list[tuple[int, int]]] = []
+    monkeypatch.setattr(onednn_linear, "measure_layer", lambda shapes, cands: calls.append(list(shapes)) or list(layer))
+    return layer, calls
+
+
+def test_a_layer_whose_shapes_disagree_takes_its_fastest_measured_path(native_lib, layer_rounds, monkeypatch) -> None:
+    """Alone, one shape chose oneDNN and the other F.linear; timed as a layer, all F.linear won: both weights' calls
+    past the few-row classes go through F.linear, and the answer is stored for the next process."""
+    layer, calls = layer_rounds
+    a, b = torch.randn(48, 32), torch.randn(40, 32)
+    choice = dense_mod.f32_layer_choice([a, b])
+    assert choice == {(48, 32): False, (40, 32): False} and calls == [[(48, 32), (40, 32)]]
+    packed = [dense_mod.pack_weight(w, many_rows=choice) for w in (a, b)]
+    assert all(p is None or p.onednn is None or not p.onednn.takes(200) for p in packed)
+    used: list[int] = []
+    real = onednn_linear.linear
+    monkeypatch.setattr(onednn_linear, "linear", lambda x, r, bias: used.append(x.shape[0]) or real(x, r, bias))
+    x = torch.randn(200, 32)
+    for w, p in zip((a, b), packed, strict=True):
+        torch.testing.assert_close(dense_mod.dense(x, w, None, p), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    assert used == [], "200 rows: F.linear for both, as the layer measured"
+    assert dense_mod.pack_weight(a).onednn.takes(200), "alone (no layer choice), the shape keeps its own"
+    (stored,) = (Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json")
+    entries = json.loads(stored.read_text())["entries"]
+    assert entries["onednn fp32 layer 48x32 40x32"] == {"onednn_layer": [False, False]}
+    onednn_linear.forget()
+    layer[:] = [[1.0, 2.0, 3.0]] * 2
+    assert dense_mod.f32_layer_choice([a, b]) == choice and len(calls) == 1, "read from the file, not measured"
+
+
+def test_a_layer_keeps_its_shapes_mix_where_it_wins_or_the_rounds_disagree(native_lib, layer_rounds) -> None:
+    layer, calls = layer_rounds
+    a, b = torch.randn(48, 32), torch.randn(40, 32)
+    layer[:] = [[1.0, 2.0, 3.0], [1.0, 3.0, 2.0]]
+    assert dense_mod.f32_layer_choice([a, b]) == {(48, 32): True, (40, 32): False}
+    a, b = torch.randn(48, 64), torch.randn(40, 64)  # another layer: the first's answer is stored
+    layer[:] = [[3.0, 1.0, 2.0], [3.0, 2.0, 1.0]]
+    assert dense_mod.f32_layer_choice([a, b]) == {(48, 64): True, (40, 64): False}, "rounds disagree: the mix"
+    onednn_linear.forget()
+    dense_mod.f32_layer_choice([a, b])
+    assert len(calls) == 3, "a disagreement is not stored: the next process measures again"
+
+
+def test_a_layer_whose_shapes_agree_is_not_timed(native_lib, layer_rounds) -> None:
+    _, calls = layer_rounds
+    assert dense_mod.f32_layer_choice([torch.randn(48, 32), torch.randn(48, 64)]) == {(48, 32): True, (48, 64): True}
+    assert dense_mod.f32_layer_choice([torch.randn(48, 32).bfloat16()]) is None, "fp32 weights only"
+    assert calls == []
