@@ -37,7 +37,7 @@ _Static_assert(DR == 32 && DKC % 32 == 0, "two 16-row tiles an item; whole 32-ke
  * undefined; nothing reads them). kp[j]: key j's head row. Sixteen keys of one cache block are one tile load,
  * key_stride bytes apart; a group that crosses a block's end is gathered into Kc, zeros past nk. */
 ALWAYS_INLINE void amx_qk(float *S, const uint32_t *qT, const uint32_t *const *kp, int nk, int d, int32_t start,
-                          int32_t bs, int64_t key_stride, uint16_t *Kc) {
+                          int32_t bs, int64_t key_stride, uint16_t *Kc, const int dv) {
     for (int j0 = 0; j0 < nk; j0 += 16) {
         const void *a = kp[j0];
         int64_t a_stride = key_stride;
@@ -50,16 +50,18 @@ ALWAYS_INLINE void amx_qk(float *S, const uint32_t *qT, const uint32_t *const *k
             a_stride = (int64_t)d * 2;
         }
         _tile_zero(0);
-        _tile_zero(1);
+        if (dv == 2) _tile_zero(1);
         for (int kb = 0; kb < d / 32; kb++) {
             _tile_loadd(2, (const char *)a + kb * 64, a_stride);
             _tile_loadd(3, qT + kb * 16 * DR, DR * 4);
-            _tile_loadd(4, qT + kb * 16 * DR + 16, DR * 4);
             _tile_dpbf16ps(0, 2, 3);
-            _tile_dpbf16ps(1, 2, 4);
+            if (dv == 2) {
+                _tile_loadd(4, qT + kb * 16 * DR + 16, DR * 4);
+                _tile_dpbf16ps(1, 2, 4);
+            }
         }
         _tile_stored(0, S + j0 * DR, DR * 4);
-        _tile_stored(1, S + j0 * DR + 16, DR * 4);
+        if (dv == 2) _tile_stored(1, S + j0 * DR + 16, DR * 4);
     }
 }
 
@@ -67,14 +69,14 @@ ALWAYS_INLINE void amx_qk(float *S, const uint32_t *qT, const uint32_t *const *k
  * mx[v] = max(mx[v], every score * scale): the VDPBF16PS body's mask and max passes in one. The scores stay
  * unscaled (dp_weights scales them inside its multiply-add): scaling by a positive number commutes with max. */
 ALWAYS_INLINE void amx_mask_max(float *S, int nk, int32_t start, int diag, const __m512i *posv, __m512 scale,
-                                __m512 *mx) {
+                                __m512 *mx, const int dv) {
     __m512 raw[DV];
 #pragma GCC unroll 2
-    for (int v = 0; v < DV; v++) raw[v] = _mm512_set1_ps(-INFINITY);
+    for (int v = 0; v < dv; v++) raw[v] = _mm512_set1_ps(-INFINITY);
     for (int j = 0; j < nk; j++) {
         const __m512i key = _mm512_set1_epi32(start + j);
 #pragma GCC unroll 2
-        for (int v = 0; v < DV; v++) {
+        for (int v = 0; v < dv; v++) {
             __m512 s = _mm512_load_ps(S + j * DR + v * 16);
             if (diag) {
                 const __mmask16 past = _mm512_cmpgt_epi32_mask(key, posv[v]);
@@ -85,7 +87,7 @@ ALWAYS_INLINE void amx_mask_max(float *S, int nk, int32_t start, int diag, const
         }
     }
 #pragma GCC unroll 2
-    for (int v = 0; v < DV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_mul_ps(raw[v], scale));
+    for (int v = 0; v < dv; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_mul_ps(raw[v], scale));
 }
 
 /* Dwords of one kv head's V^T for sequence seq (Problem.amx_vt): every DKC-key chunk up to its last key. */
@@ -126,31 +128,34 @@ static void amx_build_vt(const Problem *p, int32_t seq, int32_t h, int32_t chunk
 
 /* oT[c][0:DR] = oT[c][0:DR] * alpha + sum over the chunk's n2 key pairs of VT[c][i] . Pp[i][0:DR], for every
  * column; VT: the chunk's amx_build_vt. Pp's pairs past n2 up to the next 16 are zeroed (VT's may be later keys). */
-ALWAYS_INLINE void amx_pv(float *oT, uint32_t *Pp, const uint32_t *VT, const __m512 *alpha, int n2, int d) {
+ALWAYS_INLINE void amx_pv(float *oT, uint32_t *Pp, const uint32_t *VT, const __m512 *alpha, int n2, int d,
+                          const int dv) {
     const int n2r = (n2 + 15) & ~15;
     for (int i = n2; i < n2r; i++)
 #pragma GCC unroll 2
-        for (int v = 0; v < DV; v++) _mm512_store_si512(Pp + i * DR + v * 16, _mm512_setzero_si512());
+        for (int v = 0; v < dv; v++) _mm512_store_si512(Pp + i * DR + v * 16, _mm512_setzero_si512());
     __mmask16 moved = 0; /* rows whose running max rose: alpha == 1 exactly elsewhere, and x * 1 == x */
 #pragma GCC unroll 2
-    for (int v = 0; v < DV; v++) moved |= _mm512_cmp_ps_mask(alpha[v], _mm512_set1_ps(1.0f), _CMP_NEQ_UQ);
+    for (int v = 0; v < dv; v++) moved |= _mm512_cmp_ps_mask(alpha[v], _mm512_set1_ps(1.0f), _CMP_NEQ_UQ);
     if (moved)
         for (int c = 0; c < d; c++)
 #pragma GCC unroll 2
-            for (int v = 0; v < DV; v++)
+            for (int v = 0; v < dv; v++)
                 _mm512_store_ps(oT + c * DR + v * 16, _mm512_mul_ps(_mm512_load_ps(oT + c * DR + v * 16), alpha[v]));
     for (int c0 = 0; c0 < d; c0 += 16) {
         _tile_loadd(0, oT + c0 * DR, DR * 4);
-        _tile_loadd(1, oT + c0 * DR + 16, DR * 4);
+        if (dv == 2) _tile_loadd(1, oT + c0 * DR + 16, DR * 4);
         for (int i0 = 0; i0 < n2r; i0 += 16) {
             _tile_loadd(2, VT + c0 * (DKC / 2) + i0, DKC / 2 * 4);
             _tile_loadd(3, Pp + i0 * DR, DR * 4);
-            _tile_loadd(4, Pp + i0 * DR + 16, DR * 4);
             _tile_dpbf16ps(0, 2, 3);
-            _tile_dpbf16ps(1, 2, 4);
+            if (dv == 2) {
+                _tile_loadd(4, Pp + i0 * DR + 16, DR * 4);
+                _tile_dpbf16ps(1, 2, 4);
+            }
         }
         _tile_stored(0, oT + c0 * DR, DR * 4);
-        _tile_stored(1, oT + c0 * DR + 16, DR * 4);
+        if (dv == 2) _tile_stored(1, oT + c0 * DR + 16, DR * 4);
     }
 }
 #endif

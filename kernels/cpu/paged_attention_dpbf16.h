@@ -172,10 +172,10 @@ ALWAYS_INLINE void transpose16x16_epi32(__m512i r[16]) {
  * amx (a constant): S holds unscaled scores and p = 2^(s * scale - m) by exp2_short_ps, the AMX body's weights
  * (its own bits: no other body computes a prompt row on a CPU with AMX). */
 ALWAYS_INLINE void dp_weights(const float *S, uint32_t *Pp, const __m512 *m, __m512 *sum, int n2, int nk,
-                              const int all_live, const int amx, __m512 scale) {
+                              const int all_live, const int amx, __m512 scale, const int dv) {
     for (int i = 0; i < n2; i++)
 #pragma GCC unroll 2
-        for (int v = 0; v < DV; v++) {
+        for (int v = 0; v < dv; v++) {
             const __m512 se = _mm512_load_ps(S + 2 * i * DR + v * 16);
             const __m512 so = 2 * i + 1 < nk ? _mm512_load_ps(S + (2 * i + 1) * DR + v * 16)
                                              : _mm512_set1_ps(-INFINITY);
@@ -203,7 +203,7 @@ ALWAYS_INLINE void dp_weights(const float *S, uint32_t *Pp, const __m512 *m, __m
 /* One item: rows row0 .. min(row0 + DR, row_end) - 1 of kv head h of sequence seq, row = token * group + head in
  * group. amx (a constant): the products on AMX tiles (paged_attention_amx.h), for prompt rows. */
 ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32_t row0, int32_t row_end, int d,
-                                 const int amx) {
+                                 const int amx, const int dv) {
     const int32_t group = p->num_q_heads / p->num_kv_heads, n = num_queries(p, seq), len = p->seq_lens[seq];
     const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq, bs = p->block_size;
     const int32_t nrows = row_end - row0 < DR ? row_end - row0 : DR, d2 = d / 2;
@@ -235,7 +235,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
     __m512 m[DV], l[DV], alpha[DV];
     __m512i posv[DV];
 #pragma GCC unroll 2
-    for (int v = 0; v < DV; v++) {
+    for (int v = 0; v < dv; v++) {
         m[v] = _mm512_set1_ps(-INFINITY);
         l[v] = _mm512_setzero_ps();
         posv[v] = _mm512_load_si512(pos + v * 16);
@@ -259,7 +259,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
             }
         }
 #ifdef UCM_HAS_AMX_ATTN
-        if (amx) amx_qk(S, qT, kp, nk, d, start, bs, key_stride, Kc);
+        if (amx) amx_qk(S, qT, kp, nk, d, start, bs, key_stride, Kc, dv);
         else
 #endif
             for (int j = 0; j < nk; j += DKB) {
@@ -270,10 +270,10 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
         if (!amx) interleave_v_pairs(Vp, vp, nk, d); /* AMX: the call's V^T (amx_build_vt) */
         __m512 mx[DV], sum[DV];
 #pragma GCC unroll 2
-        for (int v = 0; v < DV; v++) mx[v] = m[v];
+        for (int v = 0; v < dv; v++) mx[v] = m[v];
         const int diag = start + nk - 1 > first; /* some row stops inside this chunk: mask the keys past it */
 #ifdef UCM_HAS_AMX_ATTN
-        if (amx) amx_mask_max(S, nk, start, diag, posv, scale, mx);
+        if (amx) amx_mask_max(S, nk, start, diag, posv, scale, mx, dv);
         else
 #endif
         {
@@ -281,17 +281,17 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
                 for (int j = 0; j < nk; j++) {
                     const __m512i key = _mm512_set1_epi32(start + j);
 #pragma GCC unroll 2
-                    for (int v = 0; v < DV; v++) {
+                    for (int v = 0; v < dv; v++) {
                         const __mmask16 past = _mm512_cmpgt_epi32_mask(key, posv[v]);
                         _mm512_mask_store_ps(S + j * DR + v * 16, past, _mm512_set1_ps(-INFINITY));
                     }
                 }
             for (int j = 0; j < nk; j++)
 #pragma GCC unroll 2
-                for (int v = 0; v < DV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_load_ps(S + j * DR + v * 16));
+                for (int v = 0; v < dv; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_load_ps(S + j * DR + v * 16));
         }
 #pragma GCC unroll 2
-        for (int v = 0; v < DV; v++) {
+        for (int v = 0; v < dv; v++) {
             /* AMX: a row's reference rises only past its max by more than LAZY_MAX_LOG2 (weights up to 2^that, in
              * fp32 and bf16 alike), so that the output's rescale (amx_pv) runs only in the few chunks where
              * some row's does; elsewhere m is the running max. */
@@ -304,12 +304,12 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
             m[v] = mx[v];
             sum[v] = _mm512_setzero_ps();
         }
-        if (!diag && nk == DKC) dp_weights(S, Pp, m, sum, n2, nk, 1, amx, scale); /* no masked key, no odd partner */
-        else dp_weights(S, Pp, m, sum, n2, nk, 0, amx, scale);
+        if (!diag && nk == DKC) dp_weights(S, Pp, m, sum, n2, nk, 1, amx, scale, dv); /* no masked key, no odd partner */
+        else dp_weights(S, Pp, m, sum, n2, nk, 0, amx, scale, dv);
 #pragma GCC unroll 2
-        for (int v = 0; v < DV; v++) l[v] = _mm512_add_ps(_mm512_mul_ps(l[v], alpha[v]), sum[v]);
+        for (int v = 0; v < dv; v++) l[v] = _mm512_add_ps(_mm512_mul_ps(l[v], alpha[v]), sum[v]);
 #ifdef UCM_HAS_AMX_ATTN
-        if (amx) amx_pv(oT, Pp, amx_vt_chunk(p, seq, h, start / DKC), alpha, n2, d);
+        if (amx) amx_pv(oT, Pp, amx_vt_chunk(p, seq, h, start / DKC), alpha, n2, d, dv);
         else
 #endif
             for (int c = 0; c < d; c += DKB) {
@@ -323,7 +323,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
 #endif
     _Alignas(64) float inv[DR];
 #pragma GCC unroll 2
-    for (int v = 0; v < DV; v++) _mm512_store_ps(inv + v * 16, _mm512_div_ps(_mm512_set1_ps(1.0f), l[v]));
+    for (int v = 0; v < dv; v++) _mm512_store_ps(inv + v * 16, _mm512_div_ps(_mm512_set1_ps(1.0f), l[v]));
     for (int32_t r0 = 0; r0 < nrows; r0 += 16) /* oT's 16 x 16 blocks turned to rows: o[c] = bf16(oT[c][r] * inv[r]) */
         for (int c0 = 0; c0 < d; c0 += 16) {
             __m512i t[16];
@@ -562,7 +562,7 @@ ALWAYS_INLINE void attend_dpbf16_item(const Problem *p, int32_t seq, int32_t h, 
     const int32_t rows = num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads) - row0;
     if (h == p->num_kv_heads) attend_dpbf16_cols(p, seq, 0, p->num_kv_heads, row0, d); /* dpbf16_all_heads */
     else if (rows < DCOLS) attend_dpbf16_cols(p, seq, h, h + 1, row0, d);
-    else attend_dpbf16(p, seq, h, row0, num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads), d, 0);
+    else attend_dpbf16(p, seq, h, row0, num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads), d, 0, DV);
 }
 static void dpbf16_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
     attend_dpbf16_item(p, seq, h, row0, 64);
@@ -571,12 +571,18 @@ static void dpbf16_any(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
     attend_dpbf16_item(p, seq, h, row0, p->head_dim);
 }
 #ifdef UCM_HAS_AMX_ATTN
-/* A prompt item on AMX: rows row0 .. min(row0 + DR, row_end) - 1 of kv head h. */
+/* A prompt item on AMX: rows row0 .. min(row0 + DR, row_end) - 1 of kv head h; an item of at most 16 rows (a
+ * repeated prompt's last token: its kv head's 3 rows) with one tile and one vector of rows, half the work. A row's
+ * bits are the same either way: every tile element and softmax lane is its own row's alone. */
+ALWAYS_INLINE void amx_item(const Problem *p, int32_t seq, int32_t h, int32_t row0, int32_t row_end, int d) {
+    if (row_end - row0 <= 16) attend_dpbf16(p, seq, h, row0, row_end, d, 1, 1);
+    else attend_dpbf16(p, seq, h, row0, row_end, d, 1, DV);
+}
 static void amx_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0, int32_t row_end) {
-    attend_dpbf16(p, seq, h, row0, row_end, 64, 1);
+    amx_item(p, seq, h, row0, row_end, 64);
 }
 static void amx_any(const Problem *p, int32_t seq, int32_t h, int32_t row0, int32_t row_end) {
-    attend_dpbf16(p, seq, h, row0, row_end, p->head_dim, 1);
+    amx_item(p, seq, h, row0, row_end, p->head_dim);
 }
 #endif
 #endif /* __AVX512F__ && __AVX512BF16__ */
