@@ -232,7 +232,7 @@ class Scheduler:
             # Matched again if an admission before this one in the loop changed the prefix cache (evicted blocks).
             prefix = self._prefix_match(req)
             num_computed = req.num_computed_tokens + prefix.num_tokens
-            next_block = -(-num_computed // self.kv.block_size)  # a whole hit's last block is not computed again
+            next_block = self.kv.blocks_needed(num_computed)  # a whole hit's last block is not computed again
             if next_block < len(req.block_keys) and req.block_keys[next_block] in in_flight:
                 self.stats.prefix_deferrals += 1  # its prefix is being computed: it hits the cache in a step or two
                 continue

@@ -138,7 +138,7 @@ def pack_weight(
     `decode`: its quantized panels for generated rows (bf16 only; `decode_panels` or `lm_head_panels` made them from
     the fp32 weight). gate_up: a SwiGLU gate_up weight, which `dense_silu_and_mul` takes. many_rows: its layer's
     choice (`f32_layer_choice`; fp32 only), else the weight's own."""
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
+    if _f32_cpu(weight):
         return _f32_packed(weight, None if many_rows is None else many_rows.get((weight.shape[0], weight.shape[1])))
     if not packing_supported(weight):
         return None
@@ -165,10 +165,15 @@ def f32_layer_choice(weights: Sequence[torch.Tensor]) -> ManyRows | None:
     from kernels.cpu.native import load
 
     lib = load()
-    if lib is None or not all(w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 for w in weights):
+    if lib is None or not all(_f32_cpu(w) for w in weights):
         return None
     shapes = [(w.shape[0], w.shape[1]) for w in weights]
     return dict(zip(shapes, onednn_linear.layer_many_rows(lib, shapes), strict=True))
+
+
+def _f32_cpu(weight: torch.Tensor) -> bool:
+    """A 2-D fp32 CPU weight: what `F32Packed` copies are made for."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
 def _f32_packed(weight: torch.Tensor, many_rows: bool | None = None) -> F32Packed | None:
