@@ -50,9 +50,22 @@ BF16_INLINE __m512i bf16x16_bits(__m512 f) {
     return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
 }
 
+/* f32_to_bf16 on 16 lanes, packed into 16 words. With AVX-512 BF16, VCVTNEPS2BF16 rounds exactly so (nearest
+ * even, a NaN quieted by its 0x40 bit) except that it flushes a denormal input to a signed zero: a vector holding
+ * one (fpclass 0x20, rare: |f| < 2^-126) takes the integer rounding instead. */
+BF16_INLINE __m256i bf16x16_pack(__m512 f) {
+#if defined(__AVX512BF16__)
+    if (__builtin_expect(_mm512_fpclass_ps_mask(f, 0x20) == 0, 1)) return (__m256i)_mm512_cvtneps_pbh(f);
+#endif
+    return _mm512_cvtepi32_epi16(bf16x16_bits(f));
+}
+
 /* f32_to_bf16 on 16 lanes, stored. */
-BF16_INLINE void f32x16_store_bf16(uint16_t *dst, __m512 f) {
-    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(bf16x16_bits(f)));
+BF16_INLINE void f32x16_store_bf16(uint16_t *dst, __m512 f) { _mm256_storeu_si256((__m256i *)dst, bf16x16_pack(f)); }
+
+/* f: the fp32 value of f32_to_bf16(f), on 16 lanes (a bf16 rounding kept in fp32). */
+BF16_INLINE __m512 f32x16_round_bf16(__m512 f) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_pack(f)), 16));
 }
 #endif
 

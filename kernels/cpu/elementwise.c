@@ -47,7 +47,7 @@ EW_INLINE __m512 load16(const uint16_t *p) { return bf16x16_to_f32(p); }
 
 EW_INLINE void store16(uint16_t *p, __m512 f) { f32x16_store_bf16(p, f); }
 
-EW_INLINE __m512 round16(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16x16_bits(f), 16)); }
+EW_INLINE __m512 round16(__m512 f) { return f32x16_round_bf16(f); }
 #endif
 
 /* ---------------------------------------------------------------- RMSNorm */

@@ -333,7 +333,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
                 const int32_t row = row0 + r0 + r, tok = row / group, head = h * group + row % group;
                 uint16_t *o = (uint16_t *)p->out + ((int64_t)(q0 + tok) * p->num_q_heads + head) * d + c0;
                 const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(t[r]), _mm512_set1_ps(inv[r0 + r]));
-                _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(bf16x16_bits(x)));
+                _mm256_storeu_si256((__m256i *)o, bf16x16_pack(x));
             }
         }
 }

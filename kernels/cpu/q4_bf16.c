@@ -228,7 +228,7 @@ static int32_t decode_matmul(const uint16_t *x, int64_t m, int64_t k, const void
                 const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
                 for (int64_t r = 0; r < rows; r++)
                     _mm256_mask_storeu_epi16(y + (r0 + r) * n + p * NR, mask,
-                                             _mm512_cvtepi32_epi16(bf16x16_bits(out[r])));
+                                             bf16x16_pack(out[r]));
             }
 #ifdef UCM_HAS_AMX
             if (amx) _tile_release();

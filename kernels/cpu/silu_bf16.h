@@ -33,7 +33,7 @@ BF16_INLINE __m512 exp16(__m512 x) {
 BF16_INLINE __m512 silu_mul16(__m512 g, __m512 u) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bf16x16_bits(s), 16)), u);
+    return _mm512_mul_ps(f32x16_round_bf16(s), u);
 }
 #endif
 

@@ -145,6 +145,21 @@ def test_rotary_embedding_in_place_on_a_qkv_view(lib, native_mode, monkeypatch, 
     assert torch.equal(qkv[:, (hq + hkv) * d :], v_before), "v must not be touched"
 
 
+def test_rotary_embedding_keeps_denormals_as_torch_does(lib, native_mode):
+    """Products below fp32's smallest normal (2^-126) stay denormal in torch; the AVX-512 BF16 rounding
+    instruction would flush them, so a vector holding one must take the exact integer rounding."""
+    qkv, qk, cos, sin = _qkv_case(17, 9, 3, 64, seed=11)
+    # Tiny in both halves of a head at even i (x_i and x_{i + d/2} meet in one output), so that tiny and
+    # ordinary lanes share vectors, in every other token.
+    col = torch.arange(qkv.shape[1]) % 64 % 32
+    tiny = (col % 2 == 0)[None, :] & (torch.arange(qkv.shape[0]) % 2 == 0)[:, None]
+    qkv.copy_(torch.where(tiny, qkv * 2.0**-120, qkv))
+    want = rotary_embedding_torch(qk, cos, sin)
+    assert bool(((want != 0) & (want.abs() < 2.0**-126)).any()), "the case must produce denormal results"
+    api.rotary_embedding_(qk, cos, sin)
+    assert torch.equal(qk.view(torch.int16), want.view(torch.int16))
+
+
 def test_torch_fallback_when_native_is_off(lib, monkeypatch):
     monkeypatch.setenv("UCM_CPU_ATTENTION", "torch")
     monkeypatch.setattr(native, "load", lambda: pytest.fail("UCM_CPU_ATTENTION=torch must keep the library out"))
