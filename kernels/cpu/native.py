@@ -54,6 +54,7 @@ HEADERS = tuple(
         "paged_attention_lanes.h",
         "paged_attention_dpbf16.h",
         "paged_attention_amx.h",
+        "paged_attention_shared.h",
         "amx_tiles.h",
         "silu_bf16.h",
     )

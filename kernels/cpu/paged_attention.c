@@ -240,19 +240,19 @@ static inline Item item_at(const Problem *p, int32_t seq, int32_t i, int32_t dty
     const int32_t amx = amx_items(p, seq, dtype);
     if (i < amx) {
         const int32_t per_head = amx / p->num_kv_heads;
-        return (Item){seq, i % per_head * 32, i / per_head, first * group};
+        return (Item){.seq = seq, .row0 = i % per_head * 32, .kv_head = i / per_head, .amx_end = first * group};
     }
     i -= amx;
 #ifdef UCM_HAS_DPBF16
     if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, num_queries(p, seq) - first))
-        return (Item){seq, first * group, p->num_kv_heads, 0}; /* every kv head in one item */
+        return (Item){.seq = seq, .row0 = first * group, .kv_head = p->num_kv_heads}; /* every kv head in one item */
 #endif
     const int32_t lr = lane_rows(p, seq, dtype);
     if (lr) {
         const int32_t per_head = rest_items(p, seq, dtype, first) / p->num_kv_heads;
-        return (Item){seq, first * group + i % per_head * lr, i / per_head, 0};
+        return (Item){.seq = seq, .row0 = first * group + i % per_head * lr, .kv_head = i / per_head};
     }
-    return (Item){seq, i * MAX_ROWS, -1, 0};
+    return (Item){.seq = seq, .row0 = i * MAX_ROWS, .kv_head = -1};
 }
 
 /* One item on the body it was made for: kv_head >= 0 marks a lanes item (lane_rows). */
@@ -260,6 +260,12 @@ static inline void run_item(const Problem *p, const Item *it, ItemFn fn, int32_t
 #ifdef UCM_HAS_AMX_ATTN
     if (it->amx_end > 0) {
         (p->head_dim == 64 ? amx_d64 : amx_any)(p, it->seq, it->kv_head, it->row0, it->amx_end);
+        return;
+    }
+#endif
+#ifdef UCM_HAS_DPBF16
+    if (it->group_len > 0) {
+        (p->head_dim == 64 ? dpbf16_shared_d64 : dpbf16_shared_any)(p, it);
         return;
     }
 #endif
@@ -353,6 +359,8 @@ static int build_amx_vt(Problem *p, int32_t dtype, int32_t num_seqs, int32_t num
 }
 #endif
 
+#include "paged_attention_shared.h"
+
 /* Varlen causal paged attention (see the file comment). dtype: 0 fp32, 1 bf16. num_threads > 1 splits the
  * work items over OpenMP threads when the build has OpenMP (it shares the process's libgomp with torch).
  * With skip_whole_prompts, sequences whose queries are their whole context are left out (their output rows
@@ -373,7 +381,7 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
         return UCM_ERR_BAD_SHAPE;
     Problem p = {q, q_stride_tok, q_stride_head, k_cache, v_cache, out, query_start_loc, seq_lens,
                  block_tables, block_table_stride, num_q_heads, num_kv_heads, head_dim, block_size,
-                 scale * LOG2E, skip_whole_prompts, prompt_queries, NULL};
+                 scale * LOG2E, skip_whole_prompts, prompt_queries, NULL, NULL};
     int64_t num_items = 0;
     int rc = validate(&p, dtype, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
     if (rc != UCM_OK) return rc;
@@ -384,21 +392,42 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
 #endif
     const ItemFn fn = pick_item_fn(head_dim, dtype);
 #define RUN(it) run_item(&p, (it), fn, dtype)
+    /* An items array where threads share them or where decodes may share a prefix (their group items after
+     * everyone else's: taken first, they are the largest); else one item at a time. */
     Item *items = NULL;
-#ifdef _OPENMP
-    if (num_threads > 1 && num_items > 1) items = malloc((size_t)num_items * sizeof *items);
+    uint8_t *grouped = NULL;
+    int32_t *members = NULL;
+#ifdef UCM_HAS_DPBF16
+    const int may_group = dtype == UCM_DTYPE_BF16 && num_seqs > 1;
+#else
+    const int may_group = 0;
 #endif
+    if ((num_threads > 1 && num_items > 1) || may_group) {
+        items = malloc((size_t)(num_items + num_seqs) * sizeof *items); /* + at most one group a sequence */
+        grouped = calloc((size_t)num_seqs, 1);
+        if (items == NULL || grouped == NULL) free(items), free(grouped), items = NULL, grouped = NULL;
+    }
     if (items) {
-        int64_t k = 0;
-        for (int32_t b = 0; b < num_seqs; b++) {
-            if (skipped(&p, b)) continue;
-            for (int32_t i = 0; i < items_of(&p, b, dtype); i++) items[k++] = item_at(&p, b, i, dtype);
+        int64_t groups = 0;
+#ifdef UCM_HAS_DPBF16
+        if (may_group) {
+            int64_t other = num_items; /* a candidate has one item */
+            for (int32_t b = 0; b < num_seqs; b++) other -= shared_candidate(&p, b, dtype);
+            groups = plan_shared(&p, dtype, num_seqs, other, num_threads, &members, grouped, items + num_items);
         }
+        p.group_seqs = members;
+#endif
+        int64_t count = 0;
+        for (int32_t b = 0; b < num_seqs; b++) {
+            if (skipped(&p, b) || grouped[b]) continue;
+            for (int32_t i = 0; i < items_of(&p, b, dtype); i++) items[count++] = item_at(&p, b, i, dtype);
+        }
+        memmove(items + count, items + num_items, (size_t)groups * sizeof *items);
+        count += groups;
         /* The last items of a sequence's kv head see the most keys: taken first, no thread is left with one of
          * them while the other idles. */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-        for (int64_t i = num_items - 1; i >= 0; i--) RUN(&items[i]);
-        free(items);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+        for (int64_t i = count - 1; i >= 0; i--) RUN(&items[i]);
     } else {
         for (int32_t b = 0; b < num_seqs; b++) {
             if (skipped(&p, b)) continue;
@@ -408,11 +437,40 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
             }
         }
     }
+    free(items), free(grouped), free(members);
 #undef RUN
 #ifdef UCM_HAS_AMX_ATTN
     free(vt_ptrs), free(vt_block);
 #endif
     return UCM_OK;
+}
+
+/* The shared-prefix decode groups plan_shared makes of a decode batch (bf16, one query a sequence, threads as
+ * the call would have them): group_of[seq] = the group's index, -1 for a sequence on its own. Returns how many
+ * groups; -1 where this build has no such groups (no AVX-512 BF16). For tests and diagnostics. */
+int32_t ucm_shared_prefix_groups(const int32_t *seq_lens, const int32_t *block_tables, int64_t block_table_stride,
+                                 int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+                                 int32_t block_size, int32_t num_threads, int32_t *group_of) {
+#ifdef UCM_HAS_DPBF16
+    const Problem p = {.seq_lens = seq_lens, .block_tables = block_tables, .block_table_stride = block_table_stride,
+                       .num_q_heads = num_q_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
+                       .block_size = block_size};
+    for (int32_t b = 0; b < num_seqs; b++) group_of[b] = -1;
+    uint8_t *grouped = calloc((size_t)num_seqs + 1, 1);
+    Item *groups = malloc(((size_t)num_seqs + 1) * sizeof *groups);
+    int32_t *members = NULL;
+    int64_t n = 0;
+    if (grouped && groups) n = plan_shared(&p, UCM_DTYPE_BF16, num_seqs, 0, num_threads, &members, grouped, groups);
+    for (int64_t g = 0; g < n; g++)
+        for (int32_t m = 0; m < groups[g].group_len; m++) group_of[members[groups[g].group_at + m]] = (int32_t)g;
+    free(grouped), free(groups), free(members);
+    return (int32_t)n;
+#else
+    (void)seq_lens, (void)block_tables, (void)block_table_stride, (void)num_seqs, (void)num_q_heads;
+    (void)num_kv_heads, (void)head_dim, (void)block_size, (void)num_threads;
+    for (int32_t b = 0; b < num_seqs; b++) group_of[b] = -1;
+    return -1;
+#endif
 }
 
 /* Reshape-and-cache: key/value token t (num_kv_heads * head_dim contiguous elements, token_stride apart) goes

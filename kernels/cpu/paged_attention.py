@@ -106,6 +106,26 @@ def attention_error(rc: int, seq: int) -> ValueError:
     return ValueError(f"paged attention: sequence {seq} {what}" if seq >= 0 else f"paged attention: the call {what}")
 
 
+def shared_prefix_groups(
+    lib: NativeLib, seq_lens: torch.Tensor, block_tables: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+    head_dim: int, block_size: int,
+) -> list[int] | None:  # fmt: skip
+    """How the kernel groups a bf16 decode batch whose sequences begin with the same cache blocks (one item a
+    group reads their shared chunks once: paged_attention_shared.h), with this process's torch threads: each
+    sequence's group index, -1 for one on its own; None where the build has no such groups."""
+    fn = lib.cdll.ucm_shared_prefix_groups
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, i64, i32, i32, i32, i32, i32, i32, ptr]
+    fn.restype = i32
+    seq_lens, block_tables = _int32(seq_lens), _int32(block_tables)
+    out = torch.empty(seq_lens.shape[0], dtype=torch.int32)
+    n = fn(
+        seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.shape[0],
+        num_q_heads, num_kv_heads, head_dim, block_size, torch.get_num_threads(), out.data_ptr(),
+    )  # fmt: skip
+    return None if n < 0 else out.tolist()
+
+
 def paged_attention_native(
     lib: NativeLib,
     q: torch.Tensor,

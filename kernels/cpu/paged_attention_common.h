@@ -66,6 +66,8 @@ typedef struct {
                                       (where AMX is, they take paged_attention_amx.h's body) */
     const uint32_t *const *amx_vt; /* per sequence with AMX items: V's key pairs transposed, chunk by chunk
                                       (paged_attention_amx.h, amx_build_vt); NULL elsewhere */
+    const int32_t *group_seqs; /* the members of shared-prefix decode items, group after group
+                                  (paged_attention_shared.h); NULL: none */
 } Problem;
 
 typedef struct {
@@ -73,6 +75,8 @@ typedef struct {
     int32_t kv_head;   /* -1: the per-ISA body's item; >= 0: a lanes item of this kv head, row0 = token * group +
                           head in group (paged_attention_lanes.h) */
     int32_t amx_end;   /* > 0: an AMX prompt item of that kv head, its rows row0 .. min(row0 + 32, amx_end) - 1 */
+    int32_t group_at, group_len, group_keys; /* group_len > 0: decodes Problem.group_seqs[group_at ..] sharing
+                                                their first group_keys keys (paged_attention_shared.h) */
 } Item;
 
 /* One item's rows, resolved: where each row's query and output live, its kv head and last visible key. */

@@ -26,6 +26,8 @@
 #ifndef UCM_PAGED_ATTENTION_DPBF16_H
 #define UCM_PAGED_ATTENTION_DPBF16_H
 
+#include <stdlib.h>
+
 #include "paged_attention_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -466,6 +468,123 @@ ALWAYS_INLINE int chunk_offsets(const Problem *p, const int32_t *table, int32_t 
     return nk;
 }
 
+/* One sequence's rows in attend_dpbf16_cols: where its queries are, their positions and their online softmax's
+ * state (o: the caller's [nh][DCOLS][d] floats). */
+typedef struct {
+    const int32_t *table;
+    const uint32_t *qrow[DCOLS_HEADS][DCOLS];
+    float m[DCOLS_HEADS][DCOLS], l[DCOLS_HEADS][DCOLS];
+    int32_t pos[DCOLS];
+    int32_t seq, q0, row0, nrows, h_lo, nh, last;
+    float *o;
+} ColsRows;
+
+/* s for rows row0.. of sequence seq, kv heads h_lo .. h_hi - 1; 0 when there is nothing to compute (a padding
+ * sequence's rows are zeroed here). */
+static inline int cols_begin(const Problem *p, int32_t seq, int32_t h_lo, int32_t h_hi, int32_t row0, int d, float *o,
+                             ColsRows *s) {
+    const int32_t group = p->num_q_heads / p->num_kv_heads, n = num_queries(p, seq), len = p->seq_lens[seq];
+    const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq;
+    const int32_t nrows = n * group - row0 < DR ? n * group - row0 : DR, nh = h_hi - h_lo;
+    if (nrows <= 0 || nrows > DCOLS || nh <= 0 || nh > DCOLS_HEADS) return 0; /* items are made within these */
+    if (len == 0) { /* a padding sequence */
+        for (int32_t h = h_lo; h < h_hi; h++) zero_lane_rows(p, q0, h, row0, nrows, 2);
+        return 0;
+    }
+    *s = (ColsRows){.table = table_of(p, seq), .seq = seq, .q0 = q0, .row0 = row0, .nrows = nrows, .h_lo = h_lo,
+                    .nh = nh, .o = o};
+    for (int32_t r = 0; r < nrows; r++) s->pos[r] = len - n + (row0 + r) / group;
+    for (int32_t hh = 0; hh < nh; hh++)
+        for (int32_t r = 0; r < nrows; r++) {
+            const int32_t row = row0 + r, tok = row / group, head = (h_lo + hh) * group + row % group;
+            s->qrow[hh][r] = (const uint32_t *)((const uint16_t *)p->q + (int64_t)(q0 + tok) * p->q_stride_tok +
+                                                (int64_t)head * p->q_stride_head);
+            s->m[hh][r] = -INFINITY;
+            s->l[hh][r] = 0.0f;
+            for (int c = 0; c < d; c++) o[(hh * DCOLS + r) * d + c] = 0.0f;
+        }
+    s->last = s->pos[nrows - 1];
+    return 1;
+}
+
+/* One chunk's keys of kv head h (rows `at`, nk of them) as the cols body reads them: Kt[c][keys] (dword pairs by
+ * key, zeros past nk) and V's pairs (Vp); the next chunk's rows (next_at, next_nk) are prefetched meanwhile. */
+ALWAYS_INLINE void cols_chunk_kv(const Problem *p, const int64_t *at, int nk, const int64_t *next_at, int next_nk,
+                                 int32_t hh, int d, uint32_t *Kt, uint32_t *Vp) {
+    const uint16_t *const kbase = (const uint16_t *)p->k_cache, *const vbase = (const uint16_t *)p->v_cache;
+    const uint32_t *kp[DKC];
+    const uint16_t *vp[DKC];
+    const int d2 = d / 2, ng = (nk + 15) / 16;
+    for (int j = 0; j < nk; j++) {
+        kp[j] = (const uint32_t *)(kbase + at[j] + (int64_t)hh * d);
+        vp[j] = vbase + at[j] + (int64_t)hh * d;
+    }
+    for (int g = 0; g < ng; g++) { /* Kt[c][16g + i] = dword pair c of key 16g + i; keys past nk are 0 */
+        /* The next chunk's keys 16g.. into the caches while this group is transposed: a decode's KV comes from
+         * DRAM in random block order, which the hardware prefetchers do not follow. */
+        for (int i = 16 * g; i < 16 * g + 16 && i < next_nk; i++) {
+            const int64_t nxt = next_at[i] + (int64_t)hh * d;
+            for (int b = 0; b < d * 2; b += 64) {
+                __builtin_prefetch((const char *)(kbase + nxt) + b, 0, 3);
+                __builtin_prefetch((const char *)(vbase + nxt) + b, 0, 3);
+            }
+        }
+        for (int c0 = 0; c0 < d2; c0 += 16) {
+            const int nc = d2 - c0 < 16 ? d2 - c0 : 16;
+            const __mmask16 cols = (__mmask16)((1u << nc) - 1u);
+            __m512i t[16];
+            for (int i = 0; i < 16; i++)
+                t[i] = 16 * g + i < nk ? _mm512_maskz_loadu_epi32(cols, kp[16 * g + i] + c0) : _mm512_setzero_si512();
+            transpose16x16_epi32(t);
+            for (int c = 0; c < nc; c++) _mm512_store_si512(Kt + (c0 + c) * DKC + 16 * g, t[c]);
+        }
+    }
+    interleave_v_pairs(Vp, vp, nk, d);
+}
+
+/* s's rows on the chunk from key `start` (nk keys) of kv head slot hh, whose Kt and Vp cols_chunk_kv built. */
+ALWAYS_INLINE void cols_chunk_rows(ColsRows *s, const uint32_t *Kt, const uint32_t *Vp, int32_t hh, int32_t start,
+                                   int nk, int d, float *w, uint16_t *P16, __m512 scale) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    dp_cols_rows_n(Kt, Vp, s->qrow[hh], s->pos, s->m[hh], s->l[hh], s->o + hh * DCOLS * d, w, P16, s->nrows, start, nk,
+                   (nk + 1) / 2, (nk + 15) / 16, d / 2, d, scale, ninf, lane_ids);
+}
+
+/* s's chunks from key `from` (a multiple of DKC) to its last row's position, on its own block table. */
+ALWAYS_INLINE void cols_run(const Problem *p, ColsRows *s, int32_t from, int d) {
+    _Alignas(64) uint32_t Kt[MAX_D / 2 * DKC], Vp[DKC / 2 * MAX_D];
+    _Alignas(64) float w[DCOLS * (DKC + 16)];
+    _Alignas(64) uint16_t P16[DCOLS * (DKC + 16)];
+    int64_t offsets[2][DKC]; /* a chunk's key rows (kv head h_lo) and the next chunk's, walked once each */
+    const __m512 scale = _mm512_set1_ps(p->scale_log2);
+    int64_t *at = offsets[0], *next_at = offsets[1];
+    int nk = chunk_offsets(p, s->table, from, s->last, at, s->h_lo);
+    for (int32_t start = from; start <= s->last; start += DKC) {
+        const int next_nk = chunk_offsets(p, s->table, start + DKC, s->last, next_at, s->h_lo);
+        for (int32_t hh = 0; hh < s->nh; hh++) {
+            cols_chunk_kv(p, at, nk, next_at, next_nk, hh, d, Kt, Vp);
+            cols_chunk_rows(s, Kt, Vp, hh, start, nk, d, w, P16, scale);
+        }
+        int64_t *const done = at; /* the next chunk's rows become this one's: no copy, no second walk */
+        at = next_at;
+        next_at = done;
+        nk = next_nk;
+    }
+}
+
+/* s's outputs: o[c] / l, rounded to bf16, into the call's out rows. */
+static inline void cols_end(const Problem *p, const ColsRows *s, int d) {
+    const int32_t group = p->num_q_heads / p->num_kv_heads;
+    for (int32_t hh = 0; hh < s->nh; hh++)
+        for (int32_t r = 0; r < s->nrows; r++) {
+            const int32_t row = s->row0 + r, tok = row / group, head = (s->h_lo + hh) * group + row % group;
+            uint16_t *out = (uint16_t *)p->out + ((int64_t)(s->q0 + tok) * p->num_q_heads + head) * d;
+            const float inv = 1.0f / s->l[hh][r];
+            for (int c = 0; c < d; c++) out[c] = f32_to_bf16(s->o[(hh * DCOLS + r) * d + c] * inv);
+        }
+}
+
 /* An item of fewer than DCOLS rows per kv head (a decode: one token's GQA group), row by row with the keys
  * (scores) or the output columns (P V) in the lanes instead of the rows, so that 3 live rows do not pay for 32
  * lanes. Every row goes through attend_dpbf16's operations in its order, lane for lane: the same dword-pair
@@ -476,84 +595,58 @@ ALWAYS_INLINE int chunk_offsets(const Problem *p, const int32_t *table, int32_t 
  * (a decode's: all of them, so each chunk's block rows are read whole, as the AVX-512 body reads them). */
 ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_lo, int32_t h_hi, int32_t row0,
                                       int d) {
-    const int32_t group = p->num_q_heads / p->num_kv_heads, n = num_queries(p, seq), len = p->seq_lens[seq];
-    const int32_t q0 = p->query_start_loc ? p->query_start_loc[seq] : seq;
-    const int32_t nrows = n * group - row0 < DR ? n * group - row0 : DR, d2 = d / 2, nh = h_hi - h_lo;
-    const int32_t *table = table_of(p, seq);
-    if (nrows <= 0 || nrows > DCOLS || nh <= 0 || nh > DCOLS_HEADS) return; /* items are made within these */
-    if (len == 0) { /* a padding sequence */
-        for (int32_t h = h_lo; h < h_hi; h++) zero_lane_rows(p, q0, h, row0, nrows, 2);
+    _Alignas(64) float o[DCOLS_HEADS * DCOLS * MAX_D];
+    ColsRows s;
+    if (!cols_begin(p, seq, h_lo, h_hi, row0, d, o, &s)) return;
+    cols_run(p, &s, 0, d);
+    cols_end(p, &s, d);
+}
+
+/* Decodes whose sequences begin with the same cache blocks (a shared prompt prefix: the prefix cache hands them
+ * the same physical blocks), one item (paged_attention_shared.h): each chunk of the first `shared` keys, which
+ * every member's table maps to the same blocks and every member attends whole, is read and laid out (Kt, Vp) once
+ * and run for every member's rows; then each member's own chunks as attend_dpbf16_cols runs them. A chunk's Kt and
+ * Vp are the same bytes whichever table they came through and every row keeps its own state and order of
+ * operations, so each row's bits are what its own item gives (tested). seqs: the members, all-heads decode items;
+ * the first one's table is read for the shared chunks. Without memory for the members' state, one by one. */
+ALWAYS_INLINE void attend_dpbf16_cols_shared(const Problem *p, const int32_t *seqs, int32_t count, int32_t shared,
+                                             int d) {
+    const int32_t nh = p->num_kv_heads;
+    ColsRows *s = malloc((size_t)count * sizeof *s);
+    float *o = aligned_alloc(64, (size_t)count * nh * DCOLS * d * sizeof(float));
+    if (s == NULL || o == NULL) {
+        free(s), free(o);
+        for (int32_t i = 0; i < count; i++) attend_dpbf16_cols(p, seqs[i], 0, nh, 0, d);
         return;
     }
-    _Alignas(64) uint32_t Kt[MAX_D / 2 * DKC], Vp[DKC / 2 * MAX_D];
-    _Alignas(64) float o[DCOLS_HEADS * DCOLS * MAX_D], w[DCOLS * (DKC + 16)];
-    _Alignas(64) uint16_t P16[DCOLS * (DKC + 16)];
-    const uint32_t *kp[DKC], *qrow[DCOLS_HEADS][DCOLS];
-    const uint16_t *vp[DKC];
-    int64_t offsets[2][DKC]; /* a chunk's key rows (kv head h_lo) and the next chunk's, walked once each */
-    float m[DCOLS_HEADS][DCOLS], l[DCOLS_HEADS][DCOLS];
-    int32_t pos[DCOLS] = {0};
-    for (int32_t r = 0; r < nrows; r++) pos[r] = len - n + (row0 + r) / group;
-    for (int32_t hh = 0; hh < nh; hh++)
-        for (int32_t r = 0; r < nrows; r++) {
-            const int32_t row = row0 + r, tok = row / group, head = (h_lo + hh) * group + row % group;
-            qrow[hh][r] = (const uint32_t *)((const uint16_t *)p->q + (int64_t)(q0 + tok) * p->q_stride_tok +
-                                             (int64_t)head * p->q_stride_head);
-            m[hh][r] = -INFINITY;
-            l[hh][r] = 0.0f;
-            for (int c = 0; c < d; c++) o[(hh * DCOLS + r) * d + c] = 0.0f;
-        }
-    const __m512 scale = _mm512_set1_ps(p->scale_log2), ninf = _mm512_set1_ps(-INFINITY);
-    const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const int32_t last = pos[nrows - 1];
-    const uint16_t *const kbase = (const uint16_t *)p->k_cache, *const vbase = (const uint16_t *)p->v_cache;
-    int64_t *at = offsets[0], *next_at = offsets[1];
-    int nk = chunk_offsets(p, table, 0, last, at, h_lo);
-    for (int32_t start = 0; start <= last; start += DKC) {
-        const int n2 = (nk + 1) / 2, ng = (nk + 15) / 16;
-        const int next_nk = chunk_offsets(p, table, start + DKC, last, next_at, h_lo);
-        for (int32_t hh = 0; hh < nh; hh++) {
-            for (int j = 0; j < nk; j++) {
-                kp[j] = (const uint32_t *)(kbase + at[j] + (int64_t)hh * d);
-                vp[j] = vbase + at[j] + (int64_t)hh * d;
+    int32_t live = 0; /* members with rows (padding sequences were zeroed by cols_begin) */
+    for (int32_t i = 0; i < count; i++)
+        live += cols_begin(p, seqs[i], 0, nh, 0, d, o + (int64_t)i * nh * DCOLS * d, &s[live]);
+    if (live > 0) {
+        _Alignas(64) uint32_t Kt[MAX_D / 2 * DKC], Vp[DKC / 2 * MAX_D];
+        _Alignas(64) float w[DCOLS * (DKC + 16)];
+        _Alignas(64) uint16_t P16[DCOLS * (DKC + 16)];
+        int64_t offsets[2][DKC];
+        const __m512 scale = _mm512_set1_ps(p->scale_log2);
+        int64_t *at = offsets[0], *next_at = offsets[1];
+        int nk = chunk_offsets(p, s[0].table, 0, shared - 1, at, 0);
+        for (int32_t start = 0; start < shared; start += DKC) {
+            const int next_nk = chunk_offsets(p, s[0].table, start + DKC, shared - 1, next_at, 0);
+            for (int32_t hh = 0; hh < nh; hh++) {
+                cols_chunk_kv(p, at, nk, next_at, next_nk, hh, d, Kt, Vp);
+                for (int32_t i = 0; i < live; i++) cols_chunk_rows(&s[i], Kt, Vp, hh, start, nk, d, w, P16, scale);
             }
-            for (int g = 0; g < ng; g++) { /* Kt[c][16g + i] = dword pair c of key 16g + i; keys past nk are 0 */
-                /* The next chunk's keys 16g.. into the caches while this group is transposed: a decode's KV comes
-                 * from DRAM in random block order, which the hardware prefetchers do not follow. */
-                for (int i = 16 * g; i < 16 * g + 16 && i < next_nk; i++) {
-                    const int64_t nxt = next_at[i] + (int64_t)hh * d;
-                    for (int b = 0; b < d * 2; b += 64) {
-                        __builtin_prefetch((const char *)(kbase + nxt) + b, 0, 3);
-                        __builtin_prefetch((const char *)(vbase + nxt) + b, 0, 3);
-                    }
-                }
-                for (int c0 = 0; c0 < d2; c0 += 16) {
-                    const int nc = d2 - c0 < 16 ? d2 - c0 : 16;
-                    const __mmask16 cols = (__mmask16)((1u << nc) - 1u);
-                    __m512i t[16];
-                    for (int i = 0; i < 16; i++)
-                        t[i] = 16 * g + i < nk ? _mm512_maskz_loadu_epi32(cols, kp[16 * g + i] + c0)
-                                               : _mm512_setzero_si512();
-                    transpose16x16_epi32(t);
-                    for (int c = 0; c < nc; c++) _mm512_store_si512(Kt + (c0 + c) * DKC + 16 * g, t[c]);
-                }
-            }
-            interleave_v_pairs(Vp, vp, nk, d);
-            dp_cols_rows_n(Kt, Vp, qrow[hh], pos, m[hh], l[hh], o + hh * DCOLS * d, w, P16, nrows, start, nk, n2, ng,
-                         d2, d, scale, ninf, lane_ids);
+            int64_t *const done = at;
+            at = next_at;
+            next_at = done;
+            nk = next_nk;
         }
-        int64_t *const done = at; /* the next chunk's rows become this one's: no copy, no second walk */
-        at = next_at;
-        next_at = done;
-        nk = next_nk;
+        for (int32_t i = 0; i < live; i++) {
+            cols_run(p, &s[i], shared, d);
+            cols_end(p, &s[i], d);
+        }
     }
-    for (int32_t hh = 0; hh < nh; hh++)
-        for (int32_t r = 0; r < nrows; r++) {
-            const int32_t row = row0 + r, tok = row / group, head = (h_lo + hh) * group + row % group;
-            uint16_t *out = (uint16_t *)p->out + ((int64_t)(q0 + tok) * p->num_q_heads + head) * d;
-            const float inv = 1.0f / l[hh][r];
-            for (int c = 0; c < d; c++) out[c] = f32_to_bf16(o[(hh * DCOLS + r) * d + c] * inv);
-        }
+    free(s), free(o);
 }
 
 /* An item's body by its row count; one instance for SmolLM2's head_dim so its loops unroll, one for any other
@@ -569,6 +662,12 @@ static void dpbf16_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
 }
 static void dpbf16_any(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
     attend_dpbf16_item(p, seq, h, row0, p->head_dim);
+}
+static void dpbf16_shared_d64(const Problem *p, const Item *it) {
+    attend_dpbf16_cols_shared(p, p->group_seqs + it->group_at, it->group_len, it->group_keys, 64);
+}
+static void dpbf16_shared_any(const Problem *p, const Item *it) {
+    attend_dpbf16_cols_shared(p, p->group_seqs + it->group_at, it->group_len, it->group_keys, p->head_dim);
 }
 #ifdef UCM_HAS_AMX_ATTN
 /* A prompt item on AMX: rows row0 .. min(row0 + DR, row_end) - 1 of kv head h; an item of at most 16 rows (a
