@@ -72,33 +72,30 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_sequences_that_share_a_whole_chunk_of_blocks_group(lib, threads):
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """The groups depend on the threads (so many groups a thread); torch's count is the kernel's."""
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        shared, copied = _case(copied=False), _case(copied=True)
-        groups = shared_prefix_groups(lib, shared.lens, shared.tables, HQ, HKV, D, BS)
-        apart = shared_prefix_groups(lib, copied.lens, copied.tables, HQ, HKV, D, BS)
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_sequences_that_share_a_whole_chunk_of_blocks_group(lib, threads):
+    shared, copied = _case(copied=False), _case(copied=True)
+    groups = shared_prefix_groups(lib, shared.lens, shared.tables, HQ, HKV, D, BS)
+    apart = shared_prefix_groups(lib, copied.lens, copied.tables, HQ, HKV, D, BS)
     assert groups is not None and apart is not None
     assert all(groups[i] >= 0 for i in CHUNK_SHARERS), groups
     assert all(groups[i] == -1 for i in LONE), groups
     assert all(g == -1 for g in apart), "blocks with equal data but other ids are not the same blocks"
 
 
-@pytest.mark.parametrize("threads", [1, 2])
 def test_a_grouped_decode_row_has_the_bits_it_has_alone(lib, threads):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        shared, copied = _case(copied=False), _case(copied=True)
-        together = _decode(lib, shared)
-        alone = torch.cat([_decode(lib, shared, slice(i, i + 1)) for i in range(len(SPECS))])
-        in_own_blocks = _decode(lib, copied)
-    finally:
-        torch.set_num_threads(before)
+    shared, copied = _case(copied=False), _case(copied=True)
+    together = _decode(lib, shared)
+    alone = torch.cat([_decode(lib, shared, slice(i, i + 1)) for i in range(len(SPECS))])
+    in_own_blocks = _decode(lib, copied)
     assert torch.equal(_bits(together), _bits(alone))
     assert torch.equal(_bits(together), _bits(in_own_blocks))
     ref = decode_attention_torch(shared.q, shared.k_cache, shared.v_cache, shared.tables, shared.lens, SCALE)
