@@ -426,8 +426,12 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
         count += groups;
         /* The last items of a sequence's kv head see the most keys: taken first, no thread is left with one of
          * them while the other idles. */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-        for (int64_t i = count - 1; i >= 0; i--) RUN(&items[i]);
+        if (num_threads > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+            for (int64_t i = count - 1; i >= 0; i--) RUN(&items[i]);
+        } else { /* no parallel region at all: an if(0) one still builds a team */
+            for (int64_t i = count - 1; i >= 0; i--) RUN(&items[i]);
+        }
     } else {
         for (int32_t b = 0; b < num_seqs; b++) {
             if (skipped(&p, b)) continue;

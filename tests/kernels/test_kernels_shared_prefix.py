@@ -119,3 +119,10 @@ def test_decodes_group_beside_a_prompt_chunk(lib):
     one = torch.tensor([0, new], dtype=torch.int32)
     prompt = paged_attention_native(lib, prompt_q, c.k_cache, c.v_cache, one, c.lens[8:9], c.tables[8:9], SCALE)
     assert torch.equal(_bits(mixed[8 : 8 + new]), _bits(prompt))
+
+
+def test_too_few_decodes_to_group_for_every_thread_stay_apart(lib, threads):
+    """Two decodes alone: one item would leave the second thread idle, so they group only on one thread."""
+    c = _case(copied=False)
+    groups = shared_prefix_groups(lib, c.lens[:2], c.tables[:2], HQ, HKV, D, BS)
+    assert groups == ([0, 0] if threads == 1 else [-1, -1])
