@@ -451,8 +451,8 @@ def bench_linear_cpu(token_counts: list[int], min_s: float) -> list[Row]:
     weights = [torch.randn(n, k, generator=gen) for n, k in SMOLLM2_MATMULS]
     # As the engine packs them: the layers' weights with their layer's choice (switching libraries between a layer's
     # matmuls costs time), the last weight, lm_head, which never sees a prefill's rows, alone.
-    many_rows = f32_layer_choice(weights[:4])
-    dispatch = [pack_weight(w, many_rows=many_rows) for w in weights[:-1]] + [pack_weight(weights[-1])]
+    layer_calls = f32_layer_choice(weights[:4])
+    dispatch = [pack_weight(w, layer=layer_calls) for w in weights[:-1]] + [pack_weight(weights[-1])]
     lib = native.load()
     panels = [pack_panels(lib, w) for w in weights] if lib is not None else []
     reordered = [onednn_linear.reorder(w) for w in weights] if onednn_linear.available() else []

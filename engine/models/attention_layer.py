@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.attention import paged_attention_forward
 from engine.model_config import ModelConfig
-from engine.models.dense import DecodePanels, ManyRows, Packed, decode_panels, dense, pack_weight
+from engine.models.dense import DecodePanels, LayerCalls, Packed, decode_panels, dense, pack_weight
 from kernels.api import rotary_embedding_
 
 
@@ -33,9 +33,9 @@ class PagedSelfAttention(nn.Module):
         """While the weights are still fp32 (a bf16 model being loaded): their 4-bit decode panels, if any."""
         self._decode = {"qkv": decode_panels(self.qkv_weight), "o": decode_panels(self.o_weight)}
 
-    def pack_weights(self, many_rows: ManyRows | None = None) -> None:
-        self.qkv_packed = pack_weight(self.qkv_weight, self._decode.get("qkv"), many_rows=many_rows)
-        self.o_packed = pack_weight(self.o_weight, self._decode.get("o"), many_rows=many_rows)
+    def pack_weights(self, layer: LayerCalls | None = None) -> None:
+        self.qkv_packed = pack_weight(self.qkv_weight, self._decode.get("qkv"), layer=layer)
+        self.o_packed = pack_weight(self.o_weight, self._decode.get("o"), layer=layer)
 
     def forward(
         self,

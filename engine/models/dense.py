@@ -128,18 +128,18 @@ def decode_kernel_available() -> bool:
     return lib is not None and lib.has_q4_bf16 and packing_supported(torch.empty(1, 1, dtype=torch.bfloat16))
 
 
-ManyRows = Mapping[tuple[int, int], bool]  # a layer's fp32 weight shape -> oneDNN for its calls past the few rows
+LayerCalls = Mapping[tuple[int, int], onednn_linear.OnednnCalls]  # a layer's fp32 weight shape -> its oneDNN calls
 
 
 def pack_weight(
-    weight: torch.Tensor, decode: DecodePanels | None = None, gate_up: bool = False, many_rows: ManyRows | None = None
+    weight: torch.Tensor, decode: DecodePanels | None = None, gate_up: bool = False, layer: LayerCalls | None = None
 ) -> Packed:
     """The packed copies of `weight` [out, in] for this machine, or None where none applies (F.linear).
     `decode`: its quantized panels for generated rows (bf16 only; `decode_panels` or `lm_head_panels` made them from
-    the fp32 weight). gate_up: a SwiGLU gate_up weight, which `dense_silu_and_mul` takes. many_rows: its layer's
-    choice (`f32_layer_choice`; fp32 only), else the weight's own."""
+    the fp32 weight). gate_up: a SwiGLU gate_up weight, which `dense_silu_and_mul` takes. layer: its layer's
+    choice of oneDNN calls (`f32_layer_choice`; fp32 only), else the weight's own."""
     if _f32_cpu(weight):
-        return _f32_packed(weight, None if many_rows is None else many_rows.get((weight.shape[0], weight.shape[1])))
+        return _f32_packed(weight, None if layer is None else layer.get((weight.shape[0], weight.shape[1])))
     if not packing_supported(weight):
         return None
     assert decode is None or (decode.panels.n, decode.panels.k) == tuple(weight.shape), "panels of another weight"
@@ -159,16 +159,17 @@ def onednn_packed(weight: torch.Tensor, decode: DecodePanels | None = None) -> B
     return BF16Packed(onednn, decode)
 
 
-def f32_layer_choice(weights: Sequence[torch.Tensor]) -> ManyRows | None:
-    """For a layer's weights in call order, where they are fp32 on CPU: which take oneDNN for calls past the few-row
-    classes, chosen for the layer as a whole (`onednn_linear.layer_many_rows`); else None."""
+def f32_layer_choice(weights: Sequence[torch.Tensor]) -> LayerCalls | None:
+    """For a layer's weights in call order, where they are fp32 on CPU: which of their calls take oneDNN, chosen
+    for the layer as a whole (`onednn_linear.layer_few_rows`, `layer_many_rows`); else None."""
     from kernels.cpu.native import load
 
     lib = load()
     if lib is None or not all(_f32_cpu(w) for w in weights):
         return None
     shapes = [(w.shape[0], w.shape[1]) for w in weights]
-    return dict(zip(shapes, onednn_linear.layer_many_rows(lib, shapes), strict=True))
+    few, many = onednn_linear.layer_few_rows(lib, shapes), onednn_linear.layer_many_rows(lib, shapes)
+    return {s: onednn_linear.OnednnCalls(f, m) for s, f, m in zip(shapes, few, many, strict=True)}
 
 
 def _f32_cpu(weight: torch.Tensor) -> bool:
@@ -176,14 +177,14 @@ def _f32_cpu(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
-def _f32_packed(weight: torch.Tensor, many_rows: bool | None = None) -> F32Packed | None:
+def _f32_packed(weight: torch.Tensor, calls: onednn_linear.OnednnCalls | None = None) -> F32Packed | None:
     from kernels.cpu.native import load
 
     lib = load()
     if lib is None:
         return None
     panels = panel_weight(lib, weight)
-    onednn = onednn_linear.onednn_weight(lib, weight, many_rows)
+    onednn = onednn_linear.onednn_weight(lib, weight, calls)
     return F32Packed(panels, onednn) if panels is not None or onednn is not None else None
 
 

@@ -78,10 +78,10 @@ class LlamaForCausalLM(nn.Module):
         are loaded and on their final device/dtype. The packed copies add the matmul weights' size in memory."""
         layers = self.decoder_layers()
         # fp32: the layers' prefill-sized matmuls through one library where switching between them costs time
-        many_rows = f32_layer_choice(layers[0].matmul_weights()) if layers else None
+        layer_calls = f32_layer_choice(layers[0].matmul_weights()) if layers else None
         for layer in layers:
-            layer.attn.pack_weights(many_rows)
-            layer.mlp.pack_weights(many_rows)
+            layer.attn.pack_weights(layer_calls)
+            layer.mlp.pack_weights(layer_calls)
         self.lm_head_packed = pack_weight(self.lm_head_weight, self._lm_head_decode)
         self.native_decode = NativeDecode.build(self, layers)
 

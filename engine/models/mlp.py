@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.models.dense import (
     DecodePanels,
-    ManyRows,
+    LayerCalls,
     Packed,
     decode_panels,
     dense,
@@ -33,11 +33,9 @@ class GatedMLP(nn.Module):
         """While the weights are still fp32 (a bf16 model being loaded): their 4-bit decode panels, if any."""
         self._decode = {"gate_up": decode_panels(self.gate_up_weight), "down": decode_panels(self.down_weight)}
 
-    def pack_weights(self, many_rows: ManyRows | None = None) -> None:
-        self.gate_up_packed = pack_weight(
-            self.gate_up_weight, self._decode.get("gate_up"), gate_up=True, many_rows=many_rows
-        )
-        self.down_packed = pack_weight(self.down_weight, self._decode.get("down"), many_rows=many_rows)
+    def pack_weights(self, layer: LayerCalls | None = None) -> None:
+        self.gate_up_packed = pack_weight(self.gate_up_weight, self._decode.get("gate_up"), gate_up=True, layer=layer)
+        self.down_packed = pack_weight(self.down_weight, self._decode.get("down"), layer=layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = dense_silu_and_mul(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)

@@ -24,7 +24,10 @@ time that neither shape's measurement sees. On the Xeon with AMX (fp32, 2 thread
 the lm_head, 30 layers): qkv and down chose oneDNN, o and gate_up F.linear, and that mix took 94.4 ms at 64 rows
 against 80.3 all through oneDNN and 88.8 all through F.linear (134.5 / 125.0 / 131.3 at 128). So where a layer's
 shapes disagree, `layer_many_rows` times the layer's calls their way, all through oneDNN and all through F.linear,
-and the layer takes the fastest (stored like the others).
+and the layer takes the fastest (stored like the others). The few-row classes the same (`layer_few_rows`): at 8 and
+32 rows SmolLM2's shapes came out near ties alone, split both ways, and the mixed step of 8 rows took 1.07x (32
+rows: 1.05x) the time of all through oneDNN (benchmarks/kernels.py, 2026-11-28); there each class is timed as a
+layer over a stack of weights past the last-level cache, as `measure_few` times a shape.
 """
 
 from __future__ import annotations
@@ -107,16 +110,25 @@ def onednn_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> boo
     )  # fmt: skip
 
 
-LayerChoice = tuple[bool, ...]  # per weight of a layer, in call order: oneDNN for its calls past FEW_ROWS
+LayerChoice = tuple[bool, ...]  # per weight of a layer, in call order: oneDNN for its calls (of one row class)
+LayerClasses = tuple[frozenset[int], ...]  # per weight of a layer, in call order: the FEW_ROWS classes oneDNN runs
 
 
-def measure_layer(shapes: Sequence[tuple[int, int]], candidates: Sequence[LayerChoice]) -> list[list[float]]:
-    """Per round, each candidate's ms per row (summed over LAYER_ROWS) for LAYER_STACK layers of `shapes` ([n, k],
-    in call order), the candidates taking turns (tests replace this to force a result)."""
+def measure_layer(
+    shapes: Sequence[tuple[int, int]],
+    candidates: Sequence[LayerChoice],
+    row_counts: Sequence[int] = LAYER_ROWS,
+    layers: int = LAYER_STACK,
+) -> list[list[float]]:
+    """Per round, each candidate's ms per row (summed over `row_counts`) for `layers` layers of `shapes` ([n, k], in
+    call order), the candidates taking turns (tests replace this to force a result)."""
     gen = torch.Generator().manual_seed(0)
-    stack = [[torch.randn(n, k, generator=gen) for n, k in shapes] for _ in range(LAYER_STACK)]
+    # One allocation each, filled at memory speed (a few-row stack is past the last-level cache: hundreds of MB)
+    stack = [
+        [w.uniform_(-1.0, 1.0, generator=gen) for w in (torch.empty(n, k) for n, k in shapes)] for _ in range(layers)
+    ]
     reordered = [[reorder(w) for w in layer] for layer in stack]
-    xs = {(rows, k): torch.randn(rows, k, generator=gen) for rows in LAYER_ROWS for _, k in shapes}
+    xs = {(rows, k): torch.randn(rows, k, generator=gen) for rows in row_counts for _, k in shapes}
 
     def run(choice: LayerChoice, rows: int) -> None:
         for layer, copies in zip(stack, reordered, strict=True):
@@ -124,14 +136,14 @@ def measure_layer(shapes: Sequence[tuple[int, int]], candidates: Sequence[LayerC
                 x = xs[(rows, w.shape[1])]
                 _ = linear(x, r, None) if one else F.linear(x, w)
 
-    runs = [lambda c=c, r=r: run(c, r) for c in candidates for r in LAYER_ROWS]
+    runs = [lambda c=c, r=r: run(c, r) for c in candidates for r in row_counts]
     for fn in runs:
         fn()
     per_round = []
     for _ in range(ROUNDS):
         ms = alternating_best_ms(runs, REPS)
         per_round.append([
-            sum(ms[i * len(LAYER_ROWS) + j] / rows for j, rows in enumerate(LAYER_ROWS)) for i in range(len(candidates))
+            sum(ms[i * len(row_counts) + j] / rows for j, rows in enumerate(row_counts)) for i in range(len(candidates))
         ])  # fmt: skip
     return per_round
 
@@ -144,18 +156,44 @@ def layer_many_rows(lib: NativeLib, shapes: Sequence[tuple[int, int]], root: Pat
     own choice (`onednn_wins`) where they agree; where they disagree, whichever of that mix, all oneDNN and all
     F.linear ran the layer fastest in every round (rounds that disagree: the mix, unstored). See the module doc."""
     own = tuple(onednn_wins(lib, k, n, root) for n, k in shapes)
+    what = f"calls of more than {FEW_ROWS[-1]} rows"
+    return _layer_pick(lib, shapes, own, "", what, LAYER_ROWS, LAYER_STACK, root)
+
+
+def layer_few_rows(lib: NativeLib, shapes: Sequence[tuple[int, int]], root: Path | None = None) -> LayerClasses:
+    """Per weight of a layer ([n, k] shapes in call order), the `FEW_ROWS` classes oneDNN runs: each shape's own
+    (`few_rows_won`) where they agree on a class; where they disagree, the layer's fastest way at that class, as
+    `layer_many_rows` chooses, timed over a stack of layers past the last-level cache (see the module doc)."""
+    own = [few_rows_won(lib, k, n, root) for n, k in shapes]
+    layers = max(LAYER_STACK, -(-few_rows_stack_bytes() // sum(4 * n * k for n, k in shapes)))
+    picks = {
+        c: _layer_pick(
+            lib, shapes, tuple(c in o for o in own), f" at {c} rows", f"calls of {c} rows", (c,), layers, root
+        )
+        for c in FEW_ROWS
+    }
+    return tuple(frozenset(c for c in FEW_ROWS if picks[c][i]) for i in range(len(shapes)))
+
+
+def _layer_pick(
+    lib: NativeLib, shapes: Sequence[tuple[int, int]], own: LayerChoice, suffix: str, what: str,
+    row_counts: Sequence[int], layers: int, root: Path | None,
+) -> LayerChoice:  # fmt: skip
+    """`own` where the shapes agree; else whichever of `own`, all oneDNN and all F.linear ran `layers` layers
+    fastest at `row_counts` in every round (stored under the layer's name + `suffix`; rounds that disagree: `own`,
+    unstored). `what`: the calls it is for, in the log."""
     if len(set(own)) < 2:
         return own
     candidates = [own, (True,) * len(own), (False,) * len(own)]
     labels = ("as each shape chose", "all oneDNN", "all F.linear")
-    name = "onednn fp32 layer " + " ".join(f"{n}x{k}" for n, k in shapes)
+    name = "onednn fp32 layer " + " ".join(f"{n}x{k}" for n, k in shapes) + suffix
     threads = torch.get_num_threads()
 
     def make() -> LayerChoice:
         tables: list[str] = []
 
         def run() -> tuple[LayerChoice, list[str]]:
-            rounds = measure_layer(shapes, candidates)
+            rounds = measure_layer(shapes, candidates, row_counts, layers)
             picks = {min(range(len(candidates)), key=r.__getitem__) for r in rounds}
             tables.append("; ".join(" / ".join(f"{ms:.4f}" for ms in r) for r in rounds))
             if len(picks) > 1:
@@ -171,10 +209,10 @@ def layer_many_rows(lib: NativeLib, shapes: Sequence[tuple[int, int]], root: Pat
         choice, where = stored_or_measured(
             "linear", name, lib, threads, root, parse, run, lambda c: {"onednn_layer": list(c)}
         )
-        measured = f" ({' / '.join(labels)}, ms a row at {LAYER_ROWS} rows: {tables[0]})" if tables else ""
+        measured = f" ({' / '.join(labels)}, ms a row at {tuple(row_counts)} rows: {tables[0]})" if tables else ""
         log.info(
-            "CPU linear %s for %s [%s], %d thread(s): calls of more than %d rows %s%s (%s)",
-            name, cpu_info()[0], " ".join(vector_flags()), threads, FEW_ROWS[-1],
+            "CPU linear %s for %s [%s], %d thread(s): %s %s%s (%s)",
+            name, cpu_info()[0], " ".join(vector_flags()), threads, what,
             labels[candidates.index(choice)] if choice in candidates else choice, measured, where,
         )  # fmt: skip
         return choice
@@ -299,12 +337,20 @@ class OnednnWeight:
         return self.many_rows if c is None else c in self.few_rows
 
 
-def onednn_weight(lib: NativeLib, weight: torch.Tensor, many_rows: bool | None = None) -> OnednnWeight | None:
+@dataclass(frozen=True)
+class OnednnCalls:
+    """The calls a weight's layer chose oneDNN for (`layer_few_rows`, `layer_many_rows`)."""
+
+    few_rows: frozenset[int]
+    many_rows: bool
+
+
+def onednn_weight(lib: NativeLib, weight: torch.Tensor, calls: OnednnCalls | None = None) -> OnednnWeight | None:
     """`weight` reordered for oneDNN with the calls it wins here, or None where it wins none (F.linear, no extra
-    memory). `many_rows`: its layer's choice for calls past FEW_ROWS (`layer_many_rows`), else its own."""
+    memory). `calls`: its layer's choice, else the weight's own."""
     n, k = weight.shape
-    many = onednn_wins(lib, k, n) if many_rows is None else many_rows
-    few = few_rows_won(lib, k, n)
+    many = onednn_wins(lib, k, n) if calls is None else calls.many_rows
+    few = few_rows_won(lib, k, n) if calls is None else calls.few_rows
     return OnednnWeight(reorder(weight), few, many) if many or few else None
 
 

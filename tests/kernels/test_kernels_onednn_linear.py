@@ -144,6 +144,11 @@ def test_row_classes() -> None:
     assert [onednn_linear.row_class(r) for r in (1, 2, 8, 9, 32, 33, 4096)] == [1, 8, 8, 32, 32, None, None]
 
 
+def _many(onednn: bool) -> onednn_linear.OnednnCalls:
+    """A layer weight's calls under `forced`: oneDNN at every few-row class, and past them as given."""
+    return onednn_linear.OnednnCalls(frozenset(onednn_linear.FEW_ROWS), onednn)
+
+
 @pytest.fixture
 def layer_rounds(forced, monkeypatch):
     """Shapes 48x32 (oneDNN wins alone) and 40x32 (F.linear wins alone); `measure_layer` replaced by the per-round
@@ -152,7 +157,7 @@ def layer_rounds(forced, monkeypatch):
     monkeypatch.setattr(onednn_linear, "measure", lambda k, n: [(1.0, 2.0)] * 2 if n == 48 else [(2.0, 1.0)] * 2)
     layer: list[list[float]] = [[3.0, 2.0, 1.0], [3.0, 2.0, 1.0]]
     calls: list[list[tuple[int, int]]] = []
-    monkeypatch.setattr(onednn_linear, "measure_layer", lambda shapes, cands: calls.append(list(shapes)) or list(layer))
+    monkeypatch.setattr(onednn_linear, "measure_layer", lambda shapes, *_: calls.append(list(shapes)) or list(layer))
     return layer, calls
 
 
@@ -162,8 +167,8 @@ def test_a_layer_whose_shapes_disagree_takes_its_fastest_measured_path(native_li
     layer, calls = layer_rounds
     a, b = torch.randn(48, 32), torch.randn(40, 32)
     choice = dense_mod.f32_layer_choice([a, b])
-    assert choice == {(48, 32): False, (40, 32): False} and calls == [[(48, 32), (40, 32)]]
-    packed = [dense_mod.pack_weight(w, many_rows=choice) for w in (a, b)]
+    assert choice == {(48, 32): _many(False), (40, 32): _many(False)} and calls == [[(48, 32), (40, 32)]]
+    packed = [dense_mod.pack_weight(w, layer=choice) for w in (a, b)]
     assert all(p is None or p.onednn is None or not p.onednn.takes(200) for p in packed)
     used: list[int] = []
     real = onednn_linear.linear
@@ -185,10 +190,12 @@ def test_a_layer_keeps_its_shapes_mix_where_it_wins_or_the_rounds_disagree(nativ
     layer, calls = layer_rounds
     a, b = torch.randn(48, 32), torch.randn(40, 32)
     layer[:] = [[1.0, 2.0, 3.0], [1.0, 3.0, 2.0]]
-    assert dense_mod.f32_layer_choice([a, b]) == {(48, 32): True, (40, 32): False}
+    assert dense_mod.f32_layer_choice([a, b]) == {(48, 32): _many(True), (40, 32): _many(False)}
     a, b = torch.randn(48, 64), torch.randn(40, 64)  # another layer: the first's answer is stored
     layer[:] = [[3.0, 1.0, 2.0], [3.0, 2.0, 1.0]]
-    assert dense_mod.f32_layer_choice([a, b]) == {(48, 64): True, (40, 64): False}, "rounds disagree: the mix"
+    assert dense_mod.f32_layer_choice([a, b]) == {(48, 64): _many(True), (40, 64): _many(False)}, (
+        "rounds disagree: the mix"
+    )
     onednn_linear.forget()
     dense_mod.f32_layer_choice([a, b])
     assert len(calls) == 3, "a disagreement is not stored: the next process measures again"
@@ -196,6 +203,32 @@ def test_a_layer_keeps_its_shapes_mix_where_it_wins_or_the_rounds_disagree(nativ
 
 def test_a_layer_whose_shapes_agree_is_not_timed(native_lib, layer_rounds) -> None:
     _, calls = layer_rounds
-    assert dense_mod.f32_layer_choice([torch.randn(48, 32), torch.randn(48, 64)]) == {(48, 32): True, (48, 64): True}
+    got = dense_mod.f32_layer_choice([torch.randn(48, 32), torch.randn(48, 64)])
+    assert got == {(48, 32): _many(True), (48, 64): _many(True)}
     assert dense_mod.f32_layer_choice([torch.randn(48, 32).bfloat16()]) is None, "fp32 weights only"
     assert calls == []
+
+
+def test_a_layer_whose_shapes_split_a_few_row_class_takes_its_fastest_way_there(native_lib, forced, monkeypatch):
+    """Alone, 48x32 chose oneDNN at 8 rows and 40x32 F.linear; timed as a layer at 8 rows (a stack past the
+    last-level cache), all oneDNN won: both take oneDNN for 8-row calls, the other classes as they agreed."""
+    few = {48: {1: (1.0, 2.0), 8: (1.0, 2.0), 32: (1.0, 2.0)}, 40: {1: (1.0, 2.0), 8: (2.0, 1.0), 32: (1.0, 2.0)}}
+    monkeypatch.setattr(onednn_linear, "measure_few", lambda k, n: [few[n]] * 2)
+    timed: list[tuple[int, ...]] = []
+
+    def layer(shapes, candidates, row_counts, layers):
+        timed.append(tuple(row_counts))
+        assert layers >= onednn_linear.LAYER_STACK
+        return [[3.0, 1.0, 2.0]] * 2  # (the mix, all oneDNN, all F.linear)
+
+    monkeypatch.setattr(onednn_linear, "measure_layer", layer)
+    a, b = torch.randn(48, 32), torch.randn(40, 32)
+    choice = dense_mod.f32_layer_choice([a, b])
+    assert timed == [(8,)], "only the class the shapes split is timed"
+    assert choice is not None and {c.few_rows for c in choice.values()} == {frozenset(onednn_linear.FEW_ROWS)}
+    packed = dense_mod.pack_weight(b, layer=choice)
+    assert packed is not None and packed.onednn is not None and packed.onednn.takes(8)
+    assert not dense_mod.pack_weight(b).onednn.takes(8), "alone, the shape keeps its own"
+    (stored,) = (Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json")
+    entries = json.loads(stored.read_text())["entries"]
+    assert entries["onednn fp32 layer 48x32 40x32 at 8 rows"] == {"onednn_layer": [True, True]}
