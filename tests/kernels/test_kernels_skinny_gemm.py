@@ -213,3 +213,51 @@ def test_the_ladder_stops_after_two_losses_in_a_row(native_lib, monkeypatch, tmp
     monkeypatch.setattr(skinny_gemm, "_runs", lambda lib, x, weights, packed: [lambda: None] * 3)
     rounds = skinny_gemm.measure(native_lib, 32, 48)
     assert [sorted(t) for t in rounds] == [[1, 4, 8, 16]] * len(rounds), rounds
+
+
+@pytest.fixture(scope="module")
+def scalar_lib(native_lib):
+    """The library built for a CPU without AVX2 (x86-64 baseline): the kernels' scalar C paths."""
+    import platform
+
+    from kernels.cpu import native
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the x86-64 baseline build only runs on x86")
+    return native.build(extra=("-march=x86-64",))
+
+
+@pytest.mark.parametrize("build", ["each", "scalar"])
+@pytest.mark.parametrize(
+    ("fmt", "k", "n"),
+    [("fp32", 600, 100), ("fp32", 64, 17), ("q4", 576, 48), ("q4", 1536, 40), ("q8", 576, 56)],
+)
+def test_many_rows_give_each_row_the_bits_of_a_one_row_call(request, build, fmt, k, n) -> None:
+    """From 12 rows a call runs the blocked loop (x packed per call, k in chunks, rows in blocks of 144): each row
+    gets the floats a call of that row alone gets from the per-panel loop (the same sums in the same k order), for
+    fp32, 4-bit and 8-bit panels, a bias, a partial last panel and k chunks of unequal length; and F.linear's
+    result within fp32 rounding."""
+    from kernels.cpu.q4_panels import pack_q4, random_q4_weight, skinny_linear_q4
+    from kernels.cpu.q8_panels import pack_q8, random_q8_weight, skinny_linear_q8
+
+    lib = request.getfixturevalue("scalar_lib" if build == "scalar" else "native_lib")
+    gen = torch.Generator().manual_seed(k + n)
+    if fmt == "q4":
+        w = random_q4_weight(n, k, gen)
+        panels, run = pack_q4(w), skinny_linear_q4
+    elif fmt == "q8":
+        w = random_q8_weight(n, k, gen)
+        panels, run = pack_q8(w), skinny_linear_q8
+    else:
+        w = torch.randn(n, k, generator=gen)
+        panels, run = pack_panels(lib, w), skinny_linear
+    assert panels is not None, f"a random {fmt} weight packs as {fmt}"
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(300, k, generator=gen)
+    for m, b in ((12, None), (25, bias), (150, None), (300, bias)):
+        got = run(lib, x[:m], panels, n, b)
+        alone = torch.cat([run(lib, x[i : i + 1], panels, n, b) for i in range(m)])
+        assert torch.equal(got, alone), f"{m} rows: max diff {(got - alone).abs().max()}"
+        want = F.linear(x[:m].double(), w.double(), None if b is None else b.double()).float()
+        bound = 4 * k * torch.finfo(torch.float32).eps * (x[:m].abs() @ w.abs().T).max()
+        assert (got - want).abs().max() <= bound
