@@ -244,24 +244,19 @@ static void tile6(int64_t kc, const float *a, const float *b, float *y, int64_t 
     __m256 c50 = _mm256_loadu_ps(y0 + 5 * ld), c51 = _mm256_loadu_ps(y0 + 5 * ld + 8);
     for (int64_t kk = 0; kk < kc; kk++, a += BM, b += NR) {
         const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-        __m256 x = _mm256_broadcast_ss(a);
-        c00 = _mm256_fmadd_ps(x, b0, c00);
-        c01 = _mm256_fmadd_ps(x, b1, c01);
-        x = _mm256_broadcast_ss(a + 1);
-        c10 = _mm256_fmadd_ps(x, b0, c10);
-        c11 = _mm256_fmadd_ps(x, b1, c11);
-        x = _mm256_broadcast_ss(a + 2);
-        c20 = _mm256_fmadd_ps(x, b0, c20);
-        c21 = _mm256_fmadd_ps(x, b1, c21);
-        x = _mm256_broadcast_ss(a + 3);
-        c30 = _mm256_fmadd_ps(x, b0, c30);
-        c31 = _mm256_fmadd_ps(x, b1, c31);
-        x = _mm256_broadcast_ss(a + 4);
-        c40 = _mm256_fmadd_ps(x, b0, c40);
-        c41 = _mm256_fmadd_ps(x, b1, c41);
-        x = _mm256_broadcast_ss(a + 5);
-        c50 = _mm256_fmadd_ps(x, b0, c50);
-        c51 = _mm256_fmadd_ps(x, b1, c51);
+#define ROW_FMA(r, lo, hi)                        \
+    do {                                          \
+        const __m256 x = _mm256_broadcast_ss(a + r); \
+        lo = _mm256_fmadd_ps(x, b0, lo);          \
+        hi = _mm256_fmadd_ps(x, b1, hi);          \
+    } while (0)
+        ROW_FMA(0, c00, c01);
+        ROW_FMA(1, c10, c11);
+        ROW_FMA(2, c20, c21);
+        ROW_FMA(3, c30, c31);
+        ROW_FMA(4, c40, c41);
+        ROW_FMA(5, c50, c51);
+#undef ROW_FMA
     }
     const __m256 c[BM][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
     for (int r = 0; r < BM; r++) {
