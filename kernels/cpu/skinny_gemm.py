@@ -45,6 +45,12 @@ MAX_STACK = 32  # ... but no more calls than this per measurement (small weights
 MIN_PACK_BYTES = 1 << 20
 REPS = 2
 STOP_AFTER_LOSSES = 2  # consecutive row counts the kernel loses before the ladder stops (`_rows_won`)
+# ... once it has measured this many rows, a decode step's: losses at 1 and 4 rows (a near tie at 1 row, where the
+# alternative is memory-bound too) must not decide 8 and 16 unmeasured. The 2-core AMD EPYC Zen 3 (AVX2) had 0 rows
+# stored for three 4-bit shapes that, measured again, won every row count to 128 (8 rows: 4.5 against 4.9 ms); the
+# stored entry now keeps its timings, so such a choice can be read back. (A decode step of 8 took the same time either
+# way there: 47.2-49.2 ms, the two files alternated three times.)
+MIN_LADDER_ROWS = 16
 ENV = "UCM_CPU_LINEAR"
 
 
@@ -147,7 +153,7 @@ def measure(lib: NativeLib, k: int, n: int, fmt: PanelFormat = PanelFormat.FP32)
             best = alternating_best_ms(runs, REPS)
             timings[rows] = (best[0], min(best[1:]))
             losses = losses + 1 if best[0] > min(best[1:]) else 0
-            if losses == STOP_AFTER_LOSSES:  # larger row counts only favour the BLAS more
+            if losses >= STOP_AFTER_LOSSES and rows >= MIN_LADDER_ROWS:  # larger counts only favour the BLAS more
                 break
         rounds.append(timings)
     return rounds
@@ -244,7 +250,7 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, fmt: Pane
             return min(picks), [] if len(set(picks)) == 1 else [f"rows {' vs '.join(map(str, picks))}"]
 
         rows, where = stored_or_measured(
-            "linear", name, lib, threads, root, _parse_rows, run, lambda r: {"max_rows": r}
+            "linear", name, lib, threads, root, _parse_rows, run, lambda r: {"max_rows": r, "measured": tables[0]}
         )
         measured = (
             f" (rows: packed vs the best other over {STACK_BYTES >> 20} MB of weights: {tables[0]})" if tables else ""

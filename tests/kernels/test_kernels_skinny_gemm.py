@@ -92,7 +92,8 @@ def test_dispatch_follows_the_calibration(native_lib, forced, monkeypatch) -> No
     skinny_gemm.forget()
     assert dense_mod.pack_weight(w).panels.max_rows == 16 and measured == [(32, 48)]
     (stored,) = (Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json")
-    assert json.loads(stored.read_text())["entries"] == {"fp32 48x32": {"max_rows": 16}}
+    entries = json.loads(stored.read_text())["entries"]
+    assert list(entries) == ["fp32 48x32"] and entries["fp32 48x32"]["max_rows"] == 16, entries
 
 
 def test_never_faster_means_no_packed_copy(native_lib, forced, monkeypatch) -> None:
@@ -213,6 +214,28 @@ def test_the_ladder_stops_after_two_losses_in_a_row(native_lib, monkeypatch, tmp
     monkeypatch.setattr(skinny_gemm, "_runs", lambda lib, x, weights, packed: [lambda: None] * 3)
     rounds = skinny_gemm.measure(native_lib, 32, 48)
     assert [sorted(t) for t in rounds] == [[1, 4, 8, 16]] * len(rounds), rounds
+
+
+def test_the_ladder_measures_a_decode_steps_rows_before_it_stops(native_lib, monkeypatch, tmp_path) -> None:
+    """Losses at 1 and 4 rows do not end the ladder before 16 (MIN_LADDER_ROWS): the kernel that wins 8 and 16 is
+    kept there, and the stored entry keeps the timings it was chosen from."""
+    monkeypatch.setenv("UCM_CPU_LINEAR", "auto")
+    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path / "cache"))
+    kernel = {1: 1.6, 4: 1.6, 8: 1.0, 16: 1.0, 32: 2.0, 64: 2.0}
+    timed: list[int] = []
+
+    def fake_best(runs, reps, seconds=float("inf")):
+        rows = ROW_LADDER[len(timed) % 6]
+        timed.append(rows)
+        return [kernel[rows], *[1.5] * (len(runs) - 1)]
+
+    monkeypatch.setattr(skinny_gemm, "alternating_best_ms", fake_best)
+    monkeypatch.setattr(skinny_gemm, "_runs", lambda lib, x, weights, packed: [lambda: None] * 3)
+    assert skinny_gemm.max_rows(native_lib, 512, 512) == 16  # 1 MB: large enough to be measured
+    assert timed[:6] == [1, 4, 8, 16, 32, 64], timed
+    (stored,) = (tmp_path / "cache" / "kernels").glob("linear-*.json")
+    entry = json.loads(stored.read_text())["entries"]["fp32 512x512"]
+    assert entry["max_rows"] == 16 and "16: 1.0 vs 1.5 ms" in entry["measured"], entry
 
 
 @pytest.fixture(scope="module")
