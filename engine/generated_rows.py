@@ -29,6 +29,16 @@ class GeneratedRows:
             return cls(mask.size, count, torch.from_numpy(np.flatnonzero(mask)).to(device))
         return cls(mask.size, count, None)
 
+    def select(self, index: torch.Tensor) -> GeneratedRows:
+        """The classes of rows `index` (int64, in that order) of this step."""
+        n = int(index.numel())
+        if self.count in (0, self.total):
+            return GeneratedRows(n, n if self.count else 0, None)
+        assert self.generated is not None, "a mixed step has the generated rows' indices"
+        mask = torch.zeros(self.total, dtype=torch.bool, device=index.device)
+        mask[self.generated] = True
+        return GeneratedRows.from_mask(mask[index].cpu().numpy(), index.device)
+
     def apply(
         self,
         x: torch.Tensor,
@@ -48,3 +58,15 @@ class GeneratedRows:
         out = prompt_fn(x)
         out.index_copy_(0, self.generated, generated_fn(x.index_select(0, self.generated)))
         return out
+
+
+@dataclass(frozen=True)
+class RowSubset:
+    """Some of a step's rows: their int64 indices (in output order) and their classes."""
+
+    index: torch.Tensor
+    rows: GeneratedRows | None  # None: every row a prompt row
+
+    @classmethod
+    def of(cls, index: torch.Tensor, step_rows: GeneratedRows | None) -> RowSubset:
+        return cls(index, step_rows.select(index) if step_rows is not None else None)

@@ -3,6 +3,7 @@ copy-on-write copies, drives the worker-side connector around the forward, sampl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -94,10 +95,17 @@ class ModelRunner:
             src, dst = zip(*out.cow_copies, strict=True)
             copy_blocks(self.kv_caches, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
         hidden = None
+        plan = _SamplingPlan.of(out, self.eos_token_ids)
         if out.scheduled:
             input_ids, positions, meta, generated = self.prepare_inputs(out)
+            # Only the sampled rows' final states are read: the model computes just those past the last attention.
+            keep = (
+                None
+                if plan.unique == list(range(len(input_ids)))
+                else torch.tensor(plan.unique, dtype=torch.long, device=self.device)
+            )
             with set_forward_context(meta, hooks, generated):
-                hidden = self.model.forward(input_ids, positions, self.kv_caches)
+                hidden = self.model.forward(input_ids, positions, self.kv_caches, keep)
         if conn is not None and out.kv_connector_metadata is not None:
             conn.wait_for_save()
             sending, recving = conn.get_finished(out.finished_req_ids)
@@ -107,10 +115,36 @@ class ModelRunner:
             result.loaded_by_tier = conn.take_loaded_by_tier()
             conn.clear_connector_metadata()
         if hidden is not None:
-            self._sample(out, hidden, result)
+            self._sample(plan, hidden, result)
         return result
 
-    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+    def _sample(self, plan: _SamplingPlan, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """hidden: the final states of plan.unique's rows, in that order."""
+        if not plan.rows:
+            return
+        logits = self.model.compute_logits(hidden)
+        if len(plan.unique) != len(plan.logit_rows):
+            where = {r: j for j, r in enumerate(plan.unique)}
+            logits = logits[torch.tensor([where[r] for r in plan.logit_rows], device=logits.device)]
+        tokens, logprobs = self.sampler(logits.cpu() if logits.is_cuda else logits, plan.rows)
+        for rid, tok, lp in zip(plan.owners, tokens, logprobs, strict=True):
+            result.sampled.setdefault(rid, []).append(tok)
+            if lp is not None:
+                result.logprobs.setdefault(rid, []).append(lp)
+
+
+@dataclass(frozen=True)
+class _SamplingPlan:
+    """What a step samples: a row index per sample (a sequence's last scheduled token; several samples of one
+    sequence share it), the distinct rows in order, and each sample's parameters and request."""
+
+    logit_rows: list[int]
+    unique: list[int]
+    rows: list[SamplingRow]
+    owners: list[str]
+
+    @classmethod
+    def of(cls, out: SchedulerOutput, eos_token_ids: frozenset[int]) -> _SamplingPlan:
         logit_rows: list[int] = []
         rows: list[SamplingRow] = []
         owners: list[str] = []
@@ -129,18 +163,7 @@ class ModelRunner:
                         req.num_output_tokens,
                         req.prompt_token_ids,
                         req.output_token_ids,
-                        self.eos_token_ids,
+                        eos_token_ids,
                     )
                 )
-        if not rows:
-            return
-        unique = sorted(set(logit_rows))
-        logits = self.model.compute_logits(hidden[torch.tensor(unique, device=hidden.device)])
-        if len(unique) != len(logit_rows):
-            where = {r: j for j, r in enumerate(unique)}
-            logits = logits[torch.tensor([where[r] for r in logit_rows], device=logits.device)]
-        tokens, logprobs = self.sampler(logits.cpu() if logits.is_cuda else logits, rows)
-        for rid, tok, lp in zip(owners, tokens, logprobs, strict=True):
-            result.sampled.setdefault(rid, []).append(tok)
-            if lp is not None:
-                result.logprobs.setdefault(rid, []).append(lp)
+        return cls(logit_rows, sorted(set(logit_rows)), rows, owners)

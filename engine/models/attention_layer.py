@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from engine.attention import paged_attention_forward
+from engine.generated_rows import RowSubset
 from engine.model_config import ModelConfig
 from engine.models.dense import DecodePanels, LayerCalls, Packed, decode_panels, dense, pack_weight
 from kernels.api import rotary_embedding_
@@ -43,7 +44,9 @@ class PagedSelfAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        keep: RowSubset | None = None,
     ) -> torch.Tensor:
+        """Every row's k and v go to the cache; the output (the o projection) is `keep`'s rows only, where given."""
         num_tokens = x.shape[0]
         qkv = dense(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
@@ -56,4 +59,10 @@ class PagedSelfAttention(nn.Module):
         k_cache, v_cache = kv_cache
         # The step's attention metadata and connector hooks come from the forward context (engine/attention.py).
         out = paged_attention_forward(self.layer_index, q, k, v, k_cache, v_cache, self.scale)
-        return dense(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias, self.o_packed)
+        out = out.reshape(num_tokens, self.q_size)
+        if keep is None:
+            return dense(out, self.o_weight, self.o_bias, self.o_packed)
+        picked = out.index_select(0, keep.index)
+        if picked.shape[0] == 0:  # a step that samples nothing (a prompt's chunk): no matmul of no rows
+            return picked.new_empty((0, self.o_weight.shape[0]))
+        return dense(picked, self.o_weight, self.o_bias, self.o_packed, keep.rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.generated_rows import GeneratedRows
 from engine.models.dense import (
     DecodePanels,
     LayerCalls,
@@ -37,6 +38,7 @@ class GatedMLP(nn.Module):
         self.gate_up_packed = pack_weight(self.gate_up_weight, self._decode.get("gate_up"), gate_up=True, layer=layer)
         self.down_packed = pack_weight(self.down_weight, self._decode.get("down"), layer=layer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = dense_silu_and_mul(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
-        return dense(h, self.down_weight, self.down_bias, self.down_packed)
+    def forward(self, x: torch.Tensor, rows: GeneratedRows | None = None) -> torch.Tensor:
+        """`rows`: x's rows' classes where x is not the step's every row (dense takes the forward context's)."""
+        h = dense_silu_and_mul(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed, rows)
+        return dense(h, self.down_weight, self.down_bias, self.down_packed, rows)

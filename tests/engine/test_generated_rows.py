@@ -47,3 +47,15 @@ def test_apply_routes_each_row_and_keeps_the_order() -> None:
     assert every.generated is None and torch.equal(every.apply(x, lambda g: g + 1000, lambda p: -p), x + 1000)
     none = GeneratedRows.from_mask(np.zeros(6, bool), torch.device("cpu"))
     assert none.count == 0 and torch.equal(none.apply(x, lambda g: g + 1000, lambda p: -p), -x)
+
+
+def test_select_keeps_each_chosen_rows_class_in_the_given_order() -> None:
+    mask = np.array([False, True, False, False, True, True])
+    rows = GeneratedRows.from_mask(mask, torch.device("cpu"))
+    picked = rows.select(torch.tensor([5, 0, 3, 1]))
+    assert (picked.total, picked.count) == (4, 2)
+    assert picked.generated is not None and picked.generated.tolist() == [0, 3]
+    only_prompt = rows.select(torch.tensor([0, 2]))
+    assert (only_prompt.total, only_prompt.count, only_prompt.generated) == (2, 0, None)
+    all_generated = GeneratedRows.from_mask(np.ones(3, dtype=bool), torch.device("cpu")).select(torch.tensor([2]))
+    assert (all_generated.total, all_generated.count, all_generated.generated) == (1, 1, None)
