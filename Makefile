@@ -31,7 +31,7 @@ lint: install
 	$(BIN)/mypy  # the packages (pyproject.toml [tool.mypy]): strict on protocol/, ucm/, router/, connector/
 
 test: install lint vllm-plugin
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests  # the slowest tests in every log: CI's time budget
 
 bench: install
 	$(BIN)/python -m benchmarks.throughput
