@@ -4,8 +4,8 @@
  * read the weights. The BLAS GEMM (MKL in the torch wheel) packs W on every call and, on the 2-core AVX2 EPYC
  * this was written on, reads SmolLM2-135M's 0.54 GB of fp32 weights in ~100 ms at 8 rows against ~42 ms here
  * (the memory reads ~17 GB/s). W is packed once at load into panels of NR=16 output columns: panel p is
- * [K][16] floats, zero-padded past N. For each panel the MR=4-row blocks of x run over it while it sits in L1/L2,
- * each keeping a 4x16 tile of y in registers (8 AVX2 accumulators), one broadcast x value and two W vectors per k.
+ * [K][16] floats, zero-padded past N. For each panel, k chunk by k chunk (in L1), the MR=4-row blocks of x run over
+ * it, each keeping a 4x16 tile of y in registers (8 AVX2 accumulators), one broadcast x value and two W vectors per k.
  * Panels are split across threads. Where the build has no AVX2+FMA the same loop runs in scalar C. Calls of more
  * rows take a blocked loop (below: x packed per call, GotoBLAS's blocking) that gives every row the same floats.
  *
@@ -50,12 +50,23 @@ void ucm_pack_panels(const float *w, float *wp, int64_t n, int64_t k) {
     }
 }
 
-/* One 4x16 tile: rows r0..r0+mr of x against panel wp; tile[r][j] = sum_k x[r][k] * wp[k][j]. */
-static inline void tile(const float *x, int64_t k, int64_t mr, const float *wp, float out[MR][NR]) {
-    const float *x0 = x, *x1 = mr > 1 ? x + k : x, *x2 = mr > 2 ? x + 2 * k : x, *x3 = mr > 3 ? x + 3 * k : x;
+/* One 4x16 tile over k in [0, kc): rows 0..mr of x (row stride ldx) against panel chunk wp [kc][16];
+ * out[r][j] = (first ? 0 : out[r][j]) + sum_k x[r][k] * wp[k][j], one FMA chain per output in k order, so a tile
+ * run chunk by chunk gives the floats of one run over all of k. */
+static inline void tile_chunk(const float *x, int64_t ldx, int64_t kc, int64_t mr, const float *wp, float out[MR][NR],
+                              int first) {
+    const float *x0 = x, *x1 = mr > 1 ? x + ldx : x, *x2 = mr > 2 ? x + 2 * ldx : x, *x3 = mr > 3 ? x + 3 * ldx : x;
 #ifdef SG_AVX2
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-    for (int64_t kk = 0; kk < k; kk++) {
+    __m256 a00, a01, a10, a11, a20, a21, a30, a31;
+    if (first) {
+        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = _mm256_setzero_ps();
+    } else {
+        a00 = _mm256_loadu_ps(out[0]), a01 = _mm256_loadu_ps(out[0] + 8);
+        a10 = _mm256_loadu_ps(out[1]), a11 = _mm256_loadu_ps(out[1] + 8);
+        a20 = _mm256_loadu_ps(out[2]), a21 = _mm256_loadu_ps(out[2] + 8);
+        a30 = _mm256_loadu_ps(out[3]), a31 = _mm256_loadu_ps(out[3] + 8);
+    }
+    for (int64_t kk = 0; kk < kc; kk++) {
         const __m256 w0 = _mm256_loadu_ps(wp + kk * NR), w1 = _mm256_loadu_ps(wp + kk * NR + 8);
         __m256 b = _mm256_broadcast_ss(x0 + kk);
         a00 = _mm256_fmadd_ps(b, w0, a00);
@@ -80,38 +91,23 @@ static inline void tile(const float *x, int64_t k, int64_t mr, const float *wp, 
     _mm256_storeu_ps(out[3] + 8, a31);
 #else
     const float *rows[MR] = {x0, x1, x2, x3};
-    for (int64_t r = 0; r < MR; r++)
-        for (int64_t j = 0; j < NR; j++) out[r][j] = 0.0f;
-    for (int64_t kk = 0; kk < k; kk++)
+    if (first)
+        for (int64_t r = 0; r < MR; r++)
+            for (int64_t j = 0; j < NR; j++) out[r][j] = 0.0f;
+    for (int64_t kk = 0; kk < kc; kk++)
         for (int64_t r = 0; r < MR; r++)
             for (int64_t j = 0; j < NR; j++) out[r][j] += rows[r][kk] * wp[kk * NR + j];
 #endif
 }
-
-/* y[:, panel p] = x @ panel (+ bias): every MR-row block of x over one [K][16] panel in cache. */
-static void panel_rows(const float *x, int64_t m, int64_t k, const float *panel, int64_t p, int64_t n,
-                       const float *bias, float *y) {
-    const int64_t n0 = p * NR, valid = n - n0 < NR ? n - n0 : NR;
-    float out[MR][NR];
-    for (int64_t m0 = 0; m0 < m; m0 += MR) {
-        const int64_t mr = m - m0 < MR ? m - m0 : MR;
-        tile(x + m0 * k, k, mr, panel, out);
-        for (int64_t r = 0; r < mr; r++) {
-            float *row = y + (m0 + r) * n + n0;
-            for (int64_t j = 0; j < valid; j++) row[j] = out[r][j] + (bias ? bias[n0 + j] : 0.0f);
-        }
-    }
-}
-
 
 /* ---------------------------------------------------------------- 4-bit weights (kernels/cpu/q4_panels.py)
  *
  * A weight whose every 32-wide block of a row is exactly d * q + m (q in 0..15, fp32 mul then add: GGUF's
  * Q4_1, which the embedded model's layers are) is packed as 4-bit panels: qp [panels][K][8] bytes, byte j of
  * row k holding output j's q in its low nibble and output j + 8's in its high one, and dm [panels][K / 32][32]
- * floats, the 16 outputs' d then their m for each block of 32 k. A thread expands one panel at a time into
- * fp32 in a scratch panel (the same two roundings, so the same floats as the fp32 panels hold) and runs the
- * fp32 tiles over it: results are bit-identical to ucm_skinny_gemm on the fp32 weight, for 0.16x the memory
+ * floats, the 16 outputs' d then their m for each block of 32 k. A thread expands a panel's k chunk at a time into
+ * fp32 in scratch (the same two roundings, so the same floats as the fp32 panels hold) and runs the fp32 tiles
+ * over it: results are bit-identical to ucm_skinny_gemm on the fp32 weight, for 0.16x the memory
  * reads (a decode step streams every weight). */
 
 #define QB 32 /* k per scale block */
@@ -189,6 +185,8 @@ typedef void (*expand_panel_fn)(const uint8_t *q, const float *scales, int64_t k
 /* Calls of at least this many rows take blocked_gemm. A model's worth of 4-bit layers (SmolLM2's 30 x 4 shapes),
  * 2 threads, 2-core AMD EPYC Zen 3 (AVX2): the same time at 1-8 rows, 0.73x at 12, 0.67-0.55x from 24 to 512. */
 #define MANY_ROWS 12
+#define FEW_TILES 3  /* MR-row tiles over one chunk at a time in panel_rows: every row of a call under MANY_ROWS */
+#define FEW_KC 128   /* k per chunk in panel_rows: [128][16] floats, 8 KB, in L1 beside the rows' 128 k */
 
 /* Where a panel's fp32 values come from: the fp32 panels themselves, or 4/8-bit panels expanded chunk by chunk. */
 typedef struct {
@@ -216,6 +214,31 @@ static void pack_rows(const float *x, int64_t k, int64_t mb, int64_t kc, float *
             const float *row = r0 + r < mb ? x + (r0 + r) * k : NULL;
             for (int64_t kk = 0; kk < kc; kk++) dst[kk * BM + r] = row ? row[kk] : 0.0f;
         }
+}
+
+/* y[:, panel p] = x @ panel p (+ bias) for few rows: the panel's k chunks (a quantized one's expanded into scratch,
+ * in L1) in turn, every MR-row tile of up to FEW_TILES at a time over each chunk while it is in L1, their partial
+ * sums parked between chunks (tile_chunk: the same floats as one pass over k). */
+static void panel_rows(const float *x, int64_t m, int64_t k, const panel_source *src, int64_t p, int64_t n,
+                       const float *bias, float *y, float *scratch) {
+    const int64_t n0 = p * NR, valid = n - n0 < NR ? n - n0 : NR;
+    float out[FEW_TILES][MR][NR];
+    for (int64_t g0 = 0; g0 < m; g0 += FEW_TILES * MR) {
+        const int64_t gm = m - g0 < FEW_TILES * MR ? m - g0 : FEW_TILES * MR, tiles = (gm + MR - 1) / MR;
+        for (int64_t k0 = 0; k0 < k; k0 += FEW_KC) {
+            const int64_t kc = k - k0 < FEW_KC ? k - k0 : FEW_KC;
+            const float *b = panel_chunk(src, k, p, k0, kc, scratch);
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t m0 = g0 + t * MR;
+                tile_chunk(x + m0 * k + k0, k, kc, m - m0 < MR ? m - m0 : MR, b, out[t], k0 == 0);
+            }
+        }
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t r = 0; r < MR && g0 + t * MR + r < m; r++) {
+                float *row = y + (g0 + t * MR + r) * n + n0;
+                for (int64_t j = 0; j < valid; j++) row[j] = out[t][r][j] + (bias ? bias[n0 + j] : 0.0f);
+            }
+    }
 }
 
 /* y's 6x16 tile (mr rows, valid columns) += the micro-panel a [kc][6] times chunk b [kc][16]; `first`: start from 0,
@@ -336,43 +359,35 @@ static int32_t blocked_gemm(const float *x, int64_t m, int64_t k, const panel_so
 void ucm_skinny_gemm(const float *x, int64_t m, int64_t k, const float *wp, int64_t n, const float *bias, float *y,
                      int32_t num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
-    if (m >= MANY_ROWS) {
-        const panel_source src = {.fp32 = wp};
-        if (blocked_gemm(x, m, k, &src, n, bias, y, num_threads) == 0) return;
-    }
+    const panel_source src = {.fp32 = wp};
+    if (m >= MANY_ROWS && blocked_gemm(x, m, k, &src, n, bias, y, num_threads) == 0) return;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, wp + p * k * NR, p, n, bias, y);
+    for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, &src, p, n, bias, y, NULL);
 }
 
-/* ucm_skinny_gemm over quantized panels: each thread expands a panel at a time into fp32 in its scratch panel and
- * runs the fp32 tiles over it. Panel p's bytes start at q + p * q_panel_bytes, its scales at
+/* ucm_skinny_gemm over quantized panels: each thread expands a panel's k chunk at a time into fp32 in its scratch
+ * and runs the fp32 tiles over it. Panel p's bytes start at q + p * q_panel_bytes, its scales at
  * scales + p * scale_panel_floats. Returns 0, or -1 if no scratch memory. */
 static int32_t quantized_gemm(const float *x, int64_t m, int64_t k, const uint8_t *q, int64_t q_panel_bytes,
                               const float *scales, int64_t scale_panel_floats, expand_panel_fn expand, int64_t n,
                               const float *bias, float *y, int32_t num_threads, int64_t q_k_bytes,
                               int64_t scale_block_floats) {
     const int64_t panels = (n + NR - 1) / NR;
-    if (m >= MANY_ROWS) {
-        const panel_source src = {NULL, q, q_panel_bytes, q_k_bytes, scales, scale_panel_floats, scale_block_floats,
-                                  expand};
-        if (blocked_gemm(x, m, k, &src, n, bias, y, num_threads) == 0) return 0;
-    }
+    const panel_source src = {NULL, q, q_panel_bytes, q_k_bytes, scales, scale_panel_floats, scale_block_floats, expand};
+    if (m >= MANY_ROWS && blocked_gemm(x, m, k, &src, n, bias, y, num_threads) == 0) return 0;
     int32_t status = 0;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = malloc((size_t)(k * NR) * sizeof *scratch);
+        float *scratch = malloc((size_t)(FEW_KC * NR) * sizeof *scratch);
         if (scratch == NULL) {
 #pragma omp atomic write
             status = -1;
         }
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            if (scratch == NULL) continue;
-            expand(q + p * q_panel_bytes, scales + p * scale_panel_floats, k, scratch);
-            panel_rows(x, m, k, scratch, p, n, bias, y);
-        }
+        for (int64_t p = 0; p < panels; p++)
+            if (scratch != NULL) panel_rows(x, m, k, &src, p, n, bias, y, scratch);
         free(scratch);
     }
     return status;
