@@ -308,7 +308,7 @@ static void tile6(int64_t kc, const float *a, const float *b, float *y, int64_t 
 }
 
 /* y = x @ W^T + bias for many rows, W's panels from `src`; each thread takes a run of panels. Returns 0, or -1 if
- * no scratch memory. */
+ * no memory for x's packed rows. */
 static int32_t blocked_gemm(const float *x, int64_t m, int64_t k, const panel_source *src, int64_t n,
                             const float *bias, float *y, int32_t num_threads) {
     const int64_t panels = (n + NR - 1) / NR, chunks = (k + KC - 1) / KC;
@@ -328,7 +328,9 @@ static int32_t blocked_gemm(const float *x, int64_t m, int64_t k, const panel_so
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
         const int64_t mcap = m < MC ? (m + BM - 1) / BM * BM : MC;
         float *packed = malloc((size_t)(mcap * kc0) * sizeof *packed);
-        _Alignas(64) float scratch[KC * NR]; /* 16 KB on the stack, as in quantized_gemm (which says why) */
+        /* 16 KB on the stack, as in quantized_gemm (which says why); kc0 <= KC since KC is a multiple of QB */
+        _Static_assert(KC % QB == 0, "a chunk rounded up to whole scale blocks must still fit the scratch");
+        _Alignas(64) float scratch[KC * NR];
         if (packed == NULL) {
 #pragma omp atomic write
             status = -1;
