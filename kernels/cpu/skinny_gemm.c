@@ -50,45 +50,61 @@ void ucm_pack_panels(const float *w, float *wp, int64_t n, int64_t k) {
     }
 }
 
+#ifdef SG_AVX2
+/* A 4x16 tile's accumulators (named: an array of them is kept on the stack by gcc, a store per FMA), its rows x0..x3,
+ * one k step against the panel row's two vectors, and the store. */
+#define TILE_OPEN(out, first)                                                                  \
+    __m256 a00, a01, a10, a11, a20, a21, a30, a31;                                            \
+    if (first) {                                                                              \
+        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = _mm256_setzero_ps();                  \
+    } else {                                                                                  \
+        a00 = _mm256_loadu_ps(out[0]), a01 = _mm256_loadu_ps(out[0] + 8);                     \
+        a10 = _mm256_loadu_ps(out[1]), a11 = _mm256_loadu_ps(out[1] + 8);                     \
+        a20 = _mm256_loadu_ps(out[2]), a21 = _mm256_loadu_ps(out[2] + 8);                     \
+        a30 = _mm256_loadu_ps(out[3]), a31 = _mm256_loadu_ps(out[3] + 8);                     \
+    }
+#define TILE_STEP(kk, w0, w1)                   \
+    do {                                        \
+        __m256 b = _mm256_broadcast_ss(x0 + kk); \
+        a00 = _mm256_fmadd_ps(b, w0, a00);      \
+        a01 = _mm256_fmadd_ps(b, w1, a01);      \
+        b = _mm256_broadcast_ss(x1 + kk);       \
+        a10 = _mm256_fmadd_ps(b, w0, a10);      \
+        a11 = _mm256_fmadd_ps(b, w1, a11);      \
+        b = _mm256_broadcast_ss(x2 + kk);       \
+        a20 = _mm256_fmadd_ps(b, w0, a20);      \
+        a21 = _mm256_fmadd_ps(b, w1, a21);      \
+        b = _mm256_broadcast_ss(x3 + kk);       \
+        a30 = _mm256_fmadd_ps(b, w0, a30);      \
+        a31 = _mm256_fmadd_ps(b, w1, a31);      \
+    } while (0)
+#define TILE_CLOSE(out)                                                         \
+    do {                                                                        \
+        _mm256_storeu_ps(out[0], a00), _mm256_storeu_ps(out[0] + 8, a01);       \
+        _mm256_storeu_ps(out[1], a10), _mm256_storeu_ps(out[1] + 8, a11);       \
+        _mm256_storeu_ps(out[2], a20), _mm256_storeu_ps(out[2] + 8, a21);       \
+        _mm256_storeu_ps(out[3], a30), _mm256_storeu_ps(out[3] + 8, a31);       \
+    } while (0)
+#endif
+
+/* A tile's MR row pointers: rows past mr repeat row 0 (computed, never stored). */
+#define TILE_ROWS(x, ldx, mr)                                                       \
+    const float *x0 = x, *x1 = mr > 1 ? x + ldx : x, *x2 = mr > 2 ? x + 2 * ldx : x, \
+                *x3 = mr > 3 ? x + 3 * ldx : x
+
 /* One 4x16 tile over k in [0, kc): rows 0..mr of x (row stride ldx) against panel chunk wp [kc][16];
  * out[r][j] = (first ? 0 : out[r][j]) + sum_k x[r][k] * wp[k][j], one FMA chain per output in k order, so a tile
  * run chunk by chunk gives the floats of one run over all of k. */
 static inline void tile_chunk(const float *x, int64_t ldx, int64_t kc, int64_t mr, const float *wp, float out[MR][NR],
                               int first) {
-    const float *x0 = x, *x1 = mr > 1 ? x + ldx : x, *x2 = mr > 2 ? x + 2 * ldx : x, *x3 = mr > 3 ? x + 3 * ldx : x;
+    TILE_ROWS(x, ldx, mr);
 #ifdef SG_AVX2
-    __m256 a00, a01, a10, a11, a20, a21, a30, a31;
-    if (first) {
-        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = _mm256_setzero_ps();
-    } else {
-        a00 = _mm256_loadu_ps(out[0]), a01 = _mm256_loadu_ps(out[0] + 8);
-        a10 = _mm256_loadu_ps(out[1]), a11 = _mm256_loadu_ps(out[1] + 8);
-        a20 = _mm256_loadu_ps(out[2]), a21 = _mm256_loadu_ps(out[2] + 8);
-        a30 = _mm256_loadu_ps(out[3]), a31 = _mm256_loadu_ps(out[3] + 8);
-    }
+    TILE_OPEN(out, first);
     for (int64_t kk = 0; kk < kc; kk++) {
         const __m256 w0 = _mm256_loadu_ps(wp + kk * NR), w1 = _mm256_loadu_ps(wp + kk * NR + 8);
-        __m256 b = _mm256_broadcast_ss(x0 + kk);
-        a00 = _mm256_fmadd_ps(b, w0, a00);
-        a01 = _mm256_fmadd_ps(b, w1, a01);
-        b = _mm256_broadcast_ss(x1 + kk);
-        a10 = _mm256_fmadd_ps(b, w0, a10);
-        a11 = _mm256_fmadd_ps(b, w1, a11);
-        b = _mm256_broadcast_ss(x2 + kk);
-        a20 = _mm256_fmadd_ps(b, w0, a20);
-        a21 = _mm256_fmadd_ps(b, w1, a21);
-        b = _mm256_broadcast_ss(x3 + kk);
-        a30 = _mm256_fmadd_ps(b, w0, a30);
-        a31 = _mm256_fmadd_ps(b, w1, a31);
+        TILE_STEP(kk, w0, w1);
     }
-    _mm256_storeu_ps(out[0], a00);
-    _mm256_storeu_ps(out[0] + 8, a01);
-    _mm256_storeu_ps(out[1], a10);
-    _mm256_storeu_ps(out[1] + 8, a11);
-    _mm256_storeu_ps(out[2], a20);
-    _mm256_storeu_ps(out[2] + 8, a21);
-    _mm256_storeu_ps(out[3], a30);
-    _mm256_storeu_ps(out[3] + 8, a31);
+    TILE_CLOSE(out);
 #else
     const float *rows[MR] = {x0, x1, x2, x3};
     if (first)
@@ -105,30 +121,49 @@ static inline void tile_chunk(const float *x, int64_t ldx, int64_t kc, int64_t m
  * A weight whose every 32-wide block of a row is exactly d * q + m (q in 0..15, fp32 mul then add: GGUF's
  * Q4_1, which the embedded model's layers are) is packed as 4-bit panels: qp [panels][K][8] bytes, byte j of
  * row k holding output j's q in its low nibble and output j + 8's in its high one, and dm [panels][K / 32][32]
- * floats, the 16 outputs' d then their m for each block of 32 k. A thread expands a panel's k chunk at a time into
- * fp32 in scratch (the same two roundings, so the same floats as the fp32 panels hold) and runs the fp32 tiles
- * over it: results are bit-identical to ucm_skinny_gemm on the fp32 weight, for 0.16x the memory
- * reads (a decode step streams every weight). */
+ * floats, the 16 outputs' d then their m for each block of 32 k. Expanded with the same two roundings, a weight
+ * is the float the fp32 panels hold, so results are bit-identical to ucm_skinny_gemm on the fp32 weight, for 0.16x
+ * the memory reads (a decode step streams every weight). A few-row tile expands each k's 16 weights in registers as
+ * it goes (tile_chunk_expanding); the blocked loop, and the scalar build, expand a panel's k chunk into scratch and
+ * run the fp32 tiles over it. */
 
 #define QB 32 /* k per scale block */
 
+#ifdef SG_AVX2
+/* A 4-bit block's 16 d and 16 m, and one k row of it as its 16 weights, w0 (outputs 0-7) and w1 (8-15). */
+typedef struct {
+    __m256 d0, d1, m0, m1;
+} q4_scales;
+
+static inline q4_scales q4_scales_at(const float *dm) {
+    return (q4_scales){_mm256_loadu_ps(dm), _mm256_loadu_ps(dm + 8), _mm256_loadu_ps(dm + NR),
+                       _mm256_loadu_ps(dm + NR + 8)};
+}
+
+static inline void q4_row(const uint8_t *q, const q4_scales *s, __m256 *w0, __m256 *w1) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0xF)));
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    *w0 = _mm256_add_ps(_mm256_mul_ps(q0, s->d0), s->m0);
+    *w1 = _mm256_add_ps(_mm256_mul_ps(q1, s->d1), s->m1);
+}
+#endif
+
 static void expand_q4_panel(const uint8_t *qp, const float *dm, int64_t k, float *dst) {
     for (int64_t kb = 0; kb < k / QB; kb++) {
-        const float *d = dm + kb * 2 * NR, *mn = d + NR;
+        const float *d = dm + kb * 2 * NR;
         const uint8_t *q = qp + kb * QB * (NR / 2);
         float *w = dst + kb * QB * NR;
 #ifdef SG_AVX2
-        const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
-        const __m256 m0 = _mm256_loadu_ps(mn), m1 = _mm256_loadu_ps(mn + 8);
-        const __m256i low = _mm256_set1_epi32(0xF);
+        const q4_scales sc = q4_scales_at(d);
         for (int64_t kk = 0; kk < QB; kk++) {
-            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + kk * (NR / 2))));
-            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
-            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-            _mm256_storeu_ps(w + kk * NR, _mm256_add_ps(_mm256_mul_ps(q0, d0), m0));
-            _mm256_storeu_ps(w + kk * NR + 8, _mm256_add_ps(_mm256_mul_ps(q1, d1), m1));
+            __m256 w0, w1;
+            q4_row(q + kk * (NR / 2), &sc, &w0, &w1);
+            _mm256_storeu_ps(w + kk * NR, w0);
+            _mm256_storeu_ps(w + kk * NR + 8, w1);
         }
 #else
+        const float *mn = d + NR;
         for (int64_t kk = 0; kk < QB; kk++)
             for (int64_t j = 0; j < NR / 2; j++) {
                 const uint8_t byte = q[kk * (NR / 2) + j];
@@ -146,6 +181,14 @@ static void expand_q4_panel(const uint8_t *qp, const float *dm, int64_t k, float
  * each k, and d [panels][K / 32][16] floats. Expanding a panel (one exact product per weight) gives the floats the
  * fp32 panels hold, so results are bit-identical to ucm_skinny_gemm for 0.27x the memory reads. */
 
+#ifdef SG_AVX2
+/* One k row of an 8-bit block as its 16 weights, given the block's 16 d as d0 (outputs 0-7) and d1 (8-15). */
+static inline void q8_row(const int8_t *q, __m256 d0, __m256 d1, __m256 *w0, __m256 *w1) {
+    *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))), d0);
+    *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))), d1);
+}
+#endif
+
 static void expand_q8_panel(const uint8_t *qp_bytes, const float *d, int64_t k, float *dst) {
     const int8_t *qp = (const int8_t *)qp_bytes;
     for (int64_t kb = 0; kb < k / QB; kb++) {
@@ -155,10 +198,10 @@ static void expand_q8_panel(const uint8_t *qp_bytes, const float *d, int64_t k, 
 #ifdef SG_AVX2
         const __m256 d0 = _mm256_loadu_ps(dd), d1 = _mm256_loadu_ps(dd + 8);
         for (int64_t kk = 0; kk < QB; kk++) {
-            const __m256i b0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + kk * NR)));
-            const __m256i b1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + kk * NR + 8)));
-            _mm256_storeu_ps(w + kk * NR, _mm256_mul_ps(_mm256_cvtepi32_ps(b0), d0));
-            _mm256_storeu_ps(w + kk * NR + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(b1), d1));
+            __m256 w0, w1;
+            q8_row(q + kk * NR, d0, d1, &w0, &w1);
+            _mm256_storeu_ps(w + kk * NR, w0);
+            _mm256_storeu_ps(w + kk * NR + 8, w1);
         }
 #else
         for (int64_t kk = 0; kk < QB; kk++)
@@ -167,7 +210,7 @@ static void expand_q8_panel(const uint8_t *qp_bytes, const float *d, int64_t k, 
     }
 }
 
-typedef void (*expand_panel_fn)(const uint8_t *q, const float *scales, int64_t k, float *dst);
+typedef enum { PANEL_FP32, PANEL_Q4, PANEL_Q8 } panel_format;
 
 /* ---------------------------------------------------------------- many rows (prefill chunks)
  *
@@ -185,27 +228,71 @@ typedef void (*expand_panel_fn)(const uint8_t *q, const float *scales, int64_t k
 /* Calls of at least this many rows take blocked_gemm. A model's worth of 4-bit layers (SmolLM2's 30 x 4 shapes),
  * 2 threads, 2-core AMD EPYC Zen 3 (AVX2): the same time at 1-8 rows, 0.73x at 12, 0.67-0.55x from 24 to 512. */
 #define MANY_ROWS 12
+/* ... but 8-bit panels from this many: the 8-bit lm_head ([49152 x 576]) took 0.82x the blocked loop's time in the
+ * few-row loop (its tiles expanding in registers) at 12 and 16 rows, and tied it at 24 (same host, 2 threads). */
+#define MANY_ROWS_Q8 24
 #define FEW_TILES 3  /* MR-row tiles over one chunk at a time in panel_rows: every row of a call under MANY_ROWS */
 #define FEW_KC 128   /* k per chunk in panel_rows: [128][16] floats, 8 KB, in L1 beside the rows' 128 k */
 
 /* Where a panel's fp32 values come from: the fp32 panels themselves, or 4/8-bit panels expanded chunk by chunk. */
 typedef struct {
-    const float *fp32;             /* [panels][k][16], or NULL */
+    panel_format format;
+    const float *fp32;             /* PANEL_FP32: [panels][k][16] */
     const uint8_t *q;              /* quantized panels: panel p at q + p * q_panel_bytes */
     int64_t q_panel_bytes, q_k_bytes; /* bytes per panel, per k of a panel */
     const float *scales;           /* panel p's at scales + p * scale_panel_floats */
     int64_t scale_panel_floats, scale_block_floats; /* floats per panel, per QB k of a panel */
-    expand_panel_fn expand;
 } panel_source;
+
+static const uint8_t *panel_q(const panel_source *src, int64_t p, int64_t k0) {
+    return src->q + p * src->q_panel_bytes + k0 * src->q_k_bytes;
+}
+
+static const float *panel_scales(const panel_source *src, int64_t p, int64_t k0) {
+    return src->scales + p * src->scale_panel_floats + (k0 / QB) * src->scale_block_floats;
+}
 
 /* Panel p's k in [k0, k0 + kc) as [kc][16] floats: in place for fp32 panels, else expanded into scratch. */
 static const float *panel_chunk(const panel_source *src, int64_t k, int64_t p, int64_t k0, int64_t kc,
                                 float *scratch) {
-    if (src->fp32 != NULL) return src->fp32 + (p * k + k0) * NR;
-    src->expand(src->q + p * src->q_panel_bytes + k0 * src->q_k_bytes,
-                src->scales + p * src->scale_panel_floats + (k0 / QB) * src->scale_block_floats, kc, scratch);
+    if (src->format == PANEL_FP32) return src->fp32 + (p * k + k0) * NR;
+    (src->format == PANEL_Q4 ? expand_q4_panel : expand_q8_panel)(panel_q(src, p, k0), panel_scales(src, p, k0), kc,
+                                                                   scratch);
     return scratch;
 }
+
+#ifdef SG_AVX2
+/* tile_chunk over a quantized panel's chunk (k0 at a scale block, kc whole blocks), each k's 16 weights expanded in
+ * registers as the tile takes them, so the expansion's conversions and adds run beside the tile's FMAs. The weights
+ * are the floats expand_q4_panel / expand_q8_panel give (the same q4_row / q8_row), so the sums are tile_chunk's.
+ * Against expanding each chunk into scratch first (2-core AMD EPYC Zen 3, AVX2, 2 threads, paired runs): SmolLM2's
+ * 4-bit layer shapes 0.63-0.70x at 1 row, 0.75-0.80x at 8, 0.81-0.97x at 11; the 8-bit lm_head 0.54x, 0.64x, 0.68x. */
+static void tile_chunk_expanding(const float *x, int64_t ldx, int64_t kc, int64_t mr, const panel_source *src,
+                                 int64_t p, int64_t k0, float out[MR][NR], int first) {
+    TILE_ROWS(x, ldx, mr);
+    TILE_OPEN(out, first);
+    const uint8_t *q = panel_q(src, p, k0);
+    const float *sc = panel_scales(src, p, k0);
+    for (int64_t kb = 0; kb < kc; kb += QB, q += QB * src->q_k_bytes, sc += src->scale_block_floats) {
+        if (src->format == PANEL_Q4) {
+            const q4_scales s = q4_scales_at(sc);
+            for (int64_t kk = kb; kk < kb + QB; kk++) {
+                __m256 w0, w1;
+                q4_row(q + (kk - kb) * (NR / 2), &s, &w0, &w1);
+                TILE_STEP(kk, w0, w1);
+            }
+        } else {
+            const __m256 d0 = _mm256_loadu_ps(sc), d1 = _mm256_loadu_ps(sc + 8);
+            for (int64_t kk = kb; kk < kb + QB; kk++) {
+                __m256 w0, w1;
+                q8_row((const int8_t *)q + (kk - kb) * NR, d0, d1, &w0, &w1);
+                TILE_STEP(kk, w0, w1);
+            }
+        }
+    }
+    TILE_CLOSE(out);
+}
+#endif
 
 /* x rows [mb][k0 .. k0 + kc) (row stride k) into micro-panels of BM rows, [kc][BM] each; missing rows as 0. */
 static void pack_rows(const float *x, int64_t k, int64_t mb, int64_t kc, float *dst) {
@@ -216,9 +303,10 @@ static void pack_rows(const float *x, int64_t k, int64_t mb, int64_t kc, float *
         }
 }
 
-/* y[:, panel p] = x @ panel p (+ bias) for few rows: the panel's k chunks (a quantized one's expanded into scratch,
- * in L1) in turn, every MR-row tile of up to FEW_TILES at a time over each chunk while it is in L1, their partial
- * sums parked between chunks (tile_chunk: the same floats as one pass over k). */
+/* y[:, panel p] = x @ panel p (+ bias) for few rows: the panel's k chunks in turn, every MR-row tile of up to
+ * FEW_TILES at a time over each chunk while it is in L1 (a quantized chunk expanded by each tile as it goes, or, in
+ * the scalar build, into scratch first), their partial sums parked between chunks (the same floats as one pass
+ * over k). */
 static void panel_rows(const float *x, int64_t m, int64_t k, const panel_source *src, int64_t p, int64_t n,
                        const float *bias, float *y, float *scratch) {
     const int64_t n0 = p * NR, valid = n - n0 < NR ? n - n0 : NR;
@@ -227,6 +315,19 @@ static void panel_rows(const float *x, int64_t m, int64_t k, const panel_source 
         const int64_t gm = m - g0 < FEW_TILES * MR ? m - g0 : FEW_TILES * MR, tiles = (gm + MR - 1) / MR;
         for (int64_t k0 = 0; k0 < k; k0 += FEW_KC) {
             const int64_t kc = k - k0 < FEW_KC ? k - k0 : FEW_KC;
+#ifdef SG_AVX2
+            /* Every tile expands a quantized chunk itself: re-expanding for a second tile took 0.84-0.86x the time
+             * of keeping the first tile's expansion in scratch for it (8 rows, SmolLM2's 4-bit shapes and 8-bit
+             * lm_head, 2-core AMD EPYC Zen 3): the expansion is nearly free beside the FMAs, the stores are not. */
+            if (src->format != PANEL_FP32) {
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t m0 = g0 + t * MR;
+                    tile_chunk_expanding(x + m0 * k + k0, k, kc, m - m0 < MR ? m - m0 : MR, src, p, k0, out[t],
+                                         k0 == 0);
+                }
+                continue;
+            }
+#endif
             const float *b = panel_chunk(src, k, p, k0, kc, scratch);
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t m0 = g0 + t * MR;
@@ -360,29 +461,32 @@ static int32_t blocked_gemm(const float *x, int64_t m, int64_t k, const panel_so
 void ucm_skinny_gemm(const float *x, int64_t m, int64_t k, const float *wp, int64_t n, const float *bias, float *y,
                      int32_t num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
-    const panel_source src = {.fp32 = wp};
+    const panel_source src = {.format = PANEL_FP32, .fp32 = wp};
     if (m >= MANY_ROWS && blocked_gemm(x, m, k, &src, n, bias, y, num_threads) == 0) return;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, &src, p, n, bias, y, NULL);
 }
 
-/* ucm_skinny_gemm over quantized panels: each thread expands a panel's k chunk at a time into fp32 in its scratch
- * and runs the fp32 tiles over it. Panel p's bytes start at q + p * q_panel_bytes, its scales at
- * scales + p * scale_panel_floats. Returns 0 (the blocked loop's memory missing: the few-row loop runs the call). */
+/* ucm_skinny_gemm over quantized panels, expanded to fp32 as the tiles take them. Panel p's bytes start at
+ * q + p * q_panel_bytes, its scales at scales + p * scale_panel_floats. Returns 0 (the blocked loop's memory
+ * missing: the few-row loop runs the call). */
 static int32_t quantized_gemm(const float *x, int64_t m, int64_t k, const uint8_t *q, int64_t q_panel_bytes,
-                              const float *scales, int64_t scale_panel_floats, expand_panel_fn expand, int64_t n,
+                              const float *scales, int64_t scale_panel_floats, panel_format format, int64_t n,
                               const float *bias, float *y, int32_t num_threads, int64_t q_k_bytes,
                               int64_t scale_block_floats) {
     const int64_t panels = (n + NR - 1) / NR;
-    const panel_source src = {NULL, q, q_panel_bytes, q_k_bytes, scales, scale_panel_floats, scale_block_floats, expand};
-    if (m >= MANY_ROWS && blocked_gemm(x, m, k, &src, n, bias, y, num_threads) == 0) return 0;
+    const panel_source src = {format, NULL, q, q_panel_bytes, q_k_bytes, scales, scale_panel_floats,
+                              scale_block_floats};
+    const int64_t many_rows = format == PANEL_Q8 ? MANY_ROWS_Q8 : MANY_ROWS;
+    if (m >= many_rows && blocked_gemm(x, m, k, &src, n, bias, y, num_threads) == 0) return 0;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* 8 KB on the thread's stack, not malloc'd per call: on the 2-core AMD EPYC Zen 3 (AVX2) a malloc'd chunk
-         * made the few-row 4-bit calls 1.1-1.3x slower (paired runs), an aligned_alloc'd one still up to 1.16x, and
-         * the blocked loop's (16-64 rows) 1.06-1.13x. */
+        /* The scalar build's expanded chunk (8 KB), on the thread's stack, not malloc'd per call: on the 2-core AMD
+         * EPYC Zen 3 (AVX2), before the few-row tiles expanded in registers, a malloc'd chunk made the few-row 4-bit
+         * calls 1.1-1.3x slower (paired runs), an aligned_alloc'd one still up to 1.16x, and the blocked loop's
+         * (16-64 rows) 1.06-1.13x. */
         _Alignas(64) float scratch[FEW_KC * NR];
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, &src, p, n, bias, y, scratch);
@@ -393,13 +497,13 @@ static int32_t quantized_gemm(const float *x, int64_t m, int64_t k, const uint8_
 /* As ucm_skinny_gemm, W given as 4-bit panels (k a multiple of 32). Returns 0. */
 int32_t ucm_skinny_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
                            const float *bias, float *y, int32_t num_threads) {
-    return quantized_gemm(x, m, k, qp, k * (NR / 2), dm, (k / QB) * 2 * NR, expand_q4_panel, n, bias, y,
+    return quantized_gemm(x, m, k, qp, k * (NR / 2), dm, (k / QB) * 2 * NR, PANEL_Q4, n, bias, y,
                           num_threads, NR / 2, 2 * NR);
 }
 
 /* As ucm_skinny_gemm, W given as 8-bit panels (k a multiple of 32). Returns 0. */
 int32_t ucm_skinny_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *qp, const float *d, int64_t n,
                            const float *bias, float *y, int32_t num_threads) {
-    return quantized_gemm(x, m, k, (const uint8_t *)qp, k * NR, d, (k / QB) * NR, expand_q8_panel, n, bias, y,
+    return quantized_gemm(x, m, k, (const uint8_t *)qp, k * NR, d, (k / QB) * NR, PANEL_Q8, n, bias, y,
                           num_threads, NR, NR);
 }

@@ -13,7 +13,9 @@ from kernels.cpu.q8_panels import Q8Panels, find_q8, pack_q8, random_q8_weight, 
 from kernels.cpu.skinny_gemm import PanelFormat, pack_panels, skinny_linear
 
 
-@pytest.mark.parametrize(("m", "k", "n", "bias"), [(1, 64, 40, False), (5, 96, 16, True), (8, 576, 960, False)])
+@pytest.mark.parametrize(
+    ("m", "k", "n", "bias"), [(1, 64, 40, False), (5, 96, 16, True), (8, 576, 960, False), (16, 576, 72, True)]
+)
 def test_q8_kernel_is_bit_identical_to_the_fp32_panels(each_build, m, k, n, bias) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n)
     w = random_q8_weight(n, k, gen)

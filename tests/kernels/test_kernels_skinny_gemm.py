@@ -256,9 +256,10 @@ def scalar_lib(native_lib):
     [("fp32", 600, 100), ("fp32", 64, 17), ("q4", 576, 48), ("q4", 1536, 40), ("q8", 576, 56)],
 )
 def test_each_row_gets_the_bits_of_a_one_row_call(request, build, fmt, k, n) -> None:
-    """Under 12 rows a call runs up to three 4-row tiles over each 128-k chunk of a panel (a 4- or 8-bit chunk
-    expanded first), their sums parked between chunks; from 12 rows the blocked loop (x packed per call, k in chunks,
-    rows in blocks of 144). Either way each row gets the floats a call of that row alone gets (the same sums in the
+    """Under 12 rows (24 for 8-bit panels) a call runs up to three 4-row tiles over each 128-k chunk of a panel (a
+    4- or 8-bit chunk expanded by each tile as it goes, or first, in the scalar build), their sums parked between
+    chunks; from there the blocked loop (x packed per call, a quantized chunk expanded first, k in chunks, rows in
+    blocks of 144). Either way each row gets the floats a call of that row alone gets (the same sums in the
     same k order), for fp32, 4-bit and 8-bit panels, a bias, partial tiles, a partial last panel and k chunks of
     unequal length; and F.linear's result within fp32 rounding."""
     from kernels.cpu.q4_panels import pack_q4, random_q4_weight, skinny_linear_q4
@@ -278,7 +279,7 @@ def test_each_row_gets_the_bits_of_a_one_row_call(request, build, fmt, k, n) -> 
     assert panels is not None, f"a random {fmt} weight packs as {fmt}"
     bias = torch.randn(n, generator=gen)
     x = torch.randn(300, k, generator=gen)
-    for m, b in ((1, bias), (5, bias), (11, None), (12, None), (25, bias), (150, None), (300, bias)):
+    for m, b in ((1, bias), (5, bias), (11, None), (12, None), (16, bias), (25, bias), (150, None), (300, bias)):
         got = run(lib, x[:m], panels, n, b)
         alone = torch.cat([run(lib, x[i : i + 1], panels, n, b) for i in range(m)])
         assert torch.equal(got, alone), f"{m} rows: max diff {(got - alone).abs().max()}"
