@@ -226,7 +226,9 @@ typedef enum { PANEL_FP32, PANEL_Q4, PANEL_Q8 } panel_format;
 #define KC 256 /* k per chunk at most: a [KC][16] chunk of a panel is 16 KB, in L1 */
 #define MC 144 /* rows of x packed at a time: [MC][KC] floats, 144 KB, in L2 */
 /* Calls of at least this many rows take blocked_gemm. A model's worth of 4-bit layers (SmolLM2's 30 x 4 shapes),
- * 2 threads, 2-core AMD EPYC Zen 3 (AVX2): the same time at 1-8 rows, 0.73x at 12, 0.67-0.55x from 24 to 512. */
+ * 2 threads, 2-core AMD EPYC Zen 3 (AVX2), against the few-row loop that expanded chunks into scratch: the same
+ * time at 1-8 rows, 0.73x at 12, 0.67-0.55x from 24 to 512; against its tiles expanding in registers (paired runs,
+ * each 4-bit shape alone): 0.86-0.97x at 12, 0.87-0.93x at 16, so the switch stayed at 12. */
 #define MANY_ROWS 12
 /* ... but 8-bit panels from this many: the 8-bit lm_head ([49152 x 576]) took 0.82x the blocked loop's time in the
  * few-row loop (its tiles expanding in registers) at 12 and 16 rows, and tied it at 24 (same host, 2 threads). */
