@@ -77,6 +77,17 @@ static inline __attribute__((always_inline)) __m512i nibble_table(void) {
                             0x0000); /* word i (and i + 16): bf16(i) */
 }
 
+/* The sum of a Q4_1 block's 32 x (bf16): the two halves lane by lane, then the lanes in the reduction's fixed
+ * order. It runs on one thread before the panels' parallel loop, once a block and row: scalar, it was ~5% of a decode
+ * step on the Xeon with AMX while the other thread waited. */
+static inline __attribute__((always_inline)) float block_sum(const uint16_t *xb) {
+    const __m512i both = _mm512_loadu_si512(xb);
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)), 16));
+    const __m512 hi =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1)), 16));
+    return _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+}
+
 /* One panel (16 outputs) for MR rows: xp[r][j] is row r's pair j as one 32-bit word, sx[r][b] its block sums.
  * q8 (a constant where it is inlined): the Q8_0 twin (w = d * q, q in -127..127 per 32 k: the embedded model's tied
  * embedding, its lm_head), qp [K / 2][32] bytes (pair j's 16 bytes of q at k = 2j, then its 16 at 2j + 1) and
@@ -194,15 +205,12 @@ static int32_t decode_matmul(const uint16_t *x, int64_t m, int64_t k, const void
             free(sx);
             return -3;
         }
-        memset(xp, 0, mr * pairs * 4);
-        memcpy(xp, x + r0 * k, rows * k * 2); /* bf16 pairs are the row's 32-bit words; missing rows stay 0 */
-        for (int64_t r = 0; r < mr && !q8; r++) /* Q4_1's m term needs each block's sum of x */
-            for (int64_t b = 0; b < blocks; b++) {
-                const uint16_t *xb = (const uint16_t *)(xp + r * pairs) + b * QB;
-                float s = 0.0f; /* left to right: a fixed order */
-                for (int i = 0; i < QB; i++) s += bf16_to_f32(xb[i]);
-                sx[r * blocks + b] = s;
-            }
+        memcpy(xp, x + r0 * k, rows * k * 2); /* bf16 pairs are the row's 32-bit words; missing rows are 0 */
+        memset(xp + rows * pairs, 0, (mr - rows) * pairs * 4);
+        memset(sx, 0, mr * blocks * 4);
+        for (int64_t r = 0; r < rows && !q8; r++) /* Q4_1's m term needs each block's sum of x */
+            for (int64_t b = 0; b < blocks; b++)
+                sx[r * blocks + b] = block_sum((const uint16_t *)(xp + r * pairs) + b * QB);
 #pragma omp parallel num_threads(num_threads)
         {
 #ifdef UCM_HAS_AMX
