@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "entry_points.h"
 #include "row_loop.h"
 #include "silu_bf16.h"
 

@@ -17,6 +17,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "entry_points.h"
 #include "row_loop.h"
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -40,7 +40,15 @@ log = logging.getLogger(__name__)
 # keeps one build-or-fallback decision per process.
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_attention.c", "elementwise.c", "elementwise_f32.c", "skinny_gemm.c", "q4_bf16.c", "amx_gemm.c")
+    for name in (
+        "paged_attention.c",
+        "elementwise.c",
+        "elementwise_f32.c",
+        "skinny_gemm.c",
+        "q4_bf16.c",
+        "amx_gemm.c",
+        "decode_layers.c",
+    )
 )
 # Included by the sources: not compiled on their own, but part of what the library hash covers.
 HEADERS = tuple(
@@ -57,6 +65,7 @@ HEADERS = tuple(
         "paged_attention_shared.h",
         "amx_tiles.h",
         "silu_bf16.h",
+        "entry_points.h",
     )
 )
 LIBRARY_STEM = "ucm_kernels"

@@ -17,8 +17,7 @@
 
 #include "bf16.h"
 
-#define UCM_DTYPE_F32 0
-#define UCM_DTYPE_BF16 1
+#include "entry_points.h" /* UCM_DTYPE_* */
 
 #if defined(__AVX512F__)
 #define MAX_ROWS 32 /* rows per work item: a prefill chunk's tokens share the K/V they stream from L1/L2 */

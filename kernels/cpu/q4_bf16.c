@@ -27,6 +27,7 @@
 
 #include "amx_tiles.h"
 #include "bf16.h"
+#include "entry_points.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define Q4B_DPBF16 1

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "entry_points.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif

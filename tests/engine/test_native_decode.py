@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from engine.attention import set_forward_context
 from engine.generated_rows import GeneratedRows
 from engine.models.dense import F32Packed, dense, pack_weight
-from engine.models.native_decode import decode_linear
+from engine.models.native_decode import DecodeStep, decode_linear
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backend import CPU_ENV_VAR
 from kernels.cpu import skinny_gemm
@@ -47,13 +47,40 @@ def test_decode_steps_through_the_native_path_give_the_generic_bits(dtype, linea
     native = model.native_decode
     assert native is not None, "a CPU model with the native library takes the native decode path"
     fast = _greedy_with_logprobs(llm, prompts)
-    assert native.steps >= 23, f"the 23 decode steps after the prompts ran natively, got {native.steps}"
+    assert native.native_steps >= 23, f"the 23 decode steps ran their layers in one native call, got {native.steps}"
+    # The same kernels called one by one from Python, as a step whose matmuls are not all ours runs them.
+    layers, native.native_layers = native.native_layers, None
+    before = native.steps
+    python_loop = _greedy_with_logprobs(llm, prompts)
+    assert native.steps - before >= 23, "the Python loop ran"
+    native.native_layers = layers
     model.native_decode = None
     generic = _greedy_with_logprobs(llm, prompts)
     llm.close()
     skinny_gemm.forget()
-    assert [t for t, _ in fast] == [t for t, _ in generic]
-    assert [lp for _, lp in fast] == [lp for _, lp in generic], "logprobs differ: some row's bits changed"
+    for name, got in (("native layers", fast), ("Python loop", python_loop)):
+        assert [t for t, _ in got] == [t for t, _ in generic], name
+        assert [lp for _, lp in got] == [lp for _, lp in generic], f"{name}: logprobs differ: some row's bits changed"
+
+
+@pytest.mark.parametrize("layers_in_c", [True, False])
+def test_a_bad_slot_fails_the_step_with_write_kvs_error_either_way(layers_in_c, native_lib, monkeypatch) -> None:
+    """A failure inside the native layer loop is the error the kernel's own wrapper raises from the Python loop."""
+    llm = LLM(model="smollm2-135m", dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory="64MiB")
+    native = llm.engine.runner.model.native_decode
+    assert native is not None and native.native_layers is not None, "SmolLM2's matmuls all have kernels of ours"
+    if not layers_in_c:
+        native.native_layers = None
+    plan = native.plan
+
+    def bad_slots(num_tokens, kv_caches):  # a slot past the cache's end: only a fault injection can make one
+        step = plan(num_tokens, kv_caches)
+        return None if step is None else DecodeStep(step.attention, torch.full_like(step.slot_mapping, 1 << 40))
+
+    monkeypatch.setattr(native, "plan", bad_slots)
+    with pytest.raises(ValueError, match=r"write_kv: token 0 has slot 1099511627776, outside the cache's \d+ slots"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    llm.close()
 
 
 @pytest.mark.parametrize("quantized", [False, True])
