@@ -208,9 +208,10 @@ class NativeDecode:
     ) -> decode_layers.NativeLayers:
         """The layers over these caches in C, built on their first step (the runner keeps one list for its life)."""
         assert self.native_layers is not None, "only for a model whose layers run natively"
-        if self._table is None or self._table[0] is not kv_caches or self._table[1].lib is not lib:
-            self._table = (kv_caches, decode_layers.NativeLayers(lib, self.native_layers, kv_caches))
-        return self._table[1]
+        table = self._table  # read once: a model shared by two engines' threads may swap it meanwhile
+        if table is None or table[0] is not kv_caches or table[1].lib is not lib:
+            table = self._table = (kv_caches, decode_layers.NativeLayers(lib, self.native_layers, kv_caches))
+        return table[1]
 
 
 def native_layer_operands(layers: list[DecoderLayer]) -> tuple[list[decode_layers.Layer] | None, int]:
