@@ -10,10 +10,11 @@ import numpy as np
 import torch
 
 from engine.attention import set_forward_context
+from engine.final_states import FinalStates
 from engine.generated_rows import GeneratedRows
 from engine.kv_cache import KVCaches
 from engine.sampler import Sampler, SamplingRow
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kernels.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.connector = connector
         self.sampler = Sampler()
+        self.final_states = FinalStates()  # whole prompt hits sample without a forward (engine/final_states.py)
         if connector is not None:
             connector.register_kv_caches(kv_caches)
 
@@ -96,7 +98,11 @@ class ModelRunner:
             copy_blocks(self.kv_caches, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
         hidden = None
         plan = _SamplingPlan.of(out, self.eos_token_ids)
-        if out.scheduled:
+        known = self._known_final_states(out) if out.scheduled and hooks is None else None
+        if known is not None:
+            hidden = known
+            self.final_states.hits += 1
+        elif out.scheduled:
             input_ids, positions, meta, generated = self.prepare_inputs(out)
             # Only the sampled rows' final states are read: the model computes just those past the last attention.
             keep = (
@@ -106,6 +112,7 @@ class ModelRunner:
             )
             with set_forward_context(meta, hooks, generated):
                 hidden = self.model.forward(input_ids, positions, self.kv_caches, keep)
+            self._remember_final_states(out, plan, hidden)
         if conn is not None and out.kv_connector_metadata is not None:
             conn.wait_for_save()
             sending, recving = conn.get_finished(out.finished_req_ids)
@@ -117,6 +124,37 @@ class ModelRunner:
         if hidden is not None:
             self._sample(plan, hidden, result)
         return result
+
+    def _prompt_end_key(self, s: ScheduledRequest) -> bytes | None:
+        """The last block key of a fresh block-aligned prompt this step completes, else None."""
+        req = s.request
+        num_prompt = req.num_prompt_tokens
+        if req.num_output_tokens or num_prompt % self.block_size or not s.completes_prompt:
+            return None
+        blocks = num_prompt // self.block_size
+        return req.block_keys[blocks - 1] if 0 < blocks <= len(req.block_keys) else None
+
+    def _known_final_states(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """The step's final states when every row is a whole prompt hit's last token with its state kept (each
+        sequence's one row, in order: what the forward would return for the sampled rows); else None."""
+        states = []
+        for s in out.scheduled:
+            # A connector load in this step may yet fail (the scheduler then recomputes): those take the forward.
+            key = self._prompt_end_key(s) if s.num_scheduled_tokens == 1 and not s.num_external_tokens else None
+            state = self.final_states.get(key) if key is not None else None
+            if state is None:
+                return None
+            states.append(state)
+        return torch.stack(states)
+
+    def _remember_final_states(self, out: SchedulerOutput, plan: _SamplingPlan, hidden: torch.Tensor) -> None:
+        """Keep the final state of every fresh block-aligned prompt's last token this step computed."""
+        end = 0
+        for s in out.scheduled:
+            end += s.num_scheduled_tokens
+            key = self._prompt_end_key(s)
+            if key is not None and s.num_samples:
+                self.final_states.put(key, hidden[plan.unique.index(end - 1)])
 
     def _sample(self, plan: _SamplingPlan, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         """hidden: the final states of plan.unique's rows, in that order."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import EngineCore, SamplingParams
+from engine.final_states import FinalStates
 from tests.engine_helpers import PROMPTS, make_llm, single_thread
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -66,6 +67,9 @@ def test_block_aligned_repeat_computes_only_its_last_token_into_a_copy(llm, smol
     (last,) = [b for b in kv.pool._cached.values() if b.token_ids == tuple(ids[-16:])]
     k_cache = llm.engine.kv_caches[0][0]
     before_bytes = k_cache[last.block_id].clone()
+    llm.engine.runner.final_states = (
+        FinalStates()
+    )  # so the last token is recomputed (tests/engine/test_final_states.py)
     before = llm.engine.stats()
     (again,) = llm.generate([ids], GREEDY, use_tqdm=False)
     after = llm.engine.stats()
