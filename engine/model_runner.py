@@ -16,6 +16,7 @@ from engine.kv_cache import KVCaches
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kernels.attention_metadata import AttentionMetadata
+from ucm.keys import BlockKey
 
 if TYPE_CHECKING:
     from connector.base import KVConnectorWorker
@@ -125,7 +126,7 @@ class ModelRunner:
             self._sample(plan, hidden, result)
         return result
 
-    def _prompt_end_key(self, s: ScheduledRequest) -> bytes | None:
+    def _prompt_end_key(self, s: ScheduledRequest) -> BlockKey | None:
         """The last block key of a fresh block-aligned prompt this step completes, else None."""
         req = s.request
         num_prompt = req.num_prompt_tokens

@@ -43,6 +43,8 @@ from kernels.cpu.q8_panels import Q8Panels
 if TYPE_CHECKING:
     from engine.models.llama import DecoderLayer, LlamaForCausalLM
 
+ANY_ROWS = 1 << 30  # a kernel that takes a step of any row count (q4_bf16 loops over its rows)
+
 
 class DecodeAttention:
     """A decode step's attention, one call a layer: the native kernel's entry point over the step's metadata,
@@ -217,7 +219,7 @@ class NativeDecode:
 def native_layer_operands(layers: list[DecoderLayer]) -> tuple[list[decode_layers.Layer] | None, int]:
     """Each layer's operands for decode_layers.c, and up to how many rows all its matmuls run there; (None, 0) where
     some matmul does not take a kernel of ours (oneDNN, F.linear, a bias): those steps keep the Python loop."""
-    out, rows = [], 1 << 30
+    out, rows = [], ANY_ROWS
     for layer in layers:
         attn, mlp = layer.attn, layer.mlp
         calls = [
@@ -244,7 +246,7 @@ def _native_linear(packed: Packed) -> tuple[decode_layers.Linear, int] | None:
     fmt = decode_layers.LinearFormat
     if isinstance(packed, BF16Packed) and packed.decode is not None and isinstance(packed.decode.panels, Q4BF16Panels):
         p = packed.decode.panels
-        return decode_layers.Linear(p.qp, p.dm, p.n, p.k, fmt.Q4_BF16, p), 1 << 30
+        return decode_layers.Linear(p.qp, p.dm, p.n, p.k, fmt.Q4_BF16, p), ANY_ROWS
     if isinstance(packed, F32Packed) and packed.panels is not None:
         pw = packed.panels
         if isinstance(pw.panels, Q4Panels):
