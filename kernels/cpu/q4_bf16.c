@@ -82,11 +82,7 @@ static inline __attribute__((always_inline)) __m512i nibble_table(void) {
  * order. It runs on one thread before the panels' parallel loop, once a block and row: scalar, it was ~5% of a decode
  * step on the Xeon with AMX while the other thread waited. */
 static inline __attribute__((always_inline)) float block_sum(const uint16_t *xb) {
-    const __m512i both = _mm512_loadu_si512(xb);
-    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)), 16));
-    const __m512 hi =
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1)), 16));
-    return _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    return _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_to_f32(xb), bf16x16_to_f32(xb + 16)));
 }
 
 /* One panel (16 outputs) for MR rows: xp[r][j] is row r's pair j as one 32-bit word, sx[r][b] its block sums.
