@@ -85,9 +85,11 @@ def test_only_whole_block_aligned_hits_alone_in_a_step_skip_the_forward(smollm2_
         assert runner.final_states.hits == 1
     finally:
         llm.close()
-    # fp32 prompt rows are not split-invariant on every host: a recomputed tail keeps the tokens
+    # fp32 rows are not batch-invariant on every host (a prompt's recomputed tail, a decode row in a step of 1 or 2
+    # rows, where oneDNN takes some row counts): those keep the tokens. The first token's logprobs come from the state.
     assert [t for t, _ in again] == [cold[1][0]] and mixed[0][0] == cold[0][0]
-    assert alone == [cold[0]], "the first run's state stays, not the mixed step's recomputation"
+    assert alone[0][0] == cold[0][0]
+    assert alone[0][1][0] == cold[0][1][0], "the first run's state stays, not the mixed step's recomputation"
 
 
 def test_states_are_kept_least_recently_used_first_out() -> None:
