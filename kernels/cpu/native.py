@@ -71,6 +71,20 @@ HEADERS = tuple(
 LIBRARY_STEM = "ucm_kernels"
 FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp")
 LIBS = ("-lm",)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A shared library built from C sources beside this file, cached by a hash of what changes its machine code."""
+
+    stem: str
+    sources: tuple[Path, ...]
+    headers: tuple[Path, ...]  # included, not compiled alone: part of the hash
+    flags: tuple[str, ...]
+    libs: tuple[str, ...] = ()
+
+
+KERNELS = Recipe(LIBRARY_STEM, SOURCES, HEADERS, FLAGS, LIBS)
 # Not $CC: a clang there would link its own OpenMP runtime beside torch's libgomp.
 COMPILER_ENV = "UCM_CC"
 # Flags after FLAGS, so they win: `-march=x86-64-v3` builds the AVX2 library an AVX2-only host would get (a fleet's
@@ -162,13 +176,13 @@ def _compiler_version(cc: str) -> str:
     return done.stdout
 
 
-def library_path(cc: str, cache_root: Path, extra: tuple[str, ...] = ()) -> Path:
+def library_path(cc: str, cache_root: Path, extra: tuple[str, ...] = (), recipe: Recipe = KERNELS) -> Path:
     """Where the library for these sources, compiler, flags and CPU lives (built or not)."""
     h = hashlib.sha256()
-    inputs = SOURCES + HEADERS
+    inputs = recipe.sources + recipe.headers
     parts = [src.name.encode() for src in inputs] + [src.read_bytes() for src in inputs]
     parts += [
-        " ".join(FLAGS + extra + LIBS).encode(),
+        " ".join(recipe.flags + extra + recipe.libs).encode(),
         cc.encode(),  # the command too: a wrapper (other flags) reports the version of the compiler it wraps
         _compiler_version(cc).encode(),
         platform.machine().encode(),
@@ -177,15 +191,24 @@ def library_path(cc: str, cache_root: Path, extra: tuple[str, ...] = ()) -> Path
     for part in parts:
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
-    return cache_root / "kernels" / f"{LIBRARY_STEM}-{h.hexdigest()[:20]}.so"
+    return cache_root / "kernels" / f"{recipe.stem}-{h.hexdigest()[:20]}.so"
 
 
-def _compile(cc: str, target: Path, extra: tuple[str, ...]) -> None:
+def built(recipe: Recipe, cache_root: Path, extra: tuple[str, ...] = ()) -> Path:
+    """The recipe's library for this machine, compiled unless cached (BuildError if it cannot be)."""
+    cc = compiler()
+    path = library_path(cc, cache_root, extra, recipe)
+    if not path.exists():
+        _compile(cc, path, extra, recipe)
+    return path
+
+
+def _compile(cc: str, target: Path, extra: tuple[str, ...], recipe: Recipe = KERNELS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, *extra, *(str(src) for src in SOURCES), "-o", tmp, *LIBS]
+        cmd = [cc, *recipe.flags, *extra, *(str(src) for src in recipe.sources), "-o", tmp, *recipe.libs]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as e:

@@ -317,10 +317,10 @@ def test_library_hash_covers_the_shared_header(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_compiler_version", lambda cc: "cc 1.0")
     header = tmp_path / "bf16.h"
     header.write_text("/* v1 */\n")
-    monkeypatch.setattr(native, "HEADERS", (header,))
-    before = native.library_path("cc", tmp_path)
+    recipe = dataclasses.replace(native.KERNELS, headers=(header,))
+    before = native.library_path("cc", tmp_path, (), recipe)
     header.write_text("/* v2 */\n")
-    assert native.library_path("cc", tmp_path) != before
+    assert native.library_path("cc", tmp_path, (), recipe) != before
 
 
 def test_library_hash_covers_the_compiler_command(monkeypatch, tmp_path):

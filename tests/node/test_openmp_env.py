@@ -1,5 +1,5 @@
-"""A serving node's OpenMP wait policy (node/openmp_env.py): set before the node's module imports torch, only where
-the user chose none, and passed to Ray node actors."""
+"""A serving node's OpenMP wait policy (node/openmp_env.py): a spin of NODE_SPIN_S in this CPU's rounds, set before
+the node's module imports torch, only where the user chose none, and passed to Ray node actors."""
 
 from __future__ import annotations
 
@@ -8,14 +8,46 @@ import types
 
 import pytest
 
+from kernels.cpu.pause_probe import pause_seconds
 from launch import cli
-from node.openmp_env import NODE_SPINCOUNT, node_openmp_env, openmp_wait
+from node import openmp_env
+from node.openmp_env import (
+    ASSUMED_ROUND_S,
+    MAX_SPINCOUNT,
+    MIN_SPINCOUNT,
+    NODE_SPIN_S,
+    node_openmp_env,
+    node_spincount,
+    openmp_wait,
+)
+
+ROUND_S = 28e-9  # a spin-wait round as the 2-core AMD EPYC (Zen 5) measured it
+COUNT = str(round(NODE_SPIN_S / ROUND_S))
 
 
-def test_set_only_where_the_user_chose_nothing() -> None:
+@pytest.fixture
+def measured(monkeypatch) -> None:
+    """This CPU's round fixed, so the expected count is known (the real probe has its own test)."""
+    monkeypatch.setattr(openmp_env, "pause_seconds", lambda: ROUND_S)
+
+
+def test_the_spin_is_a_time_in_this_cpus_rounds() -> None:
+    assert node_spincount(ROUND_S) == int(COUNT)
+    assert node_spincount(2 * ROUND_S) == round(NODE_SPIN_S / ROUND_S / 2), "slower rounds, fewer of them"
+    assert node_spincount(None) == round(NODE_SPIN_S / ASSUMED_ROUND_S), "no probe: an Intel core's round"
+    assert node_spincount(1e-3) == MIN_SPINCOUNT and node_spincount(1e-12) == MAX_SPINCOUNT, "libgomp's at most"
+
+
+def test_the_probe_measures_this_cpu(tmp_path) -> None:
+    round_s = pause_seconds(tmp_path)
+    assert round_s is not None and 1e-10 < round_s < 1e-5, f"a spin-wait round of {round_s} s"
+    assert MIN_SPINCOUNT <= int(node_openmp_env({})["GOMP_SPINCOUNT"]) <= MAX_SPINCOUNT
+
+
+def test_set_only_where_the_user_chose_nothing(measured) -> None:
     env: dict[str, str] = {"PATH": "/bin"}
-    assert node_openmp_env(env) == {"GOMP_SPINCOUNT": NODE_SPINCOUNT}
-    assert env["GOMP_SPINCOUNT"] == NODE_SPINCOUNT and openmp_wait(env) == f"GOMP_SPINCOUNT={NODE_SPINCOUNT}"
+    assert node_openmp_env(env) == {"GOMP_SPINCOUNT": COUNT}
+    assert env["GOMP_SPINCOUNT"] == COUNT and openmp_wait(env) == f"GOMP_SPINCOUNT={COUNT}"
     for chosen in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "PASSIVE"}):
         env = dict(chosen)
         assert node_openmp_env(env) == {} and env == chosen, "the user's choice stays"
@@ -25,7 +57,7 @@ def test_set_only_where_the_user_chose_nothing() -> None:
 @pytest.mark.parametrize(
     ("command", "sets"), [("decode", True), ("prefill", True), ("router", False), ("store", False)]
 )
-def test_the_entry_point_sets_it_before_a_node_module_loads(monkeypatch, command: str, sets: bool) -> None:
+def test_the_entry_point_sets_it_before_a_node_module_loads(measured, monkeypatch, command: str, sets: bool) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # tests/conftest.py sets it for the test process
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     seen: list[str | None] = []
@@ -36,16 +68,16 @@ def test_the_entry_point_sets_it_before_a_node_module_loads(monkeypatch, command
 
     monkeypatch.setattr(cli.importlib, "import_module", import_module)
     assert cli.main([command]) == 0
-    assert seen == [NODE_SPINCOUNT if sets else None]
+    assert seen == [COUNT if sets else None]
 
 
-def test_ray_node_actors_get_it(monkeypatch) -> None:
+def test_ray_node_actors_get_it(measured, monkeypatch) -> None:
     from launch.ray.placement import node_options
     from launch.ray.spec import DeploymentSpec
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    assert node_options(DeploymentSpec())["runtime_env"] == {"env_vars": {"GOMP_SPINCOUNT": NODE_SPINCOUNT}}
+    assert node_options(DeploymentSpec())["runtime_env"] == {"env_vars": {"GOMP_SPINCOUNT": COUNT}}
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert node_options(DeploymentSpec())["runtime_env"] == {"env_vars": {}}
     assert "GOMP_SPINCOUNT" not in os.environ, "the driver's own environment is left alone"
