@@ -199,11 +199,16 @@ def built(recipe: Recipe, cache_root: Path, extra: tuple[str, ...] = ()) -> Path
     cc = compiler()
     path = library_path(cc, cache_root, extra, recipe)
     if not path.exists():
+        # First use on this CPU / compiler / source: seconds of gcc the operator should see, not a silent stall.
+        shown = " ".join((cc, *extra))
+        log.info("building %s for this machine (%s, once) into %s", recipe.stem, shown, path.parent)
+        t0 = time.perf_counter()
         _compile(cc, path, extra, recipe)
+        log.info("%s built in %.1f s", recipe.stem, time.perf_counter() - t0)
     return path
 
 
-def _compile(cc: str, target: Path, extra: tuple[str, ...], recipe: Recipe = KERNELS) -> None:
+def _compile(cc: str, target: Path, extra: tuple[str, ...], recipe: Recipe) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
     os.close(fd)
@@ -339,15 +344,7 @@ def build(cache_root: Path | None = None, extra: tuple[str, ...] | None = None) 
         cache_root = cache_dir()
     if extra is None:
         extra = extra_flags()
-    cc = compiler()
-    path = library_path(cc, cache_root, extra)
-    if not path.exists():
-        # First use on this CPU / compiler / source: a few seconds of gcc the operator should see, not a silent stall.
-        shown = " ".join((cc, *extra))
-        log.info("building the native CPU kernels for this machine (%s, once) into %s", shown, path.parent)
-        t0 = time.perf_counter()
-        _compile(cc, path, extra)
-        log.info("native CPU kernels built in %.1f s", time.perf_counter() - t0)
+    path = built(KERNELS, cache_root, extra)
     try:
         return _bind(path)
     except OSError as e:

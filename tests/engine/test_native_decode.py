@@ -16,7 +16,7 @@ from engine.models.dense import F32Packed, dense, pack_weight
 from engine.models.native_decode import DecodeStep, decode_linear
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backend import CPU_ENV_VAR
-from kernels.cpu import q4_bf16, skinny_gemm
+from kernels.cpu import skinny_gemm
 from kernels.cpu.q4_panels import Q4Panels, random_q4_weight
 
 
@@ -73,7 +73,6 @@ def test_a_bad_slot_fails_the_step_with_write_kvs_error_either_way(layers_in_c, 
     """A failure inside the native layer loop is the error the kernel's own wrapper raises from the Python loop."""
     # Every matmul on the 4-bit kernel whatever this host measured: a noisy calibration may give one to oneDNN.
     monkeypatch.setenv(skinny_gemm.ENV, "native")
-    q4_bf16.forget()
     llm = LLM(model="smollm2-135m", dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory="64MiB")
     native = llm.engine.runner.model.native_decode
     assert native is not None and native.native_layers is not None, "UCM_CPU_LINEAR=native: every matmul on ours"
@@ -89,7 +88,6 @@ def test_a_bad_slot_fails_the_step_with_write_kvs_error_either_way(layers_in_c, 
     with pytest.raises(ValueError, match=r"write_kv: token 0 has slot 1099511627776, outside the cache's \d+ slots"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     llm.close()
-    q4_bf16.forget()
 
 
 @pytest.mark.parametrize("quantized", [False, True])
