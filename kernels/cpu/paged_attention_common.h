@@ -29,9 +29,22 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* CALL(N) with N = min(left, 6) as a constant, so a register block of up to 6 rows, keys or columns unrolls (the
- * bodies' RB, KB and DKB are all 6). */
+ * bodies' RB and KB are 6). */
 #define SWITCH_UP_TO_6(left, CALL)                                                                                   \
     switch ((left) < 6 ? (left) : 6) {                                                                               \
+    case 6: CALL(6); break;                                                                                          \
+    case 5: CALL(5); break;                                                                                          \
+    case 4: CALL(4); break;                                                                                          \
+    case 3: CALL(3); break;                                                                                          \
+    case 2: CALL(2); break;                                                                                          \
+    default: CALL(1); break;                                                                                         \
+    }
+
+/* The same up to 8 (the VDPBF16PS body's DKB: 8 keys or columns of 2 row vectors, 16 accumulators). */
+#define SWITCH_UP_TO_8(left, CALL)                                                                                   \
+    switch ((left) < 8 ? (left) : 8) {                                                                               \
+    case 8: CALL(8); break;                                                                                          \
+    case 7: CALL(7); break;                                                                                          \
     case 6: CALL(6); break;                                                                                          \
     case 5: CALL(5); break;                                                                                          \
     case 4: CALL(4); break;                                                                                          \
