@@ -51,11 +51,12 @@ class Offline:
         self.params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
         self.round(warm_up)
 
-    def round(self, reqs: list[Req]) -> tuple[float, list[str]]:
+    def round(self, reqs: list[Req]) -> tuple[float, list[str], float]:
+        """Wall seconds, texts, and the CPU seconds this process used (every thread's)."""
         prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         outs = self.llm.generate(prompts, self.params, use_tqdm=False)
-        return time.perf_counter() - t0, [o.outputs[0].text for o in outs]
+        return time.perf_counter() - t0, [o.outputs[0].text for o in outs], time.process_time() - cpu0
 
     def close(self) -> None:
         self.llm.close()
@@ -145,12 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     served, offline = Served(warm_up, args, out_dir), None
     try:
         offline = Offline(warm_up, args)
-        print(f"{'round':<7}{'served s':>10}{'in process s':>14}{'served / offline':>18}  CPU s while served")
+        print(
+            f"{'round':<7}{'served s':>10}{'in process s':>14}{'served / offline':>18}{'in-process CPU s':>18}"
+            "  CPU s while served"
+        )
         for i in range(args.rounds):
             # Served first in each pair, then in process: the host's drift falls on both sides of a pair alike.
             reqs = prompts(args.num_prompts)
             served_wall, served_texts, summary = served.round(reqs)
-            offline_wall, offline_texts = offline.round(reqs)
+            offline_wall, offline_texts, offline_cpu = offline.round(reqs)
             # Results arrive in completion order on the served side: compare as multisets.
             same = sorted(served_texts) == sorted(offline_texts)
             ratio = served_wall / offline_wall
@@ -158,13 +162,15 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "served_wall_s": served_wall,
                     "offline_wall_s": offline_wall,
+                    "offline_cpu_s": offline_cpu,
                     "ratio": ratio,
                     "identical": same,
                     "served_summary": summary,
                 }
             )
             print(
-                f"{i + 1:<7}{served_wall:>10.2f}{offline_wall:>14.2f}{ratio:>18.3f}  {cpu_line(**summary['cpu_s'])}"
+                f"{i + 1:<7}{served_wall:>10.2f}{offline_wall:>14.2f}{ratio:>18.3f}{offline_cpu:>18.1f}  "
+                f"{cpu_line(**summary['cpu_s'])}"
                 f"{'' if same else '  (greedy texts differ)'}",
                 flush=True,
             )
