@@ -1,21 +1,27 @@
-"""What serving costs over the engine: the same requests through `ucm-serve up` and through `LLM.generate` in
-this process (issue 10's target: served at most 10% slower).
+"""What serving costs over the engine: the same requests through `ucm-serve up` and through the engine that
+`LLM.generate` drives, in this process (issue 10's target: served at most 10% slower).
 
 Both sides get the same prompts (token ids, greedy, ignore_eos, so every request makes exactly `--output-len`
 tokens), the same dtype, the same cores and the same scheduler limits; all requests are submitted at once, so
-the figure is the whole batch's wall time. The served side's greedy texts are compared with the offline ones too.
+the figure is the whole batch's wall time, and the mean time to each request's first token beside it. In process
+the engine is stepped here, as `LLM.generate` steps it, so that each request's first token is timed.
+`--workload prefix-rep` sends vs_vllm's prefix_repetition shape instead of random prompts (4 prompt prefixes of
+1024 tokens, 128 own tokens each), where the mean TTFT is the figure vLLM is compared on. The served side's greedy
+texts are compared with the offline ones too.
 The server and the offline engine are each started once; their runs alternate `--rounds` times and the median
 round's ratio is the figure, since these hosts' speed drifts by ~20% within minutes (one pair of runs moved
 between 1.08 and 1.23 on a Zen 5 EPYC).
 
     .venv/bin/python -m benchmarks.served_overhead --json bench_out/served_overhead.json
     .venv/bin/python -m benchmarks.served_overhead --topology disagg     # 1 prefill + 1 decode node
+    .venv/bin/python -m benchmarks.served_overhead --workload prefix-rep
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -23,18 +29,29 @@ import signal
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serve import Req, run_workload, summarize
 from benchmarks.session_cpu import client_cpu_s, cpu_line, cpu_used, session_cpu
 from benchmarks.vs_vllm import Server, cpu_description
+from benchmarks.vs_vllm_workloads import prefix_rep_reqs
 
 TOKEN_LO, TOKEN_HI = 1000, 40000
 
 
+@dataclass
+class OfflineRound:
+    wall_s: float
+    texts: list[str]
+    cpu_s: float  # this process's, every thread's
+    ttft_mean_s: float
+
+
 class Offline:
-    """`LLM.generate` in this process, built once and warmed up, so that every round times the same engine."""
+    """The engine `LLM.generate` drives, in this process, built once and warmed up, so that every round times the
+    same engine."""
 
     def __init__(self, warm_up: list[Req], args: argparse.Namespace) -> None:
         import torch
@@ -49,14 +66,29 @@ class Offline:
             max_num_seqs=args.max_num_seqs,
         )
         self.params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+        self.ids = itertools.count()
         self.round(warm_up)
 
-    def round(self, reqs: list[Req]) -> tuple[float, list[str], float]:
-        """Wall seconds, texts, and the CPU seconds this process used (every thread's)."""
-        prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
+    def round(self, reqs: list[Req]) -> OfflineRound:
+        """Every request queued at once, then steps until all are done, as `LLM.generate` does."""
+        engine = self.llm.engine
+        ids = [f"offline-{next(self.ids)}" for _ in reqs]
+        texts, first = dict.fromkeys(ids, ""), {}
         t0, cpu0 = time.perf_counter(), time.process_time()
-        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
-        return time.perf_counter() - t0, [o.outputs[0].text for o in outs], time.process_time() - cpu0
+        for rid, r in zip(ids, reqs, strict=True):
+            assert isinstance(r.prompt, list), "token-id prompts: the served side sends the same ids"
+            assert r.max_tokens == self.params.max_tokens, "every request makes --output-len tokens"
+            engine.add_request(rid, r.prompt, self.params)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                if delta.request_id not in texts:
+                    continue
+                if delta.request_id not in first and any(c.token_ids for c in delta.outputs):
+                    first[delta.request_id] = time.perf_counter() - t0
+                texts[delta.request_id] += "".join(c.text for c in delta.outputs)
+        wall = time.perf_counter() - t0
+        assert len(first) == len(ids), "every request made a token"
+        return OfflineRound(wall, [texts[i] for i in ids], time.process_time() - cpu0, statistics.mean(first.values()))
 
     def close(self) -> None:
         self.llm.close()
@@ -105,8 +137,9 @@ class Served:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=["random", "prefix-rep"], default="random")
     ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--input-len", type=int, default=512, help="random: prompt tokens")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--topology", default="auto", choices=["auto", "disagg", "colocated"])
     ap.add_argument("--dtype", default="auto")
@@ -130,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
 
     def prompts(n: int) -> list[Req]:
-        """n new random prompts: each round's miss every prefix cache, as the first round's do."""
+        """n new prompts: each round's miss every prefix cache, as the first round's do."""
+        if args.workload == "prefix-rep":
+            return prefix_rep_reqs(rng.randrange(2**31), n, out_len=args.output_len)
         return [
             Req([rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(args.input_len)], args.output_len) for _ in range(n)
         ]
@@ -139,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     cpu = cpu_description()
     print(f"CPU: {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['isa'])})")
-    print(f"{args.num_prompts} x {args.input_len} in / {args.output_len} out, all at once, dtype {args.dtype}")
+    shape = "4 x 1024-token prefixes + 128" if args.workload == "prefix-rep" else f"{args.input_len}"
+    print(f"{args.num_prompts} x {shape} in / {args.output_len} out, all at once, dtype {args.dtype}")
     n_out = args.num_prompts * args.output_len
     rounds: list[dict] = []
     warm_up = prompts(2)
@@ -147,29 +183,34 @@ def main(argv: list[str] | None = None) -> int:
     try:
         offline = Offline(warm_up, args)
         print(
-            f"{'round':<7}{'served s':>10}{'in process s':>14}{'served / offline':>18}{'in-process CPU s':>18}"
-            "  CPU s while served"
+            f"{'round':<7}{'served s':>10}{'in process s':>14}{'served / offline':>18}"
+            f"{'TTFT ms served / in process':>30}{'in-process CPU s':>18}  CPU s while served"
         )
         for i in range(args.rounds):
             # Served first in each pair, then in process: the host's drift falls on both sides of a pair alike.
             reqs = prompts(args.num_prompts)
             served_wall, served_texts, summary = served.round(reqs)
-            offline_wall, offline_texts, offline_cpu = offline.round(reqs)
+            off = offline.round(reqs)
             # Results arrive in completion order on the served side: compare as multisets.
-            same = sorted(served_texts) == sorted(offline_texts)
-            ratio = served_wall / offline_wall
+            same = sorted(served_texts) == sorted(off.texts)
+            ratio = served_wall / off.wall_s
+            served_ttft = summary["ttft_ms"]["mean"]
+            ttft_ratio = served_ttft / (off.ttft_mean_s * 1e3)
             rounds.append(
                 {
                     "served_wall_s": served_wall,
-                    "offline_wall_s": offline_wall,
-                    "offline_cpu_s": offline_cpu,
+                    "offline_wall_s": off.wall_s,
+                    "offline_cpu_s": off.cpu_s,
+                    "offline_ttft_mean_ms": off.ttft_mean_s * 1e3,
                     "ratio": ratio,
+                    "ttft_ratio": ttft_ratio,
                     "identical": same,
                     "served_summary": summary,
                 }
             )
+            ttfts = f"{served_ttft:.0f} / {off.ttft_mean_s * 1e3:.0f} = {ttft_ratio:.3f}"
             print(
-                f"{i + 1:<7}{served_wall:>10.2f}{offline_wall:>14.2f}{ratio:>18.3f}{offline_cpu:>18.1f}  "
+                f"{i + 1:<7}{served_wall:>10.2f}{off.wall_s:>14.2f}{ratio:>18.3f}{ttfts:>30}{off.cpu_s:>18.1f}  "
                 f"{cpu_line(**summary['cpu_s'])}"
                 f"{'' if same else '  (greedy texts differ)'}",
                 flush=True,
@@ -179,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if offline is not None:
             offline.close()
     median = statistics.median(r["ratio"] for r in rounds)
+    ttft_median = statistics.median(r["ttft_ratio"] for r in rounds)
     completed = min(r["served_summary"]["completed"] for r in rounds)
     identical = all(r["identical"] for r in rounds)
     walls = sorted(rounds, key=lambda r: r["ratio"])[len(rounds) // 2]
@@ -187,10 +229,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{n_out / walls['served_wall_s']:.1f} vs {n_out / walls['offline_wall_s']:.1f} out tok/s in that round; "
         f"{completed}/{args.num_prompts} completed in every round; greedy texts identical: {identical}"
     )
+    print(f"mean TTFT served / in process = {ttft_median:.3f} (median of {len(rounds)} rounds)")
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"cpu": cpu, "args": vars(args), "ratio": median, "identical": identical, "rounds": rounds},
+                {
+                    "cpu": cpu,
+                    "args": vars(args),
+                    "ratio": median,
+                    "ttft_ratio": ttft_median,
+                    "identical": identical,
+                    "rounds": rounds,
+                },
                 indent=2,
             )
         )
