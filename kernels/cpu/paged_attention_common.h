@@ -45,12 +45,7 @@
     switch ((left) < 8 ? (left) : 8) {                                                                               \
     case 8: CALL(8); break;                                                                                          \
     case 7: CALL(7); break;                                                                                          \
-    case 6: CALL(6); break;                                                                                          \
-    case 5: CALL(5); break;                                                                                          \
-    case 4: CALL(4); break;                                                                                          \
-    case 3: CALL(3); break;                                                                                          \
-    case 2: CALL(2); break;                                                                                          \
-    default: CALL(1); break;                                                                                         \
+    default: SWITCH_UP_TO_6(left, CALL); break;                                                                      \
     }
 
 /* Error codes returned to Python (which turns them into ValueError with the sequence index). */
