@@ -36,9 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serve import Req, run_workload, summarize
 from benchmarks.session_cpu import client_cpu_s, cpu_line, cpu_used, session_cpu
 from benchmarks.vs_vllm import Server, cpu_description
-from benchmarks.vs_vllm_workloads import prefix_rep_reqs
-
-TOKEN_LO, TOKEN_HI = 1000, 40000
+from benchmarks.vs_vllm_workloads import prefix_rep_reqs, random_reqs
 
 
 @dataclass
@@ -164,11 +162,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def prompts(n: int) -> list[Req]:
         """n new prompts: each round's miss every prefix cache, as the first round's do."""
+        seed = rng.randrange(2**31)
         if args.workload == "prefix-rep":
-            return prefix_rep_reqs(rng.randrange(2**31), n, out_len=args.output_len)
-        return [
-            Req([rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(args.input_len)], args.output_len) for _ in range(n)
-        ]
+            return prefix_rep_reqs(seed, n, out_len=args.output_len)
+        return random_reqs(seed, n, args.input_len, args.output_len)
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
