@@ -76,6 +76,16 @@ class StagingBuffer:
         return self._rows.memoryviews(n)
 
 
+# Up to this many runs of consecutive blocks, slice copies straight into the staging rows beat one gather and a
+# copy; past it a gather wins. A 2-core Zen 5 EPYC, SmolLM2's 30 layers of 6 KiB K and V blocks, 32 blocks: 0.71 vs
+# 1.12 ms in 1 run, 1.04 vs 1.08 in 2, 1.60 vs 1.20 in 4, 6.6 vs 1.26 scattered (as a full cache evicts them).
+_SLICE_RUNS = 2
+
+
+def _runs(ids: list[int]) -> int:
+    return sum(1 for a, b in zip(ids, ids[1:]) if b != a + 1) + (1 if ids else 0)
+
+
 def pack_blocks(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, out: StagingBuffer, first_row: int = 0
 ) -> None:
@@ -84,8 +94,9 @@ def pack_blocks(
     n = int(block_ids.numel())
     out.reserve(first_row + n)
     dst = out.blocks(first_row + n)[first_row:]
-    if k_cache.device.type == "cpu":  # straight into the staging rows: no gathered copy in between
-        ids, rows = block_ids.tolist(), list(range(n))
+    ids = block_ids.tolist() if k_cache.device.type == "cpu" else None
+    if ids is not None and _runs(ids) <= _SLICE_RUNS:  # straight into the staging rows
+        rows = list(range(n))
         copy_rows(dst[:, 0], rows, k_cache, ids)
         copy_rows(dst[:, 1], rows, v_cache, ids)
         return

@@ -125,11 +125,23 @@ class Store:
 
     def dump(self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]) -> Task:
         """Copy one layer of each block now (the caller may reuse `data` once this returns)."""
-        self._check_open()
         if len(blocks) != len(data):
             raise ValueError(f"dump: {len(blocks)} blocks but {len(data)} payloads")
         if not 0 <= layer < num_layers:
             raise ValueError(f"dump: layer {layer} outside 0..{num_layers - 1}")
+        return self.dump_layers(blocks, [layer], num_layers, [[buf] for buf in data])
+
+    def dump_layers(
+        self,
+        blocks: Sequence[BlockRef],
+        layers: Sequence[int],
+        num_layers: int,
+        data: Sequence[Sequence[memoryview | bytes]],
+    ) -> Task:
+        """Copy `layers` of each block now (the caller may reuse `data` once this returns). Each block is checked
+        and looked up once for all its layers: a full cache's evicted blocks come with every layer at once."""
+        self._check_open()
+        check_dump_layers(blocks, layers, num_layers, data)
         for ref in blocks:
             if len(ref.key) != KEY_NBYTES or len(ref.parent) != KEY_NBYTES:
                 raise ValueError(f"dump: keys and parents must be {KEY_NBYTES} bytes")
@@ -139,14 +151,16 @@ class Store:
         with self._lock:
             done = [self._committed(ref.key) for ref in blocks]  # content-addressed: already stored = same bytes
         copies = []
-        for i, (ref, buf) in enumerate(zip(blocks, data)):
+        nbytes = 0
+        for i, (ref, row) in enumerate(zip(blocks, data)):
             if not done[i]:
-                payload = bytes(as_bytes_view(buf))
-                copies.append((i, _normalized(ref), payload, checksum(payload)))
+                payloads = [bytes(as_bytes_view(buf)) for buf in row]
+                nbytes += sum(map(len, payloads))
+                copies.append((i, _normalized(ref), payloads, [checksum(p) for p in payloads]))
         failed = []
         now = time.monotonic()
         with self._lock:
-            for i, ref, payload, digest in copies:
+            for i, ref, payloads, digests in copies:
                 pending = self._pending.get(ref.key)
                 if pending is None:
                     pending = _Pending(ref, [None] * num_layers, [0] * num_layers, now)
@@ -155,24 +169,12 @@ class Store:
                     log.warning("dump: %s is being dumped with different content; refusing", ref.key.hex())
                     failed.append(i)
                     continue
-                pending.payloads[layer] = payload
-                pending.checksums[layer] = digest
+                for layer, payload, digest in zip(layers, payloads, digests):
+                    pending.payloads[layer] = payload
+                    pending.checksums[layer] = digest
             self._sweep_pending(now)
-            self._dram.stats.bytes_written += sum(len(c[2]) for c in copies)
+            self._dram.stats.bytes_written += nbytes
             self._dram.stats.write_seconds += time.perf_counter() - start
-        return Task.completed(len(blocks), failed)
-
-    def dump_layers(
-        self,
-        blocks: Sequence[BlockRef],
-        layers: Sequence[int],
-        num_layers: int,
-        data: Sequence[Sequence[memoryview | bytes]],
-    ) -> Task:
-        check_dump_layers(blocks, layers, num_layers, data)
-        failed: set[int] = set()
-        for j, layer in enumerate(layers):
-            failed.update(self.dump(blocks, layer, num_layers, [row[j] for row in data]).failed_blocks)
         return Task.completed(len(blocks), failed)
 
     def _sweep_pending(self, now: float) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from connector.base import KVConnectorRole
 from connector.factory import UCMDirectConnector
+from connector.kv_layout import KVLayout, StagingBuffer, pack_blocks, unpack_blocks
 from connector.metadata import ConnectorStats
 from connector.ucm_scheduler import UCMSchedulerConnector
 from connector.ucm_worker import UCMWorkerConnector
@@ -343,3 +344,22 @@ def test_loads_that_the_model_never_waited_for_are_still_accounted(store):
     worker.wait_for_save()  # no layer waited: every layer still lands and is counted once
     assert worker.get_block_ids_with_load_errors() == set() and stats.blocks_loaded == 2
     worker.clear_connector_metadata()
+
+
+@pytest.mark.parametrize(
+    "block_ids",
+    [[5, 6, 7, 8], [5, 6, 20, 21], [40, 3, 17, 9, 2, 60]],
+    ids=["one run: slice copies", "two runs: slice copies", "scattered: a gather"],
+)
+def test_pack_blocks_stages_each_block_as_k_then_v(block_ids):
+    """Both ways of staging (slice copies, one gather) lay out the same payloads, and unpack puts them back."""
+    k, v = make_caches()[0]
+    layout = KVLayout.from_caches([(k, v)])
+    staging = StagingBuffer(layout)
+    ids = torch.tensor(block_ids)
+    pack_blocks(k, v, ids, staging, first_row=2)
+    rows = staging.blocks(2 + len(block_ids))[2:]
+    assert torch.equal(rows[:, 0], k[ids]) and torch.equal(rows[:, 1], v[ids])
+    k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
+    unpack_blocks(staging, torch.arange(2, 2 + len(block_ids)), 2 + len(block_ids), k2, v2, ids)
+    assert torch.equal(k2[ids], k[ids]) and torch.equal(v2[ids], v[ids])
