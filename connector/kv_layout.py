@@ -8,6 +8,7 @@ within the step that started it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,7 +84,7 @@ _SLICE_RUNS = 2
 
 
 def _runs(ids: list[int]) -> int:
-    return sum(1 for a, b in zip(ids, ids[1:]) if b != a + 1) + (1 if ids else 0)
+    return sum(1 for a, b in itertools.pairwise(ids) if b != a + 1) + (1 if ids else 0)
 
 
 def pack_blocks(
