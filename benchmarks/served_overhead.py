@@ -1,10 +1,10 @@
-"""What serving costs over the engine: the same requests through `ucm-serve up` and through the engine that
-`LLM.generate` drives, in this process (issue 10's target: served at most 10% slower).
+"""What serving costs over the engine: the same requests through `ucm-serve up` and through `LLM.generate` in this
+process (issue 10's target: served at most 10% slower).
 
 Both sides get the same prompts (token ids, greedy, ignore_eos, so every request makes exactly `--output-len`
 tokens), the same dtype, the same cores and the same scheduler limits; all requests are submitted at once, so
-the figure is the whole batch's wall time, and the mean time to each request's first token beside it. In process
-the engine is stepped here, as `LLM.generate` steps it, so that each request's first token is timed.
+the figure is the whole batch's wall time, and the mean time to each request's first token beside it (in process
+from `RequestOutput.metrics`, which the engine fills as vLLM's does).
 `--workload prefix-rep` sends vs_vllm's prefix_repetition shape instead of random prompts (4 prompt prefixes of
 1024 tokens, 128 own tokens each), where the mean TTFT is the figure vLLM is compared on. The served side's greedy
 texts are compared with the offline ones too.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import random
@@ -64,29 +63,22 @@ class Offline:
             max_num_seqs=args.max_num_seqs,
         )
         self.params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-        self.ids = itertools.count()
         self.round(warm_up)
 
     def round(self, reqs: list[Req]) -> OfflineRound:
-        """Every request queued at once, then steps until all are done, as `LLM.generate` does."""
-        engine = self.llm.engine
-        ids = [f"offline-{next(self.ids)}" for _ in reqs]
-        texts, first = dict.fromkeys(ids, ""), {}
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        for rid, r in zip(ids, reqs, strict=True):
+        """Every request at once through `LLM.generate`; each one's first token timed by the engine
+        (`RequestOutput.metrics`, as vLLM's)."""
+        prompts: list[list[int]] = []
+        for r in reqs:
             assert isinstance(r.prompt, list), "token-id prompts: the served side sends the same ids"
             assert r.max_tokens == self.params.max_tokens, "every request makes --output-len tokens"
-            engine.add_request(rid, r.prompt, self.params)
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
-                if delta.request_id not in texts:
-                    continue
-                if delta.request_id not in first and any(c.token_ids for c in delta.outputs):
-                    first[delta.request_id] = time.perf_counter() - t0
-                texts[delta.request_id] += "".join(c.text for c in delta.outputs)
+            prompts.append(r.prompt)
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
         wall = time.perf_counter() - t0
-        assert len(first) == len(ids), "every request made a token"
-        return OfflineRound(wall, [texts[i] for i in ids], time.process_time() - cpu0, statistics.mean(first.values()))
+        ttfts = [o.metrics.first_token_latency for o in outs if o.metrics is not None]
+        assert len(ttfts) == len(outs), "every request made a token"
+        return OfflineRound(wall, [o.outputs[0].text for o in outs], time.process_time() - cpu0, statistics.mean(ttfts))
 
     def close(self) -> None:
         self.llm.close()

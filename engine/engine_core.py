@@ -38,6 +38,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineLoad, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
+from engine.request_stats import RequestStateStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import TokenLogprobs
@@ -58,6 +59,7 @@ class _Parent:
     prompt: str | None = None
     done: set[int] = dataclasses.field(default_factory=set)
     kv_transfer_params: dict[str, Any] | None = None
+    stats: RequestStateStats = dataclasses.field(default_factory=RequestStateStats)
 
 
 class EngineCore:
@@ -263,10 +265,17 @@ class EngineCore:
         if not sched.scheduled and sched.kv_connector_metadata is None:
             return outputs
         self.stats_counters.steps += 1
+        for scheduled in sched.scheduled_new_reqs:
+            self._parents[scheduled.request.parent_id].stats.scheduled()
+        for rid in sched.preempted_req_ids:
+            seq = self.scheduler.requests.get(rid)
+            if seq is not None:
+                self._parents[seq.parent_id].stats.num_preemptions += 1
         result = self.runner.execute(sched)
         updates = self.scheduler.update_from_output(sched, result)
         by_parent: dict[str, tuple[Request, list[CompletionOutput]]] = {}
         for seq, tokens, logprobs in updates:
+            self._parents[seq.parent_id].stats.tokens(len(tokens))
             comp = self._completion_delta(seq, tokens, logprobs)
             by_parent.setdefault(seq.parent_id, (seq, []))[1].append(comp)
         for seq, comps in by_parent.values():
@@ -327,4 +336,5 @@ class EngineCore:
             num_external_tokens=seq.num_external_tokens,
             external_tokens_by_tier={t.value: n for t, n in seq.external_tokens_by_tier.items()},
             kv_transfer_params=parent.kv_transfer_params if finished else None,
+            metrics=parent.stats,
         )

@@ -186,6 +186,8 @@ def _merge(results: dict[str, RequestOutput], delta: RequestOutput) -> None:
         acc.external_tokens_by_tier = dict(delta.external_tokens_by_tier)
     if delta.kv_transfer_params is not None:
         acc.kv_transfer_params = delta.kv_transfer_params
+    if delta.metrics is not None:
+        acc.metrics = delta.metrics
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.request_stats import RequestStateStats
 from engine.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class RequestOutput:
     num_external_tokens: int = 0  # of those, loaded by the KV connector
     external_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # of those, by store tier (Tier.value)
     kv_transfer_params: dict[str, Any] | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestStateStats | None = None  # the request's timeline (vLLM's RequestOutput.metrics)
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ def test_tiny_kv_budget_preempts_and_outputs_stay_identical(llm, smollm2_fp32):
     tiny = make_llm(smollm2_fp32, kv_cache_memory=10 * 737280, max_num_batched_tokens=64)
     outs = tiny.generate(prompts, params, use_tqdm=False)
     assert tiny.engine.stats().preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == tiny.engine.stats().preemptions  # each counted once
     for a, b in zip(outs, ref, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     tiny.engine.check_integrity()
@@ -161,6 +162,23 @@ def test_n_via_llm(llm):
     (out,) = llm.generate(PROMPTS[3], SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=8), use_tqdm=False)
     assert [c.index for c in out.outputs] == [0, 1]
     assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
+
+
+def test_request_metrics_follow_each_request(smollm2_fp32):
+    """RequestOutput.metrics (vLLM's RequestStateStats): one running sequence at a time, so the second request is
+    scheduled only after the first has made its last token; token counts cover every sample."""
+    one = make_llm(smollm2_fp32, max_num_seqs=1)
+    first, second = one.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    (pair,) = one.generate(PROMPTS[2], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=5), use_tqdm=False)
+    for out in (first, second, pair):
+        m = out.metrics
+        assert m is not None and m.num_preemptions == 0
+        assert m.num_generation_tokens == sum(len(c.token_ids) for c in out.outputs) > 0
+        assert m.queued_ts <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts
+        assert m.first_token_latency > 0
+    assert second.metrics.scheduled_ts >= first.metrics.last_token_ts
+    assert second.metrics.first_token_latency > first.metrics.first_token_latency  # it waited its turn
+    assert first.metrics.arrival_time <= second.metrics.arrival_time
 
 
 def test_logprobs_match_log_softmax(llm, smollm2_fp32, hf_smollm2_fp32):
