@@ -143,6 +143,15 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
+class DumpsByLayers:
+    """`KVStore.dump` as `dump_layers` of one layer, for a store whose work is per request, not per layer."""
+
+    def dump(
+        self: KVStore, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]
+    ) -> StoreTask:
+        return self.dump_layers(blocks, [layer], num_layers, [[buf] for buf in data])
+
+
 def check_dump_layers(
     blocks: Sequence[BlockRef], layers: Sequence[int], num_layers: int, data: Sequence[Sequence[object]]
 ) -> None:

@@ -34,7 +34,7 @@ import msgspec
 import zmq
 
 from ucm import protocol as p
-from ucm.api import BlockRef, StoreStats, StoreUnavailable, check_dump_layers
+from ucm.api import BlockRef, DumpsByLayers, StoreStats, StoreUnavailable, check_dump_layers
 from ucm.auth import ClientAuth
 from ucm.circuit_breaker import BreakerConfig, BreakerStats, CircuitBreaker, CircuitOpen
 from ucm.client_errors import StoreRequestError, log_unavailable, task_failed
@@ -52,7 +52,7 @@ _BREAKER_POLL_S = 0.05  # with a breaker, a waiting call looks this often whethe
 __all__ = ["StoreClient", "StoreRequestError", "StoreUnavailable"]
 
 
-class StoreClient:
+class StoreClient(DumpsByLayers):
     def __init__(
         self,
         address: str,
@@ -219,10 +219,6 @@ class StoreClient:
             log_unavailable("contains treated as a miss: %s", exc)
             return [False] * len(keys)
 
-    def dump(self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]) -> Task:
-        """Sent on an I/O thread: `data` must stay unchanged until the task finishes."""
-        return self.dump_layers(blocks, [layer], num_layers, [[buf] for buf in data])
-
     def dump_layers(
         self,
         blocks: Sequence[BlockRef],
@@ -230,7 +226,8 @@ class StoreClient:
         num_layers: int,
         data: Sequence[Sequence[memoryview | bytes]],
     ) -> Task:
-        """`dump` of several layers in one request: `data[i][j]` is block i's layer `layers[j]`."""
+        """`dump` of several layers in one request, sent on an I/O thread: `data[i][j]` is block i's layer
+        `layers[j]`, and must stay unchanged until the task finishes."""
         check_dump_layers(blocks, layers, num_layers, data)
         if not blocks:
             return Task.completed(0)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ucm.api import BlockRef, StoreStats, Tier, check_dump_layers
+from ucm.api import BlockRef, DumpsByLayers, StoreStats, Tier, check_dump_layers
 from ucm.disk_tier import DiskTier
 from ucm.dram_tier import DramTier
 from ucm.eviction import EvictionPolicy, PolicyName, make_policy
@@ -57,7 +57,7 @@ def _normalized(ref: BlockRef) -> BlockRef:
     return ref if type(ref.token_ids) is tuple else BlockRef(ref.key, ref.parent, tuple(ref.token_ids))
 
 
-class Store:
+class Store(DumpsByLayers):
     def __init__(self, config: StoreConfig, *, policy_factory: PolicyFactory = make_policy) -> None:
         self.config = config
         self._lock = threading.Lock()
@@ -122,14 +122,6 @@ class Store:
             return [self._committed(key) for key in keys]
 
     # --- writes -----------------------------------------------------------------------------------------
-
-    def dump(self, blocks: Sequence[BlockRef], layer: int, num_layers: int, data: Sequence[memoryview | bytes]) -> Task:
-        """Copy one layer of each block now (the caller may reuse `data` once this returns)."""
-        if len(blocks) != len(data):
-            raise ValueError(f"dump: {len(blocks)} blocks but {len(data)} payloads")
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"dump: layer {layer} outside 0..{num_layers - 1}")
-        return self.dump_layers(blocks, [layer], num_layers, [[buf] for buf in data])
 
     def dump_layers(
         self,
