@@ -76,7 +76,7 @@ class Offline:
         t0, cpu0 = time.perf_counter(), time.process_time()
         outs = self.llm.generate(prompts, self.params, use_tqdm=False)
         wall = time.perf_counter() - t0
-        ttfts = [o.metrics.first_token_latency for o in outs if o.metrics is not None]
+        ttfts = [o.metrics.first_token_latency for o in outs if o.metrics is not None and o.metrics.first_token_ts]
         assert len(ttfts) == len(outs), "every request made a token"
         return OfflineRound(wall, [o.outputs[0].text for o in outs], time.process_time() - cpu0, statistics.mean(ttfts))
 
