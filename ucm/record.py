@@ -149,7 +149,7 @@ class BlockRecord:
 
     @classmethod
     def build(cls, ref: BlockRef, payloads: Sequence[Buffer], checksums: Sequence[int]) -> BlockRecord:
-        sizes = tuple(len(p) if type(p) is bytes else len(as_bytes_view(p)) for p in payloads)  # bytes: the store's own
+        sizes = tuple(len(as_bytes_view(p)) for p in payloads)
         tokens = tuple(int(t) for t in ref.token_ids)
         header = RecordHeader(ref.key, ref.parent, tokens, sizes, tuple(checksums), int(time.time()) & 0xFFFFFFFF)
         return cls(header, payloads)
