@@ -162,7 +162,7 @@ async def ttft_probe(url: str, model: str, seed: int, tokens: int = 2048, repeat
     """The same prompt sent `repeats` times, one after another: [cold TTFT, repeated TTFTs...] in ms."""
     prompt = _ids(random.Random(seed), tokens)
     out = []
-    async with client_session(url, 1) as client:
+    async with client_session(url, 1, timeout_s=900) as client:
         for _ in range(repeats):
             res = await one_request(client, prompt, 8, model)
             out.append(res.ttft * 1000 if res.ok else float("nan"))
