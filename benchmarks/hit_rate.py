@@ -57,6 +57,7 @@ from ucm.eviction.belady import belady
 from ucm.keys import KeyNamespace, chain_key, root_key
 from ucm.record import BlockRecord, checksum
 from ucm.store import Store, StoreConfig
+from ucm.store_config import DiskWrites
 
 PAYLOAD_BYTES = 64
 ROOT = root_key(KeyNamespace("hit-rate-bench", "fake", 512))
@@ -76,6 +77,8 @@ class Point:
     belady_hits: int  # MIN with one cache of dram_blocks + disk_blocks
     infinite_hits: int
     seconds: float
+    disk_writes: str = DiskWrites.BEHIND.value  # the tiered sweep's StoreConfig.disk_writes
+    disk_blocks_written: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -139,6 +142,7 @@ def run_point(
     ws: int,
     dram_frac: float,
     disk_policy: PolicyName | None = None,
+    disk_writes: DiskWrites = DiskWrites.BEHIND,
 ) -> Point:
     replayer = Replayer()
     rec = replayer.record_bytes()
@@ -153,14 +157,16 @@ def run_point(
             disk_bytes=disk_blocks * rec,
             policy=policy,
             disk_policy=disk_policy or policy,
+            disk_writes=disk_writes,
         )
         with Store(config) as store:
             dram_hits, disk_hits = replayer.replay(store, requests)
+            written = store.stats().tiers[Tier.DISK].bytes_written if disk_blocks else 0
     accesses = sum(map(len, requests))
     return Point(
         workload,
         sweep,
-        policy_label(policy, disk_policy),
+        policy_label(policy, disk_policy) + ("" if disk_writes is DiskWrites.BEHIND else f"[{disk_writes.value}]"),
         frac,
         dram_blocks,
         disk_blocks,
@@ -170,6 +176,8 @@ def run_point(
         belady(requests, dram_blocks + disk_blocks).prefix_hits,
         accesses - ws,
         time.perf_counter() - start,
+        disk_writes.value,
+        round(written / rec),
     )
 
 
@@ -196,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--synthetic-fracs", default=None, help="the same for the synthetic workloads")
     ap.add_argument("--tiered-fracs", default=None, help="disk fractions for the tiered sweep ('' = skip it)")
     ap.add_argument("--dram-frac", type=float, default=0.01, help="DRAM tier in the tiered sweep")
+    ap.add_argument(
+        "--disk-writes",
+        default=DiskWrites.BEHIND.value,
+        help="the tiered sweep's disk writes, comma list of " + ",".join(w.value for w in DiskWrites),
+    )
     ap.add_argument("--max-requests", type=int, default=None)
     ap.add_argument("--sample", type=int, default=None, help="keep ~1/k Mooncake conversations (default 4; quick 8)")
     ap.add_argument("--synthetic-requests", type=int, default=None)
@@ -224,6 +237,7 @@ def _run(args: argparse.Namespace) -> int:
     syn_fracs = [float(f) for f in (args.synthetic_fracs or args.fracs or "0.02,0.1").split(",")]
     tiered_spec = args.tiered_fracs if args.tiered_fracs is not None else ("0.05" if q else "0.05,0.2")
     tiered = [float(f) for f in tiered_spec.split(",") if f]
+    writes = [DiskWrites(w) for w in args.disk_writes.split(",")]
     max_req = args.max_requests
     sample = args.sample or (8 if q else 4)
     n_syn = args.synthetic_requests or (1000 if q else 2000)
@@ -247,17 +261,19 @@ def _run(args: argparse.Namespace) -> int:
             flush=True,
         )
     points: list[Point] = []
-    total = sum(len(tiered_policies if sweep == "tiered" else policies) for _, sweep, _ in plan)
+    total = sum(len(tiered_policies) * len(writes) if sweep == "tiered" else len(policies) for _, sweep, _ in plan)
     t0 = time.perf_counter()
     for w, sweep, frac in plan:
         reqs, ws = data[w]
-        for policy, disk_policy in tiered_policies if sweep == "tiered" else policies:
-            p = run_point(w.value, sweep, policy, frac, reqs, ws, args.dram_frac, disk_policy)
+        runs = [(pol, writes_) for pol in tiered_policies for writes_ in writes] if sweep == "tiered" else None
+        for (policy, disk_policy), disk_writes in runs or [(pol, DiskWrites.BEHIND) for pol in policies]:
+            p = run_point(w.value, sweep, policy, frac, reqs, ws, args.dram_frac, disk_policy, disk_writes)
             points.append(p)
             print(
                 f"[{len(points)}/{total}] {w.value} {sweep} cap={frac:g} {p.policy}: hit {100 * p.hit_rate:.2f}% "
                 f"(dram {100 * p.dram_hits / p.accesses:.2f}%, disk {100 * p.disk_hits / p.accesses:.2f}%) "
-                f"MIN {100 * p.belady_hits / p.accesses:.2f}% in {p.seconds:.1f}s",
+                f"MIN {100 * p.belady_hits / p.accesses:.2f}% in {p.seconds:.1f}s"
+                + (f", {p.disk_blocks_written} blocks written to disk" if sweep == "tiered" else ""),
                 file=sys.stderr,
                 flush=True,
             )

@@ -61,6 +61,7 @@ class ConnectorStats:
     blocks_saved: int = 0  # committed with every layer
     blocks_save_failed: int = 0  # a dump failed, or the store was unreachable
     blocks_save_skipped: int = 0  # already in the store (contains)
+    blocks_save_declined: int = 0  # evicted without a sign of reuse (KVSavePolicy.REUSED), so not saved
     bytes_loaded: int = 0
     bytes_saved: int = 0
     load_wait_seconds: float = 0.0  # time the forward pass spent blocked in wait_for_layer_load

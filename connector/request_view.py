@@ -66,6 +66,11 @@ class EvictedBlockView(Protocol):
     @property
     def token_ids(self) -> tuple[int, ...]: ...
 
+    @property
+    def reused(self) -> bool:
+        """A prefix hit (or a fork) took the block while it was cached."""
+        ...
+
 
 class ConnectorSchedulerOutput(Protocol):
     """One scheduled step (engine/scheduler_output.py's `SchedulerOutput`)."""
@@ -75,7 +80,7 @@ class ConnectorSchedulerOutput(Protocol):
 
     @property
     def evicted_blocks(self) -> Sequence[EvictedBlockView]:
-        """Filled only for a write-back connector (EngineSettings.kv_save_policy 'evicted')."""
+        """Filled only for a write-back connector (EngineSettings.kv_save_policy 'evicted' or 'reused')."""
         ...
 
 
@@ -93,7 +98,7 @@ class EngineSettings(Protocol):
 
     @property
     def kv_save_policy(self) -> str:
-        """'computed' (write-through) or 'evicted' (write-back): engine/config.py's KVSavePolicy."""
+        """'computed' (write-through), 'evicted' or 'reused' (write-back): engine/config.py's KVSavePolicy."""
         ...
 
 

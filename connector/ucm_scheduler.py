@@ -32,8 +32,12 @@ from engine.config import KVSavePolicy
 from ucm.api import BlockRef, KVStore
 from ucm.circuit_breaker import CircuitBreaker
 from ucm.keys import BlockKey
+from ucm.reuse_admission import ReuseAdmission
 
 log = logging.getLogger(__name__)
+# KVSavePolicy.REUSED remembers this many evicted blocks it did not save (about what `up`'s default store, 4 GiB of
+# DRAM and 20 GiB of disk, holds of SmolLM2's 368 KiB blocks): one evicted longer ago could not be there anyway.
+_GHOST_BLOCKS = 1 << 16
 
 
 @dataclass
@@ -87,6 +91,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         self.recompute_last_token_only = recompute_last_token_only
         self.store_address = store_address
         self.save_policy = save_policy
+        self._admission = ReuseAdmission(_GHOST_BLOCKS) if save_policy is KVSavePolicy.REUSED else None
         self._pending: dict[str, _PendingLoad] = {}
         self._progress: dict[str, _Progress] = {}
         self._key_checked: set[str] = set()
@@ -109,6 +114,8 @@ class UCMSchedulerConnector(KVConnectorScheduler):
         stop = min(len(request.block_keys), (num_tokens if self.recompute_last_token_only else num_tokens - 1) // bs)
         if stop <= start:
             return 0, False
+        if self._admission is not None:  # an evicted block asked for again: a reason to save what is evicted
+            self._admission.looked_up(request.block_keys[start:stop])
         try:
             hit = self.store.lookup(request.block_keys[start:stop])
         except Exception as exc:  # the store being unreachable never stops the engine
@@ -161,7 +168,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             self._progress.setdefault(req_id, _Progress()).external_tokens += pending.num_blocks * self.block_size
         self._pending.clear()
         loading = {ref.key for spec in meta.loads for ref in spec.blocks}
-        if self.role.saves and self.save_policy is KVSavePolicy.EVICTED:
+        if self.role.saves and self.save_policy.writes_back:
             meta.evicted_saves = self._evicted_saves(scheduler_output.evicted_blocks, loading)
         elif self.role.saves:
             meta.saves = self._saves(scheduled, loading)
@@ -169,6 +176,11 @@ class UCMSchedulerConnector(KVConnectorScheduler):
 
     def _evicted_saves(self, evicted: Sequence[EvictedBlockView], loading: set[BlockKey]) -> list[BlockSpec]:
         """Write-back: the evicted blocks the store lacks (a block loaded from it is evicted too, in time)."""
+        if self._admission is not None:
+            admits = self._admission.evicted
+            kept = [b for b in evicted if admits(b.key, 1, b.reused)]
+            self.stats.blocks_save_declined += len(evicted) - len(kept)
+            evicted = kept
         if not evicted:
             return []
         refs = tuple(BlockRef(b.key, b.parent_key, b.token_ids) for b in evicted)

@@ -22,6 +22,7 @@ class KVCacheBlock:
     key: BlockKey | None = None
     parent_key: BlockKey | None = None
     token_ids: tuple[int, ...] | None = None
+    reused: bool = False  # another user took the cached block (a prefix hit or a fork) since it was cached
 
     def __repr__(self) -> str:
         cached = self.key.hex()[:8] if self.key is not None else None
@@ -36,6 +37,7 @@ class EvictedBlock:
     key: BlockKey
     parent_key: BlockKey
     token_ids: tuple[int, ...]
+    reused: bool = False  # a prefix hit (or a fork) took it while it was cached
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,8 @@ class BlockPool:
             assert block.ref_cnt == 0, f"free block {block} has references"
             if self.record_evictions and block.key is not None:
                 assert block.parent_key is not None and block.token_ids is not None, f"{block} cached half-way"
-                self._evicted.append(EvictedBlock(block.block_id, block.key, block.parent_key, block.token_ids))
+                evicted = EvictedBlock(block.block_id, block.key, block.parent_key, block.token_ids, block.reused)
+                self._evicted.append(evicted)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -90,6 +93,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
+            block.reused |= block.key is not None
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference each; pass blocks in eviction order (callers pass a request's tail first)."""
@@ -138,6 +142,7 @@ class BlockPool:
             if self._cached.get(block.key) is block:
                 del self._cached[block.key]
             block.key = block.parent_key = block.token_ids = None
+            block.reused = False
             self.cache_version += 1
 
     def reset_prefix_cache(self) -> None:

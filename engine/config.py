@@ -38,6 +38,15 @@ class KVSavePolicy(str, enum.Enum):  # noqa: UP042 (CLI values)
     # engine alone on a store: the device cache already serves what it holds, so a block costs the store
     # nothing until the device is full; a crash loses what only the device held.
     EVICTED = "evicted"
+    # As EVICTED while evicted blocks come back (the store is asked for them again); otherwise only blocks that showed
+    # reuse: a prefix hit took them on the device, or they were evicted once before (ucm/reuse_admission.py). In a
+    # workload of new prompts the store is then spared every save, each a copy beside the engine on its cores.
+    REUSED = "reused"
+
+    @property
+    def writes_back(self) -> bool:
+        """Saves happen at eviction from the device prefix cache, not as blocks are computed."""
+        return self is not KVSavePolicy.COMPUTED
 
 
 @dataclass(frozen=True)
@@ -201,8 +210,10 @@ class EngineConfig:
             raise ValueError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {self.kv_role!r}")
         if not isinstance(self.kv_save_policy, KVSavePolicy):
             raise ValueError(f"kv_save_policy must be a KVSavePolicy, got {self.kv_save_policy!r}")
-        if self.kv_save_policy is KVSavePolicy.EVICTED and not self.cache.enable_prefix_caching:
-            raise ValueError("kv_save_policy 'evicted' needs the prefix cache: without it nothing is ever evicted")
+        if self.kv_save_policy.writes_back and not self.cache.enable_prefix_caching:
+            raise ValueError(
+                f"kv_save_policy {self.kv_save_policy.value!r} needs the prefix cache: without it nothing is ever evicted"
+            )
 
     @property
     def dtype_name(self) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import kernels
-from engine.config import EngineConfig, KVSavePolicy
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided.backend import GuidedBackend
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
@@ -115,7 +115,7 @@ class EngineCore:
         conn_sched, conn_worker = kv_connector if kv_connector is not None else (None, None)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.stats_counters = EngineStats()
-        write_back = kv_connector is not None and config.kv_save_policy is KVSavePolicy.EVICTED
+        write_back = kv_connector is not None and config.kv_save_policy.writes_back
         self.kv_manager = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, write_back)
         self.scheduler = Scheduler(
             self.kv_manager,

@@ -55,6 +55,8 @@ class ClusterSpec:
     dram: str = defaults.STORE_DRAM
     disk: str = defaults.STORE_DISK
     disk_path: str | None = None  # None: a temporary folder, removed on stop
+    # None: BEHIND on a `disk_path` (it outlives the cluster), REUSED on the temporary folder (see start_store).
+    disk_writes: DiskWrites | None = None
     dtype: str = "auto"
     device: str | None = None
     kv_cache_memory: str = defaults.NODE_KV_CACHE_MEMORY
@@ -139,7 +141,7 @@ class Cluster:
                 self.start_node("decode", i)
             if self.spec.colocated and self.store_addr is not None:
                 policy, why = self.save_policy()
-                self.log(f"[up] colocated nodes save KV blocks to the store when {policy.value} ({why})")
+                self.log(f"[up] colocated nodes save KV blocks to the store: --kv-save-policy {policy.value} ({why})")
             for i in range(self.spec.colocated):
                 self.start_node("colocated", i)
             self.wait_healthy(timeout)
@@ -186,9 +188,11 @@ class Cluster:
         path, writes = self.spec.disk_path, DiskWrites.BEHIND
         if path is None:
             self._tmp = self._tmp or tempfile.mkdtemp(prefix="ucm-store-")
-            # Removed at stop, so its disk tier only extends DRAM: written when DRAM evicts. (Writing every block
-            # behind cost ~10% of served throughput on a 2-core EPYC: docs/benchmarks.md.)
-            path, writes = self._tmp, DiskWrites.EVICTED
+            # Removed at stop, so its disk tier only extends DRAM: written when DRAM evicts, and only while evicted
+            # blocks come back. (On a 2-core EPYC writing every block behind cost ~10% of served throughput, and
+            # every block DRAM evicts, in a workload of new prompts, ~10% more: docs/benchmarks.md.)
+            path, writes = self._tmp, DiskWrites.REUSED
+        writes = self.spec.disk_writes or writes
         assert self.store_addr is not None, "start_store needs StoreMode.DAEMON"
         store = self._spawn(
             "store",
@@ -304,8 +308,9 @@ class Cluster:
         if spec.colocated == 1 and spec.prefill == spec.decode == 0 and spec.enable_prefix_caching:
             # Nobody else reads the store while its device cache holds a block. Saving every block as computed
             # cost ~10% of served random throughput and ~0.3-0.4 s of prefix_repetition TTFT on a 2-core EPYC
-            # (`up --no-store` against `up`: docs/benchmarks.md).
-            return KVSavePolicy.EVICTED, "one engine: its device cache serves what it holds, the store the rest"
+            # (`up --no-store` against `up`: docs/benchmarks.md), and saving every evicted block, where none comes
+            # back, ~10% more once the device cache is full: REUSED saves them only while they come back.
+            return KVSavePolicy.REUSED, "one engine: its device cache serves what it holds, the store the rest"
         return KVSavePolicy.COMPUTED, "several engines share the store"
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, nice: int = 0) -> Child:

@@ -61,9 +61,10 @@ class NodeConfig:
             raise ValueError(f"heartbeat interval must be positive, got {self.heartbeat_interval_s}")
         if self.step_delay_s < 0:
             raise ValueError(f"{STEP_DELAY_ENV} must be >= 0, got {self.step_delay_s}")
-        if self.kv_save_policy is KVSavePolicy.EVICTED and self.role is NodeRole.PREFILL:
+        if self.kv_save_policy.writes_back and self.role is NodeRole.PREFILL:
             raise ValueError(
-                "--kv-save-policy evicted on a prefill node: its decode nodes load what it saves, as it computes it"
+                f"--kv-save-policy {self.kv_save_policy.value} on a prefill node: its decode nodes load what it saves, "
+                "as it computes it"
             )
 
     @property
@@ -110,7 +111,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         choices=list(KVSavePolicy),
         metavar="{" + ",".join(p.value for p in KVSavePolicy) + "}",
         help="computed: every full block to the store as it is computed (other nodes and restarts load it); "
-        "evicted: only when the device prefix cache evicts it (one engine alone on a store; not on prefill nodes)",
+        "evicted: only when the device prefix cache evicts it (one engine alone on a store; not on prefill nodes); "
+        "reused: as evicted while evicted blocks come back, else only those that showed reuse",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")

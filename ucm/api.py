@@ -69,6 +69,8 @@ class TierStats:
     capacity_bytes: int = 0
     blocks: int = 0
     evictions: int = 0
+    # Blocks not written here for want of reuse (the disk with DiskWrites.REUSED: DRAM evicted them unread, first seen).
+    declined: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     read_seconds: float = 0.0

@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=[w.value for w in DiskWrites],
         default=DiskWrites.BEHIND.value,
         help="behind: every committed block reaches the disk (it survives a restart); evicted: only what DRAM "
-        "evicts (a victim tier that extends DRAM, for a disk that does not outlive the store)",
+        "evicts (a victim tier that extends DRAM, for a disk that does not outlive the store); reused: as evicted while "
+        "evicted blocks come back, else only those that showed reuse (read in DRAM, or evicted before)",
     )
     choices = [p.value for p in PolicyName]
     ap.add_argument("--policy", choices=choices, default=PolicyName.LRU.value, help="DRAM eviction policy")

@@ -25,9 +25,10 @@ class DramTier:
         capacity_bytes: int,
         policy: EvictionPolicy,
         can_evict: Callable[[Hashable], bool],
-        on_evict: Callable[[BlockRecord], None] | None = None,
+        on_evict: Callable[[BlockRecord, bool], None] | None = None,
     ) -> None:
-        """`on_evict`: told each record evicted to make room (under the caller's lock, so it must not block)."""
+        """`on_evict`: told each record evicted to make room, and whether a read found it here (under the caller's
+        lock, so it must not block)."""
         if capacity_bytes <= 0:
             raise ValueError(f"DRAM capacity must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -35,6 +36,7 @@ class DramTier:
         self._can_evict = can_evict
         self._on_evict = on_evict
         self._blocks: dict[BlockKey, BlockRecord] = {}
+        self._read: set[BlockKey] = set()  # resident blocks a get/get_many found (kept only for `on_evict`)
         self.stats = TierStats(capacity_bytes=capacity_bytes)
 
     def __contains__(self, key: BlockKey) -> bool:
@@ -51,6 +53,8 @@ class DramTier:
             return None
         self.stats.hits += 1
         self._policy.touch(key)
+        if self._on_evict is not None:
+            self._read.add(key)
         return record
 
     def peek(self, key: BlockKey) -> BlockRecord | None:
@@ -65,6 +69,8 @@ class DramTier:
         a use. `use=False`: hits are counted but the policy is not told (another call of the same load did)."""
         blocks, stats = self._blocks, self.stats
         out: list[BlockRecord | None] = [blocks.get(key) for key in keys]
+        if self._on_evict is not None:
+            self._read.update(key for key, record in zip(keys, out) if record is not None)
         if use:
             touch = self._policy.touch
             for key, record in zip(reversed(keys), reversed(out)):  # deepest first: the root ends most recent
@@ -101,7 +107,9 @@ class DramTier:
             self.stats.bytes_used -= dropped.nbytes
             self.stats.evictions += 1
             if self._on_evict is not None:
-                self._on_evict(dropped)
+                was_read = victim in self._read
+                self._read.discard(victim)
+                self._on_evict(dropped, was_read)
             log.debug(
                 "dram: evicted %s (%d bytes, policy %s) to admit %s (%d bytes, %s): %d/%d bytes used",
                 victim.hex(),
@@ -123,6 +131,7 @@ class DramTier:
         record = self._blocks.pop(key, None)
         if record is None:
             return False
+        self._read.discard(key)
         self._policy.remove(key)
         self.stats.bytes_used -= record.nbytes
         self.stats.blocks = len(self._blocks)

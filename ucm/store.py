@@ -33,6 +33,7 @@ from ucm.keys import KEY_NBYTES, BlockKey
 from ucm.pins import PinTable
 from ucm.record import BlockRecord, Buffer, as_bytes_view, checksum
 from ucm.removal_clock import RemovalClock
+from ucm.reuse_admission import ReuseAdmission
 from ucm.store_config import DiskWrites, StoreConfig
 from ucm.store_reader import BlockReader, StoreTiers
 from ucm.task import Task
@@ -62,7 +63,11 @@ class Store(DumpsByLayers):
         self.config = config
         self._lock = threading.Lock()
         self._pins = PinTable()
-        demote = self._demote if config.disk_writes is DiskWrites.EVICTED and config.disk_path is not None else None
+        victim_tier = config.disk_writes is not DiskWrites.BEHIND and config.disk_path is not None
+        demote = self._demote if victim_tier else None
+        # DiskWrites.REUSED: a ghost of each declined block, for as many bytes as the disk holds.
+        reused = victim_tier and config.disk_writes is DiskWrites.REUSED
+        self._admission = ReuseAdmission(config.disk_bytes) if reused else None
         self._dram = DramTier(
             config.dram_bytes, policy_factory(config.policy, config.dram_bytes), self._pins.is_unpinned, demote
         )
@@ -112,6 +117,8 @@ class Store(DumpsByLayers):
                 if not self._committed(key):
                     break
                 hit += 1
+            if self._admission is not None:
+                self._admission.looked_up(keys)
             self._counters.lookups += 1
             self._counters.lookup_blocks += len(keys)
             self._counters.lookup_hit_blocks += hit
@@ -195,7 +202,7 @@ class Store(DumpsByLayers):
                 records.append(BlockRecord.build(pending.ref, pending.payloads, pending.checksums))  # type: ignore[arg-type]
             behind = self.config.disk_writes is DiskWrites.BEHIND
             for record, in_dram in zip(records, self._dram.put_many(records, "commit")):  # deepest first
-                if self._writer is not None and (behind or not in_dram):
+                if self._writer is not None and (behind or (not in_dram and self._worth_disk(record, False))):
                     self._in_flight(record)
                     to_write.append(record)
                 elif not in_dram:
@@ -204,11 +211,16 @@ class Store(DumpsByLayers):
             assert self._writer is not None
             self._writer.submit(to_write)
 
-    def _demote(self, record: BlockRecord) -> None:
-        """DRAM evicted `record` (DiskWrites.EVICTED; under `_lock`): to disk unless it is there already. With the
-        write queue full it is dropped, as a store without a disk tier drops what DRAM evicts."""
+    def _worth_disk(self, record: BlockRecord, was_read: bool) -> bool:
+        """Whether a block leaving (or never entering) DRAM is written to disk (under `_lock`)."""
+        return self._admission is None or self._admission.evicted(record.key, record.nbytes, was_read)
+
+    def _demote(self, record: BlockRecord, was_read: bool) -> None:
+        """DRAM evicted `record` (DiskWrites.EVICTED or REUSED; under `_lock`): to disk unless it is there already or
+        not worth it. With the write queue full it is dropped, as a store without a disk tier drops what DRAM
+        evicts."""
         assert self._writer is not None and self._disk is not None, "demotion needs a disk tier"
-        if record.key in self._disk:
+        if record.key in self._disk or not self._worth_disk(record, was_read):
             return
         if not self._writer.offer(record):
             log.debug("dram: evicted %s dropped: the disk write queue is full", record.key.hex())
@@ -335,6 +347,9 @@ class Store(DumpsByLayers):
             stats.pending_blocks = len(self._pending) + len(self._inflight)
         if self._disk is not None:
             stats.tiers[Tier.DISK] = self._disk.snapshot()
+            if self._admission is not None:
+                with self._lock:
+                    stats.tiers[Tier.DISK].declined = self._admission.declined
         return stats
 
     def pending_count(self) -> int:

@@ -19,6 +19,9 @@ class DiskWrites(str, enum.Enum):  # noqa: UP042 (the CLI's values)
     # written, so nothing survives a restart that DRAM held. `ucm-serve up` runs this on its temporary folder
     # (removed at stop anyway): on its 2-core EPYC writing every block behind cost ~10% of served throughput.
     EVICTED = "evicted"
+    # As EVICTED while evicted blocks come back (1 in 20 or more); otherwise only blocks that showed reuse: read while
+    # in DRAM, or evicted once before (ucm/reuse_admission.py). Spares a workload of new prompts its disk writes.
+    REUSED = "reused"
 
 
 @dataclass(frozen=True)

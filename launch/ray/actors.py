@@ -33,6 +33,7 @@ from launch.ray.keys import KeyFiles
 from launch.ray.spec import STATUS_CLIENT, NodeKind
 from launch.ray.status import NodeView, Placement
 from launch.supervisor import RestartPolicy, Supervisor
+from ucm.store_config import DiskWrites
 
 T = TypeVar("T")
 _STORE_READY = r"ucm-store ready (\S+)"
@@ -144,6 +145,7 @@ class StoreLaunch:
     dram: str
     disk: str
     disk_path: str | None
+    disk_writes: DiskWrites | None
     nice: int
     keys: KeyFiles | None
 
@@ -158,6 +160,8 @@ class StoreActor:
         auth = ["--curve-keys", str(self._keys)] if self._keys is not None else ["--insecure"]
         path = launch.disk_path or self._tmp
         args = ["--dram", launch.dram, "--disk-path", str(path), "--disk", launch.disk, *auth]
+        if launch.disk_writes is not None:
+            args += ["--disk-writes", launch.disk_writes.value]
         self._nice = launch.nice
         bind = f"tcp://{_host(launch.host)}:0"
         first = Child("store", _cmd("store", "--bind", bind, *args), sys.stdout, nice=self._nice)

@@ -64,6 +64,7 @@ class Controller:
                     spec.dram,
                     spec.disk,
                     spec.disk_path,
+                    spec.disk_writes,
                     spec.store_nice,
                     self.keys.for_store() if self.keys else None,
                 )

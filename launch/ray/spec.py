@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from engine.config import KVSavePolicy
 from launch.cluster import ClusterSpec
+from ucm.store_config import DiskWrites
 
 NAMESPACE = "ucm-serve"  # the Ray namespace of every deployment's controller (found by name from any driver)
 DEFAULT_NAME = "ucm-serve"  # the controller's name: one deployment per name and Ray cluster
@@ -61,6 +62,7 @@ class DeploymentSpec:
     dram: str = _UP.dram
     disk: str = _UP.disk
     disk_path: str | None = None  # the store's LMDB folder on its host (None: a temporary folder)
+    disk_writes: DiskWrites | None = None  # None: the store daemon's default (every block, behind)
     dtype: str = _UP.dtype
     device: str | None = None  # None: each node's default (cuda when its host has one)
     kv_cache_memory: str = _UP.kv_cache_memory

@@ -20,7 +20,7 @@ def test_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_png = tmp_path / "hr.json", tmp_path / "hr.png"
     rc = hit_rate.main([
         "--workloads", workloads, "--max-requests", "150", "--sample", "1", "--synthetic-requests", "120",
-        "--fracs", "0.05,0.3", "--tiered-fracs", "0.2", "--dram-frac", "0.05",
+        "--fracs", "0.05,0.3", "--tiered-fracs", "0.2", "--dram-frac", "0.05", "--disk-writes", "behind,reused",
         "--json", str(out_json), "--png", str(out_png),
     ])  # fmt: skip
     assert rc == 0
@@ -31,12 +31,15 @@ def test_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     n_workloads = len(workloads.split(","))
     tiered = 1 if "mooncake" in workloads else 0
     assert (
-        len(points) == len(PolicyName) * 2 * n_workloads + 5 * tiered
-    )  # tiered: lru, s3fifo, density, adaptive, lru/tinylfu
+        len(points) == len(PolicyName) * 2 * n_workloads + 2 * 5 * tiered
+    )  # tiered: lru, s3fifo, density, adaptive, lru/tinylfu, each writing behind and reused
     for p in points:
         total = p["dram_hits"] + p["disk_hits"]
         assert 0 <= total <= p["belady_hits"] <= p["infinite_hits"] < p["accesses"], p
         assert p["sweep"] == "tiered" or p["disk_hits"] == 0, p
+        if p["sweep"] == "tiered":
+            assert p["policy"].endswith("[reused]") == (p["disk_writes"] == "reused"), p
+            assert p["disk_blocks_written"] > 0 or p["disk_writes"] == "reused", p
     lru = sorted((p["capacity_frac"], p["hit_rate"]) for p in points
                  if p["policy"] == "lru" and p["workload"] == "chat" and p["sweep"] == "dram")  # fmt: skip
     assert lru[0][1] <= lru[1][1], "LRU has the inclusion property: more capacity, no fewer hits"

@@ -12,6 +12,7 @@ from launch.ray.actors import NodeLaunch
 from launch.ray.keys import KeyBundle
 from launch.ray.options import LOCAL, spec_from_args
 from launch.ray.spec import STATUS_CLIENT, DeploymentSpec, NodeKind, parse_kind
+from ucm.store_config import DiskWrites
 
 
 def test_up_flags_build_the_spec() -> None:
@@ -32,6 +33,10 @@ def test_up_flags_build_the_spec() -> None:
     spec = spec_from_args(build_parser().parse_args(args))
     assert (spec.max_num_seqs, spec.max_num_batched_tokens, spec.kv_save_policy) == (5, 48, KVSavePolicy.EVICTED)
     assert spec_from_args(build_parser().parse_args(["--ray"])).kv_save_policy is None  # as computed
+    # Which blocks the store writes to disk: the daemon's default unless given.
+    assert spec_from_args(build_parser().parse_args(["--ray"])).disk_writes is None
+    spec = spec_from_args(build_parser().parse_args(["--ray", "--disk-writes", "reused"]))
+    assert spec.disk_writes is DiskWrites.REUSED
     launch = dict(index=0, router_addr="tcp://127.0.0.1:1", model="m", dtype="float32", device=None,
                   kv_cache_memory="1GiB", max_num_seqs=5, max_num_batched_tokens=48, kv_save_policy=KVSavePolicy.EVICTED,
                   heartbeat_interval_s=1.0, threads=1, keys=None)  # fmt: skip

@@ -65,8 +65,9 @@ def test_up_serves_and_shuts_down_cleanly() -> None:
         out = up.output()
         for prefix in ("[store]", "[router]", "[prefill-0]", "[decode-0]"):
             assert prefix in out, f"no {prefix} lines in:\n{out[-2000:]}"
-        # its disk tier is a temporary folder, removed at stop: a victim tier, written only when DRAM evicts
-        assert "(writes: evicted)" in out, out[-2000:]
+        # its disk tier is a temporary folder, removed at stop: a victim tier, written when DRAM evicts blocks that
+        # come back (ucm/reuse_admission.py)
+        assert "(writes: reused)" in out, out[-2000:]
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         r = client.chat.completions.create(
             model="smollm2-135m", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4, temperature=0
