@@ -93,8 +93,8 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         "--disk-writes",
         choices=[w.value for w in DiskWrites],
         default=None,
-        help="which blocks the store writes to disk (`ucm-serve store --help`); default: behind with --disk-path, "
-        "else reused",
+        help="which blocks the store writes to disk (`ucm-serve store --help`); default: behind with --disk-path "
+        "or --ray, else reused (the temporary folder `up` removes at stop)",
     )
     p.add_argument(
         "--dtype",
