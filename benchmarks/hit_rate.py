@@ -260,23 +260,30 @@ def _run(args: argparse.Namespace) -> int:
             ),
             flush=True,
         )
+    # Each point to measure: the tiered sweep pairs every policy with every disk-write mode; the DRAM sweep has no disk.
+    runs = [
+        (w, sweep, frac, policy, disk_policy, disk_writes)
+        for w, sweep, frac in plan
+        for (policy, disk_policy), disk_writes in (
+            [(pol, wr) for pol in tiered_policies for wr in writes]
+            if sweep == "tiered"
+            else [(pol, DiskWrites.BEHIND) for pol in policies]
+        )
+    ]
     points: list[Point] = []
-    total = sum(len(tiered_policies) * len(writes) if sweep == "tiered" else len(policies) for _, sweep, _ in plan)
     t0 = time.perf_counter()
-    for w, sweep, frac in plan:
+    for w, sweep, frac, policy, disk_policy, disk_writes in runs:
         reqs, ws = data[w]
-        runs = [(pol, writes_) for pol in tiered_policies for writes_ in writes] if sweep == "tiered" else None
-        for (policy, disk_policy), disk_writes in runs or [(pol, DiskWrites.BEHIND) for pol in policies]:
-            p = run_point(w.value, sweep, policy, frac, reqs, ws, args.dram_frac, disk_policy, disk_writes)
-            points.append(p)
-            print(
-                f"[{len(points)}/{total}] {w.value} {sweep} cap={frac:g} {p.policy}: hit {100 * p.hit_rate:.2f}% "
-                f"(dram {100 * p.dram_hits / p.accesses:.2f}%, disk {100 * p.disk_hits / p.accesses:.2f}%) "
-                f"MIN {100 * p.belady_hits / p.accesses:.2f}% in {p.seconds:.1f}s"
-                + (f", {p.disk_blocks_written} blocks written to disk" if sweep == "tiered" else ""),
-                file=sys.stderr,
-                flush=True,
-            )
+        p = run_point(w.value, sweep, policy, frac, reqs, ws, args.dram_frac, disk_policy, disk_writes)
+        points.append(p)
+        print(
+            f"[{len(points)}/{len(runs)}] {w.value} {sweep} cap={frac:g} {p.policy}: hit {100 * p.hit_rate:.2f}% "
+            f"(dram {100 * p.dram_hits / p.accesses:.2f}%, disk {100 * p.disk_hits / p.accesses:.2f}%) "
+            f"MIN {100 * p.belady_hits / p.accesses:.2f}% in {p.seconds:.1f}s"
+            + (f", {p.disk_blocks_written} blocks written to disk" if sweep == "tiered" else ""),
+            file=sys.stderr,
+            flush=True,
+        )
     print_table(points)
     print(f"\n{len(points)} points in {time.perf_counter() - t0:.0f}s")
     args.png.parent.mkdir(parents=True, exist_ok=True)

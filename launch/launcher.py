@@ -91,8 +91,10 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-path", default=None, help="store LMDB folder (default: a temporary folder)")
     p.add_argument(
         "--disk-writes",
-        choices=[w.value for w in DiskWrites],
+        type=DiskWrites,
         default=None,
+        choices=list(DiskWrites),
+        metavar="{" + ",".join(w.value for w in DiskWrites) + "}",
         help="which blocks the store writes to disk (`ucm-serve store --help`); default: behind with --disk-path "
         "or --ray, else reused (the temporary folder `up` removes at stop)",
     )
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
         dram=args.dram,
         disk=args.disk,
         disk_path=args.disk_path,
-        disk_writes=DiskWrites(args.disk_writes) if args.disk_writes else None,
+        disk_writes=args.disk_writes,
         kv_save_policy=args.kv_save_policy,
         dtype=args.dtype,
         device=args.device,

@@ -8,7 +8,6 @@ import argparse
 from launch.ray.spec import DEFAULT_NAME, STORE_RESOURCE, DeploymentSpec
 from launch.topology import Topology
 from protocol import defaults
-from ucm.store_config import DiskWrites
 
 LOCAL = "local"  # `--ray` without an address: start a Ray on this machine for this deployment
 
@@ -89,7 +88,7 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
         dram=args.dram,
         disk=args.disk,
         disk_path=args.disk_path,
-        disk_writes=DiskWrites(args.disk_writes) if args.disk_writes else None,
+        disk_writes=args.disk_writes,
         dtype=args.dtype,
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,

@@ -19,6 +19,7 @@ from protocol import messages as P
 from protocol.peer_identity import Channel, PeerIdentity
 from tests.cluster_helpers import health_nodes, metric, wait_until
 from ucm.auth import ClientAuth, CurveClientKeys, generate_keys
+from ucm.store_config import DiskWrites
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -47,6 +48,7 @@ def cluster():
         heartbeat_interval_s=0.2,
         node_args=("--threads", "1"),
         extra_keys=("intruder",),
+        disk_writes=DiskWrites.EVICTED,  # not the temporary folder's default (reused): it must reach the daemon
     )
     with Cluster(spec, log=lambda s: None) as c:
         yield c
@@ -179,6 +181,7 @@ def test_killed_nodes_are_restarted_and_serve(cluster, complete, wants) -> None:
 def test_killed_store_is_restarted_on_its_address_and_used_again(cluster, complete, wants) -> None:
     store = _restarted(cluster, "store", _kill(cluster, "store"))
     assert store.wait_for(r"ucm-store ready (\S+)", 60).group(1) == cluster.store_addr
+    assert "(writes: evicted)" in store.output(), "the restarted store lost the spec's --disk-writes"
     hits = metric(cluster.url, "ucm_prefix_cache_hit_tokens_total", role="decode", source="store")
     prompts = iter(
         f"Fresh prompt {i} after the store came back: rivers, mountains and lakes of the north." * 2
