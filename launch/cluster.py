@@ -291,7 +291,10 @@ class Cluster:
             args.append("--no-enable-prefix-caching")
         if "--threads" not in self.spec.node_args:
             # Several CPU engines on one box: oversubscribed OpenMP threads spin against each other and every
-            # step gets many times slower, so split the cores between the nodes.
+            # step gets many times slower, so split the cores between the nodes. Even with the nodes' short spin
+            # (node/openmp_env.py), 1 prefill + 1 decode with 2 threads each on a 2-core Zen 5 served vLLM's random
+            # burst at 64 against 145-164 tok/s and prefix_repetition at 8.2-8.4 against 4.3-4.7 s mean TTFT; only a
+            # lone cold prompt gained (1.0-1.2 against 1.5-1.6 s). docs/benchmarks.md, 2026-12-02.
             nodes = max(1, self.spec.prefill + self.spec.decode + self.spec.colocated)
             args += ["--threads", str(max(1, (os.cpu_count() or 1) // nodes))]
         if kind == "colocated":
