@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint vllm-plugin run test bench bench-vllm clean
+.PHONY: install lint vllm-plugin run test bench bench-vllm side-by-side clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -46,6 +46,13 @@ bench: install
 bench-vllm: install vllm-plugin
 	$(BIN)/python -m benchmarks.vs_vllm --servers ucm-up ucm-disagg vllm --json bench_out/vs_vllm.json
 	$(BIN)/python -m benchmarks.vllm_plugin_ttft --json bench_out/vllm_plugin_ttft.json
+
+# The peers' own comparison script (PEERS: where this workplace keeps it), on the model folder ucm-serve converted:
+# its default MODEL is a folder of the peers' own vLLM install, which `vllm-plugin` does not make.
+PEERS ?= ../shared/peers
+side-by-side: install vllm-plugin
+	MODEL=$$($(BIN)/python -c "from engine.model_source import resolve_model_dir as r; print(r('smollm2-135m'))") \
+		bash $(PEERS)/side_by_side.sh
 
 clean:
 	rm -rf $(VENV)
