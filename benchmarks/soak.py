@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.prom_text import metric
 from benchmarks.sse_client import StreamResult, stream_completion
 from launch.cluster import Cluster, ClusterSpec
+from launch.topology import Topology
 from ucm.size import parse_size
 
 MODEL = "smollm2-135m"
@@ -78,6 +79,9 @@ class SoakConfig:
     rss_rel_tol: float = 0.10  # growth allowed beyond the cache allowances, relative ...
     rss_abs_tol_mib: float = 64.0  # ... plus absolute (allocator slack, lazily imported modules)
     seed: int = 0
+    # disagg: a prefill and a decode node (the store's every path); colocated: one engine, as `up` starts on a small
+    # host, whose node saves only the evicted blocks that come back (connector/, ucm/reuse_admission.py)
+    topology: Topology = Topology.DISAGG
 
 
 @dataclass
@@ -192,13 +196,16 @@ def _run_clients(
 
 def run(config: SoakConfig, log=print) -> Report:
     report = Report(config)
+    assert config.topology is not Topology.AUTO, "the soak names its topology"
+    one = config.topology is Topology.COLOCATED
     spec = ClusterSpec(
-        prefill=1,
-        decode=1,
+        prefill=0 if one else 1,
+        decode=0 if one else 1,
+        colocated=1 if one else 0,
         dtype="float32",
         dram=config.dram,
         kv_cache_memory=config.kv_cache_memory,
-        node_args=("--threads", "1"),
+        node_args=() if one else ("--threads", "1"),  # one engine takes the host's cores, as under `up`
     )
     with Cluster(spec, log=lambda s: None) as cluster:
         t0 = time.monotonic()
@@ -285,6 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dram", default=d.dram, help="store DRAM tier (the store's RSS may grow by this)")
     ap.add_argument("--kv-cache-memory", default=d.kv_cache_memory)
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument(
+        "--topology",
+        type=Topology,
+        default=d.topology,
+        choices=[Topology.DISAGG, Topology.COLOCATED],
+        metavar="{disagg,colocated}",
+        help=f"the nodes under load (default: {d.topology.value})",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench_out/soak"), help="folder for soak.json and soak.png")
     args = ap.parse_args(argv)
     config = SoakConfig(
@@ -294,10 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         dram=args.dram,
         kv_cache_memory=args.kv_cache_memory,
         seed=args.seed,
+        topology=args.topology,
     )
     report = run(config)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.json").write_text(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
+    (args.out / "soak.json").write_text(
+        json.dumps({**asdict(report), "ok": report.ok}, indent=2, default=lambda o: o.value)  # enums by value
+    )
     plot(report, args.out / "soak.png")
     print(f"requests {report.requests}; failures {report.failures or 'none'}; restarts {report.restarts or 'none'}")
     for what, check in report.checks.items():
