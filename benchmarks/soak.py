@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.prom_text import metric
 from benchmarks.sse_client import StreamResult, stream_completion
 from launch.cluster import Cluster, ClusterSpec
-from launch.topology import Topology
+from launch.topology import Topology, choose_topology
 from ucm.size import parse_size
 
 MODEL = "smollm2-135m"
@@ -196,16 +196,16 @@ def _run_clients(
 
 def run(config: SoakConfig, log=print) -> Report:
     report = Report(config)
-    assert config.topology is not Topology.AUTO, "the soak names its topology"
-    one = config.topology is Topology.COLOCATED
+    nodes = choose_topology(config.topology, None, None)  # the node counts `up --topology` starts
     spec = ClusterSpec(
-        prefill=0 if one else 1,
-        decode=0 if one else 1,
-        colocated=1 if one else 0,
+        prefill=nodes.prefill,
+        decode=nodes.decode,
+        colocated=nodes.colocated,
         dtype="float32",
         dram=config.dram,
         kv_cache_memory=config.kv_cache_memory,
-        node_args=() if one else ("--threads", "1"),  # one engine takes the host's cores, as under `up`
+        # one engine takes the host's cores, as under `up`
+        node_args=("--threads", "1") if nodes.topology is Topology.DISAGG else (),
     )
     with Cluster(spec, log=lambda s: None) as cluster:
         t0 = time.monotonic()
