@@ -5,7 +5,9 @@ Starts store daemon + prefill + decode + router (launch/cluster.py), warms up, t
 mid-stream, and prompts sharing a few long prefixes (store and prefix-cache hits). Every `--sample-s` it records
 each process's RSS and each node's free KV blocks. After the load it waits for the cluster to go idle and
 compares with the baseline: free blocks must be back exactly, RSS within a tolerance (the store may grow by its
-DRAM tier and a node by its KV cache, whose pages are touched on first use; beyond that, growth is a leak).
+DRAM tier plus the most bytes it reported holding outside it at once, `StoreStats.transit_bytes_peak`: the daemon
+keeps freed memory for reuse; a node by its KV cache, whose pages are touched on first use; beyond that, growth is a
+leak).
 
     .venv/bin/python -m benchmarks.soak --minutes 30 --out bench_out/soak     # JSON + PNG in --out
     .venv/bin/python -m benchmarks.soak --minutes 2 --sample-s 10 --out /tmp/soak
@@ -32,9 +34,13 @@ from benchmarks.prom_text import metric
 from benchmarks.sse_client import StreamResult, stream_completion
 from launch.cluster import Cluster, ClusterSpec
 from launch.topology import Topology, choose_topology
+from ucm.api import StoreStats
+from ucm.auth import ClientAuth
+from ucm.client import StoreClient
 from ucm.size import parse_size
 
 MODEL = "smollm2-135m"
+STATS_CLIENT = "soak"  # the key this script reads the store daemon's stats with
 PREFIXES = [
     (
         "You are a careful assistant for a museum. Visitors ask about exhibits, tickets, the cafe, the garden, "
@@ -100,6 +106,7 @@ class Report:
     failures: dict[str, int] = field(default_factory=dict)  # kind -> requests that did not complete as asked
     restarts: dict[str, int] = field(default_factory=dict)  # children the supervisor had to restart
     checks: dict[str, dict] = field(default_factory=dict)  # what -> {baseline, final, limit, ok}
+    store_transit_peak_mib: float = 0.0  # the most the store held outside its DRAM tier at once
 
     @property
     def ok(self) -> bool:
@@ -121,6 +128,13 @@ def snapshot(cluster: Cluster, t0: float, phase: str) -> Sample:
         if line.startswith("ucm_node_free_kv_blocks{"):
             free[line.split('node="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
     return Sample(round(time.monotonic() - t0, 1), phase, rss, free)
+
+
+def store_stats(cluster: Cluster) -> StoreStats:
+    assert cluster.store_addr is not None, "the soak runs a store daemon"
+    auth = ClientAuth.from_dir(cluster.keys.dir, STATS_CLIENT) if cluster.keys is not None else None
+    with StoreClient(cluster.store_addr, timeout_s=10.0, retry_after_s=0.0, auth=auth) as client:
+        return client.stats()
 
 
 def one_request(url: str, rng: random.Random) -> tuple[str, bool]:
@@ -206,6 +220,7 @@ def run(config: SoakConfig, log=print) -> Report:
         kv_cache_memory=config.kv_cache_memory,
         # one engine takes the host's cores, as under `up`
         node_args=("--threads", "1") if nodes.topology is Topology.DISAGG else (),
+        extra_keys=(STATS_CLIENT,),
     )
     with Cluster(spec, log=lambda s: None) as cluster:
         t0 = time.monotonic()
@@ -236,7 +251,8 @@ def run(config: SoakConfig, log=print) -> Report:
         report.failures = {k: v for k, v in failures.items() if v}
         supervisor = getattr(cluster, "supervisor", None)
         report.restarts = {k: v for k, v in getattr(supervisor, "restarts", {}).items() if v}
-        allowances = {"store": parse_size(config.dram) / 2**20}
+        report.store_transit_peak_mib = round(store_stats(cluster).transit_bytes_peak / 2**20, 1)
+        allowances = {"store": parse_size(config.dram) / 2**20 + report.store_transit_peak_mib}
         for name in cluster.node_names():
             allowances[name] = parse_size(config.kv_cache_memory) / 2**20
         for name, base in baseline.rss_mib.items():
@@ -289,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=d.minutes)
     ap.add_argument("--sample-s", type=float, default=d.sample_s)
     ap.add_argument("--concurrency", type=int, default=d.concurrency)
-    ap.add_argument("--dram", default=d.dram, help="store DRAM tier (the store's RSS may grow by this)")
+    ap.add_argument(
+        "--dram",
+        default=d.dram,
+        help="store DRAM tier (the store's RSS may grow by this, plus what it held in transit at most)",
+    )
     ap.add_argument("--kv-cache-memory", default=d.kv_cache_memory)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument(
@@ -318,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     plot(report, args.out / "soak.png")
     print(f"requests {report.requests}; failures {report.failures or 'none'}; restarts {report.restarts or 'none'}")
+    print(f"the store held at most {report.store_transit_peak_mib} MiB outside its DRAM tier at once")
     for what, check in report.checks.items():
         print(
             f"{'ok  ' if check['ok'] else 'FAIL'} {what}: baseline {check['baseline']} -> final {check['final']} "

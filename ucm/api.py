@@ -85,6 +85,10 @@ class StoreStats:
     lookup_blocks: int = 0
     corrupt_dropped: int = 0
     pending_blocks: int = 0
+    # Bytes held outside the tiers: dumped and not yet committed, or committed and waiting for their disk write; and
+    # their most at once since start. DRAM's capacity plus the peak bounds the payload bytes the store held at once.
+    transit_bytes: int = 0
+    transit_bytes_peak: int = 0
     # The daemon's own counters (always 0 in process): frames it could not decode or answer (malformed,
     # unknown type, over a limit, wrong frame count, or any error while receiving), and well-formed requests
     # it refused (sizes not matching the namespace's layout, forged keys, another client's keys...).

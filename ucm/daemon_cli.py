@@ -238,7 +238,8 @@ def _table(stats: StoreStats) -> str:
         )
     lines.append(
         f"lookups {stats.lookups}: {stats.lookup_hit_blocks}/{stats.lookup_blocks} blocks hit; "
-        f"corrupt dropped {stats.corrupt_dropped}; pending {stats.pending_blocks}; "
+        f"corrupt dropped {stats.corrupt_dropped}; pending {stats.pending_blocks} "
+        f"({format_size(stats.transit_bytes)}, at most {format_size(stats.transit_bytes_peak)}); "
         f"bad frames {stats.bad_frames}; refused {stats.refused_requests}; "
         f"loads into / dumps from shared memory {stats.shared_memory_loads} / {stats.shared_memory_dumps}"
     )

@@ -8,7 +8,7 @@ request's blocks deepest first (`ucm.chain_order`) and each block's parent key.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 from ucm.api import TierStats
 from ucm.chain_order import records_deepest_first
@@ -62,7 +62,7 @@ class DramTier:
         return self._blocks.get(key)
 
     def get_many(
-        self, keys: list[BlockKey], fallback: dict[BlockKey, BlockRecord], use: bool = True
+        self, keys: list[BlockKey], fallback: Mapping[BlockKey, BlockRecord], use: bool = True
     ) -> list[BlockRecord | None]:
         """`get` for many keys at once (the load hot path), `keys` in chain order; a key absent here is looked
         up in `fallback` (blocks committed but evicted before reaching disk), which counts as a DRAM hit without

@@ -29,6 +29,7 @@ from ucm.api import BlockRef, DumpsByLayers, StoreStats, Tier, check_dump_layers
 from ucm.disk_tier import DiskTier
 from ucm.dram_tier import DramTier
 from ucm.eviction import EvictionPolicy, PolicyName, make_policy
+from ucm.in_flight import InFlight
 from ucm.keys import KEY_NBYTES, BlockKey
 from ucm.pins import PinTable
 from ucm.record import BlockRecord, Buffer, as_bytes_view, checksum
@@ -52,6 +53,9 @@ class _Pending:
     payloads: list[bytes | None]
     checksums: list[int]
     created: float
+
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.payloads if p is not None)
 
 
 def _normalized(ref: BlockRef) -> BlockRef:
@@ -79,10 +83,14 @@ class Store(DumpsByLayers):
                 config.disk_path, config.disk_bytes, config.map_size, disk_policy, self._pins.is_unpinned
             )
             self._writer = WriteBehind(self._disk, config.write_queue_blocks, self._on_written)
-        self._inflight: dict[BlockKey, BlockRecord] = {}  # committed, not yet on disk: still visible
+        self._inflight = InFlight()  # committed, not yet on disk: still visible
         # Removed while in flight: hidden even if their disk write lands, until `_on_written` deletes it again.
         self._removed_inflight: set[BlockKey] = set()
         self._pending: dict[BlockKey, _Pending] = {}
+        # Bytes held outside the tiers, in `_pending` and `_inflight`, and their most at once: with DRAM's capacity
+        # this bounds what the store holds (what a process keeping its freed memory, as the daemon does, grows to).
+        self._pending_bytes = 0
+        self._transit_bytes_peak = 0
         self._removals = RemovalClock()  # a promotion from disk must not bring back what a removal deleted
         self._counters = StoreStats()
         self._last_sweep = time.monotonic()
@@ -169,8 +177,11 @@ class Store(DumpsByLayers):
                     failed.append(i)
                     continue
                 for layer, payload, digest in zip(layers, payloads, digests):
+                    old = pending.payloads[layer]
+                    self._pending_bytes += len(payload) - (0 if old is None else len(old))
                     pending.payloads[layer] = payload
                     pending.checksums[layer] = digest
+            self._note_transit_peak()
             self._sweep_pending(now)
             self._dram.stats.bytes_written += nbytes
             self._dram.stats.write_seconds += time.perf_counter() - start
@@ -185,7 +196,12 @@ class Store(DumpsByLayers):
             log.warning(
                 "dropping %s: dumped %.0f s ago and never committed", key.hex(), now - self._pending[key].created
             )
-            del self._pending[key]
+            self._pending_bytes -= self._pending.pop(key).nbytes()
+
+    def _note_transit_peak(self) -> None:
+        """After bytes entered `_pending` or `_inflight` (under `_lock`)."""
+        assert self._pending_bytes >= 0, f"pending bytes went negative ({self._pending_bytes})"
+        self._transit_bytes_peak = max(self._transit_bytes_peak, self._pending_bytes + self._inflight.nbytes)
 
     def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:
         to_write: list[BlockRecord] = []
@@ -195,6 +211,7 @@ class Store(DumpsByLayers):
                 pending = self._pending.pop(key, None)
                 if pending is None:
                     continue  # already committed by a concurrent writer, or never dumped
+                self._pending_bytes -= pending.nbytes()
                 missing = [i for i, p in enumerate(pending.payloads) if p is None]
                 if not ok or missing:
                     log.debug("discarding %s (ok=%s, missing layers %s)", key.hex(), ok, missing[:8])
@@ -229,15 +246,16 @@ class Store(DumpsByLayers):
 
     def _in_flight(self, record: BlockRecord) -> None:
         """`record` is handed to the write-behind (under `_lock`): visible from `_inflight` until written."""
-        self._inflight[record.key] = record
+        self._inflight.put(record)
         self._removed_inflight.discard(record.key)
+        self._note_transit_peak()
 
     def _on_written(self, records: Sequence[BlockRecord], written: Sequence[BlockKey]) -> None:
         removed, settled = [], []
         with self._lock:
             for record in records:
                 if self._inflight.get(record.key) is record:
-                    del self._inflight[record.key]
+                    self._inflight.pop(record.key)
                 elif record.key in written:
                     removed.append(record.key)  # `remove` ran while it was being written
                 if record.key in self._removed_inflight and record.key not in self._inflight:
@@ -252,8 +270,9 @@ class Store(DumpsByLayers):
         with self._lock:
             self._removals.begin()
             for key in keys:
-                self._pending.pop(key, None)
-                if self._inflight.pop(key, None) is not None:
+                if (pending := self._pending.pop(key, None)) is not None:
+                    self._pending_bytes -= pending.nbytes()
+                if self._inflight.pop(key) is not None:
                     self._removed_inflight.add(key)
                 self._dram.remove(key)
         try:
@@ -345,6 +364,8 @@ class Store(DumpsByLayers):
             stats = copy.deepcopy(self._counters)
             stats.tiers = {Tier.DRAM: copy.copy(self._dram.stats)}
             stats.pending_blocks = len(self._pending) + len(self._inflight)
+            stats.transit_bytes = self._pending_bytes + self._inflight.nbytes
+            stats.transit_bytes_peak = self._transit_bytes_peak
         if self._disk is not None:
             stats.tiers[Tier.DISK] = self._disk.snapshot()
             if self._admission is not None:

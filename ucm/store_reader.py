@@ -24,6 +24,7 @@ from xxhash import xxh3_64_intdigest as xxh3_64
 from ucm.api import BlockRef, StoreStats
 from ucm.disk_tier import DiskTier
 from ucm.dram_tier import DramTier
+from ucm.in_flight import InFlight
 from ucm.keys import BlockKey
 from ucm.read_snapshot import StoredRecord
 from ucm.record import BlockRecord, Buffer, RecordError, RecordMismatch, decode_record
@@ -48,7 +49,7 @@ class StoreTiers:
     lock: threading.Lock
     dram: DramTier
     disk: DiskTier | None
-    inflight: dict[BlockKey, BlockRecord]  # committed, not yet on disk: served like DRAM
+    inflight: InFlight  # committed, not yet on disk: served like DRAM
     removals: RemovalClock  # a promotion from disk must not bring back what a removal deleted
     counters: StoreStats  # the reader counts corrupt entries it dropped
     verify_dram_reads: bool
@@ -261,7 +262,7 @@ class BlockReader:
         with tiers.lock:
             tiers.removals.begin()
             tiers.counters.corrupt_dropped += 1
-            tiers.inflight.pop(key, None)
+            tiers.inflight.pop(key)
             tiers.dram.remove(key)
         try:
             if tiers.disk is not None:
