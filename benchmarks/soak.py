@@ -3,8 +3,10 @@
 Starts store daemon + prefill + decode + router (launch/cluster.py), warms up, takes a baseline at idle, then runs
 `--concurrency` clients for `--minutes`: streaming and non-streaming completions, clients that hang up
 mid-stream, and prompts sharing a few long prefixes (store and prefix-cache hits). Every `--sample-s` it records
-each process's RSS and each node's free KV blocks. After the load it waits for the cluster to go idle and
-compares with the baseline: free blocks must be back exactly, RSS within a tolerance (the store may grow by its
+each process's RSS (and of it, mapped file pages) and each node's free KV blocks. After the load it waits for the
+cluster to go idle and compares with the baseline: free blocks must be back exactly, and each process's memory, its RSS
+less file pages (the model's weights and LMDB's map are page cache the kernel may drop and refill, not a leak),
+within a tolerance (the store may grow by its
 DRAM tier plus the most bytes it reported holding outside it at once, `StoreStats.transit_bytes_peak`: the daemon
 keeps freed memory for reuse; a node by its KV cache, whose pages are touched on first use; beyond that, growth is a
 leak).
@@ -95,7 +97,12 @@ class Sample:
     t: float
     phase: str  # baseline, load, final
     rss_mib: dict[str, float]
+    file_mib: dict[str, float]  # of rss_mib, pages of mapped files (RssFile)
     free_blocks: dict[str, float]
+
+    def memory_mib(self, name: str) -> float:
+        """What the checks compare: RSS less file pages (anonymous and shared memory)."""
+        return self.rss_mib.get(name, float("nan")) - self.file_mib.get(name, 0.0)
 
 
 @dataclass
@@ -113,21 +120,25 @@ class Report:
         return not self.failures and not self.restarts and all(c["ok"] for c in self.checks.values())
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, RssFile) of a process in MiB, from /proc/PID/status."""
+    fields = {"VmRSS": 0.0, "RssFile": 0.0}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+            key = line.split(":", 1)[0]
+            if key in fields:
+                fields[key] = int(line.split()[1]) / 1024
+    return fields["VmRSS"], fields["RssFile"]
 
 
 def snapshot(cluster: Cluster, t0: float, phase: str) -> Sample:
-    rss = {name: rss_mib(child.proc.pid) for name, child in dict(cluster.children).items() if child.alive}
+    mem = {name: rss_mib(child.proc.pid) for name, child in dict(cluster.children).items() if child.alive}
     free: dict[str, float] = {}
     for line in httpx.get(cluster.url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("ucm_node_free_kv_blocks{"):
             free[line.split('node="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
-    return Sample(round(time.monotonic() - t0, 1), phase, rss, free)
+    rss, files = {n: m[0] for n, m in mem.items()}, {n: m[1] for n, m in mem.items()}
+    return Sample(round(time.monotonic() - t0, 1), phase, rss, files, free)
 
 
 def store_stats(cluster: Cluster) -> StoreStats:
@@ -229,7 +240,10 @@ def run(config: SoakConfig, log=print) -> Report:
         wait_idle(cluster)
         baseline = snapshot(cluster, t0, "baseline")
         report.samples.append(baseline)
-        log(f"[soak] baseline RSS MiB {baseline.rss_mib}, free blocks {baseline.free_blocks}")
+        log(
+            f"[soak] baseline RSS MiB {baseline.rss_mib}, of it file pages {baseline.file_mib}, "
+            f"free blocks {baseline.free_blocks}"
+        )
         counts: Counter[str] = Counter()
         failures: Counter[str] = Counter()
         stop_at = time.monotonic() + config.minutes * 60
@@ -241,7 +255,8 @@ def run(config: SoakConfig, log=print) -> Report:
                 report.samples.append(sample)
                 log(
                     f"[soak] t={sample.t:.0f}s requests {sum(counts.values())} RSS MiB "
-                    f"{ {k: round(v) for k, v in sample.rss_mib.items()} } free {sample.free_blocks}"
+                    f"{ {k: round(v) for k, v in sample.rss_mib.items()} } (file pages "
+                    f"{ {k: round(v) for k, v in sample.file_mib.items()} }) free {sample.free_blocks}"
                 )
         clients.join_all()
         wait_idle(cluster)
@@ -255,10 +270,10 @@ def run(config: SoakConfig, log=print) -> Report:
         allowances = {"store": parse_size(config.dram) / 2**20 + report.store_transit_peak_mib}
         for name in cluster.node_names():
             allowances[name] = parse_size(config.kv_cache_memory) / 2**20
-        for name, base in baseline.rss_mib.items():
+        for name in baseline.rss_mib:
+            base, end = baseline.memory_mib(name), final.memory_mib(name)
             limit = base * (1 + config.rss_rel_tol) + config.rss_abs_tol_mib + allowances.get(name, 0.0)
-            end = final.rss_mib.get(name, float("nan"))
-            report.checks[f"rss {name}"] = {
+            report.checks[f"rss less file pages {name}"] = {
                 "baseline": round(base, 1),
                 "final": round(end, 1),
                 "limit": round(limit, 1),
@@ -279,9 +294,10 @@ def plot(report: Report, path: Path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     names = sorted({n for s in report.samples for n in s.rss_mib})
     for name in names:
-        pts = [(s.t, s.rss_mib[name]) for s in report.samples if name in s.rss_mib]
-        top.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=name)
-    top.set_ylabel("RSS (MiB)")
+        pts = [(s.t, s.rss_mib[name], s.memory_mib(name)) for s in report.samples if name in s.rss_mib]
+        (line,) = top.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=name)
+        top.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", color=line.get_color())
+    top.set_ylabel("RSS (MiB; dashed: less file pages)")
     top.legend(fontsize=8)
     top.set_title(
         f"soak: {report.config.minutes:g} min, {sum(report.requests.values())} requests, "

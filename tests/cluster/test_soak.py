@@ -1,6 +1,8 @@
 """A short soak (benchmarks/soak.py): mixed load (streaming, non-streaming, clients hanging up, shared prefixes)
 on a whole cluster, then every node's free KV blocks are back to the idle baseline exactly and every process's
-RSS within the soak's tolerance; nothing failed, nothing was restarted. The long run is `--minutes 30`."""
+memory within the soak's tolerance; nothing failed, nothing was restarted. Both topologies: a prefill/decode pair,
+and the one engine `up` starts on a small host, whose saves and disk writes act only on reuse. The long run is
+`--minutes 30`."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from benchmarks.soak import main
 pytestmark = pytest.mark.slow
 
 
-def test_soak_returns_to_baseline(tmp_path) -> None:
-    code = main(["--minutes", "2", "--sample-s", "10", "--concurrency", "3", "--out", str(tmp_path)])
+@pytest.mark.parametrize("topology", ["disagg", "colocated"])  # colocated: what `up` starts on a small host
+def test_soak_returns_to_baseline(tmp_path, topology: str) -> None:
+    argv = ["--minutes", "1", "--sample-s", "10", "--concurrency", "3", "--topology", topology, "--out", str(tmp_path)]
+    code = main(argv)
     report = json.loads((tmp_path / "soak.json").read_text())
     assert (tmp_path / "soak.png").stat().st_size > 0
     assert not report["failures"] and not report["restarts"], report
