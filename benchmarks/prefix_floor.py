@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.vs_vllm import VLLM
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model_dir
 from engine.step_budget import linear_flops_per_token
@@ -149,7 +150,7 @@ def read_vs_vllm(path: Path) -> tuple[float | None, float | None]:
         ms = table.get(name, {}).get("prefix_rep_ttft_mean_ms")
         return None if ms is None else ms / 1000
 
-    return mean_s("vllm"), mean_s("ucm-up")
+    return mean_s(VLLM), mean_s("ucm-up")
 
 
 def report(floor: Floor) -> str:
