@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from ucm.api import BlockRef, DumpsByLayers, StoreStats, Tier, check_dump_layers
 from ucm.disk_tier import DiskTier
@@ -31,6 +30,7 @@ from ucm.dram_tier import DramTier
 from ucm.eviction import EvictionPolicy, PolicyName, make_policy
 from ucm.in_flight import InFlight
 from ucm.keys import KEY_NBYTES, BlockKey
+from ucm.pending_dumps import PendingDumps
 from ucm.pins import PinTable
 from ucm.record import BlockRecord, Buffer, as_bytes_view, checksum
 from ucm.removal_clock import RemovalClock
@@ -43,19 +43,6 @@ from ucm.write_behind import WriteBehind
 __all__ = ["Store", "StoreConfig"]
 log = logging.getLogger("ucm.store")
 PolicyFactory = Callable[[PolicyName, int], EvictionPolicy]
-
-
-@dataclass
-class _Pending:
-    """A block being dumped layer by layer; invisible until committed with every layer present."""
-
-    ref: BlockRef
-    payloads: list[bytes | None]
-    checksums: list[int]
-    created: float
-
-    def nbytes(self) -> int:
-        return sum(len(p) for p in self.payloads if p is not None)
 
 
 def _normalized(ref: BlockRef) -> BlockRef:
@@ -86,10 +73,9 @@ class Store(DumpsByLayers):
         self._inflight = InFlight()  # committed, not yet on disk: still visible
         # Removed while in flight: hidden even if their disk write lands, until `_on_written` deletes it again.
         self._removed_inflight: set[BlockKey] = set()
-        self._pending: dict[BlockKey, _Pending] = {}
-        # Bytes held outside the tiers, in `_pending` and `_inflight`, and their most at once: with DRAM's capacity
-        # this bounds what the store holds (what a process keeping its freed memory, as the daemon does, grows to).
-        self._pending_bytes = 0
+        self._pending = PendingDumps()
+        # The most bytes held outside the tiers at once, in `_pending` and `_inflight`: with DRAM's capacity this
+        # bounds what the store holds (what a process keeping its freed memory, as the daemon does, grows to).
         self._transit_bytes_peak = 0
         self._removals = RemovalClock()  # a promotion from disk must not bring back what a removal deleted
         self._counters = StoreStats()
@@ -168,19 +154,13 @@ class Store(DumpsByLayers):
         now = time.monotonic()
         with self._lock:
             for i, ref, payloads, digests in copies:
-                pending = self._pending.get(ref.key)
-                if pending is None:
-                    pending = _Pending(ref, [None] * num_layers, [0] * num_layers, now)
-                    self._pending[ref.key] = pending
-                elif pending.ref != ref or len(pending.payloads) != num_layers:
+                pending = self._pending.get_or_start(ref, num_layers, now)
+                if pending.ref != ref or len(pending.payloads) != num_layers:
                     log.warning("dump: %s is being dumped with different content; refusing", ref.key.hex())
                     failed.append(i)
                     continue
                 for layer, payload, digest in zip(layers, payloads, digests):
-                    old = pending.payloads[layer]
-                    self._pending_bytes += len(payload) - (0 if old is None else len(old))
-                    pending.payloads[layer] = payload
-                    pending.checksums[layer] = digest
+                    self._pending.set_layer(pending, layer, payload, digest)
             self._note_transit_peak()
             self._sweep_pending(now)
             self._dram.stats.bytes_written += nbytes
@@ -191,27 +171,25 @@ class Store(DumpsByLayers):
         if now - self._last_sweep < min(1.0, self.config.pending_timeout_s / 2):
             return
         self._last_sweep = now
-        stale = [k for k, p in self._pending.items() if now - p.created > self.config.pending_timeout_s]
-        for key in stale:
+        stale = [p for p in self._pending if now - p.created > self.config.pending_timeout_s]
+        for pending in stale:
             log.warning(
-                "dropping %s: dumped %.0f s ago and never committed", key.hex(), now - self._pending[key].created
+                "dropping %s: dumped %.0f s ago and never committed", pending.ref.key.hex(), now - pending.created
             )
-            self._pending_bytes -= self._pending.pop(key).nbytes()
+            self._pending.pop(pending.ref.key)
 
     def _note_transit_peak(self) -> None:
         """After bytes entered `_pending` or `_inflight` (under `_lock`)."""
-        assert self._pending_bytes >= 0, f"pending bytes went negative ({self._pending_bytes})"
-        self._transit_bytes_peak = max(self._transit_bytes_peak, self._pending_bytes + self._inflight.nbytes)
+        self._transit_bytes_peak = max(self._transit_bytes_peak, self._pending.nbytes + self._inflight.nbytes)
 
     def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:
         to_write: list[BlockRecord] = []
         with self._lock:
             records: list[BlockRecord] = []
             for key in keys:
-                pending = self._pending.pop(key, None)
+                pending = self._pending.pop(key)
                 if pending is None:
                     continue  # already committed by a concurrent writer, or never dumped
-                self._pending_bytes -= pending.nbytes()
                 missing = [i for i, p in enumerate(pending.payloads) if p is None]
                 if not ok or missing:
                     log.debug("discarding %s (ok=%s, missing layers %s)", key.hex(), ok, missing[:8])
@@ -270,8 +248,7 @@ class Store(DumpsByLayers):
         with self._lock:
             self._removals.begin()
             for key in keys:
-                if (pending := self._pending.pop(key, None)) is not None:
-                    self._pending_bytes -= pending.nbytes()
+                self._pending.pop(key)
                 if self._inflight.pop(key) is not None:
                     self._removed_inflight.add(key)
                 self._dram.remove(key)
@@ -364,7 +341,7 @@ class Store(DumpsByLayers):
             stats = copy.deepcopy(self._counters)
             stats.tiers = {Tier.DRAM: copy.copy(self._dram.stats)}
             stats.pending_blocks = len(self._pending) + len(self._inflight)
-            stats.transit_bytes = self._pending_bytes + self._inflight.nbytes
+            stats.transit_bytes = self._pending.nbytes + self._inflight.nbytes
             stats.transit_bytes_peak = self._transit_bytes_peak
         if self._disk is not None:
             stats.tiers[Tier.DISK] = self._disk.snapshot()
