@@ -120,7 +120,7 @@ class Report:
         return not self.failures and not self.restarts and all(c["ok"] for c in self.checks.values())
 
 
-def rss_mib(pid: int) -> tuple[float, float]:
+def resident_and_file_mib(pid: int) -> tuple[float, float]:
     """(VmRSS, RssFile) of a process in MiB, from /proc/PID/status."""
     fields = {"VmRSS": 0.0, "RssFile": 0.0}
     with open(f"/proc/{pid}/status") as f:
@@ -132,7 +132,7 @@ def rss_mib(pid: int) -> tuple[float, float]:
 
 
 def snapshot(cluster: Cluster, t0: float, phase: str) -> Sample:
-    mem = {name: rss_mib(child.proc.pid) for name, child in dict(cluster.children).items() if child.alive}
+    mem = {name: resident_and_file_mib(child.proc.pid) for name, child in dict(cluster.children).items() if child.alive}
     free: dict[str, float] = {}
     for line in httpx.get(cluster.url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("ucm_node_free_kv_blocks{"):

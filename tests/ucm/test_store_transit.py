@@ -5,6 +5,10 @@ store held, which is what a soak allows the daemon's memory to grow by."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
 
 import ucm.disk_tier
 from tests.store_helpers import NUM_LAYERS, PAYLOAD, dump_all, make_refs, open_store, payload, record_bytes
@@ -27,46 +31,52 @@ def test_pending_layers_count_once_and_leave_at_commit(tmp_path) -> None:
         assert (stats.transit_bytes, stats.transit_bytes_peak) == (0, 2 * NUM_LAYERS * PAYLOAD)
 
 
-def test_a_block_waiting_for_its_disk_write_counts_until_written(tmp_path, monkeypatch) -> None:
-    refs = make_refs(list(range(4)))
-    release, writing = threading.Event(), threading.Event()
+@dataclass
+class SlowDisk:
+    """The one injected fault: every disk write waits for `release`; `writing` is set once one has started."""
+
+    release: threading.Event = field(default_factory=threading.Event)
+    writing: threading.Event = field(default_factory=threading.Event)
+
+
+@pytest.fixture
+def slow_disk(monkeypatch) -> Iterator[SlowDisk]:
+    disk = SlowDisk()
     write = ucm.disk_tier.DiskTier.write
 
-    def slow_disk(self, records):  # the fault: a disk that takes its time
-        writing.set()
-        assert release.wait(10), "test never released the disk"
+    def slow_write(self, records):
+        disk.writing.set()
+        assert disk.release.wait(10), "test never released the disk"
         return write(self, records)
 
-    with open_store(tmp_path, disk=None) as probe:
+    monkeypatch.setattr(ucm.disk_tier.DiskTier, "write", slow_write)
+    yield disk
+    disk.release.set()  # a failed test must not leave the write-behind thread waiting
+
+
+def test_a_block_waiting_for_its_disk_write_counts_until_written(tmp_path, slow_disk) -> None:
+    refs = make_refs(list(range(4)))
+    with open_store(tmp_path, disk=None) as probe:  # no disk: nothing for the slow disk to hold
         size = record_bytes(probe, refs[0])
-    monkeypatch.setattr(ucm.disk_tier.DiskTier, "write", slow_disk)
     with open_store(tmp_path) as store:  # DiskWrites.BEHIND: every commit goes to the write-behind
         dump_all(store, refs)
-        assert writing.wait(10), "the write-behind never started"
+        assert slow_disk.writing.wait(10), "the write-behind never started"
         assert store.stats().transit_bytes == size, "committed, not yet on disk"
-        release.set()
+        slow_disk.release.set()
         store.flush()
         stats = store.stats()
         assert stats.transit_bytes == 0 and stats.transit_bytes_peak >= size
         assert stats.pending_blocks == 0
 
 
-def test_removing_a_block_in_flight_frees_its_bytes(tmp_path, monkeypatch) -> None:
+def test_removing_a_block_in_flight_frees_its_bytes(tmp_path, slow_disk) -> None:
     refs = make_refs(list(range(4)))
-    release = threading.Event()
-    write = ucm.disk_tier.DiskTier.write
-
-    def slow_disk(self, records):
-        assert release.wait(10), "test never released the disk"
-        return write(self, records)
-
-    monkeypatch.setattr(ucm.disk_tier.DiskTier, "write", slow_disk)
     with open_store(tmp_path) as store:
         dump_all(store, refs)
         assert store.stats().transit_bytes > 0
         store.remove([refs[0].key])
         assert store.stats().transit_bytes == 0
-        release.set()
+        slow_disk.release.set()
         store.flush()
         assert store.stats().transit_bytes == 0
         assert store.lookup([refs[0].key]) == 0
