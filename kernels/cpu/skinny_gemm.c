@@ -351,8 +351,8 @@ static void panel_rows(const float *x, int64_t m, int64_t k, const panel_source 
 static void tile6(int64_t kc, const float *a, const float *b, float *y, int64_t ldy, int64_t mr, int64_t valid,
                   int first, int last, const float *bias) {
     float t[BM][NR];
-    const int whole = mr == BM && valid == NR;
 #ifdef SG_AVX2
+    const int whole = mr == BM && valid == NR;
     const int fill = !whole || first; /* a whole tile's parked sums load straight from y */
 #else
     const int fill = 1;
