@@ -1,0 +1,163 @@
+"""A static aarch64 Linux executable run in the unicorn CPU emulator (the `unicorn` wheel, a dev dependency), so an
+x86 test machine can call the kernels' aarch64 build: the executable is loaded, musl's start-up runs until `main`
+(its heap and thread pointer are then set up), and then its functions are called directly, arguments placed as
+the AArch64 procedure call standard places them.
+
+Only what musl's start-up and malloc ask of the kernel is answered: anonymous mmap from a bump region, a brk that
+never grows (malloc then maps), and no-ops for the calls that only set state.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elftools.elf.elffile import ELFFile
+from unicorn import UC_ARCH_ARM64, UC_HOOK_INTR, UC_MODE_ARM, UC_PROT_ALL, Uc
+from unicorn.arm64_const import (
+    UC_ARM64_REG_CPACR_EL1,
+    UC_ARM64_REG_LR,
+    UC_ARM64_REG_S0,
+    UC_ARM64_REG_SP,
+    UC_ARM64_REG_X0,
+    UC_ARM64_REG_X8,
+)
+
+PAGE = 0x1000
+STACK_TOP, STACK_SIZE = 0x7F00_0000, 8 << 20
+HEAP_BASE, HEAP_SIZE = 0x4000_0000, 512 << 20  # the kernel's mmap answers come from here
+DATA_BASE, DATA_SIZE = 0x2000_0000, 256 << 20  # the caller's arrays
+RETURN_ADDR = 0x7FFF_0000  # a call "returns" here, where the emulation stops
+ENOSYS, ENOTTY, ENOMEM = 38, 25, 12
+# aarch64 Linux system call numbers musl's start-up and malloc use
+SYS_IOCTL, SYS_WRITEV, SYS_EXIT, SYS_EXIT_GROUP, SYS_SET_TID_ADDRESS = 29, 66, 93, 94, 96
+SYS_RT_SIGPROCMASK, SYS_BRK, SYS_MUNMAP, SYS_MREMAP, SYS_MMAP, SYS_MPROTECT, SYS_MADVISE = (
+    135,
+    214,
+    215,
+    216,
+    222,
+    226,
+    233,
+)
+
+
+def page_up(n: int) -> int:
+    return (n + PAGE - 1) & ~(PAGE - 1)
+
+
+@dataclass
+class Bump:
+    """Addresses handed out from [next, end), page-aligned where asked."""
+
+    next: int
+    end: int
+
+    def take(self, size: int, align: int = 16) -> int:
+        at = (self.next + align - 1) & ~(align - 1)
+        if at + size > self.end:
+            raise MemoryError(f"emulated region full ({size} bytes asked)")
+        self.next = at + size
+        return at
+
+
+@dataclass
+class Aarch64Process:
+    path: Path
+    uc: Uc = field(init=False)
+    symbols: dict[str, int] = field(init=False)
+    data: Bump = field(default_factory=lambda: Bump(DATA_BASE, DATA_BASE + DATA_SIZE))
+    heap: Bump = field(default_factory=lambda: Bump(HEAP_BASE, HEAP_BASE + HEAP_SIZE))
+    output: list[bytes] = field(default_factory=list)  # what the program wrote (writev)
+
+    def __post_init__(self) -> None:
+        self.uc = Uc(UC_ARCH_ARM64, UC_MODE_ARM)
+        self.uc.reg_write(UC_ARM64_REG_CPACR_EL1, 0x300000)  # FPEN: FP and SIMD instructions do not trap
+        with open(self.path, "rb") as f:
+            elf = ELFFile(f)
+            assert elf["e_machine"] == "EM_AARCH64" and elf["e_type"] == "ET_EXEC", "a static aarch64 executable"
+            phdr, phnum, entry = 0, elf["e_phnum"], elf["e_entry"]
+            for seg in elf.iter_segments():
+                if seg["p_type"] == "PT_PHDR":
+                    phdr = seg["p_vaddr"]
+                if seg["p_type"] != "PT_LOAD":
+                    continue
+                lo = seg["p_vaddr"] & ~(PAGE - 1)
+                self.uc.mem_map(lo, page_up(seg["p_vaddr"] + seg["p_memsz"]) - lo, UC_PROT_ALL)
+                self.uc.mem_write(seg["p_vaddr"], seg.data())
+            symtab = elf.get_section_by_name(".symtab")
+            assert symtab is not None, "the executable keeps its symbol table"
+            self.symbols = {s.name: s["st_value"] for s in symtab.iter_symbols() if s.name}
+        for base, size in ((STACK_TOP - STACK_SIZE, STACK_SIZE), (HEAP_BASE, HEAP_SIZE), (DATA_BASE, DATA_SIZE)):
+            self.uc.mem_map(base, size, UC_PROT_ALL)
+        self.uc.mem_map(RETURN_ADDR, PAGE, UC_PROT_ALL)
+        self.uc.hook_add(UC_HOOK_INTR, self._syscall)
+        self._start(entry, phdr, phnum)
+
+    def _start(self, entry: int, phdr: int, phnum: int) -> None:
+        """musl's _start with an empty argv and environment and the aux vector its start-up reads, until main."""
+        random16 = self.alloc(bytes(range(16)))
+        AT_PHDR, AT_PHENT, AT_PHNUM, AT_PAGESZ, AT_RANDOM = 3, 4, 5, 6, 25
+        aux = [AT_PHDR, phdr, AT_PHENT, 56, AT_PHNUM, phnum, AT_PAGESZ, PAGE, AT_RANDOM, random16, 0, 0]
+        words = [0, 0, 0, *aux]  # argc 0, argv's NULL, envp's NULL, then the aux vector
+        sp = (STACK_TOP - 0x1000) & ~0xF
+        self.uc.mem_write(sp, struct.pack(f"<{len(words)}Q", *words))
+        self.uc.reg_write(UC_ARM64_REG_SP, sp)
+        self.uc.emu_start(entry, self.symbols["main"])
+
+    def _syscall(self, uc: Uc, intno: int, _user: object) -> None:
+        assert intno == 2, f"CPU exception {intno} in the emulated program"  # 2: svc, a system call
+        nr = uc.reg_read(UC_ARM64_REG_X8)
+        args = [uc.reg_read(UC_ARM64_REG_X0 + i) for i in range(6)]
+        ret: int
+        if nr == SYS_MMAP:
+            ret = self.heap.take(page_up(args[1]), PAGE) if args[0] == 0 else -ENOMEM
+        elif nr == SYS_BRK:
+            ret = HEAP_BASE + HEAP_SIZE  # never grows: malloc falls back to mmap
+        elif nr == SYS_WRITEV:
+            ret = 0
+            for i in range(args[2]):
+                base, size = struct.unpack("<QQ", uc.mem_read(args[1] + 16 * i, 16))
+                self.output.append(bytes(uc.mem_read(base, size)))
+                ret += size
+        elif nr in (SYS_EXIT, SYS_EXIT_GROUP):
+            uc.emu_stop()
+            ret = 0
+        elif nr == SYS_SET_TID_ADDRESS:
+            ret = 1
+        elif nr in (SYS_MUNMAP, SYS_MPROTECT, SYS_MADVISE, SYS_RT_SIGPROCMASK):
+            ret = 0
+        elif nr == SYS_IOCTL:
+            ret = -ENOTTY
+        elif nr == SYS_MREMAP:
+            ret = -ENOMEM
+        else:
+            ret = -ENOSYS
+        uc.reg_write(UC_ARM64_REG_X0, ret & (2**64 - 1))
+
+    def alloc(self, data: bytes) -> int:
+        """Copy data into the emulated memory; its address."""
+        at = self.data.take(max(len(data), 1), 64)
+        self.uc.mem_write(at, data)
+        return at
+
+    def read(self, at: int, size: int) -> bytes:
+        return bytes(self.uc.mem_read(at, size))
+
+    def call(self, name: str, ints: list[int], floats: tuple[float, ...] = ()) -> int:
+        """Call a function: integer and pointer arguments in order (x0-x7, then 8-byte stack slots), float ones in
+        s0, s1, ...; its 64-bit x0 after it returns."""
+        assert len(floats) <= 8, "float arguments past s7 are not placed"
+        sp = (STACK_TOP - 0x10000) & ~0xF
+        for i, v in enumerate(ints[:8]):
+            self.uc.reg_write(UC_ARM64_REG_X0 + i, v & (2**64 - 1))
+        rest = ints[8:]
+        if rest:
+            self.uc.mem_write(sp, struct.pack(f"<{len(rest)}Q", *(v & (2**64 - 1) for v in rest)))
+        for i, x in enumerate(floats):
+            self.uc.reg_write(UC_ARM64_REG_S0 + i, struct.unpack("<I", struct.pack("<f", x))[0])
+        self.uc.reg_write(UC_ARM64_REG_SP, sp)
+        self.uc.reg_write(UC_ARM64_REG_LR, RETURN_ADDR)
+        self.uc.emu_start(self.symbols[name], RETURN_ADDR)
+        return int(self.uc.reg_read(UC_ARM64_REG_X0))
