@@ -10,9 +10,11 @@ never grows (malloc then maps), and no-ops for the calls that only set state.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from elftools.elf.elffile import ELFFile
 from unicorn import UC_ARCH_ARM64, UC_HOOK_INTR, UC_MODE_ARM, UC_PROT_ALL, Uc
 from unicorn.arm64_const import (
@@ -137,7 +139,7 @@ class Aarch64Process:
         uc.reg_write(UC_ARM64_REG_X0, ret & (2**64 - 1))
 
     def alloc(self, data: bytes) -> int:
-        """Copy data into the emulated memory; its address."""
+        """Copy data into the emulated memory; its address (valid until the next `call`)."""
         at = self.data.take(max(len(data), 1), 64)
         self.uc.mem_write(at, data)
         return at
@@ -145,10 +147,14 @@ class Aarch64Process:
     def read(self, at: int, size: int) -> bytes:
         return bytes(self.uc.mem_read(at, size))
 
-    def call(self, name: str, ints: list[int], floats: tuple[float, ...] = ()) -> int:
+    def call(self, name: str, args: Sequence[int | torch.Tensor], floats: tuple[float, ...] = ()) -> int:
         """Call a function: integer and pointer arguments in order (x0-x7, then 8-byte stack slots), float ones in
-        s0, s1, ...; its 64-bit x0 after it returns."""
+        s0, s1, ...; its 64-bit x0 after it returns. A tensor argument is passed as a pointer to a copy of it, which
+        is copied back afterwards, so what the function writes there lands in the tensor."""
         assert len(floats) <= 8, "float arguments past s7 are not placed"
+        self.data.next = DATA_BASE  # the last call's copies are dead
+        tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        ints = [self.alloc(as_bytes(tensors[i])) if i in tensors else int(a) for i, a in enumerate(args)]
         sp = (STACK_TOP - 0x10000) & ~0xF
         for i, v in enumerate(ints[:8]):
             self.uc.reg_write(UC_ARM64_REG_X0 + i, v & (2**64 - 1))
@@ -160,4 +166,12 @@ class Aarch64Process:
         self.uc.reg_write(UC_ARM64_REG_SP, sp)
         self.uc.reg_write(UC_ARM64_REG_LR, RETURN_ADDR)
         self.uc.emu_start(self.symbols[name], RETURN_ADDR)
+        for i, t in tensors.items():
+            raw = bytearray(self.read(ints[i], t.numel() * t.element_size()))
+            t.view(torch.uint8).view(-1).copy_(torch.frombuffer(raw, dtype=torch.uint8))
         return int(self.uc.reg_read(UC_ARM64_REG_X0))
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    assert t.is_contiguous(), "a tensor argument is passed as its contiguous bytes"
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""

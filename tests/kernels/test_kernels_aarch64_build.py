@@ -5,12 +5,12 @@ with zig's clang (the `ziglang` wheel, a dev dependency; no gcc here targets aar
   preprocessor picks the attention's NEON vector and lanes bodies.
 - As a static musl executable (aarch64_main.c) run in the unicorn CPU emulator (aarch64_emulator.py): its paged
   attention, decode and prompt rows, fp32 and bf16, through the NEON bodies, equals the float64 oracle as the host
-  build's does (test_kernels_native.py's tolerances). One thread: OpenMP has no aarch64 runtime here."""
+  build's does (test_kernels_native.py's tolerances); its norms, SiLU-and-mul, rotary embedding, skinny GEMM and KV
+  writes equal the host build's or the oracle. One thread: OpenMP has no aarch64 runtime here."""
 
 from __future__ import annotations
 
 import re
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +20,13 @@ import torch
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
+from kernels.cpu import elementwise as ew
 from kernels.cpu import native
 from kernels.cpu.paged_attention import DTYPE_CODES, attention_error
+from kernels.cpu.skinny_gemm import NR
 from kernels.testing import PagedCase, make_paged_case, naive_attention
 from tests.kernels.aarch64_emulator import Aarch64Process
+from tests.kernels.test_kernels_elementwise import _norm_inputs, _qkv_case, assert_bf16_close
 from tests.kernels.test_kernels_native import TOL
 
 ZIG_CC = (sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu")
@@ -104,7 +107,7 @@ def build_static(out: Path) -> Path:
     main = Path(__file__).with_name("aarch64_main.c")
     here = Path(native.__file__).parent
     flags = [f for f in cross_flags() if f not in ("-shared", "-fPIC")]
-    target = [*ZIG_CC[:-1], "aarch64-linux-musl", "-static", "-fno-pie", "-no-pie", f"-I{here}"]
+    target = [*ZIG_CC[:-1], "aarch64-linux-musl", "-static", "-fno-pie", "-no-pie", "-Wl,--no-gc-sections", f"-I{here}"]
     cmd = [*target, *flags, "-Wall", "-Werror", str(main), *map(str, native.KERNELS.sources), "-o", str(out)]
     done = subprocess.run([*cmd, *native.KERNELS.libs], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"aarch64 executable build failed:\n{done.stderr[-4000:]}"
@@ -116,37 +119,26 @@ def emulated(tmp_path_factory) -> Aarch64Process:
     return Aarch64Process(build_static(tmp_path_factory.mktemp("aarch64") / "kernels"))
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.contiguous()
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
-
-
 def emulated_attention(proc: Aarch64Process, case: PagedCase, decode: bool, scale: float) -> torch.Tensor:
     """ucm_paged_attention in the emulator, with the arguments native's _call gives it (decode: no query starts)."""
     num_tokens, hq, d = case.q.shape
     num_blocks, block_size, hkv, _ = case.k_cache.shape
-    dtype = case.q.dtype
-    out = proc.alloc(bytes(case.q.numel() * case.q.element_size()))
-    err_seq, skipped = proc.alloc(struct.pack("<i", -1)), proc.alloc(struct.pack("<i", 0))
+    out = torch.zeros_like(case.q)
+    err_seq, skipped = torch.tensor([-1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     tables = case.block_tables.contiguous()
     rc = proc.call(
         "ucm_paged_attention",
         [
-            proc.alloc(tensor_bytes(case.q)), hq * d, d,
-            proc.alloc(tensor_bytes(case.k_cache)), proc.alloc(tensor_bytes(case.v_cache)), out,
-            0 if decode else proc.alloc(tensor_bytes(case.query_start_loc)), proc.alloc(tensor_bytes(case.seq_lens)),
-            proc.alloc(tensor_bytes(tables)), tables.stride(0), tables.shape[1], num_blocks,
+            case.q.contiguous(), hq * d, d, case.k_cache, case.v_cache, out,
+            0 if decode else case.query_start_loc, case.seq_lens,
+            tables, tables.stride(0), tables.shape[1], num_blocks,
             case.seq_lens.shape[0], num_tokens, hq, hkv, d, block_size,
-            DTYPE_CODES[dtype], 0, 0, 1, err_seq, skipped,
+            DTYPE_CODES[case.q.dtype], 0, 0, 1, err_seq, skipped,
         ],
         (scale,),
     )  # fmt: skip
-    assert rc & 0xFFFFFFFF == 0, (
-        f"the kernel returned {rc}: {attention_error(rc, struct.unpack('<i', proc.read(err_seq, 4))[0])}"
-    )
-    raw = proc.read(out, case.q.numel() * case.q.element_size())
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
-    return (flat.view(torch.bfloat16) if dtype == torch.bfloat16 else flat).view(num_tokens, hq, d)
+    assert rc & 0xFFFFFFFF == 0, f"the kernel returned {rc}: {attention_error(rc, int(err_seq))}"
+    return out
 
 
 def test_the_emulated_build_reports_the_neon_path(emulated):
@@ -175,3 +167,77 @@ def test_emulated_neon_attention_equals_the_oracle(emulated, dtype, decode, hq, 
     torch.testing.assert_close(got[rows].double(), want, **TOL[dtype])
     padding = [int(case.query_start_loc[i]) for i, n in enumerate(ctx) if n == 0]
     assert not got[padding].any(), "padding rows (seq_len 0) are 0"
+
+
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)  # as test_kernels_avx2_build: the sum order may differ between builds
+
+
+def assert_builds_agree(got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.dtype == torch.bfloat16:
+        assert_bf16_close(got, want)
+    else:
+        torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 100), (3, 7)])
+def test_emulated_norms_and_silu_equal_the_host_build(emulated, native_lib, dtype, rows, hidden):
+    x, weight, residual = (t.to(dtype) for t in _norm_inputs(rows, hidden, seed=rows + hidden))
+    f32 = "_f32" if dtype == torch.float32 else ""
+    out = torch.zeros_like(x)
+    emulated.call(f"ucm_rms_norm{f32}", [x, weight, out, rows, hidden, 1], (1e-5,))
+    assert_builds_agree(out, ew.rms_norm_native(native_lib, x, weight, 1e-5))
+    res_emulated, res_host = residual.clone(), residual.clone()
+    emulated.call(f"ucm_fused_add_rms_norm{f32}", [x, res_emulated, weight, out, rows, hidden, 1], (1e-5,))
+    assert_builds_agree(out, ew.fused_add_rms_norm_native(native_lib, x, res_host, weight, 1e-5))
+    assert torch.equal(res_emulated, res_host), "the residual sum is one add per element"
+    gate_up = torch.cat([x, residual], dim=-1)
+    act = torch.zeros_like(x)
+    emulated.call(f"ucm_silu_and_mul{f32}", [gate_up, act, rows, hidden, 1])
+    assert_builds_agree(act, ew.silu_and_mul_native(native_lib, gate_up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hq,hkv,d", [(33, 9, 3, 64), (3, 2, 1, 8)])
+def test_emulated_rotary_embedding_equals_the_host_build(emulated, native_lib, dtype, tokens, hq, hkv, d):
+    _, qk, cos, sin = _qkv_case(tokens, hq, hkv, d, seed=tokens + d)
+    qk, cos, sin = qk.to(dtype).contiguous(), cos.to(dtype).contiguous(), sin.to(dtype).contiguous()
+    host, emu = qk.clone(), qk.clone()
+    f32 = "_f32" if dtype == torch.float32 else ""
+    emulated.call(f"ucm_rotary_embedding{f32}", [emu, emu.stride(0), tokens, emu.shape[1], d, cos, sin, 1])
+    ew.rotary_embedding_native(native_lib, host, cos, sin)
+    assert torch.equal(emu, host)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (7, 64, 37), (13, 100, 16)])
+def test_emulated_skinny_gemm_equals_the_oracle(emulated, m, k, n):
+    gen = torch.Generator().manual_seed(m * k + n)
+    x, w, bias = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    panels = torch.zeros(-(-n // NR) * k * NR)
+    emulated.call("ucm_pack_panels", [w, panels, n, k])
+    y = torch.zeros(m, n)
+    emulated.call("ucm_skinny_gemm", [x, m, k, panels, n, bias, y, 1])
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T + bias.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_emulated_write_kv_places_every_slot(emulated):
+    gen = torch.Generator().manual_seed(5)
+    blocks, block_size, hkv, d = 6, 16, 3, 64
+    key, value = torch.randn(20, hkv, d, generator=gen).bfloat16(), torch.randn(20, hkv, d, generator=gen).bfloat16()
+    slots = torch.randperm(blocks * block_size, generator=gen)[:20].to(torch.int64)
+    slots[3] = -1  # skipped
+    k_cache, v_cache = (
+        torch.zeros(blocks, block_size, hkv, d).bfloat16(),
+        torch.zeros(blocks, block_size, hkv, d).bfloat16(),
+    )
+    row = hkv * d * 2
+    bad = emulated.call(
+        "ucm_write_kv",
+        [key, row, value, row, k_cache, v_cache, slots, 20, blocks * block_size, row, 1],
+    )
+    assert bad == 0
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    live = slots >= 0
+    want_k.view(-1, hkv, d)[slots[live]] = key[live]
+    want_v.view(-1, hkv, d)[slots[live]] = value[live]
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
