@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 from pathlib import Path
 
 import torch
@@ -28,21 +29,27 @@ from unicorn.arm64_const import (
 
 PAGE = 0x1000
 STACK_TOP, STACK_SIZE = 0x7F00_0000, 8 << 20
-HEAP_BASE, HEAP_SIZE = 0x4000_0000, 512 << 20  # the kernel's mmap answers come from here
+HEAP_BASE, HEAP_SIZE = 0x4000_0000, 512 << 20  # the emulated system's mmap answers come from here
 DATA_BASE, DATA_SIZE = 0x2000_0000, 256 << 20  # the caller's arrays
 RETURN_ADDR = 0x7FFF_0000  # a call "returns" here, where the emulation stops
 ENOSYS, ENOTTY, ENOMEM = 38, 25, 12
-# aarch64 Linux system call numbers musl's start-up and malloc use
-SYS_IOCTL, SYS_WRITEV, SYS_EXIT, SYS_EXIT_GROUP, SYS_SET_TID_ADDRESS = 29, 66, 93, 94, 96
-SYS_RT_SIGPROCMASK, SYS_BRK, SYS_MUNMAP, SYS_MREMAP, SYS_MMAP, SYS_MPROTECT, SYS_MADVISE = (
-    135,
-    214,
-    215,
-    216,
-    222,
-    226,
-    233,
-)
+
+
+class Syscall(IntEnum):
+    """The aarch64 Linux system calls musl's start-up and malloc make (numbers from asm-generic/unistd.h)."""
+
+    IOCTL = 29
+    WRITEV = 66
+    EXIT = 93
+    EXIT_GROUP = 94
+    SET_TID_ADDRESS = 96
+    RT_SIGPROCMASK = 135
+    BRK = 214
+    MUNMAP = 215
+    MREMAP = 216
+    MMAP = 222
+    MPROTECT = 226
+    MADVISE = 233
 
 
 def page_up(n: int) -> int:
@@ -99,11 +106,12 @@ class Aarch64Process:
 
     def _start(self, entry: int, phdr: int, phnum: int) -> None:
         """musl's _start with an empty argv and environment and the aux vector its start-up reads, until main."""
-        random16 = self.alloc(bytes(range(16)))
+        sp = (STACK_TOP - 0x1000) & ~0xF
+        random16 = sp + 0x800  # AT_RANDOM's 16 bytes (the stack canary's seed), above what the start-up uses
+        self.uc.mem_write(random16, bytes(range(16)))
         AT_PHDR, AT_PHENT, AT_PHNUM, AT_PAGESZ, AT_RANDOM = 3, 4, 5, 6, 25
         aux = [AT_PHDR, phdr, AT_PHENT, 56, AT_PHNUM, phnum, AT_PAGESZ, PAGE, AT_RANDOM, random16, 0, 0]
         words = [0, 0, 0, *aux]  # argc 0, argv's NULL, envp's NULL, then the aux vector
-        sp = (STACK_TOP - 0x1000) & ~0xF
         self.uc.mem_write(sp, struct.pack(f"<{len(words)}Q", *words))
         self.uc.reg_write(UC_ARM64_REG_SP, sp)
         self.uc.emu_start(entry, self.symbols["main"])
@@ -112,30 +120,30 @@ class Aarch64Process:
         assert intno == 2, f"CPU exception {intno} in the emulated program"  # 2: svc, a system call
         nr = uc.reg_read(UC_ARM64_REG_X8)
         args = [uc.reg_read(UC_ARM64_REG_X0 + i) for i in range(6)]
-        ret: int
-        if nr == SYS_MMAP:
-            ret = self.heap.take(page_up(args[1]), PAGE) if args[0] == 0 else -ENOMEM
-        elif nr == SYS_BRK:
-            ret = HEAP_BASE + HEAP_SIZE  # never grows: malloc falls back to mmap
-        elif nr == SYS_WRITEV:
-            ret = 0
-            for i in range(args[2]):
-                base, size = struct.unpack("<QQ", uc.mem_read(args[1] + 16 * i, 16))
-                self.output.append(bytes(uc.mem_read(base, size)))
-                ret += size
-        elif nr in (SYS_EXIT, SYS_EXIT_GROUP):
-            uc.emu_stop()
-            ret = 0
-        elif nr == SYS_SET_TID_ADDRESS:
-            ret = 1
-        elif nr in (SYS_MUNMAP, SYS_MPROTECT, SYS_MADVISE, SYS_RT_SIGPROCMASK):
-            ret = 0
-        elif nr == SYS_IOCTL:
-            ret = -ENOTTY
-        elif nr == SYS_MREMAP:
-            ret = -ENOMEM
-        else:
-            ret = -ENOSYS
+        match nr:
+            case Syscall.MMAP:
+                ret = self.heap.take(page_up(args[1]), PAGE) if args[0] == 0 else -ENOMEM
+            case Syscall.BRK:
+                ret = HEAP_BASE + HEAP_SIZE  # never grows: malloc falls back to mmap
+            case Syscall.WRITEV:
+                ret = 0
+                for i in range(args[2]):
+                    base, size = struct.unpack("<QQ", uc.mem_read(args[1] + 16 * i, 16))
+                    self.output.append(bytes(uc.mem_read(base, size)))
+                    ret += size
+            case Syscall.EXIT | Syscall.EXIT_GROUP:
+                uc.emu_stop()
+                ret = 0
+            case Syscall.SET_TID_ADDRESS:
+                ret = 1  # the thread id
+            case Syscall.MUNMAP | Syscall.MPROTECT | Syscall.MADVISE | Syscall.RT_SIGPROCMASK:
+                ret = 0  # the bump region is never reused, and every page stays readable and writable
+            case Syscall.IOCTL:
+                ret = -ENOTTY
+            case Syscall.MREMAP:
+                ret = -ENOMEM  # malloc then maps anew and copies
+            case _:
+                ret = -ENOSYS
         uc.reg_write(UC_ARM64_REG_X0, ret & (2**64 - 1))
 
     def alloc(self, data: bytes) -> int:
