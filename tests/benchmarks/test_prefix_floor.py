@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import itertools
 
-from benchmarks.prefix_floor import Burst, attention_flops, best_order_mean_flops
+from benchmarks.prefix_floor import (
+    Burst,
+    attention_flops,
+    batched_order_mean_flops,
+    best_order_mean_flops,
+    prefix_and_suffix_flops,
+)
 from engine.model_config import ModelConfig
 from engine.step_budget import linear_flops_per_token
 
@@ -54,3 +60,13 @@ def test_no_order_gives_a_smaller_mean() -> None:
         best = mean if best is None else min(best, mean)
     ours, _ = best_order_mean_flops(MC, burst)
     assert ours == best
+
+
+def test_a_step_based_engine_finishes_a_groups_followers_together() -> None:
+    burst = Burst(prefixes=2, per_prefix=3, prefix_len=16, suffix_len=4)
+    prefix, suffix = prefix_and_suffix_flops(MC, burst)
+    leader = prefix + suffix  # a group's leader finishes alone
+    group = prefix + 3 * suffix  # its 2 followers finish together, with the group's work
+    want = (leader + 2 * group + (group + leader) + 2 * (2 * group)) / 6
+    assert batched_order_mean_flops(MC, burst) == want
+    assert batched_order_mean_flops(MC, burst) > best_order_mean_flops(MC, burst)[0], "batching can only cost"
