@@ -29,10 +29,29 @@ from tests.kernels.aarch64_emulator import Aarch64Process
 from tests.kernels.test_kernels_elementwise import _norm_inputs, _qkv_case, assert_bf16_close
 from tests.kernels.test_kernels_native import TOL
 
-ZIG_CC = (sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu")
+GNU, MUSL = "aarch64-linux-gnu", "aarch64-linux-musl"  # the shared library's target; the emulated executable's
 # The host build's flags less what names the host (-march=native) or needs a runtime zig has no aarch64 build of
 # (OpenMP: its pragmas then compile out, as with a compiler without it, and num_threads goes unused).
 HOST_ONLY = {"-march=native", "-fopenmp"}
+WARNINGS = ("-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror")
+
+
+def zig_cc(target: str, *args: str) -> str:
+    """zig's clang for `target` on args; its stdout (it must succeed)."""
+    cmd = [sys.executable, "-m", "ziglang", "cc", "-target", target, *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"zig cc -target {target} failed:\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def cross_flags(shared: bool) -> list[str]:
+    """The host build's flags for aarch64: a shared library's, or an executable's (no -shared, no -fPIC)."""
+    drop = HOST_ONLY if shared else HOST_ONLY | {"-shared", "-fPIC"}
+    return [f for f in native.KERNELS.flags if f not in drop]
+
+
+def kernel_sources() -> list[str]:
+    return [str(src) for src in native.KERNELS.sources]
 
 
 def dynamic_symbols(path: Path) -> set[str]:
@@ -52,27 +71,10 @@ def bound_entry_points() -> set[str]:
     return names
 
 
-def cross_flags() -> list[str]:
-    return [f for f in native.KERNELS.flags if f not in HOST_ONLY]
-
-
 @pytest.fixture(scope="module")
 def aarch64_lib(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("aarch64") / "libucm_kernels.so"
-    cmd = [
-        *ZIG_CC,
-        *cross_flags(),
-        "-s",
-        "-Wall",
-        "-Wextra",
-        "-Wno-unused-parameter",
-        "-Werror",
-        *map(str, native.KERNELS.sources),
-        "-o",
-        str(out),
-    ]
-    done = subprocess.run([*cmd, *native.KERNELS.libs], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"aarch64 build failed:\n{done.stderr[-4000:]}"
+    zig_cc(GNU, *cross_flags(shared=True), "-s", *WARNINGS, *kernel_sources(), "-o", str(out), *native.KERNELS.libs)
     return out
 
 
@@ -91,11 +93,9 @@ def test_it_exports_what_native_binds(aarch64_lib):
 
 def test_its_attention_takes_the_neon_bodies():
     """What paged_attention.c's preprocessor picks with the build's flags: the vector and lanes bodies, in NEON."""
-    flags = [f for f in cross_flags() if f not in ("-shared", "-fPIC")]
     source = Path(native.__file__).with_name("paged_attention.c")
-    done = subprocess.run([*ZIG_CC, *flags, "-dM", "-E", str(source)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    macros = dict(line.split(" ", 2)[1:] for line in done.stdout.splitlines() if line.count(" ") >= 2)
+    defined = zig_cc(GNU, *cross_flags(shared=False), "-dM", "-E", str(source))
+    macros = dict(line.split(" ", 2)[1:] for line in defined.splitlines() if line.count(" ") >= 2)
     assert macros.get("__ARM_NEON") == "1", "the target has NEON"
     assert macros.get("UCM_HAS_VEC") == "1" and macros.get("VEC_NAME") == '"neon"', "the vector body is NEON's"
     assert macros.get("UCM_HAS_LANES") == "1", "the fp32 prefill body with rows in lanes is in"
@@ -104,13 +104,19 @@ def test_its_attention_takes_the_neon_bodies():
 
 def build_static(out: Path) -> Path:
     """The kernels and aarch64_main.c as one static aarch64 musl executable (not PIE: loaded where it was linked)."""
-    main = Path(__file__).with_name("aarch64_main.c")
-    here = Path(native.__file__).parent
-    flags = [f for f in cross_flags() if f not in ("-shared", "-fPIC")]
-    target = [*ZIG_CC[:-1], "aarch64-linux-musl", "-static", "-fno-pie", "-no-pie", "-Wl,--no-gc-sections", f"-I{here}"]
-    cmd = [*target, *flags, "-Wall", "-Werror", str(main), *map(str, native.KERNELS.sources), "-o", str(out)]
-    done = subprocess.run([*cmd, *native.KERNELS.libs], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"aarch64 executable build failed:\n{done.stderr[-4000:]}"
+    main = str(Path(__file__).with_name("aarch64_main.c"))
+    static = ["-static", "-fno-pie", "-no-pie", "-Wl,--no-gc-sections"]
+    zig_cc(
+        MUSL,
+        *static,
+        *cross_flags(shared=False),
+        *WARNINGS,
+        main,
+        *kernel_sources(),
+        "-o",
+        str(out),
+        *native.KERNELS.libs,
+    )
     return out
 
 
