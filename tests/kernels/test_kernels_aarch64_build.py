@@ -5,8 +5,9 @@ with zig's clang (the `ziglang` wheel, a dev dependency; no gcc here targets aar
   preprocessor picks the attention's NEON vector and lanes bodies.
 - As a static musl executable (aarch64_main.c) run in the unicorn CPU emulator (aarch64_emulator.py): its paged
   attention, decode and prompt rows, fp32 and bf16, through the NEON bodies, equals the float64 oracle as the host
-  build's does (test_kernels_native.py's tolerances); its norms, SiLU-and-mul, rotary embedding, skinny GEMM and KV
-  writes equal the host build's or the oracle. One thread: OpenMP has no aarch64 runtime here."""
+  build's does (test_kernels_native.py's tolerances); its norms, SiLU-and-mul, rotary embedding, skinny GEMM (fp32,
+  4-bit and 8-bit panels) and KV writes equal the host build's or the oracle. One thread: OpenMP has no aarch64
+  runtime here."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from elftools.elf.sections import SymbolTableSection
 from kernels.cpu import elementwise as ew
 from kernels.cpu import native
 from kernels.cpu.paged_attention import DTYPE_CODES, attention_error
+from kernels.cpu.q4_panels import pack_q4, random_q4_weight
+from kernels.cpu.q8_panels import pack_q8, random_q8_weight
 from kernels.cpu.skinny_gemm import NR
 from kernels.testing import PagedCase, make_paged_case, naive_attention
 from tests.kernels.aarch64_emulator import Aarch64Process
@@ -215,15 +218,40 @@ def test_emulated_rotary_embedding_equals_the_host_build(emulated, native_lib, d
     assert torch.equal(emu, host)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (7, 64, 37), (13, 100, 16)])
-def test_emulated_skinny_gemm_equals_the_oracle(emulated, m, k, n):
-    gen = torch.Generator().manual_seed(m * k + n)
-    x, w, bias = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+@pytest.mark.parametrize(("fmt", "k", "n"), [("fp32", 100, 37), ("q4", 576, 40), ("q8", 576, 24)])
+def test_emulated_skinny_gemm_equals_the_oracle(emulated, fmt, k, n):
+    """The skinny GEMM over fp32 panels (packed by the emulated build) within fp32 rounding of float64, each row what
+    a call of that row alone gives, in the few-row tiles (5 rows) and the blocked loop (30); over 4-bit and 8-bit
+    panels of an exactly-quantized weight (packed here: the layout is the format's, not the CPU's), bit for bit
+    what the fp32 panels of the same weight give, as on the host."""
+    gen = torch.Generator().manual_seed(k + n)
+    random_weight = {"q4": random_q4_weight, "q8": random_q8_weight}.get(fmt)
+    w = torch.randn(n, k, generator=gen) if random_weight is None else random_weight(n, k, gen)
+    x, bias = torch.randn(30, k, generator=gen), torch.randn(n, generator=gen)
     panels = torch.zeros(-(-n // NR) * k * NR)
     emulated.call("ucm_pack_panels", [w, panels, n, k])
-    y = torch.zeros(m, n)
-    emulated.call("ucm_skinny_gemm", [x, m, k, panels, n, bias, y, 1])
-    torch.testing.assert_close(y.double(), x.double() @ w.double().T + bias.double(), atol=1e-4, rtol=1e-4)
+
+    def run(entry: str, operands: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros(rows.shape[0], n)
+        rc = emulated.call(entry, [rows.contiguous(), rows.shape[0], k, *operands, n, bias, y, 1])
+        assert entry == "ucm_skinny_gemm" or rc & 0xFFFFFFFF == 0, f"{entry} returned {rc}"
+        return y
+
+    for m in (5, 30):
+        got = run("ucm_skinny_gemm", [panels], x[:m])
+        alone = torch.cat([run("ucm_skinny_gemm", [panels], x[i : i + 1]) for i in range(m)])
+        assert torch.equal(got, alone), f"{m} rows: not row-invariant"
+        want = x[:m].double() @ w.double().T + bias.double()
+        bound = 4 * k * torch.finfo(torch.float32).eps * (x[:m].abs() @ w.abs().T).max()
+        assert (got.double() - want).abs().max() <= bound
+        if fmt == "q4":
+            q4 = pack_q4(w)
+            assert q4 is not None, "a random 4-bit weight packs as 4-bit"
+            assert torch.equal(run("ucm_skinny_gemm_q4", [q4.qp, q4.dm], x[:m]), got), f"{m} rows: 4-bit panels"
+        elif fmt == "q8":
+            q8 = pack_q8(w)
+            assert q8 is not None, "a random Q8_0 weight packs as 8-bit"
+            assert torch.equal(run("ucm_skinny_gemm_q8", [q8.qp, q8.d], x[:m]), got), f"{m} rows: 8-bit panels"
 
 
 def test_emulated_write_kv_places_every_slot(emulated):
