@@ -6,7 +6,9 @@ still compute every prefix once and every suffix: 8192 prompt tokens, before the
 token needs its whole prompt computed; the order with the least mean first-token time computes one prefix group
 after the other, each prefix and then its 8 suffixes (Sidney's decomposition for precedence in series-parallel
 form: the groups are alike, and a group's prefix with all its suffixes has the best work per request). On a host
-that computes at a fixed rate the floor of the mean first-token time is that order's mean completion time.
+that computes at a fixed rate the floor of the mean first-token time is that order's mean completion time. Beside it,
+the same order as a step-based engine runs it: a step takes every row through every layer before any row gets its
+token, so a group's followers, computed in one step, finish together at its end.
 
 The rate is measured now: this model's prompt-sized matmuls (its layers' shapes at a leader's 1152 rows, F.linear,
 best of several rounds, in both dtypes; the faster one counts, as `dtype auto` picks). Attention is counted at the
