@@ -180,6 +180,7 @@ class Store(DumpsByLayers):
 
     def _note_transit_peak(self) -> None:
         """After bytes entered `_pending` or `_inflight` (under `_lock`)."""
+        assert self._pending.nbytes >= 0, f"pending bytes went negative ({self._pending.nbytes})"
         self._transit_bytes_peak = max(self._transit_bytes_peak, self._pending.nbytes + self._inflight.nbytes)
 
     def commit(self, keys: Sequence[BlockKey], ok: bool) -> None:
