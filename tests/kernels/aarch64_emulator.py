@@ -78,7 +78,6 @@ class Aarch64Process:
     symbols: dict[str, int] = field(init=False)
     data: Bump = field(default_factory=lambda: Bump(DATA_BASE, DATA_BASE + DATA_SIZE))
     heap: Bump = field(default_factory=lambda: Bump(HEAP_BASE, HEAP_BASE + HEAP_SIZE))
-    output: list[bytes] = field(default_factory=list)  # what the program wrote (writev)
 
     def __post_init__(self) -> None:
         self.uc = Uc(UC_ARCH_ARM64, UC_MODE_ARM)
@@ -125,12 +124,8 @@ class Aarch64Process:
                 ret = self.heap.take(page_up(args[1]), PAGE) if args[0] == 0 else -ENOMEM
             case Syscall.BRK:
                 ret = HEAP_BASE + HEAP_SIZE  # never grows: malloc falls back to mmap
-            case Syscall.WRITEV:
-                ret = 0
-                for i in range(args[2]):
-                    base, size = struct.unpack("<QQ", uc.mem_read(args[1] + 16 * i, 16))
-                    self.output.append(bytes(uc.mem_read(base, size)))
-                    ret += size
+            case Syscall.WRITEV:  # every byte written (to nowhere: nothing here prints)
+                ret = sum(struct.unpack_from("<QQ", uc.mem_read(args[1] + 16 * i, 16))[1] for i in range(args[2]))
             case Syscall.EXIT | Syscall.EXIT_GROUP:
                 uc.emu_stop()
                 ret = 0
@@ -183,3 +178,9 @@ class Aarch64Process:
 def as_bytes(t: torch.Tensor) -> bytes:
     assert t.is_contiguous(), "a tensor argument is passed as its contiguous bytes"
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def int32(x0: int) -> int:
+    """A function's int32 result from the 64-bit x0 `call` returns (the upper half is not the callee's)."""
+    low = x0 & 0xFFFFFFFF
+    return low - (1 << 32) if low & 0x80000000 else low

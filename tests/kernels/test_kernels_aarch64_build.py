@@ -27,9 +27,11 @@ from kernels.cpu.paged_attention import DTYPE_CODES, attention_error
 from kernels.cpu.q4_panels import pack_q4, random_q4_weight
 from kernels.cpu.q8_panels import pack_q8, random_q8_weight
 from kernels.cpu.skinny_gemm import NR
+from kernels.reference import write_kv_torch
 from kernels.testing import PagedCase, make_paged_case, naive_attention
-from tests.kernels.aarch64_emulator import Aarch64Process
-from tests.kernels.test_kernels_elementwise import _norm_inputs, _qkv_case, assert_bf16_close
+from tests.kernels.aarch64_emulator import Aarch64Process, int32
+from tests.kernels.test_kernels_avx2_build import assert_builds_agree
+from tests.kernels.test_kernels_elementwise import _norm_inputs, _qkv_case
 from tests.kernels.test_kernels_native import TOL
 
 GNU, MUSL = "aarch64-linux-gnu", "aarch64-linux-musl"  # the shared library's target; the emulated executable's
@@ -135,7 +137,7 @@ def emulated_attention(proc: Aarch64Process, case: PagedCase, decode: bool, scal
     out = torch.zeros_like(case.q)
     err_seq, skipped = torch.tensor([-1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     tables = case.block_tables.contiguous()
-    rc = proc.call(
+    rc = int32(proc.call(
         "ucm_paged_attention",
         [
             case.q.contiguous(), hq * d, d, case.k_cache, case.v_cache, out,
@@ -145,8 +147,8 @@ def emulated_attention(proc: Aarch64Process, case: PagedCase, decode: bool, scal
             DTYPE_CODES[case.q.dtype], 0, 0, 1, err_seq, skipped,
         ],
         (scale,),
-    )  # fmt: skip
-    assert rc & 0xFFFFFFFF == 0, f"the kernel returned {rc}: {attention_error(rc, int(err_seq))}"
+    ))  # fmt: skip
+    assert rc == 0, f"the kernel returned {rc}: {attention_error(rc, int(err_seq))}"
     return out
 
 
@@ -176,16 +178,6 @@ def test_emulated_neon_attention_equals_the_oracle(emulated, dtype, decode, hq, 
     torch.testing.assert_close(got[rows].double(), want, **TOL[dtype])
     padding = [int(case.query_start_loc[i]) for i, n in enumerate(ctx) if n == 0]
     assert not got[padding].any(), "padding rows (seq_len 0) are 0"
-
-
-FP32_TOL = dict(atol=1e-5, rtol=1e-5)  # as test_kernels_avx2_build: the sum order may differ between builds
-
-
-def assert_builds_agree(got: torch.Tensor, want: torch.Tensor) -> None:
-    if got.dtype == torch.bfloat16:
-        assert_bf16_close(got, want)
-    else:
-        torch.testing.assert_close(got, want, **FP32_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -230,11 +222,20 @@ def test_emulated_skinny_gemm_equals_the_oracle(emulated, fmt, k, n):
     x, bias = torch.randn(30, k, generator=gen), torch.randn(n, generator=gen)
     panels = torch.zeros(-(-n // NR) * k * NR)
     emulated.call("ucm_pack_panels", [w, panels, n, k])
+    quantized: tuple[str, list[torch.Tensor]] | None = None
+    if fmt == "q4":
+        q4 = pack_q4(w)
+        assert q4 is not None, "a random 4-bit weight packs as 4-bit"
+        quantized = "ucm_skinny_gemm_q4", [q4.qp, q4.dm]
+    elif fmt == "q8":
+        q8 = pack_q8(w)
+        assert q8 is not None, "a random Q8_0 weight packs as 8-bit"
+        quantized = "ucm_skinny_gemm_q8", [q8.qp, q8.d]
 
     def run(entry: str, operands: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         y = torch.zeros(rows.shape[0], n)
-        rc = emulated.call(entry, [rows.contiguous(), rows.shape[0], k, *operands, n, bias, y, 1])
-        assert entry == "ucm_skinny_gemm" or rc & 0xFFFFFFFF == 0, f"{entry} returned {rc}"
+        rc = int32(emulated.call(entry, [rows.contiguous(), rows.shape[0], k, *operands, n, bias, y, 1]))
+        assert entry == "ucm_skinny_gemm" or rc == 0, f"{entry} returned {rc}"
         return y
 
     for m in (5, 30):
@@ -244,14 +245,9 @@ def test_emulated_skinny_gemm_equals_the_oracle(emulated, fmt, k, n):
         want = x[:m].double() @ w.double().T + bias.double()
         bound = 4 * k * torch.finfo(torch.float32).eps * (x[:m].abs() @ w.abs().T).max()
         assert (got.double() - want).abs().max() <= bound
-        if fmt == "q4":
-            q4 = pack_q4(w)
-            assert q4 is not None, "a random 4-bit weight packs as 4-bit"
-            assert torch.equal(run("ucm_skinny_gemm_q4", [q4.qp, q4.dm], x[:m]), got), f"{m} rows: 4-bit panels"
-        elif fmt == "q8":
-            q8 = pack_q8(w)
-            assert q8 is not None, "a random Q8_0 weight packs as 8-bit"
-            assert torch.equal(run("ucm_skinny_gemm_q8", [q8.qp, q8.d], x[:m]), got), f"{m} rows: 8-bit panels"
+        if quantized is not None:
+            entry, operands = quantized
+            assert torch.equal(run(entry, operands, x[:m]), got), f"{m} rows: {fmt} panels"
 
 
 def test_emulated_write_kv_places_every_slot(emulated):
@@ -271,7 +267,5 @@ def test_emulated_write_kv_places_every_slot(emulated):
     )
     assert bad == 0
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    live = slots >= 0
-    want_k.view(-1, hkv, d)[slots[live]] = key[live]
-    want_v.view(-1, hkv, d)[slots[live]] = value[live]
+    write_kv_torch(key, value, want_k, want_v, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

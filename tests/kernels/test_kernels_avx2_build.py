@@ -15,7 +15,8 @@ from tests.kernels.test_kernels_elementwise import _norm_inputs, _qkv_case, asse
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_builds_agree(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Two builds of one kernel: within a bf16 ulp, or FP32_TOL (their sum orders may differ)."""
     if got.dtype == torch.bfloat16:
         assert_bf16_close(got, want)
     else:
@@ -31,13 +32,13 @@ def test_the_avx2_build_is_its_own_library(avx2_lib, native_lib):
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (37, 576), (3, 7), (4, 4096 + 5)])
 def test_norms_and_silu_equal_the_native_build(avx2_lib, native_lib, dtype, rows, hidden):
     x, weight, residual = (t.to(dtype) for t in _norm_inputs(rows, hidden, seed=rows + hidden))
-    _close(ew.rms_norm_native(avx2_lib, x, weight, 1e-5), ew.rms_norm_native(native_lib, x, weight, 1e-5))
+    assert_builds_agree(ew.rms_norm_native(avx2_lib, x, weight, 1e-5), ew.rms_norm_native(native_lib, x, weight, 1e-5))
     res_a, res_n = residual.clone(), residual.clone()
     got = ew.fused_add_rms_norm_native(avx2_lib, x, res_a, weight, 1e-5)
-    _close(got, ew.fused_add_rms_norm_native(native_lib, x, res_n, weight, 1e-5))
+    assert_builds_agree(got, ew.fused_add_rms_norm_native(native_lib, x, res_n, weight, 1e-5))
     assert torch.equal(res_a, res_n), "the residual sum is one add per element"
     gate_up = torch.cat([x, residual.to(dtype)], dim=-1)
-    _close(ew.silu_and_mul_native(avx2_lib, gate_up), ew.silu_and_mul_native(native_lib, gate_up))
+    assert_builds_agree(ew.silu_and_mul_native(avx2_lib, gate_up), ew.silu_and_mul_native(native_lib, gate_up))
 
 
 @pytest.mark.parametrize("tokens,hq,hkv,d", [(33, 9, 3, 64), (5, 4, 2, 40), (3, 2, 1, 8)])
