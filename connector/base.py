@@ -32,7 +32,7 @@ from ucm.api import Tier
 if TYPE_CHECKING:  # importing this package stays torch-free
     import torch
 
-    from kernels.attention_metadata import AttentionMetadata
+    from ucm_kernels.attention_metadata import AttentionMetadata
 
 
 class KVConnectorRole(enum.Enum):

@@ -16,7 +16,7 @@ import torch
 
 from connector.row_copy import copy_rows
 from connector.staging_rows import StagingRows
-from kernels import gather_blocks, scatter_blocks
+from ucm_kernels import gather_blocks, scatter_blocks
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from ucm.api import Tier
 if TYPE_CHECKING:
     import torch
 
-    from kernels.attention_metadata import AttentionMetadata
+    from ucm_kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The model's single call site into the paged-attention kernels, and the per-step forward context it reads.
 
-`kernels` picks Triton for CUDA tensors and, on CPU, the native C kernel (kernels/cpu/, built on first use) or,
+`ucm_kernels` picks Triton for CUDA tensors and, on CPU, the native C kernel (ucm_kernels/cpu/, built on first use) or,
 where it cannot run, the torch path (`UCM_ATTENTION_BACKEND` and `UCM_CPU_ATTENTION` force one).
 
 The model runner sets a `ForwardContext` around each step's forward (`set_forward_context`, as vLLM does): the
@@ -19,9 +19,9 @@ from typing import Protocol
 
 import torch
 
-import kernels
+import ucm_kernels
 from engine.generated_rows import GeneratedRows
-from kernels.attention_metadata import AttentionMetadata
+from ucm_kernels.attention_metadata import AttentionMetadata
 
 
 class LayerHooks(Protocol):
@@ -87,8 +87,8 @@ def paged_attention_forward(
     hooks, attn_metadata = context.layer_hooks, context.attn_metadata
     if hooks is not None:
         hooks.wait_for_layer_load(layer_index)
-    kernels.write_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-    out = kernels.paged_attention(q, k_cache, v_cache, attn_metadata, scale)
+    ucm_kernels.write_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+    out = ucm_kernels.paged_attention(q, k_cache, v_cache, attn_metadata, scale)
     if hooks is not None:
         hooks.save_kv_layer(layer_index, k_cache, v_cache, attn_metadata)
     return out

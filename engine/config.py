@@ -151,13 +151,13 @@ def _vector_isa(flags: frozenset[str]) -> str:
 @functools.lru_cache(maxsize=1)
 def auto_cpu_dtype() -> str:
     """dtype "auto" on CPU: bf16 only where the flags say it is native AND a measured matmul agrees (cached per
-    CPU, kernels/cpu/calibration.py); else fp32. Decided and logged once per process."""
+    CPU, ucm_kernels/cpu/calibration.py); else fp32. Decided and logged once per process."""
     flags = cpu_flags()
     if not cpu_supports_bf16():
         logger.info("dtype auto -> float32: CPU has no native bf16 (%s)", _vector_isa(flags))
         return "float32"
     # torch only here, on CPUs that could pick bf16: `import engine.config` stays torch-free.
-    from kernels.cpu.calibration import bf16_matmul_faster
+    from ucm_kernels.cpu.calibration import bf16_matmul_faster
 
     faster, ms = bf16_matmul_faster()
     pick = "bfloat16" if faster else "float32"

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-import kernels
+import ucm_kernels
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided.backend import GuidedBackend
@@ -44,8 +44,8 @@ from engine.scheduler import Scheduler
 from engine.scheduler_output import TokenLogprobs
 from engine.stats import EngineStats
 from engine.step_budget import StepBudget, auto_budget
-from kernels.cpu.amx_gemm import engine_bf16_rows_invariant
 from ucm.keys import BlockKey, KeyNamespace, root_key
+from ucm_kernels.cpu.amx_gemm import engine_bf16_rows_invariant
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class EngineCore:
         self.kv_caches = allocate_kv_caches(num_blocks, self.model_config, bs, self.dtype, config.device)
         if config.device == "cpu":  # measure (or read) which CPU attention path is faster now, not on the first step
             mc = self.model_config
-            kernels.calibrate_cpu_attention(self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim, bs)
+            ucm_kernels.calibrate_cpu_attention(self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim, bs)
             if self.dtype == torch.bfloat16 and not engine_bf16_rows_invariant():
                 logger.warning(
                     "bf16 matmuls on this CPU give a row different bits in calls of different sizes (oneDNN on "
@@ -101,7 +101,7 @@ class EngineCore:
                 )
         elif torch.device(config.device).type == "cuda":  # likewise which CUDA prefills run the torch path
             mc = self.model_config
-            kernels.calibrate_gpu_prefill(
+            ucm_kernels.calibrate_gpu_prefill(
                 self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim, bs, torch.device(config.device)
             )
         self.namespace = KeyNamespace(loaded_model.fingerprint, self.dtype_name, bs)

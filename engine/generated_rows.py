@@ -1,7 +1,7 @@
 """Which of a step's packed token rows are generated tokens: a position at or past its request's prompt length.
 
 A bf16 matmul sends those rows through the decode kernel and the prompt's rows through oneDNN
-(engine/models/dense.py, kernels/cpu/q4_bf16.py). The class is a row's own property, the same in every step
+(engine/models/dense.py, ucm_kernels/cpu/q4_bf16.py). The class is a row's own property, the same in every step
 that computes it (a decode step, a mixed step, a recompute after preemption), so a row's bits never depend on
 how its step was made up.
 """

@@ -15,8 +15,8 @@ from engine.generated_rows import GeneratedRows
 from engine.kv_cache import KVCaches
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from kernels.attention_metadata import AttentionMetadata
 from ucm.keys import BlockKey
+from ucm_kernels.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from connector.base import KVConnectorWorker
@@ -93,7 +93,7 @@ class ModelRunner:
             conn.start_load_kv()
             hooks = conn if conn.needs_layer_hooks() else None
         if out.cow_copies:
-            from kernels import copy_blocks
+            from ucm_kernels import copy_blocks
 
             src, dst = zip(*out.cow_copies, strict=True)
             copy_blocks(self.kv_caches, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import xxhash
 
-from kernels.cache_dir import cache_dir
 from protocol import defaults
+from ucm_kernels.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ lands depends on how fast the host computes a step:
   random 512/64 at 139 against 132-134 tok/s (docs/benchmarks.md).
 So: vLLM's own CPU default (`FAST_BUDGET`, 2048) where a step of that many tokens is predicted to take at most
 `FAST_STEP_S`, else `SLOW_BUDGET`. The prediction is the model's linear layers (2 flops per weight and token) at the
-rate of the dtype calibration's matmul (kernels/cpu/calibration.py, measured once per CPU and cached), which is
+rate of the dtype calibration's matmul (ucm_kernels/cpu/calibration.py, measured once per CPU and cached), which is
 what dominates a long step; attention adds a share that grows with the context. CUDA takes `FAST_BUDGET`.
 """
 
@@ -62,7 +62,7 @@ def auto_budget(mc: ModelConfig, dtype_name: str, device: str) -> StepBudget:
     """`choose` on this host: the CPU's rate from the dtype calibration's cached matmul timing."""
     if device != "cpu":
         return choose(mc, None)
-    from kernels.cpu.calibration import MATMUL_SHAPE, matmul_times
+    from ucm_kernels.cpu.calibration import MATMUL_SHAPE, matmul_times
 
     t, k, n = MATMUL_SHAPE
     ms = matmul_times()["bfloat16" if dtype_name == "bfloat16" else "float32"]

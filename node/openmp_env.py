@@ -6,7 +6,7 @@ sleep. A node's step runs hundreds of regions, where spinning keeps the threads 
 sampling, the sockets: milliseconds of one thread's Python) spinning threads hold cores that on a small host the
 router, the store daemon and the client need. So the node spins for about NODE_SPIN_S, not libgomp's default.
 
-It is a time, set as a count of rounds measured on this CPU (kernels/cpu/pause_probe.py), because a round's length
+It is a time, set as a count of rounds measured on this CPU (ucm_kernels/cpu/pause_probe.py), because a round's length
 differs several-fold: ~140 cycles on Intel cores since Skylake, 28 ns on the 2-core AMD EPYC (Zen 5) of 2026-12-01.
 A fixed 10,000 rounds, chosen on the 2-core Xeon with AMX (about half a millisecond there; prefix_repetition's mean
 TTFT 2-7% lower than with libgomp's ~17 ms in each of six interleaved rounds), was 0.28 ms on that EPYC, where
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 
-from kernels.cpu.pause_probe import pause_seconds
+from ucm_kernels.cpu.pause_probe import pause_seconds
 
 NODE_SPIN_S = 3e-3  # how long an idle thread spins before it sleeps (module doc)
 ASSUMED_ROUND_S = 65e-9  # where the probe cannot run (no C compiler): ~140 cycles at 2.1 GHz

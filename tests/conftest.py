@@ -2,7 +2,7 @@
 
 smollm2_fp32     engine.loader.LoadedModel of the embedded SmolLM2-135M in float32 on CPU
 hf_smollm2_fp32  transformers' LlamaForCausalLM loaded from the very same converted folder, float32, eval()
-native_lib       kernels.cpu.native.NativeLib, the C kernels built (or loaded from the cache) for this machine
+native_lib       ucm_kernels.cpu.native.NativeLib, the C kernels built (or loaded from the cache) for this machine
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def hf_smollm2_fp32(smollm2_fp32):
 def native_lib():
     import shutil
 
-    from kernels.cpu import native
+    from ucm_kernels.cpu import native
 
     if shutil.which(native.compiler()) is None:
         pytest.skip(f"no C compiler {native.compiler()!r} on this machine: the torch path serves")
@@ -59,7 +59,7 @@ def avx2_lib(native_lib):
     """The library an AVX2-only host builds, built here too, so an AVX-512 host's tests run the AVX2 paths."""
     import platform
 
-    from kernels.cpu import host, native
+    from ucm_kernels.cpu import host, native
 
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= set(host.cpu_info()[1].split()):
         pytest.skip("an AVX2 build only runs on an x86 CPU with AVX2 and FMA")
@@ -78,3 +78,49 @@ def pytest_report_header(config):
     if _TORCH_PRELOADED:
         return "warning: torch was imported before tests/conftest.py; OMP_WAIT_POLICY may not apply"
     return None
+
+
+def _native_bodies() -> str | None:
+    """What the native library built for this host holds, if this run loaded it (the bodies serving would pick from)."""
+    native = sys.modules.get("ucm_kernels.cpu.native")
+    lib = getattr(getattr(native, "_state", None), "lib", None)
+    if lib is None:
+        return None
+    from ucm_kernels.cpu.host import cpu_info, vector_flags
+
+    have = {
+        f"{lib.vector_path} attention": True,
+        "VDPBF16PS bf16 attention (AVX-512 BF16)": lib.bf16_lanes_rows > 0,
+        "fp32 lanes prefill (AVX2/NEON)": lib.lanes_rows > 0,
+        "4/8-bit decode GEMM (AVX-512 BF16)": lib.has_q4_bf16,
+        "AMX bf16 GEMM": lib.has_amx,
+        "AMX bf16 prompt attention": lib.has_amx_attention,
+    }
+    listed = ", ".join(f"{name}: {'built' if built else 'not on this CPU'}" for name, built in have.items())
+    return f"{cpu_info()[0]} [{' '.join(vector_flags())}], -march=native build: {listed}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which kernel bodies ran on this host and which were skipped, and why (a missing instruction set, most often):
+    per kernel test file, its passed / failed / skipped counts and the skip reasons."""
+    from collections import Counter, defaultdict
+
+    counts: dict[str, Counter] = defaultdict(Counter)
+    reasons: dict[str, set[str]] = defaultdict(set)
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            path = getattr(report, "nodeid", "").split("::")[0]
+            if not path.startswith("tests/kernels/"):
+                continue
+            counts[path][outcome] += 1
+            if outcome == "skipped" and isinstance(report.longrepr, tuple):
+                reasons[path].add(str(report.longrepr[2]).removeprefix("Skipped: "))
+    if not counts:
+        return
+    terminalreporter.section("kernel bodies on this host")
+    if (bodies := _native_bodies()) is not None:
+        terminalreporter.write_line(bodies)
+    for path in sorted(counts):
+        c = counts[path]
+        line = f"{path}: {c['passed']} passed, {c['failed'] + c['error']} failed, {c['skipped']} skipped"
+        terminalreporter.write_line(line + "".join(f"\n    skipped: {r}" for r in sorted(reasons[path])))

@@ -9,7 +9,7 @@ from engine.attention import paged_attention_forward
 from engine.generated_rows import RowSubset
 from engine.model_config import ModelConfig
 from engine.models.dense import DecodePanels, LayerCalls, Packed, decode_panels, dense, pack_weight
-from kernels.api import rotary_embedding_
+from ucm_kernels.api import rotary_embedding_
 
 
 class PagedSelfAttention(nn.Module):

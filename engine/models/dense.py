@@ -6,23 +6,23 @@ time gives bit-identical results and, measured on this project's AVX-512-BF16 de
 25–45% faster matmuls at 1–32 rows and 3–8% at 512–2048 rows (`python -m benchmarks.kernels` has no row for
 this; see docs/benchmarks.md).
 
-fp32 on CPU: a decode step's few rows go through a panel-packed copy of the weight (kernels/cpu/skinny_gemm.c),
+fp32 on CPU: a decode step's few rows go through a panel-packed copy of the weight (ucm_kernels/cpu/skinny_gemm.c),
 which reads it once per call where the BLAS also repacks it: 2.4x faster matmuls at 8 rows on a 2-core AVX2 EPYC.
-Up to how many rows is measured per weight shape on the machine (kernels/cpu/skinny_gemm.py); more rows, and
+Up to how many rows is measured per weight shape on the machine (ucm_kernels/cpu/skinny_gemm.py); more rows, and
 any machine where the kernel never wins or the native build is missing, keep `F.linear`. A weight that is exactly
-4-bit (the embedded model's layers: its GGUF is Q4_1) is packed as 4-bit panels instead (kernels/cpu/q4_panels.py):
+4-bit (the embedded model's layers: its GGUF is Q4_1) is packed as 4-bit panels instead (ucm_kernels/cpu/q4_panels.py):
 the same results bit for bit from a sixth of the memory reads, and a sixth of the extra memory; other fp32 packed
 copies add the weights' size, as for bf16. Past those row counts (prefill chunks; on a CPU where oneDNN beats the kernel
 at few rows, decode steps too), a weight whose shape ran faster through oneDNN than through `F.linear` here also
-keeps a oneDNN-reordered copy (kernels/cpu/onednn_linear.py; a [3072 x 576] matmul of 1024 rows: 106 -> 134 GFLOPS
+keeps a oneDNN-reordered copy (ucm_kernels/cpu/onednn_linear.py; a [3072 x 576] matmul of 1024 rows: 106 -> 134 GFLOPS
 on the same EPYC), used for the row classes where it won (prefill-sized calls, and each few-row class apart). lm_head too: on a 2-core AMD EPYC with AVX-512, where the kernel loses to oneDNN from a few rows
 on, its logits of 8 rows went through F.linear (MKL) at 2.7x oneDNN's time.
 
 bf16 on AVX-512 BF16, a weight that is exactly Q4_1 (the embedded model's layers; the loader finds the 4-bit form
-while the model is still fp32): a step's generated-token rows go through kernels/cpu/q4_bf16.c, which reads a
+while the model is still fp32): a step's generated-token rows go through ucm_kernels/cpu/q4_bf16.c, which reads a
 quarter of oneDNN's bytes, and its prompt rows through oneDNN, by the row's class rather than the call's row count,
 so that a row's bits never depend on how its step was made up (engine/generated_rows.py says why). Per weight shape
-only where the kernel beat oneDNN on the machine (kernels/cpu/q4_bf16.py). The lm_head where it is exactly Q8_0 (the
+only where the kernel beat oneDNN on the machine (ucm_kernels/cpu/q4_bf16.py). The lm_head where it is exactly Q8_0 (the
 embedded model's tied embedding) takes its 8-bit twin for every sampled row, a prompt's last row too
 (`LlamaForCausalLM.compute_logits` says why).
 """
@@ -38,13 +38,13 @@ import torch.nn.functional as F
 
 from engine.attention import current_forward_context
 from engine.generated_rows import GeneratedRows
-from kernels.api import silu_and_mul
-from kernels.cpu import onednn_linear, q4_bf16
-from kernels.cpu.amx_gemm import AmxWeight, amx_weight
-from kernels.cpu.native import NativeLib
-from kernels.cpu.onednn_linear import OnednnWeight
-from kernels.cpu.q4_bf16 import DecodePanelsOf
-from kernels.cpu.skinny_gemm import PanelWeight, panel_weight
+from ucm_kernels.api import silu_and_mul
+from ucm_kernels.cpu import onednn_linear, q4_bf16
+from ucm_kernels.cpu.amx_gemm import AmxWeight, amx_weight
+from ucm_kernels.cpu.native import NativeLib
+from ucm_kernels.cpu.onednn_linear import OnednnWeight
+from ucm_kernels.cpu.q4_bf16 import DecodePanelsOf
+from ucm_kernels.cpu.skinny_gemm import PanelWeight, panel_weight
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class BF16Packed:
     onednn: torch.Tensor | None
     decode: DecodePanels | None
     # Where oneDNN gives a row other bits in calls of other sizes (AMX): every row that is not a quantized-panel
-    # generated row goes through the row-invariant AMX kernel instead (kernels/cpu/amx_gemm.py), and no oneDNN copy
+    # generated row goes through the row-invariant AMX kernel instead (ucm_kernels/cpu/amx_gemm.py), and no oneDNN copy
     # is made (it would double the weight memory and a cached load's packing time for nothing).
     amx: AmxWeight | None = None
 
@@ -97,7 +97,7 @@ Packed = BF16Packed | F32Packed | None  # bf16 copies, fp32 copies, or nothing
 def decode_panels(weight: torch.Tensor) -> DecodePanels | None:
     """For a bf16 model: the 4-bit decode panels of `weight` (fp32, before the cast) where it is exactly Q4_1 and the
     kernel beats oneDNN at decode rows on this machine, else None."""
-    from kernels.cpu.native import load
+    from ucm_kernels.cpu.native import load
 
     lib = load()
     n, k = weight.shape
@@ -110,7 +110,7 @@ def decode_panels(weight: torch.Tensor) -> DecodePanels | None:
 def lm_head_panels(weight: torch.Tensor) -> DecodePanels | None:
     """For a bf16 model: the Q8_0 panels of its lm_head (fp32, before the cast) where it is exactly Q8_0 (the
     embedded model's tied embedding) and the kernel beats oneDNN at decode rows on this machine, else None."""
-    from kernels.cpu.native import load
+    from ucm_kernels.cpu.native import load
 
     lib = load()
     n, k = weight.shape
@@ -122,7 +122,7 @@ def lm_head_panels(weight: torch.Tensor) -> DecodePanels | None:
 
 def decode_kernel_available() -> bool:
     """Whether a bf16 model here may take 4-bit decode panels (then the loader keeps fp32 until it found them)."""
-    from kernels.cpu.native import load
+    from ucm_kernels.cpu.native import load
 
     lib = load()
     return lib is not None and lib.has_q4_bf16 and packing_supported(torch.empty(1, 1, dtype=torch.bfloat16))
@@ -162,7 +162,7 @@ def onednn_packed(weight: torch.Tensor, decode: DecodePanels | None = None) -> B
 def f32_layer_choice(weights: Sequence[torch.Tensor]) -> LayerCalls | None:
     """For a layer's weights in call order, where they are fp32 on CPU: which of their calls take oneDNN, chosen
     for the layer as a whole (`onednn_linear.layer_few_rows`, `layer_many_rows`); else None."""
-    from kernels.cpu.native import load
+    from ucm_kernels.cpu.native import load
 
     lib = load()
     if lib is None or not all(_f32_cpu(w) for w in weights):
@@ -178,7 +178,7 @@ def _f32_cpu(weight: torch.Tensor) -> bool:
 
 
 def _f32_packed(weight: torch.Tensor, calls: onednn_linear.OnednnCalls | None = None) -> F32Packed | None:
-    from kernels.cpu.native import load
+    from ucm_kernels.cpu.native import load
 
     lib = load()
     if lib is None:

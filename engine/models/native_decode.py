@@ -1,22 +1,22 @@
 """A decode step's forward on CPU with the per-op Python taken out: the same native kernels, called directly.
 
 A decode step of 8 rows on SmolLM2 runs ~290 us of kernels a layer, and the generic forward added ~100 us a layer
-around them (module calls, `kernels.api`'s checks and dispatch per call, the matmuls' row routing, tensor views and
+around them (module calls, `ucm_kernels.api`'s checks and dispatch per call, the matmuls' row routing, tensor views and
 allocations): 2.9 of 15.3 ms a step on the 2-core Zen 5 EPYC. Here a step decides once what the generic path
 decides on every call (which kernels run, the threads, the metadata as int32), allocates the activations once for
-all layers, and calls each kernel's C entry point as its Python wrapper in kernels/cpu/ would, in the order
+all layers, and calls each kernel's C entry point as its Python wrapper in ucm_kernels/cpu/ would, in the order
 `DecoderLayer.forward` does; errors come from those wrappers' own messages. Every row gets the generic path's bits
 (tests/engine/test_native_decode.py).
 
 Where every matmul of every layer is one of our kernels (the embedded model's 4-bit layers: q4_bf16.c in bf16, the
-skinny GEMM's panels in fp32 up to their calibrated rows), the layer loop itself runs in C (kernels/cpu/
+skinny GEMM's panels in fp32 up to their calibrated rows), the layer loop itself runs in C (ucm_kernels/cpu/
 decode_layers.c: the same entry points in the same order, one call a step): from Python its ~330 calls a step cost
 ~4 ms of one thread's time on the 2-core Xeon with AMX while the other thread waited, and a decode step of 8 rows
 went from 27-31 to 22-25 ms. Other steps run the same calls from the Python loop below.
 
 It takes only the steps where that equality is plain to keep: every row a generated token (a decode; a one-token
 prompt chunk is a prompt row and goes generic), no connector hooks bound, and the CPU path running its native
-kernels for the step's ops (`kernels.api.native_ops_lib`, `native_decode_lib`). Anything else runs the generic
+kernels for the step's ops (`ucm_kernels.api.native_ops_lib`, `native_decode_lib`). Anything else runs the generic
 forward. A matmul without 4-bit panels for generated rows (oneDNN, fp32's packed copies, a bias) goes through
 `dense` as the generic path does.
 """
@@ -31,14 +31,14 @@ import torch
 
 from engine.attention import current_forward_context
 from engine.models.dense import BF16Packed, F32Packed, Packed, dense
-from kernels.api import native_decode_lib, native_ops_lib
-from kernels.cpu import decode_layers, elementwise, q4_bf16
-from kernels.cpu import write_kv as native_write
-from kernels.cpu.native import NativeLib
-from kernels.cpu.paged_attention import DTYPE_CODES, attention_error
-from kernels.cpu.q4_bf16 import Q4BF16Panels
-from kernels.cpu.q4_panels import Q4Panels
-from kernels.cpu.q8_panels import Q8Panels
+from ucm_kernels.api import native_decode_lib, native_ops_lib
+from ucm_kernels.cpu import decode_layers, elementwise, q4_bf16
+from ucm_kernels.cpu import write_kv as native_write
+from ucm_kernels.cpu.native import NativeLib
+from ucm_kernels.cpu.paged_attention import DTYPE_CODES, attention_error
+from ucm_kernels.cpu.q4_bf16 import Q4BF16Panels
+from ucm_kernels.cpu.q4_panels import Q4Panels
+from ucm_kernels.cpu.q8_panels import Q8Panels
 
 if TYPE_CHECKING:
     from engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -48,7 +48,7 @@ ANY_ROWS = 1 << 30  # a kernel that takes a step of any row count (q4_bf16 loops
 
 class DecodeAttention:
     """A decode step's attention, one call a layer: the native kernel's entry point over the step's metadata,
-    decided and converted once (what `kernels.decode_attention` would check and convert on every call)."""
+    decided and converted once (what `ucm_kernels.decode_attention` would check and convert on every call)."""
 
     def __init__(self, lib: NativeLib, seq_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor):
         self.lib = lib
@@ -139,7 +139,7 @@ class NativeDecode:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """`LlamaForCausalLM.forward` after the embedding and RoPE tables, for a step `plan` accepted: each kernel's C
-        entry point called as its Python wrapper calls it (kernels/cpu/), into activations the layers share."""
+        entry point called as its Python wrapper calls it (ucm_kernels/cpu/), into activations the layers share."""
         model, lib, config = self.model, step.attention.lib, self.model.config
         tokens, hidden, dtype = h.shape[0], config.hidden_size, h.dtype
         hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.api import fused_add_rms_norm, rms_norm
+from ucm_kernels.api import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -45,7 +45,7 @@ class RotaryEmbedding(nn.Module):
         """cos and sign-folded sin, [T, 1, head_dim], for positions [T]; fp32 math then cast, as HF does.
 
         HF rotates with x*cos + cat(-x2, x1)*sin. The sign goes into sin here ([-sin | sin]), which is exact
-        in floating point and saves a negation per layer; `kernels.api.rotary_embedding_` applies them."""
+        in floating point and saves a negation per layer; `ucm_kernels.api.rotary_embedding_` applies them."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         return (

@@ -1,6 +1,6 @@
 """The folder list is the architecture: these rules keep the packages layered (docs/architecture.md).
 
-router/ → protocol/ → prefill_node/, decode_node/ → node/ → engine/ → connector/ → ucm/, with kernels/ underneath
+router/ → protocol/ → prefill_node/, decode_node/ → node/ → engine/ → connector/ → ucm/, with ucm_kernels/ underneath
 and launch/ beside. Imports are read from the source (lazy ones inside functions count too), so a rule cannot be
 dodged by importing late; the torch rule is also checked at run time, since it is about what loads transitively.
 """
@@ -15,11 +15,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = {"engine", "kernels", "ucm", "connector", "protocol", "node", "prefill_node", "decode_node", "router", "launch"}
+OURS = {
+    "engine",
+    "ucm_kernels",
+    "ucm",
+    "connector",
+    "protocol",
+    "node",
+    "prefill_node",
+    "decode_node",
+    "router",
+    "launch",
+}
 
 # package -> the packages of ours it must never import
 FORBIDDEN: dict[str, set[str]] = {
-    "kernels": OURS - {"kernels"},
+    "ucm_kernels": OURS - {"ucm_kernels"},
     "protocol": OURS - {"protocol"},
     "ucm": {"engine", "connector", "node", "prefill_node", "decode_node", "router", "launch"},
     "engine": {"node", "prefill_node", "decode_node", "router", "launch"},

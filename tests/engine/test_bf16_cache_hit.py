@@ -11,13 +11,13 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.final_states import FinalStates
-from kernels.cpu.amx_gemm import engine_bf16_rows_invariant
+from ucm_kernels.cpu.amx_gemm import engine_bf16_rows_invariant
 
 
 @pytest.mark.xfail(
     not engine_bf16_rows_invariant(),
     reason="this CPU's bf16 matmul (oneDNN on AMX) gives a row other bits in calls of other sizes, and the native "
-    "library here has no AMX kernel to stand in (kernels/cpu/amx_gemm.py)",
+    "library here has no AMX kernel to stand in (ucm_kernels/cpu/amx_gemm.py)",
     strict=True,
 )
 @pytest.mark.parametrize(
@@ -46,12 +46,12 @@ def test_a_prefix_hit_continues_like_the_cold_run_in_bf16(length: int, warm: int
 @pytest.mark.xfail(
     not engine_bf16_rows_invariant(),
     reason="this CPU's bf16 matmul (oneDNN on AMX) gives a row other bits in calls of other sizes, and the native "
-    "library here has no AMX kernel to stand in (kernels/cpu/amx_gemm.py)",
+    "library here has no AMX kernel to stand in (ucm_kernels/cpu/amx_gemm.py)",
     strict=True,
 )
 def test_decodes_sharing_prefix_blocks_give_the_tokens_each_gets_alone_in_bf16() -> None:
     """Requests behind one prompt prefix decode over the same cache blocks, so the attention kernel runs them as one
-    item (kernels/cpu/paged_attention_shared.h); each must still continue as it does with blocks of its own."""
+    item (ucm_kernels/cpu/paged_attention_shared.h); each must still continue as it does with blocks of its own."""
     rng = random.Random(5)
     prefix = [rng.randrange(1000, 40000) for _ in range(320)]  # 20 blocks: 5 whole 64-key chunks
     prompts = [prefix + [rng.randrange(1000, 40000) for _ in range(20)] for _ in range(6)]

@@ -17,7 +17,7 @@ import torch
 
 from engine.attention import LayerHooks, set_forward_context
 from engine.loader import LoadedModel, load_model
-from kernels.attention_metadata import AttentionMetadata
+from ucm_kernels.attention_metadata import AttentionMetadata
 
 ATOL = 2e-3
 BLOCK = 16

@@ -14,10 +14,10 @@ from engine.attention import set_forward_context
 from engine.generated_rows import GeneratedRows
 from engine.models.dense import F32Packed, dense, pack_weight
 from engine.models.native_decode import DecodeStep, decode_linear
-from kernels.attention_metadata import AttentionMetadata
-from kernels.backend import CPU_ENV_VAR
-from kernels.cpu import skinny_gemm
-from kernels.cpu.q4_panels import Q4Panels, random_q4_weight
+from ucm_kernels.attention_metadata import AttentionMetadata
+from ucm_kernels.backend import CPU_ENV_VAR
+from ucm_kernels.cpu import skinny_gemm
+from ucm_kernels.cpu.q4_panels import Q4Panels, random_q4_weight
 
 
 @pytest.fixture(autouse=True)

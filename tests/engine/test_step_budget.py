@@ -6,9 +6,9 @@ import pytest
 
 from engine import step_budget
 from engine.step_budget import FAST_BUDGET, SLOW_BUDGET, choose, linear_flops_per_token
-from kernels.cpu import calibration
-from kernels.cpu.calibration import MATMUL_SHAPE
 from tests.engine_helpers import make_llm
+from ucm_kernels.cpu import calibration
+from ucm_kernels.cpu.calibration import MATMUL_SHAPE
 
 
 def test_linear_flops_are_two_per_weight_of_the_real_models_decoder_linears(smollm2_fp32):

@@ -1,4 +1,4 @@
-"""A static aarch64 Linux executable run in the unicorn CPU emulator (the `unicorn` wheel, a dev dependency), so an
+"""A static aarch64 Linux executable run in the unicorn CPU emulator (the `unicorn` wheel, the `cross` extra), so an
 x86 test machine can call the kernels' aarch64 build: the executable is loaded, musl's start-up runs until `main`
 (its heap and thread pointer are then set up), and then its functions are called directly, arguments placed as
 the AArch64 procedure call standard places them.

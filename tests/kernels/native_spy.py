@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernels.cpu import native
+from ucm_kernels.cpu import native
 
 
 def spy(monkeypatch, lib: native.NativeLib, name: str) -> list[int]:

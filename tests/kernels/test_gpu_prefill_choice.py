@@ -1,12 +1,12 @@
-"""The CUDA prefill choice's rules (kernels/gpu_prefill_choice.py) on given timings; test_kernels_gpu.py runs the
+"""The CUDA prefill choice's rules (ucm_kernels/gpu_prefill_choice.py) on given timings; test_kernels_gpu.py runs the
 dispatch itself on a GPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from kernels.cpu.calibration import ShapeClass
-from kernels.gpu_prefill_choice import LENGTHS, GpuPrefillPlan, LengthTiming, crossover
+from ucm_kernels.cpu.calibration import ShapeClass
+from ucm_kernels.gpu_prefill_choice import LENGTHS, GpuPrefillPlan, LengthTiming, crossover
 
 
 def timings(torch_wins: set[int]) -> tuple[LengthTiming, ...]:

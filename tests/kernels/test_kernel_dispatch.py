@@ -1,4 +1,4 @@
-"""CPU attention dispatch by calibration (kernels/cpu/calibration.py): the path the calibrated plan names is the one
+"""CPU attention dispatch by calibration (ucm_kernels/cpu/calibration.py): the path the calibrated plan names is the one
 that runs, per shape class; the plan's cache file round-trips and is keyed by what may change the answer; the
 vector path of the native kernel against the torch oracle; dtype "auto" (engine/config.py). No timing asserts:
 `calibration.measure` is replaced by fixed numbers wherever a choice is tested."""
@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
+import ucm_kernels
 from engine import config as engine_config
-from kernels import api
-from kernels.cpu import calibration, calibration_store, host, native
-from kernels.cpu import paged_attention as native_attention
-from kernels.cpu.calibration import Geometry, ShapeClass
-from kernels.cpu.paged_attention import paged_attention_native
-from kernels.reference import decode_attention_torch, prefill_attention_torch
-from kernels.testing import make_paged_case, naive_attention
+from ucm_kernels import api
+from ucm_kernels.cpu import calibration, calibration_store, host, native
+from ucm_kernels.cpu import paged_attention as native_attention
+from ucm_kernels.cpu.calibration import Geometry, ShapeClass
+from ucm_kernels.cpu.paged_attention import paged_attention_native
+from ucm_kernels.reference import decode_attention_torch, prefill_attention_torch
+from ucm_kernels.testing import make_paged_case, naive_attention
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 FAST, SLOW = {"native": 1.0, "torch": 2.0}, {"native": 2.0, "torch": 1.0}
@@ -53,7 +53,7 @@ def auto(monkeypatch, tmp_path):
 
     def force(times: dict[ShapeClass, dict[str, float]], keep_files: bool = False) -> list[ShapeClass]:
         calibration.forget()
-        for stored in [] if keep_files else cache.glob("kernels/calibration-*.json"):
+        for stored in [] if keep_files else cache.glob("ucm_kernels/calibration-*.json"):
             stored.unlink()
         forced.clear()
         forced.update(times)
@@ -101,10 +101,10 @@ def test_decode_follows_the_plan(auto, spies):
     case = make_paged_case([40, 3, 70, 0], [1] * 4, 9, 3, 64, dtype=torch.float32, seed=11)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125)
     auto({ShapeClass.DECODE: SLOW})
-    on_torch = kernels.decode_attention(*args)
+    on_torch = ucm_kernels.decode_attention(*args)
     assert _ran(spies) == {"torch decode": 1}, "decode measured faster on torch must run torch"
     auto({ShapeClass.DECODE: FAST})
-    on_native = kernels.decode_attention(*args)
+    on_native = ucm_kernels.decode_attention(*args)
     assert _ran(spies) == {"native": 1}, "decode measured faster native must run native"
     torch.testing.assert_close(on_native, on_torch, **TOL[torch.float32])
     torch.testing.assert_close(on_native, decode_attention_torch(*args), **TOL[torch.float32])
@@ -118,7 +118,9 @@ def test_prefill_follows_the_plan_per_class(auto, spies):
 
     def run(case):
         args = (case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables, 0.125)
-        return kernels.prefill_attention(*args, case.max_query_len), prefill_attention_torch(*args, case.max_query_len)
+        return ucm_kernels.prefill_attention(*args, case.max_query_len), prefill_attention_torch(
+            *args, case.max_query_len
+        )
 
     auto({ShapeClass.CHUNK: FAST, ShapeClass.PROMPT: FAST})
     got, ref = run(mixed)
@@ -155,7 +157,7 @@ def test_bf16_runs_native_for_every_class_whatever_was_measured(auto, spies):
     mixed = make_paged_case([20, 50, 33, 9], [20, 16, 33, 1], 4, 2, 64, dtype=torch.bfloat16, seed=3)
     args = (mixed.q, mixed.k_cache, mixed.v_cache, mixed.query_start_loc, mixed.seq_lens, mixed.block_tables, 0.125)
     auto({ShapeClass.CHUNK: SLOW, ShapeClass.PROMPT: SLOW})
-    got = kernels.prefill_attention(*args, mixed.max_query_len)
+    got = ucm_kernels.prefill_attention(*args, mixed.max_query_len)
     assert _ran(spies) == {"native": 1}, "bf16: native for chunks and prompts though torch measured faster"
     torch.testing.assert_close(got, prefill_attention_torch(*args, mixed.max_query_len), **TOL[torch.bfloat16])
 
@@ -165,16 +167,16 @@ def test_forced_switch_beats_the_plan(auto, spies, monkeypatch):
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125)
     measured = auto({ShapeClass.DECODE: SLOW})
     monkeypatch.setenv("UCM_CPU_ATTENTION", "native")
-    kernels.decode_attention(*args)
+    ucm_kernels.decode_attention(*args)
     assert _ran(spies) == {"native": 1} and not measured, "a forced path neither measures nor asks the plan"
-    assert kernels.calibrate_cpu_attention(torch.float32, 9, 3, 64, 16) is None
+    assert ucm_kernels.calibrate_cpu_attention(torch.float32, 9, 3, 64, 16) is None
     monkeypatch.setenv("UCM_CPU_ATTENTION", "auto")
-    assert kernels.calibrate_cpu_attention(torch.float16, 9, 3, 64, 16) is None, "fp16: the kernel never runs"
-    planned = kernels.calibrate_cpu_attention(torch.float32, 9, 3, 64, 16)
+    assert ucm_kernels.calibrate_cpu_attention(torch.float16, 9, 3, 64, 16) is None, "fp16: the kernel never runs"
+    planned = ucm_kernels.calibrate_cpu_attention(torch.float32, 9, 3, 64, 16)
     assert planned is not None and planned[ShapeClass.DECODE].impl == "torch"
     assert sorted(measured) == sorted(ShapeClass), "one calibration measures every class once"
-    kernels.decode_attention(*args)
-    kernels.decode_attention(*args)
+    ucm_kernels.decode_attention(*args)
+    ucm_kernels.decode_attention(*args)
     assert _ran(spies) == {"torch decode": 2} and len(measured) == 3, "calibrated once, not per call"
 
 

@@ -1,5 +1,5 @@
 """The kernels an aarch64 host builds, built and run on this x86 machine: every source cross-compiled for aarch64 Linux
-with zig's clang (the `ziglang` wheel, a dev dependency; no gcc here targets aarch64), warnings as errors.
+with zig's clang (the `ziglang` wheel, the `cross` extra that `make cross-check` installs; no gcc here targets aarch64), warnings as errors.
 
 - As the shared library native.py would load there: it links, exports every entry point native.py binds, and its
   preprocessor picks the attention's NEON vector and lanes bodies.
@@ -17,22 +17,27 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# The cross toolchain and the emulator are `make cross-check`'s (the `cross` extra, ~470 MB), not every install's.
+for _module in ("ziglang", "unicorn", "elftools"):
+    pytest.importorskip(_module, reason=f"{_module} is not installed: `make cross-check` installs the cross extra")
+
 import torch
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
-from kernels.cpu import elementwise as ew
-from kernels.cpu import native
-from kernels.cpu.paged_attention import DTYPE_CODES, attention_error
-from kernels.cpu.q4_panels import pack_q4, random_q4_weight
-from kernels.cpu.q8_panels import pack_q8, random_q8_weight
-from kernels.cpu.skinny_gemm import NR
-from kernels.reference import write_kv_torch
-from kernels.testing import PagedCase, make_paged_case, naive_attention
 from tests.kernels.aarch64_emulator import Aarch64Process, int32
 from tests.kernels.test_kernels_avx2_build import assert_builds_agree
 from tests.kernels.test_kernels_elementwise import _norm_inputs, _qkv_case
 from tests.kernels.test_kernels_native import TOL
+from ucm_kernels.cpu import elementwise as ew
+from ucm_kernels.cpu import native
+from ucm_kernels.cpu.paged_attention import DTYPE_CODES, attention_error
+from ucm_kernels.cpu.q4_panels import pack_q4, random_q4_weight
+from ucm_kernels.cpu.q8_panels import pack_q8, random_q8_weight
+from ucm_kernels.cpu.skinny_gemm import NR
+from ucm_kernels.reference import write_kv_torch
+from ucm_kernels.testing import PagedCase, make_paged_case, naive_attention
 
 GNU, MUSL = "aarch64-linux-gnu", "aarch64-linux-musl"  # the shared library's target; the emulated executable's
 # The host build's flags less what names the host (-march=native) or needs a runtime zig has no aarch64 build of

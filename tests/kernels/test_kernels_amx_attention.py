@@ -1,4 +1,4 @@
-"""The native attention's AMX body for bf16 prompt rows (kernels/cpu/paged_attention_amx.h): against the oracles,
+"""The native attention's AMX body for bf16 prompt rows (ucm_kernels/cpu/paged_attention_amx.h): against the oracles,
 the same bits for a row however its prompt was split or batched, and the routing by row class (prompt rows given
 as such take it; generated rows, and calls that give no classes, keep the VDPBF16PS bodies' bits)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import native
-from kernels.cpu.paged_attention import paged_attention_native
-from kernels.reference import prefill_attention_torch
-from kernels.testing import make_paged_case, naive_attention
+from ucm_kernels.cpu import native
+from ucm_kernels.cpu.paged_attention import paged_attention_native
+from ucm_kernels.reference import prefill_attention_torch
+from ucm_kernels.testing import make_paged_case, naive_attention
 
 TOL = dict(atol=2e-2, rtol=2e-2)  # both sides round the output to bf16
 # SmolLM2's GQA; head_dim 128 (four k tiles a score); MQA at head_dim 32 (one); no GQA

@@ -1,4 +1,4 @@
-"""The row-invariant bf16 GEMM on AMX (kernels/cpu/amx_gemm.c): results within bf16 rounding of an fp32 product of
+"""The row-invariant bf16 GEMM on AMX (ucm_kernels/cpu/amx_gemm.c): results within bf16 rounding of an fp32 product of
 the same bf16 operands, every row's bits independent of the call's size and of where the row sits in it, and the
 engine's bf16 linear layers routed through it where oneDNN's rows are not invariant. Needs a CPU with AMX (the
 others skip, except the checks of what the library says without it)."""
@@ -12,10 +12,10 @@ import torch
 from engine.attention import set_forward_context
 from engine.generated_rows import GeneratedRows
 from engine.models import dense as dense_mod
-from kernels import api
-from kernels.cpu import amx_gemm, q4_bf16
-from kernels.cpu.calibration import bf16_linear_rows_invariant
-from kernels.cpu.q4_panels import random_q4_weight
+from ucm_kernels import api
+from ucm_kernels.cpu import amx_gemm, q4_bf16
+from ucm_kernels.cpu.calibration import bf16_linear_rows_invariant
+from ucm_kernels.cpu.q4_panels import random_q4_weight
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_the_engines_bf16_layers_take_it_where_onednn_rows_vary(amx_lib):
 @pytest.mark.parametrize("n,k", [(3072, 576), (64, 32)])
 def test_a_paired_gate_up_gives_the_plain_product_and_its_silu(amx_lib, n, k):
     """Packed with its gate and up panels alternating, the weight gives the plain product (PAIRS), and the SiLU
-    epilogue gives kernels.api.silu_and_mul of that product bit for bit, each row alone."""
+    epilogue gives ucm_kernels.api.silu_and_mul of that product bit for bit, each row alone."""
     gen = torch.Generator().manual_seed(n + k)
     w, x = (torch.randn(n, k, generator=gen) * 0.1).bfloat16(), torch.randn(300, k, generator=gen).bfloat16()
     plain = amx_gemm.linear(amx_lib, x, amx_gemm.pack(w))

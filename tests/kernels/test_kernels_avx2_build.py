@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import elementwise as ew
-from kernels.cpu import native
 from tests.kernels.test_kernels_elementwise import _norm_inputs, _qkv_case, assert_bf16_close
+from ucm_kernels.cpu import elementwise as ew
+from ucm_kernels.cpu import native
 
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 

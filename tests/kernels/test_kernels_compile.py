@@ -13,7 +13,7 @@ def test_all_kernels_compile_for_sm90_bf16(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check", "--arch", "90", "--dtype", "bf16"],
+        [sys.executable, "-m", "ucm_kernels.compile_check", "--arch", "90", "--dtype", "bf16"],
         env=env,
         capture_output=True,
         text=True,

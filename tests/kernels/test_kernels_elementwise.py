@@ -1,20 +1,20 @@
-"""The fused elementwise kernels (kernels/cpu/elementwise.c) against their torch references, their dispatch in
-kernels.api, and the model's fused residual layout against the unfused order it replaced."""
+"""The fused elementwise kernels (ucm_kernels/cpu/elementwise.c) against their torch references, their dispatch in
+ucm_kernels.api, and the model's fused residual layout against the unfused order it replaced."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import api
-from kernels.cpu import native
-from kernels.reference import (
+from tests.kernels.native_spy import spy as _spy
+from ucm_kernels import api
+from ucm_kernels.cpu import native
+from ucm_kernels.reference import (
     fused_add_rms_norm_torch,
     rms_norm_torch,
     rotary_embedding_torch,
     silu_and_mul_torch,
 )
-from tests.kernels.native_spy import spy as _spy
 
 # Odd row counts; hidden sizes with and without a scalar tail past the 16-lane vectors, one long enough for
 # the cascaded sum's higher levels (more than 16 rows of 4 vectors).
@@ -219,7 +219,7 @@ def test_fused_residual_layout_matches_the_unfused_order(native_mode, dtype):
     from engine.attention import set_forward_context
     from engine.model_config import ModelConfig
     from engine.models.llama import LlamaForCausalLM
-    from kernels.attention_metadata import AttentionMetadata
+    from ucm_kernels.attention_metadata import AttentionMetadata
 
     config = ModelConfig.from_hf_dict(
         {

@@ -1,4 +1,4 @@
-"""The fp32 elementwise kernels (kernels/cpu/elementwise_f32.c) against their torch references and their dispatch.
+"""The fp32 elementwise kernels (ucm_kernels/cpu/elementwise_f32.c) against their torch references and their dispatch.
 
 RoPE and the residual add are the same IEEE operations as torch's: bit-identical. RMSNorm sums its squares in
 another order and SiLU's exp is the kernel's own: a few fp32 ulps (measured at most 5 on random inputs)."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import api
-from kernels.cpu import native
-from kernels.reference import fused_add_rms_norm_torch, rms_norm_torch, rotary_embedding_torch, silu_and_mul_torch
 from tests.kernels.native_spy import spy
+from ucm_kernels import api
+from ucm_kernels.cpu import native
+from ucm_kernels.reference import fused_add_rms_norm_torch, rms_norm_torch, rotary_embedding_torch, silu_and_mul_torch
 
 EPS = 1e-5
 MAX_ULPS = 16

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.cpu.calibration import ShapeClass
-from kernels.reference import decode_attention_torch, prefill_attention_torch
-from kernels.testing import make_paged_case
+import ucm_kernels
+from ucm_kernels.cpu.calibration import ShapeClass
+from ucm_kernels.reference import decode_attention_torch, prefill_attention_torch
+from ucm_kernels.testing import make_paged_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -21,7 +21,7 @@ def test_decode_long_context_auto_splits(hq, hkv, head_dim):
     ctx = torch.randint(1, 3000, (12,), generator=gen).tolist() + [4096, 1, 16, 17]
     case = make_paged_case(ctx, [1] * len(ctx), hq, hkv, head_dim, dtype=torch.bfloat16, device="cuda")
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, head_dim**-0.5)
-    out = kernels.decode_attention(*args, max_seq_len=case.max_seq_len)
+    out = ucm_kernels.decode_attention(*args, max_seq_len=case.max_seq_len)
     torch.testing.assert_close(out, decode_attention_torch(*args), **BF16)
 
 
@@ -38,7 +38,7 @@ def test_prefill_compiled_matches_reference():
         128**-0.5,
         case.max_query_len,
     )
-    torch.testing.assert_close(kernels.prefill_attention(*args), prefill_attention_torch(*args), **BF16)
+    torch.testing.assert_close(ucm_kernels.prefill_attention(*args), prefill_attention_torch(*args), **BF16)
 
 
 def test_decode_under_cuda_graph():
@@ -47,7 +47,7 @@ def test_decode_under_cuda_graph():
     case = make_paged_case([2048] * 4, [1] * 4, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
     seq_lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
     q = case.q.clone()
-    call = lambda: kernels.decode_attention(  # noqa: E731
+    call = lambda: ucm_kernels.decode_attention(  # noqa: E731
         q, case.k_cache, case.v_cache, case.block_tables, seq_lens, 128**-0.5, max_seq_len=2048
     )
     stream = torch.cuda.Stream()
@@ -70,18 +70,18 @@ def test_decode_under_cuda_graph():
 def test_block_transfer_roundtrip_compiled():
     cache = torch.randn(512, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
     ids = torch.randperm(512, device="cuda")[:200]
-    staged = kernels.gather_blocks(cache, ids)
+    staged = ucm_kernels.gather_blocks(cache, ids)
     assert torch.equal(staged, cache[ids])
     other = torch.zeros_like(cache)
-    kernels.scatter_blocks(staged, other, ids)
+    ucm_kernels.scatter_blocks(staged, other, ids)
     assert torch.equal(other[ids], cache[ids])
 
 
 @pytest.fixture
 def torch_path_calls(monkeypatch):
     """Count the CUDA prefills that the dispatch sends to the torch path, with this process's plans forgotten."""
-    import kernels.api as api
-    from kernels import gpu_prefill_choice
+    import ucm_kernels.api as api
+    from ucm_kernels import gpu_prefill_choice
 
     gpu_prefill_choice.forget()
     calls = []
@@ -99,8 +99,8 @@ def torch_path_calls(monkeypatch):
 def test_prefill_dispatch_follows_a_forced_plan(monkeypatch, torch_path_calls):
     """Whole prompts of 512+ tokens measured faster on torch, chunks never: the dispatch runs what was measured,
     and both paths give the reference's output."""
-    from kernels import gpu_prefill_choice
-    from kernels.gpu_prefill_choice import LENGTHS, LengthTiming
+    from ucm_kernels import gpu_prefill_choice
+    from ucm_kernels.gpu_prefill_choice import LENGTHS, LengthTiming
 
     def forced(g, device):
         prompt = tuple(LengthTiming(n, 2.0, 1.0 if n >= 512 else 3.0) for n in LENGTHS)
@@ -113,18 +113,18 @@ def test_prefill_dispatch_follows_a_forced_plan(monkeypatch, torch_path_calls):
                 64**-0.5, case.max_query_len)  # fmt: skip
         for context_tokens in (None, sum(ctx)):  # told from the device's seq_lens, or from the host's sum
             before = len(torch_path_calls)
-            out = kernels.prefill_attention(*args, context_tokens=context_tokens)
+            out = ucm_kernels.prefill_attention(*args, context_tokens=context_tokens)
             assert (len(torch_path_calls) > before) is want_torch, (ctx, new, context_tokens)
             torch.testing.assert_close(out, prefill_attention_torch(*args), **BF16)
 
 
 def test_prefill_dispatch_measured_on_this_gpu(torch_path_calls):
     """The real measurement: a plan for both classes, and a long prompt dispatched by it matches the reference."""
-    plan = kernels.calibrate_gpu_prefill(torch.bfloat16, 32, 8, 128, 16, torch.device("cuda"))
+    plan = ucm_kernels.calibrate_gpu_prefill(torch.bfloat16, 32, 8, 128, 16, torch.device("cuda"))
     assert plan is not None and all(len(plan.timings[c]) > 0 for c in (ShapeClass.PROMPT, ShapeClass.CHUNK))
     case = make_paged_case([4096], [4096], 32, 8, 128, dtype=torch.bfloat16, device="cuda")
     args = (case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables,
             128**-0.5, case.max_query_len)  # fmt: skip
-    torch.testing.assert_close(kernels.prefill_attention(*args), prefill_attention_torch(*args), **BF16)
+    torch.testing.assert_close(ucm_kernels.prefill_attention(*args), prefill_attention_torch(*args), **BF16)
     crossing = plan.crossover(ShapeClass.PROMPT)
     assert (len(torch_path_calls) == 1) is (crossing is not None and crossing <= 4096), plan.describe()

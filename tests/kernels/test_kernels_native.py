@@ -1,4 +1,4 @@
-"""The native CPU paged-attention kernel (kernels/cpu/) against the torch oracles and dense attention; its
+"""The native CPU paged-attention kernel (ucm_kernels/cpu/) against the torch oracles and dense attention; its
 dispatch, the UCM_CPU_ATTENTION switch, and the fallback to torch when it cannot be built."""
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels.cpu import native
-from kernels.cpu import paged_attention as native_attention
-from kernels.cpu.paged_attention import paged_attention_native, prefill_attention_native
-from kernels.cpu.write_kv import write_kv_native
-from kernels.reference import (
+import ucm_kernels
+from ucm_kernels.cpu import native
+from ucm_kernels.cpu import paged_attention as native_attention
+from ucm_kernels.cpu.paged_attention import paged_attention_native, prefill_attention_native
+from ucm_kernels.cpu.write_kv import write_kv_native
+from ucm_kernels.reference import (
     decode_attention_chunked_torch,
     decode_attention_torch,
     prefill_attention_torch,
     write_kv_torch,
 )
-from kernels.testing import make_paged_case, naive_attention
+from ucm_kernels.testing import make_paged_case, naive_attention
 
 ROOT = Path(__file__).resolve().parents[2]
 # bf16: both sides round the output to bf16 (8 bits of mantissa) -> ~1e-2 absolute on O(1) outputs.
@@ -253,32 +253,32 @@ def test_dispatch_and_switch(lib, monkeypatch):
     decode_args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125)
     calls = _spy(monkeypatch, lib)
     monkeypatch.setenv("UCM_CPU_ATTENTION", "native")  # the default (auto) is tests/kernels/test_kernel_dispatch.py's
-    assert kernels.select_backend(torch.device("cpu")) is kernels.AttentionBackend.TORCH  # the CPU path
-    native_out = kernels.decode_attention(*decode_args)
+    assert ucm_kernels.select_backend(torch.device("cpu")) is ucm_kernels.AttentionBackend.TORCH  # the CPU path
+    native_out = ucm_kernels.decode_attention(*decode_args)
     assert len(calls) == 1, "UCM_CPU_ATTENTION=native runs the library"
-    kernels.write_kv(case.keys[0][:2], case.values[0][:2], case.k_cache, case.v_cache, torch.tensor([-1, -1]))
+    ucm_kernels.write_kv(case.keys[0][:2], case.values[0][:2], case.k_cache, case.v_cache, torch.tensor([-1, -1]))
     assert calls == [1, 2]
     monkeypatch.setenv("UCM_CPU_ATTENTION", "torch")
-    torch_out = kernels.decode_attention(*decode_args)
-    kernels.write_kv(case.keys[0][:2], case.values[0][:2], case.k_cache, case.v_cache, torch.tensor([-1, -1]))
+    torch_out = ucm_kernels.decode_attention(*decode_args)
+    ucm_kernels.write_kv(case.keys[0][:2], case.values[0][:2], case.k_cache, case.v_cache, torch.tensor([-1, -1]))
     assert len(calls) == 2, "UCM_CPU_ATTENTION=torch must keep the library out"
     assert torch.equal(torch_out, decode_attention_chunked_torch(*decode_args))
     torch.testing.assert_close(native_out, torch_out, **TOL[torch.bfloat16])
     monkeypatch.setenv("UCM_CPU_ATTENTION", "native")
-    kernels.prefill_attention(
+    ucm_kernels.prefill_attention(
         case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables, 0.125, 1
     )
     assert calls == [1, 2, 1]
     monkeypatch.setenv("UCM_CPU_ATTENTION", "fast")
     with pytest.raises(ValueError, match="UCM_CPU_ATTENTION='fast' is not one of: auto, native, torch"):
-        kernels.decode_attention(*decode_args)
+        ucm_kernels.decode_attention(*decode_args)
 
 
 def test_unsupported_dtype_takes_the_torch_path(lib, monkeypatch):
     calls = _spy(monkeypatch, lib)
     case = make_paged_case([20, 7], [1, 1], 4, 2, 64, dtype=torch.float16, seed=2)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125)
-    out = kernels.decode_attention(*args)
+    out = ucm_kernels.decode_attention(*args)
     assert not calls
     assert torch.equal(out, decode_attention_chunked_torch(*args))
 
@@ -290,8 +290,8 @@ def test_failed_build_falls_back_to_torch(fresh_native, monkeypatch, tmp_path, c
     case = make_paged_case([40, 3, 0], [1, 1, 1], 9, 3, 64, dtype=torch.bfloat16, seed=4)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125)
     with caplog.at_level(logging.WARNING, logger=native.__name__):
-        first = kernels.decode_attention(*args)
-        second = kernels.decode_attention(*args)
+        first = ucm_kernels.decode_attention(*args)
+        second = ucm_kernels.decode_attention(*args)
     assert native.load() is None and "no-such-cc" in (native.load_error() or "")
     warnings = [r for r in caplog.records if "native CPU attention unavailable" in r.getMessage()]
     assert len(warnings) == 1, "one warning per process, not per call"
@@ -301,7 +301,7 @@ def test_failed_build_falls_back_to_torch(fresh_native, monkeypatch, tmp_path, c
 
 def test_concurrent_builds_share_one_library(lib, tmp_path):
     """Processes starting together each compile, then atomically rename: all load, one library, no temp files."""
-    code = "import sys; from pathlib import Path; from kernels.cpu.native import build; print(build(Path(sys.argv[1])).path)"
+    code = "import sys; from pathlib import Path; from ucm_kernels.cpu.native import build; print(build(Path(sys.argv[1])).path)"
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
         for _ in range(2)

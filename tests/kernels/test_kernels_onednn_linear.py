@@ -1,4 +1,4 @@
-"""oneDNN fp32 linear (kernels/cpu/onednn_linear.py) against F.linear, and its dispatch in `engine.models.dense`:
+"""oneDNN fp32 linear (ucm_kernels/cpu/onednn_linear.py) against F.linear, and its dispatch in `engine.models.dense`:
 prefill-sized row counts, and each few-row class apart, go to oneDNN only for weight shapes where it measured faster,
 the choices are cached per machine, and `UCM_CPU_LINEAR=torch` turns it off. No timing asserts: `measure` and
 `measure_few` are replaced by fixed numbers wherever a choice is tested."""
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.models import dense as dense_mod
-from kernels.cpu import onednn_linear, skinny_gemm
-from kernels.cpu.skinny_gemm import ROW_LADDER
+from ucm_kernels.cpu import onednn_linear, skinny_gemm
+from ucm_kernels.cpu.skinny_gemm import ROW_LADDER
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="this torch build has no oneDNN")
 

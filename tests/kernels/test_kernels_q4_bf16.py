@@ -1,4 +1,4 @@
-"""The 4-bit bf16 decode matmul (kernels/cpu/q4_bf16.c) and its Q8_0 twin (the lm_head's): results within bf16 rounding of a float64 reference on
+"""The 4-bit bf16 decode matmul (ucm_kernels/cpu/q4_bf16.c) and its Q8_0 twin (the lm_head's): results within bf16 rounding of a float64 reference on
 exactly-Q4_1 weights, each row's bits independent of the call around it, and its dispatch in `engine.models.dense`
 by row class (generated rows through the kernel, prompt rows through oneDNN) where the calibration chose it. No
 timing asserts: `measure` is replaced by fixed numbers wherever a choice is tested. Needs a CPU with AVX-512 BF16
@@ -13,10 +13,10 @@ import torch
 from engine.attention import set_forward_context
 from engine.generated_rows import GeneratedRows
 from engine.models import dense as dense_mod
-from kernels.cpu import onednn_linear, q4_bf16
-from kernels.cpu.q4_bf16 import kernel_wins, linear, pack, pack_q8
-from kernels.cpu.q4_panels import random_q4_weight
-from kernels.cpu.q8_panels import find_q8, random_q8_weight
+from ucm_kernels.cpu import onednn_linear, q4_bf16
+from ucm_kernels.cpu.q4_bf16 import kernel_wins, linear, pack, pack_q8
+from ucm_kernels.cpu.q4_panels import random_q4_weight
+from ucm_kernels.cpu.q8_panels import find_q8, random_q8_weight
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""4-bit panels (kernels/cpu/q4_panels.py, skinny_gemm.c's q4 kernel): a weight is taken as 4-bit only when every
+"""4-bit panels (ucm_kernels/cpu/q4_panels.py, skinny_gemm.c's q4 kernel): a weight is taken as 4-bit only when every
 weight comes back bit for bit, the q4 kernel's output is then bit-identical to the fp32 panel kernel's, and the
 embedded model's layers are all exactly 4-bit (its GGUF is Q4_1)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu.q4_panels import find_q4, pack_q4, random_q4_weight, skinny_linear_q4
-from kernels.cpu.skinny_gemm import pack_panels, skinny_linear
+from ucm_kernels.cpu.q4_panels import find_q4, pack_q4, random_q4_weight, skinny_linear_q4
+from ucm_kernels.cpu.skinny_gemm import pack_panels, skinny_linear
 
 
 @pytest.mark.parametrize(("m", "k", "n", "bias"), [(1, 64, 40, False), (5, 96, 16, True), (8, 576, 960, False)])

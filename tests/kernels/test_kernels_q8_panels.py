@@ -1,4 +1,4 @@
-"""8-bit panels (kernels/cpu/q8_panels.py, skinny_gemm.c's q8 kernel): a weight is taken as Q8_0 only when every
+"""8-bit panels (ucm_kernels/cpu/q8_panels.py, skinny_gemm.c's q8 kernel): a weight is taken as Q8_0 only when every
 weight comes back bit for bit, the q8 kernel's output is then bit-identical to the fp32 panel kernel's (in the
 -march=native build and in the AVX2 one), and an fp32 model's lm_head (the GGUF's Q8_0 tied embedding) is packed so."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import skinny_gemm
-from kernels.cpu.q4_panels import Q4Panels
-from kernels.cpu.q8_panels import Q8Panels, find_q8, pack_q8, random_q8_weight, skinny_linear_q8
-from kernels.cpu.skinny_gemm import PanelFormat, pack_panels, skinny_linear
+from ucm_kernels.cpu import skinny_gemm
+from ucm_kernels.cpu.q4_panels import Q4Panels
+from ucm_kernels.cpu.q8_panels import Q8Panels, find_q8, pack_q8, random_q8_weight, skinny_linear_q8
+from ucm_kernels.cpu.skinny_gemm import PanelFormat, pack_panels, skinny_linear
 
 
 @pytest.mark.parametrize(
@@ -55,7 +55,7 @@ def test_bad_arguments(native_lib) -> None:
 
 
 def test_pack_picks_4_bit_then_8_bit_then_fp32(native_lib) -> None:
-    from kernels.cpu.q4_panels import random_q4_weight
+    from ucm_kernels.cpu.q4_panels import random_q4_weight
 
     gen = torch.Generator().manual_seed(3)
     cases = [
@@ -102,7 +102,7 @@ def test_a_quantized_packing_that_never_wins_falls_back_to_the_fp32_panels(nativ
         assert packed is not None and isinstance(packed.panels, torch.Tensor) and packed.max_rows == 4
         wins[PanelFormat.Q8] = 8
         skinny_gemm.forget()
-        for stored in tmp_path.glob("kernels/linear-*.json"):
+        for stored in tmp_path.glob("ucm_kernels/linear-*.json"):
             stored.unlink()
         packed = skinny_gemm.panel_weight(native_lib, w)
         assert packed is not None and isinstance(packed.panels, Q8Panels) and packed.max_rows == 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import (
+from ucm_kernels.reference import (
     copy_blocks_torch,
     decode_attention_torch,
     gather_blocks_torch,
@@ -13,7 +13,7 @@ from kernels.reference import (
     scatter_blocks_torch,
     write_kv_torch,
 )
-from kernels.testing import make_paged_case, naive_attention
+from ucm_kernels.testing import make_paged_case, naive_attention
 
 # bf16 inputs: SDPA rounds its output to bf16 (8 bits of mantissa) -> ~1e-2 absolute on O(1) outputs.
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -106,7 +106,7 @@ def test_block_ops_reference():
 def test_gather_scratch_made_under_inference_mode_serves_outside_it() -> None:
     """The CPU gather's per-thread scratch: a buffer first made under inference_mode (a start-up calibration) must
     not be handed to a later call outside it, where writing an inference tensor raises."""
-    from kernels.reference.paged_gather import gather_context
+    from ucm_kernels.reference.paged_gather import gather_context
 
     gen = torch.Generator().manual_seed(3)
     cache = torch.randn(6, 4, 2, 8, generator=gen)

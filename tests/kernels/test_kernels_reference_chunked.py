@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from kernels.reference import decode_attention_chunked_torch, decode_attention_torch
-from kernels.testing import make_paged_case, naive_attention
+from ucm_kernels.reference import decode_attention_chunked_torch, decode_attention_torch
+from ucm_kernels.testing import make_paged_case, naive_attention
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

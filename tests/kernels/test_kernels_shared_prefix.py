@@ -1,4 +1,4 @@
-"""Decodes that share a prompt prefix run as one attention item (kernels/cpu/paged_attention_shared.h): which
+"""Decodes that share a prompt prefix run as one attention item (ucm_kernels/cpu/paged_attention_shared.h): which
 sequences group, and that a row's bits are what it gets on its own, with the blocks shared or copied."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.cpu import native
-from kernels.cpu.paged_attention import paged_attention_native, shared_prefix_groups
-from kernels.reference import decode_attention_torch
+from ucm_kernels.cpu import native
+from ucm_kernels.cpu.paged_attention import paged_attention_native, shared_prefix_groups
+from ucm_kernels.reference import decode_attention_torch
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 SCALE = D**-0.5

@@ -1,4 +1,4 @@
-"""The skinny fp32 GEMM (kernels/cpu/skinny_gemm.c) against F.linear, and its dispatch in `engine.models.dense`:
+"""The skinny fp32 GEMM (ucm_kernels/cpu/skinny_gemm.c) against F.linear, and its dispatch in `engine.models.dense`:
 the row counts the calibration names go to the kernel, the others to F.linear, the choice is cached per machine,
 and a model run either way gives the same greedy text. No timing asserts: `skinny_gemm.measure` is replaced by
 fixed numbers wherever a choice is tested."""
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.models import dense as dense_mod
-from kernels.cpu import skinny_gemm
-from kernels.cpu.skinny_gemm import ROW_LADDER, PanelWeight, pack_panels, skinny_linear
+from ucm_kernels.cpu import skinny_gemm
+from ucm_kernels.cpu.skinny_gemm import ROW_LADDER, PanelWeight, pack_panels, skinny_linear
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def forced(monkeypatch, tmp_path):
 
     def set_up_to(rows: int) -> list[tuple[int, int]]:
         skinny_gemm.forget()
-        for stored in cache.glob("kernels/linear-*.json"):
+        for stored in cache.glob("ucm_kernels/linear-*.json"):
             stored.unlink()
         state["up_to"] = rows
         measured.clear()
@@ -147,7 +147,7 @@ def test_disagreeing_rounds_are_not_stored_and_say_where(native_lib, forced, mon
     forced(16)
     rounds = [{r: (1.0, 2.0) if r <= up_to else (2.0, 1.0) for r in ROW_LADDER} for up_to in (8, 16)]
     monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: rounds)
-    with caplog.at_level("INFO", logger="kernels.cpu.skinny_gemm"):
+    with caplog.at_level("INFO", logger="ucm_kernels.cpu.skinny_gemm"):
         assert dense_mod.pack_weight(torch.randn(48, 32)).panels.max_rows == 8, "the smaller answer until one is stored"
     assert "rounds disagreed on rows 8 vs 16" in caplog.text
     assert not list((Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json"))
@@ -157,7 +157,7 @@ def test_disagreeing_rounds_are_not_stored_and_say_where(native_lib, forced, mon
 def test_the_kernel_must_beat_the_best_alternative(native_lib, monkeypatch, tmp_path, kernel_ms, won) -> None:
     """The calibration times the kernel, F.linear and (where available) oneDNN on a reordered weight; the kernel
     takes a row count only when it beats the fastest of the others (timings replaced: F.linear 3 ms, oneDNN 1.5)."""
-    from kernels.cpu import onednn_linear
+    from ucm_kernels.cpu import onednn_linear
 
     if not onednn_linear.available():
         pytest.skip("no oneDNN in this torch build: F.linear is the only alternative")
@@ -243,7 +243,7 @@ def scalar_lib(native_lib):
     """The library built for a CPU without AVX2 (x86-64 baseline): the kernels' scalar C paths."""
     import platform
 
-    from kernels.cpu import native
+    from ucm_kernels.cpu import native
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the x86-64 baseline build only runs on x86")
@@ -262,8 +262,8 @@ def test_each_row_gets_the_bits_of_a_one_row_call(request, build, fmt, k, n) -> 
     blocks of 144). Either way each row gets the floats a call of that row alone gets (the same sums in the
     same k order), for fp32, 4-bit and 8-bit panels, a bias, partial tiles, a partial last panel and k chunks of
     unequal length; and F.linear's result within fp32 rounding."""
-    from kernels.cpu.q4_panels import pack_q4, random_q4_weight, skinny_linear_q4
-    from kernels.cpu.q8_panels import pack_q8, random_q8_weight, skinny_linear_q8
+    from ucm_kernels.cpu.q4_panels import pack_q4, random_q4_weight, skinny_linear_q4
+    from ucm_kernels.cpu.q8_panels import pack_q8, random_q8_weight, skinny_linear_q8
 
     lib = request.getfixturevalue("scalar_lib" if build == "scalar" else "native_lib")
     gen = torch.Generator().manual_seed(k + n)

@@ -20,20 +20,20 @@ if not torch.cuda.is_available():
 import pytest
 import triton.language as tl
 
-import kernels
+import ucm_kernels
 from engine.attention import set_forward_context
-from kernels.attention_metadata import AttentionMetadata
-from kernels.testing import make_paged_case, naive_attention
-from kernels.triton_block_copy import _block_copy_kernel, copy_blocks_torch, copy_blocks_triton
-from kernels.triton_block_transfer import (
+from ucm_kernels.attention_metadata import AttentionMetadata
+from ucm_kernels.testing import make_paged_case, naive_attention
+from ucm_kernels.triton_block_copy import _block_copy_kernel, copy_blocks_torch, copy_blocks_triton
+from ucm_kernels.triton_block_transfer import (
     gather_blocks_torch,
     gather_blocks_triton,
     scatter_blocks_torch,
     scatter_blocks_triton,
 )
-from kernels.triton_decode_attention import decode_attention_torch, decode_attention_triton
-from kernels.triton_prefill_attention import prefill_attention_torch, prefill_attention_triton
-from kernels.triton_write_kv import write_kv_torch, write_kv_triton
+from ucm_kernels.triton_decode_attention import decode_attention_torch, decode_attention_triton
+from ucm_kernels.triton_prefill_attention import prefill_attention_torch, prefill_attention_triton
+from ucm_kernels.triton_write_kv import write_kv_torch, write_kv_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -72,7 +72,7 @@ def test_module_in_fresh_process():
 def test_kernels_are_interpreted_on_cpu():
     if DEVICE == "cpu":
         assert type(_block_copy_kernel).__name__ == "InterpretedFunction", (
-            "a kernels.triton_* module was imported before TRITON_INTERPRET=1 was set"
+            "a ucm_kernels.triton_* module was imported before TRITON_INTERPRET=1 was set"
         )
 
 
@@ -220,7 +220,7 @@ def test_chunked_prefill_then_decode_through_dispatch(backend, monkeypatch):
         key = torch.cat([keys[i][ps[0] : ps[-1] + 1] for i, ps in zip(seqs, pos)])
         value = torch.cat([values[i][ps[0] : ps[-1] + 1] for i, ps in zip(seqs, pos)])
         q = torch.cat([queries[i][ps[0] : ps[-1] + 1] for i, ps in zip(seqs, pos)])
-        kernels.write_kv(key, value, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
+        ucm_kernels.write_kv(key, value, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
         lens = [done[i] + steps[i] for i in seqs]
         md = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=DEVICE),
@@ -232,7 +232,7 @@ def test_chunked_prefill_then_decode_through_dispatch(backend, monkeypatch):
             max_query_len=max(steps[i] for i in seqs),
             max_seq_len=max(lens),
         )
-        out = kernels.paged_attention(q, k_cache, v_cache, md, d**-0.5)
+        out = ucm_kernels.paged_attention(q, k_cache, v_cache, md, d**-0.5)
         want = naive_attention(
             q,
             [keys[i][:n] for i, n in zip(seqs, lens)],
@@ -249,13 +249,13 @@ def test_forcing_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("UCM_ATTENTION_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        kernels.select_backend(torch.device("cpu"))
+        ucm_kernels.select_backend(torch.device("cpu"))
     monkeypatch.setenv("UCM_ATTENTION_BACKEND", "cuda-magic")
     with pytest.raises(ValueError, match="UCM_ATTENTION_BACKEND"):
-        kernels.select_backend(torch.device("cpu"))
+        ucm_kernels.select_backend(torch.device("cpu"))
     monkeypatch.delenv("UCM_ATTENTION_BACKEND")
-    assert kernels.select_backend(torch.device("cpu")) is kernels.AttentionBackend.TORCH
-    assert kernels.select_backend(torch.device("cuda")) is kernels.AttentionBackend.TRITON
+    assert ucm_kernels.select_backend(torch.device("cpu")) is ucm_kernels.AttentionBackend.TORCH
+    assert ucm_kernels.select_backend(torch.device("cuda")) is ucm_kernels.AttentionBackend.TRITON
 
 
 def _smollm2_steps(lm, backend: str, monkeypatch) -> list[torch.Tensor]:

@@ -8,7 +8,6 @@ import types
 
 import pytest
 
-from kernels.cpu.pause_probe import pause_seconds
 from launch import cli
 from node import openmp_env
 from node.openmp_env import (
@@ -20,6 +19,7 @@ from node.openmp_env import (
     node_spincount,
     openmp_wait,
 )
+from ucm_kernels.cpu.pause_probe import pause_seconds
 
 ROUND_S = 28e-9  # a spin-wait round as the 2-core AMD EPYC (Zen 5) measured it
 COUNT = str(round(NODE_SPIN_S / ROUND_S))

@@ -1,0 +1,209 @@
+/* bf16 y = x @ W^T for prompt rows on CPUs with AMX, the same bits for a row whatever else the call holds.
+ *
+ * oneDNN's bf16 matmul on AMX picks its blocking by the call's row count: on a 2-core Xeon, SmolLM2's prompt
+ * shapes gave a row other bits at 48-512 rows than at up to 32 or at 2048 (ucm_kernels/cpu/calibration.py,
+ * bf16_linear_rows_invariant). The engine needs a row's bits to depend on the row alone, or a prompt continued
+ * after a prefix-cache hit (its last rows a small call) stops giving the cold run's greedy tokens. Here every
+ * output element is one AMX accumulator tile element that TDPBF16PS adds 32 k at a time, k blocks in order, and
+ * rows past the call's end are zeros in a padded copy: the arithmetic of a row is fixed by K alone.
+ *
+ * Tiles (palette 1): C0..C3 = 2 x 2 blocks of 16 rows x 16 outputs (fp32), A0, A1 = 16 rows x 32 k of x,
+ * B0, B1 = 32 k x 16 outputs of W in VNNI order (k pairs interleaved): wp [N / 16][K / 32][16 pairs][16 out][2],
+ * packed once at load (ucm_kernels/cpu/amx_gemm.py). Work is split over threads by blocks of MC rows x NC outputs
+ * (fewer outputs a block when the call has few rows, so that every thread gets a share), RG rows at a time,
+ * which keeps a block's x and W in L2 (row groups: SmolLM2's four layer shapes at 2048 rows 7.22 -> 6.75 ms, the
+ * builds alternated in one process on the Xeon with AMX). The accumulators go to fp32 scratch and out as bf16 (round to nearest
+ * even, as torch rounds).
+ *
+ * A row slice (32 rows x SLICE outputs) runs its k blocks KBC at a time over every block of the slice, so that the
+ * slice's x and one block's W for those k stay in L1 (36 KB) instead of x being fetched from L2 again for every
+ * block; a block's sums wait in fp32 scratch between the passes, which leaves its additions and their order as
+ * they were. And a slice's epilogue (the rounding to bf16 and the stores into y) runs spread over the next slice's
+ * tile work: run after its own tiles, the stores of y waited on their cache lines while the tiles idled. Measured
+ * on the Xeon with AMX, builds alternated in one process, SmolLM2's shapes at 2048 rows: 0.73-0.96x the time,
+ * bit-equal. Calls of up to SPLIT_ROWS rows keep one pass over k: over 30 layers' weights from memory, the k passes
+ * cost 16 and 32 rows ~6% (their C tiles stored and loaded once more, no x to keep).
+ */
+
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <string.h>
+
+#include "amx_tiles.h"
+#include "silu_bf16.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define MC 128 /* rows per thread block */
+#define NC 256 /* outputs per thread block */
+#define RG 512 /* rows per group (a multiple of MC) */
+#define SLICE 128 /* outputs of a row slice, whose epilogue runs during the next slice's tiles */
+#define KBC 9 /* k blocks (of 32) a pass: a slice's x and a block's W for them fit L1 (2 x 18 KB) */
+#define SPLIT_ROWS 64 /* calls of more rows pass over k in KBC blocks; fewer rows (weights from memory) in one */
+
+/* What the kernel does with a block's 32 outputs (two 16-output panels). PAIRS and SILU take a gate_up weight
+ * packed with its gate and up panels alternating (amx_gemm.py, pack(paired=True)): panel 2j holds gate outputs
+ * 16j .. 16j + 15, panel 2j + 1 the same up outputs, so a block holds both halves of 16 SwiGLU outputs. */
+enum {
+    EPI_PLAIN = 0, /* y [m][n] */
+    EPI_PAIRS = 1, /* y [m][n] as [gate | up]: the unpaired weight's y */
+    EPI_SILU = 2,  /* y [m][n / 2] = silu(gate) * up, each of gate and up rounded to bf16 first: what
+                      elementwise.c's silu_and_mul gives on the PAIRS y, without writing and reading it */
+};
+
+/* Whether this build has the kernel and the OS lets this process use AMX. */
+int32_t ucm_amx_available(void) {
+#ifdef UCM_HAS_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+#ifdef UCM_HAS_AMX
+/* 32 rows of x (stride K) x 32 outputs (panels nb, nb + 1), k blocks kb0 .. kb1 - 1 -> c[32][32] fp32: from zero
+ * when kb0 is 0, else on top of the earlier k blocks' sums in c (exact: fp32 tiles stored and loaded, so the same
+ * additions in the same order as one pass over every k block). */
+static inline void block_32x32(const uint16_t *x, int64_t k, const uint16_t *wp, int64_t nb, float *c, int64_t kb0,
+                               int64_t kb1) {
+    const int64_t kb_count = k / 32;
+    const uint16_t *b0 = wp + nb * kb_count * 512, *b1 = b0 + kb_count * 512;
+    if (kb0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, c, 128);
+        _tile_loadd(1, c + 16, 128);
+        _tile_loadd(2, c + 16 * 32, 128);
+        _tile_loadd(3, c + 16 * 32 + 16, 128);
+    }
+    for (int64_t kb = kb0; kb < kb1; kb++) {
+        _tile_loadd(4, x + kb * 32, k * 2);
+        _tile_loadd(5, x + 16 * k + kb * 32, k * 2);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+/* A block's c[rows][32] (panels o0 / 16 and o0 / 16 + 1) into y through `epilogue`, rounded to bf16 as torch
+ * rounds (nearest even). */
+static inline void store_block(const float *c, int64_t rows, uint16_t *y, int64_t n, int64_t r0, int64_t o0,
+                               int32_t epilogue) {
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        uint16_t *row = y + (r0 + r) * (epilogue == EPI_SILU ? n / 2 : n);
+        if (epilogue == EPI_PLAIN) {
+            _mm512_storeu_si512((void *)(row + o0), both);
+            continue;
+        }
+        const __m256i gate = _mm512_castsi512_si256(both), up = _mm512_extracti64x4_epi64(both, 1);
+        if (epilogue == EPI_PAIRS) {
+            _mm256_storeu_si256((__m256i *)(row + o0 / 2), gate);
+            _mm256_storeu_si256((__m256i *)(row + n / 2 + o0 / 2), up);
+        } else {
+            const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(gate), 16));
+            const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16));
+            f32x16_store_bf16(row + o0 / 2, silu_mul16(g, u));
+        }
+    }
+}
+
+/* A row slice whose sums wait in scratch for their epilogue: rows r0 .. r0 + rows - 1, outputs s0 .. s_end - 1. */
+typedef struct {
+    const float *c;
+    int64_t rows, r0, s0, s_end;
+} Pending;
+
+/* The epilogue of the pending slice's rows lo .. hi - 1, every block of it. */
+static inline void store_rows(const Pending *p, int64_t lo, int64_t hi, uint16_t *y, int64_t n, int32_t epilogue) {
+    for (int64_t o0 = p->s0; o0 < p->s_end && hi > lo; o0 += 32)
+        store_block(p->c + (o0 - p->s0) * 32 + lo * 32, hi - lo, y, n, p->r0 + lo, o0, epilogue);
+}
+#endif
+
+/* y[m][n] (bf16) = x[m][k] (bf16, row-major) @ W^T, W packed by ucm_kernels/cpu/amx_gemm.py, through `epilogue`
+ * (EPI_*). pad: a scratch of 32 * k bf16 per thread for a last block of fewer than 32 rows. Returns 0, or 1 where
+ * this build or the OS has no AMX, 2 for a shape or epilogue it does not take (k or n not a multiple of 32). */
+int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y,
+                     uint16_t *pad, int32_t num_threads, int32_t epilogue) {
+#if !defined(UCM_HAS_AMX) || !defined(UCM_HAS_SILU16)
+    (void)x, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)pad, (void)num_threads, (void)epilogue;
+    return 1;
+#else
+    if (!amx_permitted()) return 1;
+    if (k % 32 || n % 32 || k <= 0 || n <= 0 || epilogue < EPI_PLAIN || epilogue > EPI_SILU) return 2;
+    if (m <= 0) return 0;
+    if (num_threads < 1) num_threads = 1;
+    /* Row groups of RG rows, one after another: a group's x stays in L2 while every output block passes over it. */
+    const int64_t mblocks = ((m < RG ? m : RG) + MC - 1) / MC; /* row blocks of a group */
+    /* Output blocks of about NC outputs and of equal size, in 32-output panels: 576 outputs cut as 256 + 256 + 64
+     * gave one of two threads twice the other's work under the static schedule (a 2048-row prompt: 23% of its
+     * samples in this kernel on one thread, 14% on the other). Few rows (a decode step) make one row block: the
+     * outputs are split finer so every thread gets a share. The split changes who computes an element, never how. */
+    const int64_t panels = n / 32;
+    int64_t nblocks = (panels + NC / 32 - 1) / (NC / 32);
+    while (nblocks < panels && mblocks * nblocks < 4 * num_threads) nblocks *= 2;
+    if (nblocks > panels) nblocks = panels;
+    const int64_t kbs = k / 32, kbc = m > SPLIT_ROWS ? KBC : kbs; /* k blocks, and those a pass over a slice takes */
+#pragma omp parallel num_threads(num_threads)
+    {
+        amx_load_config();
+        float c[2][32 * SLICE] __attribute__((aligned(64))); /* this slice's sums and the pending one's */
+        Pending pending = {c[1], 0, 0, 0, 0};
+#ifdef _OPENMP
+        int tid = omp_get_thread_num();
+#else
+        int tid = 0;
+#endif
+        uint16_t *mypad = pad + (int64_t)tid * 32 * k;
+        for (int64_t g0 = 0; g0 < m; g0 += RG) {
+#pragma omp for collapse(2) schedule(static)
+            for (int64_t bn = 0; bn < nblocks; bn++) {
+                for (int64_t bm = 0; bm < mblocks; bm++) {
+                    const int64_t n_begin = bn * panels / nblocks * 32, n_end = (bn + 1) * panels / nblocks * 32;
+                    const int64_t m_begin = g0 + bm * MC, m_end = m_begin + MC < m ? m_begin + MC : m;
+                    for (int64_t r0 = m_begin; r0 < m_end; r0 += 32) {
+                        const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
+                        const uint16_t *xs = x + r0 * k;
+                        if (rows < 32) { /* the call's last rows: zeros below them, the same arithmetic per row */
+                            memcpy(mypad, xs, (size_t)(rows * k) * 2);
+                            memset(mypad + rows * k, 0, (size_t)((32 - rows) * k) * 2);
+                            xs = mypad;
+                        }
+                        for (int64_t s0 = n_begin; s0 < n_end; s0 += SLICE) {
+                            const int64_t s_end = s0 + SLICE < n_end ? s0 + SLICE : n_end;
+                            float *sums = pending.c == c[0] ? c[1] : c[0];
+                            /* the pending slice's rows go out in even shares, one after each block's pass */
+                            const int64_t passes = (kbs + kbc - 1) / kbc * ((s_end - s0) / 32);
+                            int64_t pass = 0;
+                            for (int64_t kb0 = 0; kb0 < kbs; kb0 += kbc)
+                                for (int64_t o0 = s0; o0 < s_end; o0 += 32, pass++) {
+                                    block_32x32(xs, k, wp, o0 / 16, sums + (o0 - s0) * 32, kb0,
+                                                kb0 + kbc < kbs ? kb0 + kbc : kbs);
+                                    store_rows(&pending, pass * pending.rows / passes,
+                                               (pass + 1) * pending.rows / passes, y, n, epilogue);
+                                }
+                            pending = (Pending){sums, rows, r0, s0, s_end};
+                        }
+                    }
+                }
+            }
+        }
+        store_rows(&pending, 0, pending.rows, y, n, epilogue);
+        _tile_release();
+    }
+    return 0;
+#endif
+}

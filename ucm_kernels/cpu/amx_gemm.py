@@ -1,0 +1,115 @@
+"""bf16 matmuls of prompt rows through the AMX kernel (amx_gemm.c) where oneDNN's would give a row other bits in
+calls of other sizes (`calibration.bf16_linear_rows_invariant`): the cache-hit oracle needs a row's bits to depend
+on the row alone. The weight is packed once into AMX's VNNI tile order; the kernel takes K and N multiples of 32
+(every weight of the embedded model)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ucm_kernels.cpu.native import NativeLib
+
+TILE_K, TILE_N = 32, 16  # k per tile row block, outputs per tile
+
+
+class Epilogue(enum.IntEnum):
+    """What the kernel writes (amx_gemm.c's EPI_*); PAIRS and SILU take a weight packed with paired=True."""
+
+    PLAIN = 0  # y = x @ W^T
+    PAIRS = 1  # the same y, from a gate_up weight packed with its gate and up panels alternating
+    SILU = 2  # silu(gate) * up [M, N / 2], as ucm_kernels.api.silu_and_mul gives on the PAIRS y
+
+
+def takes_shape(n: int, k: int) -> bool:
+    """Whether the kernel takes an [n, k] weight (K and N multiples of 32)."""
+    return k % 32 == 0 and n % 32 == 0
+
+
+def takes(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and takes_shape(*weight.shape)
+
+
+def pack(weight: torch.Tensor, paired: bool = False) -> torch.Tensor:
+    """W [N, K] bf16 -> [N / 16][K / 32][16 k pairs][16 outputs][2]: one B tile per (16 outputs, 32 k).
+    paired: W is a gate_up weight (gate rows, then as many up rows), packed with its 16-output panels alternating
+    gate and up, so that one 32-output block of the kernel holds both halves of 16 SwiGLU outputs (Epilogue)."""
+    if not takes(weight):
+        raise ValueError(f"the AMX kernel takes a bf16 CPU weight with K and N multiples of 32, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+    n, k = weight.shape
+    if paired:
+        weight = weight.detach().reshape(2, n // 2 // TILE_N, TILE_N, k).transpose(0, 1).reshape(n, k)
+    # A k pair moves as one int32: the permute then copies 4-byte elements, 6x faster than 2-byte ones
+    # (0.15 vs 0.93 ms for 1536 x 576 on the Xeon with AMX), which is most of a cached model load's packing.
+    pairs = weight.detach().contiguous().view(torch.int32).reshape(n // TILE_N, TILE_N, k // TILE_K, TILE_K // 2)
+    return pairs.permute(0, 2, 3, 1).contiguous().view(torch.bfloat16).view(n // TILE_N, k // TILE_K, 16, 16, 2)
+
+
+def linear(lib: NativeLib, x: torch.Tensor, packed: torch.Tensor, epilogue: Epilogue = Epilogue.PLAIN) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T -> [M, N] bf16 (Epilogue.SILU: [M, N / 2]), W as `pack` left it."""
+    n = packed.shape[0] * TILE_N
+    k = packed.shape[1] * TILE_K
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be [M, {k}] bf16, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, n // 2 if epilogue == Epilogue.SILU else n, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    pad = torch.empty(threads * 32 * k, dtype=torch.bfloat16)
+    status = lib.amx_gemm(
+        x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), pad.data_ptr(), threads, int(epilogue)
+    )
+    if status != 0:
+        raise RuntimeError(f"ucm_amx_gemm returned {status} (1: no AMX in this build or process, 2: shape or epilogue)")
+    return y
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """A weight packed for the kernel, and the library that runs it."""
+
+    lib: NativeLib
+    packed: torch.Tensor
+    paired: bool = False  # a gate_up weight packed with paired=True: silu_and_mul is there too
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N]."""
+        flat = x.reshape(-1, x.shape[-1])
+        epilogue = Epilogue.PAIRS if self.paired else Epilogue.PLAIN
+        return linear(self.lib, flat, self.packed, epilogue).view(*x.shape[:-1], self.packed.shape[0] * TILE_N)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """ucm_kernels.api.silu_and_mul(self.linear(x)) [..., N / 2], bit for bit, with no [..., N] intermediate."""
+        assert self.paired, "the SiLU epilogue needs the gate and up panels paired"
+        flat = x.reshape(-1, x.shape[-1])
+        y = linear(self.lib, flat, self.packed, Epilogue.SILU)
+        return y.view(*x.shape[:-1], self.packed.shape[0] * TILE_N // 2)
+
+
+def needed_and_available() -> NativeLib | None:
+    """The library when this machine needs the kernel (oneDNN's bf16 rows are not row-invariant here) and has it."""
+    from ucm_kernels.cpu import native
+    from ucm_kernels.cpu.calibration import bf16_linear_rows_invariant
+
+    if bf16_linear_rows_invariant():
+        return None
+    lib = native.load()
+    return lib if lib is not None and lib.has_amx else None
+
+
+def engine_bf16_rows_invariant() -> bool:
+    """Whether the engine's bf16 matmuls give a row the same bits in any call here: oneDNN's are, or the kernel
+    stands in for them. False on an AMX host whose library has no AMX kernel (a compiler without AMX)."""
+    from ucm_kernels.cpu.calibration import bf16_linear_rows_invariant
+
+    return bf16_linear_rows_invariant() or needed_and_available() is not None
+
+
+def amx_weight(weight: torch.Tensor, paired: bool = False) -> AmxWeight | None:
+    """The packed weight where this machine needs it (oneDNN's bf16 rows are not row-invariant here, and the
+    library has the kernel) and the kernel takes the shape; else None (oneDNN). paired: a gate_up weight (`pack`)."""
+    lib = needed_and_available() if takes(weight) else None
+    return AmxWeight(lib, pack(weight, paired), paired) if lib is not None else None

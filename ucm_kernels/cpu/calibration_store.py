@@ -1,0 +1,187 @@
+"""Where the CPU calibrations live, and when a measurement may be stored there.
+
+One JSON file per kind and key (`calibration_key`: the CPU model and flags, the native library's file name, torch's
+version and ISA caps, the thread count), under `<cache dir>/kernels/`. When any part of the key changes the hash
+names another file, so a stale choice is never read. `stored_or_measured` reads an entry or measures it: one process
+at a time (a lock file beside the cache file, so nodes that start together do not time each other's load), and
+stores the result only when its rounds agreed and no other process took cores meanwhile (`CpuClock`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from ucm_kernels.cache_dir import cache_dir
+from ucm_kernels.cpu.host import cpu_info, torch_isa
+from ucm_kernels.cpu.native import NativeLib
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A measurement is stored only if other processes took at most this many cores on average meanwhile (the machine's
+# busy time less this process's CPU time); beyond it the timings say more about the sharing than about the kernels
+# (two nodes that start together calibrate at once). Intervals shorter than MIN_JUDGED_S, a few of the kernel's
+# 10 ms ticks, are not judged (a test's forced result).
+OTHERS_MAX_CORES = 0.25
+MIN_JUDGED_S = 0.1
+FILE_VERSION = 4  # 4: skinny rows by the summed saving; 3: against oneDNN too; 2: stored only when rounds agree
+
+
+def calibration_key(lib: NativeLib, threads: int) -> dict[str, object]:
+    model, flags = cpu_info()
+    return {"cpu": model, "flags": flags, "machine": platform.machine(), "library": lib.path.name,
+            "torch": torch.__version__, "torch_isa": torch_isa(), "threads": threads}  # fmt: skip
+
+
+def key_file(kind: str, key: dict[str, object], root: Path | None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return (root if root is not None else cache_dir()) / "kernels" / f"{kind}-{digest}.json"
+
+
+def read_entries(path: Path, key: dict[str, object]) -> dict[str, dict]:
+    """The file's entries if it is ours (same version and key); else none (absent, stale or damaged)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != FILE_VERSION or data.get("key") != key:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def write_entry(path: Path, key: dict[str, object], name: str, entry: dict) -> None:
+    """Add one entry; written to a temporary file and renamed, so concurrent readers see an old or a new file."""
+    entries = read_entries(path, key)
+    entries[name] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": FILE_VERSION, "key": key, "entries": entries}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache costs a measurement per process, nothing else
+        log.warning("could not store the CPU calibration in %s: %s", path, e)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a calibrated value came from, for the log line."""
+
+    path: Path
+    measured: bool
+    seconds: float = 0.0
+    not_stored: tuple[str, ...] = ()  # why the measurement was not stored (its rounds disagreed, other load)
+
+    def __str__(self) -> str:
+        if not self.measured:
+            return f"from {self.path}"
+        if not self.not_stored:
+            return f"measured in {self.seconds:.2f} s; stored in {self.path}"
+        return f"measured in {self.seconds:.2f} s; not stored: {'; '.join(self.not_stored)}"
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """One process at a time measures for a cache file: two nodes starting together would otherwise each time the
+    kernels on half the cores and store what the sharing decided. Without a usable lock file, no lock."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def busy_cpu_s() -> float | None:
+    """Seconds every CPU of the machine has spent busy since boot (Linux's /proc/stat), or None elsewhere."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is already inside user and nice)
+    ticks = [int(v) for v in fields[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / _TICKS_PER_S
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class CpuClock:
+    """A moment's wall clock, this process's CPU time and the machine's busy CPU time (None where it cannot be
+    read): two of them tell whether other processes ran in between."""
+
+    wall_s: float
+    own_cpu_s: float
+    machine_busy_s: float | None
+
+    @classmethod
+    def now(cls) -> CpuClock:
+        return cls(time.perf_counter(), time.process_time(), busy_cpu_s())
+
+    def others_cores_since(self, start: CpuClock) -> float | None:
+        """How many cores other processes (and a hypervisor's steal) took on average since `start`, or None when
+        the interval is too short for the kernel's tick to tell (a test's forced result) or unreadable."""
+        wall = self.wall_s - start.wall_s
+        if self.machine_busy_s is None or start.machine_busy_s is None or wall < MIN_JUDGED_S:
+            return None
+        others = (self.machine_busy_s - start.machine_busy_s) - (self.own_cpu_s - start.own_cpu_s)
+        return max(0.0, others) / wall
+
+
+def stored_or_measured(
+    file_kind: str,
+    name: str,
+    lib: NativeLib,
+    threads: int,
+    root: Path | None,
+    parse: Callable[[object], T | None],
+    measure_fn: Callable[[], tuple[T, list[str]]],
+    encode: Callable[[T], dict[str, object]],
+) -> tuple[T, Source]:
+    """Entry `name` of this machine's `file_kind` cache file where `parse` accepts it, else `measure_fn()`'s
+    (value, what its rounds disagreed on), measured by one process at a time and stored only when the rounds agreed
+    on everything and no other process took cores meanwhile: a loaded machine's answer is used now and measured
+    again by the next process. The caller memoises and logs."""
+    key = calibration_key(lib, threads)
+    path = key_file(file_kind, key, root)
+    found = parse(read_entries(path, key).get(name))
+    if found is not None:
+        return found, Source(path, measured=False)
+    with file_lock(path):
+        found = parse(read_entries(path, key).get(name))  # stored by the process that held the lock before us
+        if found is not None:
+            return found, Source(path, measured=False)
+        start = CpuClock.now()
+        value, disagreed = measure_fn()
+        end = CpuClock.now()
+        others = end.others_cores_since(start)
+        not_stored = [f"rounds disagreed on {', '.join(disagreed)} (other load on the CPU?)"] if disagreed else []
+        if others is not None and others > OTHERS_MAX_CORES:
+            not_stored.append(f"other processes took {others:.2f} cores meanwhile")
+        if not not_stored:
+            write_entry(path, key, name, encode(value))
+    return value, Source(path, measured=True, seconds=end.wall_s - start.wall_s, not_stored=tuple(not_stored))

@@ -1,0 +1,261 @@
+/* bf16 y = x @ W^T for the rows a decode step generates, W a Q4_1 weight read as 4-bit panels, on AVX-512 BF16.
+ *
+ * A decode step's few rows read every weight of the model once; oneDNN's bf16 matmul (what prompt rows use,
+ * engine/models/dense.py) streams 2 bytes a weight. The embedded model's layers are Q4_1 (w = d * q + m per 32 k,
+ * q in 0..15), so this kernel reads half a byte a weight plus the block scales (ucm_kernels/cpu/q4_bf16.py packs them).
+ *
+ * Outputs are in the vector lanes, 16 to a panel. qp [panels][K / 2][16]: byte o of pair j holds q of output o at
+ * k = 2j (low nibble) and 2j + 1 (high). One load, a zero-extend, a shift and a ternary logic op put the two
+ * nibbles in the two 16-bit halves of lane o; a word permute turns each 0..15 into its bf16 value; VDPBF16PS adds
+ * the lane's two products with the row's pair (x[2j], x[2j + 1]) broadcast, even and odd pairs into two sums.
+ * Per 32 k (a Q4_1 block) a row's
+ * block sum s = sum q * x is then scaled: acc += d * s, acc += m * (sum of the row's 32 x). So y = sum over blocks
+ * of d * sum(q x) + m * sum(x) = x . w exactly as written, with the products exact and the sums in fp32.
+ *
+ * Where the OS grants AMX, every call takes panel_amx instead: the same weight pairs as a VNNI tile, each block's
+ * sums by TDPBF16PS (other bits than VDPBF16PS's, so never the two in one process).
+ *
+ * Every row goes through the same instructions in the same order, whatever else the call holds (rows are padded to
+ * MR, or MR_AMX, with zeros; panels are split over threads): a row's bits depend on its own x only. The engine relies on that:
+ * a generated token's row goes through this kernel in every step it is computed in.
+ */
+
+#define _GNU_SOURCE /* syscall(), for the AMX permission (amx_tiles.h) */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx_tiles.h"
+#include "bf16.h"
+#include "entry_points.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define Q4B_DPBF16 1
+#endif
+
+#define QB 32 /* k per scale block (Q4_1) */
+#define NR 16 /* outputs per panel */
+#define MR 8  /* x rows per pass */
+#define MR_MAX 16 /* the most rows a pass of either body holds */
+
+int32_t ucm_q4_bf16_available(void) {
+#ifdef Q4B_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef Q4B_DPBF16
+
+#include <immintrin.h>
+
+/* A row's pair (x[2j], x[2j + 1]) in every lane, broadcast from memory (not through a general register). */
+static inline __attribute__((always_inline)) __m512bh pair(const uint32_t *src) {
+    return (__m512bh)_mm512_broadcastss_ps(_mm_load_ss((const float *)src));
+}
+
+/* 16 lanes of (q at k = 2j, q at 2j + 1) as bf16 pairs, from the 16 bytes of pair j. */
+static inline __attribute__((always_inline)) __m512bh weights(const uint8_t *src, __m512i table, __m512i nibbles) {
+    __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+    /* (byte | byte << 12) & 0x000f000f: low nibble in the low word, high nibble in the high word */
+    __m512i q = _mm512_ternarylogic_epi32(byte, _mm512_slli_epi32(byte, 12), nibbles, 0xa8);
+    return (__m512bh)_mm512_permutexvar_epi16(q, table);
+}
+
+/* 16 lanes of (q at k = 2j, q at 2j + 1) as bf16 pairs for a Q8_0 panel, from pair j's 32 bytes. */
+static inline __attribute__((always_inline)) __m512bh weights_q8(const int8_t *src) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + NR))));
+    return (__m512bh)_mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(_mm512_castps_si512(lo), 16),
+                                              _mm512_castps_si512(hi));
+}
+
+static inline __attribute__((always_inline)) __m512i nibble_table(void) {
+    return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+                            0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+                            0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80,
+                            0x0000); /* word i (and i + 16): bf16(i) */
+}
+
+/* The sum of a Q4_1 block's 32 x (bf16): the two halves lane by lane, then the lanes in the reduction's fixed
+ * order. It runs on one thread before the panels' parallel loop, once a block and row: scalar, it was ~5% of a decode
+ * step on the Xeon with AMX while the other thread waited. */
+static inline __attribute__((always_inline)) float block_sum(const uint16_t *xb) {
+    return _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_to_f32(xb), bf16x16_to_f32(xb + 16)));
+}
+
+/* One panel (16 outputs) for MR rows: xp[r][j] is row r's pair j as one 32-bit word, sx[r][b] its block sums.
+ * q8 (a constant where it is inlined): the Q8_0 twin (w = d * q, q in -127..127 per 32 k: the embedded model's tied
+ * embedding, its lm_head), qp [K / 2][32] bytes (pair j's 16 bytes of q at k = 2j, then its 16 at 2j + 1) and
+ * dm [K / 32][16] (d only). An int8 is exact in bf16, which is fp32's top half: the even k's fp32 shifted down and
+ * the odd k's blended over it make lane o's bf16 pair; the block sums are d-scaled with no m term. */
+static inline __attribute__((always_inline)) void panel(const uint32_t *xp, const float *sx, int64_t k,
+                                                        const void *qp, const float *dm, __m512 *out, const int q8) {
+    const __m512i table = nibble_table(), nibbles = _mm512_set1_epi32(0x000f000f);
+    const int64_t pairs = k / 2, blocks = k / QB;
+    __m512 acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        /* Two sums per row, even and odd pairs, added at the block's end: twice the independent VDPBF16PS chains,
+         * which is what bounds this loop (each waits for its previous result). */
+        __m512 even[MR], odd[MR];
+        for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm512_setzero_ps();
+        for (int64_t j = b * (QB / 2); j < (b + 1) * (QB / 2); j += 2) {
+            __m512bh w[2];
+            for (int h = 0; h < 2; h++)
+                w[h] = q8 ? weights_q8((const int8_t *)qp + (j + h) * 2 * NR)
+                          : weights((const uint8_t *)qp + (j + h) * NR, table, nibbles);
+            for (int r = 0; r < MR; r++) {
+                even[r] = _mm512_dpbf16_ps(even[r], w[0], pair(xp + r * pairs + j));
+                odd[r] = _mm512_dpbf16_ps(odd[r], w[1], pair(xp + r * pairs + j + 1));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(dm + b * (q8 ? 1 : 2) * NR);
+        for (int r = 0; r < MR; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), d, acc[r]);
+            if (!q8) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(dm + b * 2 * NR + NR), _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) out[r] = acc[r];
+}
+
+#ifdef UCM_HAS_AMX
+#define MR_AMX 16 /* x rows per pass on AMX: one A tile */
+
+/* `panel` on AMX tiles, for MR_AMX rows (xp and sx hold that many): a block's 16 weight pairs (the vectors `panel`
+ * feeds VDPBF16PS) are stored as one VNNI B tile, the rows' 32 x of the block are an A tile, and one TDPBF16PS
+ * gives every row's block sum s, scaled as there. ~2.7x fewer instructions than 8 rows of VDPBF16PS, which bound
+ * `panel` on a Xeon with AMX (135 GFLOP/s at 8 rows). TDPBF16PS sums a tile's pairs in another order than
+ * VDPBF16PS, so a process whose OS grants AMX runs this for every call (amx_permitted), never `panel`. Two blocks
+ * a round (tiles 0-1: sums, 4-5: x, 6-7: weights). */
+static inline __attribute__((always_inline)) void panel_amx(const uint32_t *xp, const float *sx, int64_t k,
+                                                            const void *qp, const float *dm, __m512 *out, int rows,
+                                                            uint32_t *wbuf, float *cbuf, const int q8) {
+    const __m512i table = nibble_table(), nibbles = _mm512_set1_epi32(0x000f000f);
+    const int64_t pairs = k / 2, blocks = k / QB;
+    __m512 acc[MR_AMX];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b += 2) {
+        const int nb = blocks - b < 2 ? 1 : 2;
+        for (int h = 0; h < nb; h++)
+            for (int j = 0; j < QB / 2; j++) {
+                const int64_t jj = (b + h) * (QB / 2) + j;
+                const __m512bh w = q8 ? weights_q8((const int8_t *)qp + jj * 2 * NR)
+                                      : weights((const uint8_t *)qp + jj * NR, table, nibbles);
+                _mm512_store_si512(wbuf + h * 256 + j * 16, (__m512i)w);
+            }
+        for (int h = 0; h < nb; h++) { /* written out per tile: the tile numbers must be constants */
+            if (h == 0) {
+                _tile_zero(0);
+                _tile_loadd(4, xp + b * (QB / 2), pairs * 4);
+                _tile_loadd(6, wbuf, 64);
+                _tile_dpbf16ps(0, 4, 6);
+            } else {
+                _tile_zero(1);
+                _tile_loadd(5, xp + (b + 1) * (QB / 2), pairs * 4);
+                _tile_loadd(7, wbuf + 256, 64);
+                _tile_dpbf16ps(1, 5, 7);
+            }
+        }
+        _tile_stored(0, cbuf, 64);
+        if (nb == 2) _tile_stored(1, cbuf + 256, 64);
+        for (int h = 0; h < nb; h++) {
+            const __m512 d = _mm512_loadu_ps(dm + (b + h) * (q8 ? 1 : 2) * NR);
+            for (int r = 0; r < rows; r++) {
+                acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cbuf + h * 256 + r * 16), d, acc[r]);
+                if (!q8)
+                    acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(dm + (b + h) * 2 * NR + NR),
+                                             _mm512_set1_ps(sx[r * blocks + b + h]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = acc[r];
+}
+#endif
+
+#endif
+
+/* Both entry points: rows in passes of MR (missing rows zero), panels over the threads. q8: Q8_0 panels (qp int8,
+ * dm the d of each block), else Q4_1 (`panel`). */
+static int32_t decode_matmul(const uint16_t *x, int64_t m, int64_t k, const void *qp, const float *dm, int64_t n,
+                             uint16_t *y, int32_t num_threads, int q8) {
+#ifndef Q4B_DPBF16
+    (void)x, (void)m, (void)k, (void)qp, (void)dm, (void)n, (void)y, (void)num_threads, (void)q8;
+    return -1;
+#else
+    if (k % QB) return -2;
+    const int64_t panels = (n + NR - 1) / NR, pairs = k / 2, blocks = k / QB;
+#ifdef UCM_HAS_AMX
+    const int amx = amx_permitted();
+    const int64_t mr = amx ? MR_AMX : MR;
+#else
+    const int amx = 0;
+    const int64_t mr = MR;
+#endif
+    for (int64_t r0 = 0; r0 < m; r0 += mr) {
+        const int64_t rows = m - r0 < mr ? m - r0 : mr;
+        uint32_t *xp = aligned_alloc(64, ((mr * pairs * 4 + 63) / 64) * 64);
+        float *sx = aligned_alloc(64, ((mr * blocks * 4 + 63) / 64) * 64);
+        if (xp == NULL || sx == NULL) {
+            free(xp);
+            free(sx);
+            return -3;
+        }
+        memcpy(xp, x + r0 * k, rows * k * 2); /* bf16 pairs are the row's 32-bit words; missing rows are 0 */
+        memset(xp + rows * pairs, 0, (mr - rows) * pairs * 4);
+        memset(sx, 0, mr * blocks * 4);
+        for (int64_t r = 0; r < rows && !q8; r++) /* Q4_1's m term needs each block's sum of x */
+            for (int64_t b = 0; b < blocks; b++)
+                sx[r * blocks + b] = block_sum((const uint16_t *)(xp + r * pairs) + b * QB);
+#pragma omp parallel num_threads(num_threads)
+        {
+#ifdef UCM_HAS_AMX
+            _Alignas(64) uint32_t wbuf[2 * 256];
+            _Alignas(64) float cbuf[2 * 256];
+            if (amx) amx_load_config();
+#endif
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                __m512 out[MR_MAX];
+                const void *pq = q8 ? (const void *)((const int8_t *)qp + p * pairs * 2 * NR)
+                                    : (const void *)((const uint8_t *)qp + p * pairs * NR);
+                const float *pd = dm + p * blocks * (q8 ? 1 : 2) * NR;
+                /* One body per process (amx), each instance with q8 a constant. */
+#ifdef UCM_HAS_AMX
+                if (amx && q8) panel_amx(xp, sx, k, pq, pd, out, (int)rows, wbuf, cbuf, 1);
+                else if (amx) panel_amx(xp, sx, k, pq, pd, out, (int)rows, wbuf, cbuf, 0);
+                else
+#endif
+                if (q8) panel(xp, sx, k, pq, pd, out, 1);
+                else panel(xp, sx, k, pq, pd, out, 0);
+                const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+                const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+                for (int64_t r = 0; r < rows; r++)
+                    _mm256_mask_storeu_epi16(y + (r0 + r) * n + p * NR, mask,
+                                             bf16x16_pack(out[r]));
+            }
+#ifdef UCM_HAS_AMX
+            if (amx) _tile_release();
+#endif
+        }
+        free(xp);
+        free(sx);
+    }
+    (void)amx;
+    return 0;
+#endif
+}
+
+/* x [M, K] bf16 row-major, qp / dm from ucm_kernels/cpu/q4_bf16.py (n padded to panels of 16), y [M, N] bf16.
+ * 0: done; -1: not built for this CPU; -2: K not a multiple of 32; -3: no memory. */
+int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
+                    uint16_t *y, int32_t num_threads) {
+    return decode_matmul(x, m, k, qp, dm, n, y, num_threads, 0);
+}
+
+/* The same for a Q8_0 weight: qp [panels][K / 2][32] int8, d [panels][K / 32][16] (ucm_kernels/cpu/q4_bf16.py). */
+int32_t ucm_q8_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *qp, const float *d, int64_t n,
+                    uint16_t *y, int32_t num_threads) {
+    return decode_matmul(x, m, k, qp, d, n, y, num_threads, 1);
+}

@@ -1,0 +1,175 @@
+"""Python side of the 4-bit bf16 decode matmul (`q4_bf16.c`, AVX-512 BF16): packing, the call, and whether it wins;
+and of its Q8_0 twin for the embedded model's lm_head (its tied embedding is Q8_0 in the GGUF): 1.27 -> 0.79 ms for
+its 8 generated rows' logits on the 2-core Zen 5 EPYC, where oneDNN streams the 56.6 MB bf16 matrix.
+
+The engine sends a step's generated-token rows through this kernel and its prompt rows through oneDNN
+(engine/models/dense.py). Each gives a row the same bits however many rows the call has, so a token's hidden state
+does not depend on how its prompt was chunked or whether a prefix came from the cache: the cache-hit oracle needs
+that in bf16, where a last-bit difference flips greedy tokens (tests/engine/test_bf16_cache_hit.py). Routing by
+row count would not give it: the 4 rows left after a 496-token prefix hit would take the kernel where the cold
+run's 500-row prefill took oneDNN.
+
+The weight must be exactly Q4_1 in fp32 (`q4_panels.find_q4`: the embedded model's layers; the loader derives the
+panels before it casts the model to bf16). The kernel computes x . w with w = d * q + m exactly (not w rounded to
+bf16, as oneDNN's rows see it), so a generated row differs from what oneDNN would give it by about bf16 rounding.
+
+`UCM_CPU_LINEAR=auto` (the default) measures once per machine, per weight shape, the kernel against what those rows
+would run instead (oneDNN on a reordered bf16 weight, or the AMX kernel where it stands in for oneDNN: amx_gemm.py)
+at `DECODE_ROWS` rows over a stack of weights larger than the caches, and uses it only
+where it won every round (logged, cached beside the other linear choices: ucm_kernels/cpu/calibration_store.py). `native`
+uses it wherever the build has it, `torch` never.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ucm_kernels.cpu import amx_gemm
+from ucm_kernels.cpu.linear_choice import WinMemo, measured_win
+from ucm_kernels.cpu.native import NativeLib
+from ucm_kernels.cpu.q4_panels import QB, find_q4_padded, random_q4_weight
+from ucm_kernels.cpu.q8_panels import find_q8_padded, random_q8_weight
+from ucm_kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
+from ucm_kernels.cpu.timing import two_way_rounds
+
+log = logging.getLogger(__name__)
+
+NR = 16  # outputs per panel (q4_bf16.c)
+DECODE_ROWS = 8  # the decode batch the choice is measured at (vllm bench serve's concurrency in issue 10)
+MAX_STACK = 32
+REPS = 3
+
+Timings = tuple[float, float]  # (kernel ms, oneDNN ms), best of REPS
+
+
+@dataclass(frozen=True)
+class Q4BF16Panels:
+    """qp [panels, K / 2, 16] uint8 (output o's q at k = 2j and 2j + 1 in byte o of pair j), dm [panels, K / 32, 2,
+    16] fp32 (d, then m, of each output's block), for an [n, k] weight."""
+
+    qp: torch.Tensor
+    dm: torch.Tensor
+    n: int
+    k: int
+
+
+def pack(weight: torch.Tensor) -> Q4BF16Panels | None:
+    """`weight` [N, K] fp32 as this kernel's panels, or None where it is not exactly Q4_1."""
+    found = find_q4_padded(weight, NR)
+    if found is None:
+        return None
+    q, d, m = found
+    n, k = weight.shape
+    panels = q.shape[0] // NR
+    pairs = q.reshape(panels, NR, k // 2, 2)
+    qp = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(0, 2, 1)  # [P, K/2, 16]
+    dm = np.stack([x.reshape(panels, NR, k // QB).transpose(0, 2, 1) for x in (d, m)], axis=2)  # [P, K/32, 2, 16]
+    return Q4BF16Panels(torch.from_numpy(np.ascontiguousarray(qp)), torch.from_numpy(np.ascontiguousarray(dm)), n, k)
+
+
+@dataclass(frozen=True)
+class Q8BF16Panels:
+    """The Q8_0 form: qp [panels, K / 2, 2, 16] int8 (pair j: the 16 outputs' q at k = 2j, then at 2j + 1),
+    d [panels, K / 32, 16] fp32 (each output's block scale), for an [n, k] weight."""
+
+    qp: torch.Tensor
+    d: torch.Tensor
+    n: int
+    k: int
+
+
+DecodePanelsOf = Q4BF16Panels | Q8BF16Panels  # what `linear` takes
+
+
+def pack_q8(weight: torch.Tensor) -> Q8BF16Panels | None:
+    """`weight` [N, K] fp32 as the kernel's Q8_0 panels, or None where it is not exactly Q8_0."""
+    found = find_q8_padded(weight, NR)  # outputs past n: q = 0, d = 0 (never stored)
+    if found is None:
+        return None
+    q, d = found
+    n, k = weight.shape
+    panels = q.shape[0] // NR
+    qp = q.reshape(panels, NR, k // 2, 2).transpose(0, 2, 3, 1)  # [P, K/2, 2, 16]
+    dp = d.reshape(panels, NR, k // QB).transpose(0, 2, 1)  # [P, K/32, 16]
+    return Q8BF16Panels(torch.from_numpy(np.ascontiguousarray(qp)), torch.from_numpy(np.ascontiguousarray(dp)), n, k)
+
+
+def linear(lib: NativeLib, x: torch.Tensor, panels: DecodePanelsOf) -> torch.Tensor:
+    """x [M, K] bf16 @ W.T -> [M, N] bf16; each output row's bits depend on its own x row only."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != panels.k:
+        raise ValueError(f"q4_bf16.linear takes a 2-D bf16 x of {panels.k} features, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    y = torch.empty((x.shape[0], panels.n), dtype=torch.bfloat16)
+    fn, scales = (lib.q8_bf16, panels.d) if isinstance(panels, Q8BF16Panels) else (lib.q4_bf16, panels.dm)
+    status = fn(
+        x.data_ptr(), x.shape[0], panels.k, panels.qp.data_ptr(), scales.data_ptr(), panels.n, y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise status_error(lib, status, x.shape[0], panels)
+    return y
+
+
+def status_error(lib: NativeLib, status: int, rows: int, panels: DecodePanelsOf) -> RuntimeError:
+    """The error for the kernel's non-zero `status` on `rows` rows."""
+    if status == -1:
+        return RuntimeError(f"{lib.path.name} was built without AVX-512 BF16: q4_bf16 is not in it")
+    return RuntimeError(f"q4_bf16 failed ({status}) on {rows} rows of {panels.k}, weight {panels.n}x{panels.k}")
+
+
+def _baseline_is_amx(k: int, n: int) -> bool:
+    """Whether a bf16 [n, k] weight's rows that do not take this kernel go through the AMX kernel here
+    (engine/models/dense.py), not oneDNN: the baseline the kernel must beat."""
+    return amx_gemm.takes_shape(n, k) and amx_gemm.needed_and_available() is not None
+
+
+def measure(lib: NativeLib, k: int, n: int, q8: bool = False) -> list[Timings]:
+    """One (kernel, baseline) pair per round (tests replace this to force a result); q8: the Q8_0 kernel. The
+    baseline is what the engine would run instead: the AMX kernel where it stands in for oneDNN, else oneDNN."""
+    gen = torch.Generator().manual_seed(0)
+    count = min(MAX_STACK, max(2, -(-STACK_BYTES // (2 * n * k))))
+    weights = [(random_q8_weight if q8 else random_q4_weight)(n, k, gen) for _ in range(count)]
+    panels = [(pack_q8 if q8 else pack)(w) for w in weights]
+    assert all(p is not None for p in panels), "the random weights are exactly 4- or 8-bit"
+    x = torch.randn(DECODE_ROWS, k, generator=gen).bfloat16()
+    if _baseline_is_amx(k, n):
+        amx = [amx_gemm.amx_weight(w.bfloat16()) for w in weights]
+        baseline = lambda: [a.linear(x) for a in amx if a is not None]  # noqa: E731
+    else:
+        reordered = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in weights]
+        baseline = lambda: [torch.ops.mkldnn._linear_pointwise(x, r, None, "none", [], "") for r in reordered]  # noqa: E731
+    runs = [lambda: [linear(lib, x, p) for p in panels if p is not None], baseline]
+    return two_way_rounds(runs, REPS)
+
+
+_memo = WinMemo()
+
+
+def kernel_wins(lib: NativeLib, k: int, n: int, root: Path | None = None, q8: bool = False) -> bool:
+    """Whether a Q4_1 (q8: Q8_0) [n, k] weight's generated rows go through the kernel on this machine (see the
+    module doc)."""
+    mode = cpu_linear_mode()
+    if mode is CpuLinear.TORCH or not lib.has_q4_bf16 or k % QB:
+        return False
+    if mode is CpuLinear.NATIVE:
+        return True
+    if 4 * k * n < MIN_PACK_BYTES:
+        return False  # the tests' tiny models: cache-sized, and measuring them would be noise
+    bits = 8 if q8 else 4
+    amx = _baseline_is_amx(k, n)
+    return measured_win(
+        _memo, lib, root, f"decode q{bits} bf16 {n}x{k}{' vs AMX' if amx else ''}", f"q{bits}_decode_kernel",
+        (lambda: measure(lib, k, n, q8=True)) if q8 else (lambda: measure(lib, k, n)),
+        (f"the {bits}-bit kernel", "the AMX kernel" if amx else "oneDNN"), "generated rows", f"{DECODE_ROWS} rows",
+        log,
+    )  # fmt: skip
+
+
+def forget() -> None:
+    """Drop this process's memoised choices (tests)."""
+    _memo.clear()
