@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 
 from protocol import defaults
@@ -177,6 +178,13 @@ def resolve_dtype_name(dtype: str, device: str) -> str:
     return auto_cpu_dtype()
 
 
+ADAPTIVE_THREADS_ENV = "UCM_ADAPTIVE_THREADS"
+
+
+def adaptive_threads_default() -> bool:
+    return os.environ.get(ADAPTIVE_THREADS_ENV, "1").strip() != "0"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = defaults.MODEL
@@ -195,6 +203,9 @@ class EngineConfig:
     # (False: recompute the whole last block).
     kv_recompute_last_token_only: bool = True
     kv_save_policy: KVSavePolicy = KVSavePolicy.COMPUTED
+    # On CPU, run each step with as many threads as cores other processes leave free (engine/thread_governor.py);
+    # False (or UCM_ADAPTIVE_THREADS=0 in the environment, which reaches every node `up` starts): torch's count.
+    adaptive_threads: bool = field(default_factory=adaptive_threads_default)
 
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(str(self.dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))

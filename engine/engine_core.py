@@ -44,6 +44,7 @@ from engine.scheduler import Scheduler
 from engine.scheduler_output import TokenLogprobs
 from engine.stats import EngineStats
 from engine.step_budget import StepBudget, auto_budget
+from engine.thread_governor import ThreadGovernor
 from ucm.keys import BlockKey, KeyNamespace, root_key
 from ucm_kernels.cpu.amx_gemm import engine_bf16_rows_invariant
 
@@ -104,6 +105,9 @@ class EngineCore:
             ucm_kernels.calibrate_gpu_prefill(
                 self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim, bs, torch.device(config.device)
             )
+        self.governor = (
+            ThreadGovernor(torch.get_num_threads()) if config.device == "cpu" and config.adaptive_threads else None
+        )
         self.namespace = KeyNamespace(loaded_model.fingerprint, self.dtype_name, bs)
         if kv_connector is None and config.kv_store is not None:
             from connector.base import KVConnectorRole
@@ -271,6 +275,8 @@ class EngineCore:
             seq = self.scheduler.requests.get(rid)
             if seq is not None:
                 self._parents[seq.parent_id].stats.num_preemptions += 1
+        if self.governor is not None:
+            self._govern_threads(self.governor)
         result = self.runner.execute(sched)
         updates = self.scheduler.update_from_output(sched, result)
         by_parent: dict[str, tuple[Request, list[CompletionOutput]]] = {}
@@ -282,6 +288,14 @@ class EngineCore:
             parent = self._parents[seq.parent_id]
             outputs.append(self._request_output(seq, parent, comps))
         return outputs
+
+    def _govern_threads(self, governor: ThreadGovernor) -> None:
+        before = governor.current
+        threads = governor.threads()
+        if threads != before:  # only its own changes: a count the caller set stays until the governor decides anew
+            # Every kernel reads it per call; libgomp resizes its team at the next parallel region.
+            torch.set_num_threads(threads)
+        self.stats_counters.threads, self.stats_counters.thread_changes = threads, governor.changes
 
     def _completion_delta(self, seq: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> CompletionOutput:
         sp = seq.sampling_params

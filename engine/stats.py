@@ -18,3 +18,5 @@ class EngineStats:
     prefix_deferrals: int = 0  # (step, sequence) pairs held back while a running sequence computed their prefix
     generated_tokens: int = 0  # tokens sampled and kept
     steps: int = 0
+    threads: int = 0  # the OpenMP threads the last step ran with (engine/thread_governor.py; 0: not governed)
+    thread_changes: int = 0  # times the governor changed them because other processes took or freed cores

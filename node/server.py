@@ -206,7 +206,10 @@ def run_node(config: NodeConfig, worker: RoleWorker) -> int:
 
         torch.set_num_threads(config.num_threads)
     engine = build_engine(config, worker)
-    log.info("engine ready in %.1fs", time.monotonic() - t0)
+    from engine.warmup import warm_up
+
+    warmup = warm_up(engine)  # before the node registers: its first requests find everything built and measured
+    log.info("engine ready in %.1fs (%s)", time.monotonic() - t0, warmup.line())
     server = NodeServer(config, engine, worker)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())

@@ -1,0 +1,112 @@
+"""The thread governor (engine/thread_governor.py): threads follow the cores other processes leave free.
+
+The decisions are checked on a scripted clock and CPU counters (the arithmetic and the hysteresis), and once on the
+real /proc/stat with a real busy process beside this one (tests/engine/test_busy_neighbour.py runs whole requests).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.thread_governor import WINDOW_S, ThreadGovernor, engine_cpus, read_busy_seconds
+
+
+class Host:
+    """A scripted host: wall time, busy seconds over the engine's cores, the engine's own CPU seconds."""
+
+    def __init__(self) -> None:
+        self.wall = self.busy = self.own = 0.0
+
+    def run(self, seconds: float, own_cores: float, other_cores: float) -> None:
+        self.wall += seconds
+        self.own += own_cores * seconds
+        self.busy += (own_cores + other_cores) * seconds
+
+    def governor(self, cores: int = 2) -> ThreadGovernor:
+        return ThreadGovernor(cores, frozenset(range(cores)), lambda _: self.busy, lambda: self.wall, lambda: self.own)
+
+
+def test_a_busy_neighbour_takes_a_thread_and_gives_it_back() -> None:
+    host = Host()
+    gov = host.governor()
+    host.run(0.5, own_cores=1.9, other_cores=0.05)
+    assert gov.threads() == 2
+    host.run(0.5, own_cores=1.2, other_cores=0.75)  # a busy loop: it gets its share of a core
+    assert gov.threads() == 1 and gov.others_cores == pytest.approx(0.75)
+    host.run(0.5, own_cores=1.0, other_cores=1.0)
+    assert gov.threads() == 1
+    host.run(0.5, own_cores=1.0, other_cores=0.02)  # it ended
+    assert gov.threads() == 2 and gov.changes == 2
+
+
+def test_short_bursts_of_the_router_and_store_do_not_flap_the_count() -> None:
+    host = Host()
+    gov = host.governor()
+    for others in (0.3, 0.1, 0.35, 0.2):
+        host.run(0.5, own_cores=1.7, other_cores=others)
+        assert gov.threads() == 2
+    host.run(0.5, own_cores=1.0, other_cores=0.9)
+    assert gov.threads() == 1
+    host.run(0.5, own_cores=1.0, other_cores=0.35)  # 1.65 free cores: not enough to go back yet
+    assert gov.threads() == 1
+    host.run(0.5, own_cores=1.0, other_cores=0.2)
+    assert gov.threads() == 2
+
+
+def test_decisions_wait_for_a_whole_window() -> None:
+    host = Host()
+    gov = host.governor()
+    host.run(WINDOW_S / 2, own_cores=1.0, other_cores=1.0)
+    assert gov.threads() == 2, "half a window decides nothing"
+    host.run(WINDOW_S, own_cores=1.0, other_cores=1.0)
+    assert gov.threads() == 1
+
+
+def test_wider_hosts_keep_the_cores_left() -> None:
+    host = Host()
+    gov = host.governor(cores=8)
+    host.run(0.5, own_cores=5.0, other_cores=3.0)
+    assert gov.threads() == 5
+    host.run(0.5, own_cores=5.0, other_cores=0.1)
+    assert gov.threads() == 8
+
+
+def test_without_proc_stat_the_count_stays() -> None:
+    gov = ThreadGovernor(2, frozenset({0, 1}), lambda _: None)
+    assert gov.threads() == 2 and gov.changes == 0
+
+
+def test_proc_stat_is_read_for_the_engines_cores(tmp_path) -> None:
+    stat = tmp_path / "stat"
+    tick = os.sysconf("SC_CLK_TCK")
+    stat.write_text(
+        f"cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 {tick} 0 {tick} 500 7 0 0 0 0 0\ncpu1 {2 * tick} 0 0 0 0 0 0 {tick} 0 0\n"
+        "intr 1 2 3\n"
+    )
+    # cpu0: user + system = 2 s (idle and iowait are not busy); cpu1: user + steal = 3 s
+    assert read_busy_seconds(frozenset({0}), str(stat)) == pytest.approx(2.0)
+    assert read_busy_seconds(frozenset({0, 1}), str(stat)) == pytest.approx(5.0)
+    assert read_busy_seconds(frozenset({7}), str(stat)) is None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc/stat")
+def test_a_real_busy_process_is_seen() -> None:
+    cpus = engine_cpus()
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        host_busy = read_busy_seconds(cpus)
+        assert host_busy is not None
+        gov = ThreadGovernor(len(cpus), cpus)
+        deadline = time.monotonic() + 30
+        while gov.others_cores < 0.5:  # the spinning child takes most of a core once it runs
+            assert time.monotonic() < deadline, f"the busy child was never seen: {gov.others_cores:.2f} cores"
+            time.sleep(WINDOW_S)
+            gov.threads()
+    finally:
+        spin.kill()
+        spin.wait()
