@@ -106,7 +106,8 @@ def _refuse_unsupported(data: Any, model: type[BaseModel]) -> Any:
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
-    continuous_usage_stats: Literal[False] = False  # vLLM's per-chunk usage: not implemented
+    # vLLM's: with include_usage, every chunk also carries the usage so far (guidellm sends it by default)
+    continuous_usage_stats: bool = False
 
 
 _Stop = str | Annotated[list[str], Field(max_length=L.MAX_STOP_STRINGS)] | None
@@ -187,6 +188,11 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: vLLM's continuous_usage_stats, which it honours only with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common):

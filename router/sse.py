@@ -55,7 +55,10 @@ async def sse_events(
             async for ch in stream:
                 choice = delta_choice(serving.tok, ch, chat, first=ch.index not in started)
                 started.add(ch.index)
-                yield sse({**head, "choices": [choice]})
+                event = {**head, "choices": [choice]}
+                if body.continuous_usage:
+                    event["usage"] = usage(prompt_tokens, choices)
+                yield sse(event)
     except ApiError as e:
         entry.done(200, f"in-band {e.status}: {e.message}")
         yield sse(e.body())

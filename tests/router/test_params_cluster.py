@@ -228,6 +228,34 @@ def test_streamed_tool_call_with_the_openai_sdk(cluster) -> None:
     assert not "".join(ch.choices[0].delta.content or "" for ch in chunks)
 
 
+def _events(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(http, path) -> None:
+    # guidellm sends it on every request; vLLM honours it only with include_usage, as here
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body.update({"prompt": PROMPT} if path == C else {"messages": HI})
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = _events(http, path, {**body, "stream_options": options})
+    *chunks, final = events
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
+    assert chunks and all("usage" in c for c in chunks)
+    completion = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completion == sorted(completion) and completion[-1] == 6, completion
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {final["usage"]["prompt_tokens"]}
+    assert all(
+        c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"] for c in chunks
+    )
+    plain = _events(http, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert not any("usage" in c for c in plain), "without include_usage there is no usage at all (vLLM's rule)"
+
+
 def _error(http: httpx.Client, path: str, body: dict) -> dict:
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
@@ -251,7 +279,6 @@ REFUSED = [
     (C, {"logit_bias": {"x": 1.0}}, "logit_bias"),
     (C, {"logit_bias": {"3": 101.0}}, "logit_bias"),
     (C, {"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
-    (C, {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
     (C, {"truncation_side": "middle"}, "truncation_side"),
     (CH, {"tools": TOOLS}, "tool_choice"),  # OpenAI's default with tools is "auto"
     (CH, {"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
