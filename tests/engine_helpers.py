@@ -20,6 +20,23 @@ def single_thread():
         torch.set_num_threads(before)
 
 
+FP32_UNIT_ROUNDOFF = 2.0**-24
+
+
+def fp32_logprob_tol(loaded) -> float:
+    """How far an fp32 logprob of `loaded` may move when its logits' dot products are summed in another order (another
+    matmul kernel, another row count): a dot product of length K rounds by at most K * u * sum|x_i w_i| (u = 2^-24,
+    the standard bound), and sum|x_i w_i| <= |x| |w| where x, the RMS-normed final state, has |x| <= max|g| sqrt(K)
+    (g the norm's weight) and |w| is at most the longest lm_head row. A logprob is a logit less the log-sum-exp of
+    all logits: twice that."""
+    params = dict(loaded.model.named_parameters())
+    head = params.get("lm_head.weight", params.get("embed_tokens"))  # tied to the embedding in SmolLM2
+    norm = params["norm.weight"]
+    k = head.shape[1]
+    magnitude = float(norm.abs().max()) * k**0.5 * float(head.norm(dim=1).max())
+    return 2 * k * FP32_UNIT_ROUNDOFF * magnitude
+
+
 def make_llm(loaded, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_memory", "32MiB")
     kwargs.setdefault("max_num_batched_tokens", 512)
