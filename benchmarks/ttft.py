@@ -19,7 +19,6 @@ import logging
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,40 +34,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.loader import load_model
+from launch.store_process import StoreProcess
 
 log = logging.getLogger("ttft")
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-
-class Daemon:
-    def __init__(self, disk_path: Path) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "launch.cli",
-            "store",
-            "--insecure",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--dram",
-            "2GiB",
-            "--disk-path",
-            str(disk_path),
-            "--disk",
-            "4GiB",
-            "--log-level",
-            "WARNING",
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if not line.startswith("ucm-store ready "):
-            raise RuntimeError(f"store daemon did not start: {line!r}")
-        self.address = line.split()[-1]
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)  # flushes the write-behind queue into LMDB
-        self.proc.wait(timeout=120)
-        self.proc.stdout.close()
 
 
 def ttft(llm: LLM, prompt: list[int]) -> float:
@@ -143,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     load_wait: dict[str, dict[int, list[float]]] = {k: {n: [] for n in args.lengths} for k in ("dram hit", "lmdb hit")}
     with tempfile.TemporaryDirectory(prefix="ttft-lmdb-") as tmp:
-        daemon = Daemon(Path(tmp))
+        daemon = StoreProcess(dram="2GiB", disk_path=Path(tmp), disk="4GiB")
         try:
             cold = LLM(**engine_kw)
             producer = LLM(kv_store=daemon.address, kv_role="kv_producer", **engine_kw)
@@ -172,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             dram_stats, _ = measure_store_hits("dram hit", daemon.address, engine_kw, warm, prompts, times, load_wait)
         finally:
             daemon.stop()
-        daemon = Daemon(Path(tmp))  # same LMDB directory, empty DRAM tier
+        daemon = StoreProcess(dram="2GiB", disk_path=Path(tmp), disk="4GiB")  # same LMDB directory, empty DRAM tier
         try:
             lmdb_stats, lmdb_engine = measure_store_hits(
                 "lmdb hit", daemon.address, engine_kw, warm, prompts, times, load_wait

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import select
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +20,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.process_group import stop_group
 from benchmarks.prom_text import metric
+from launch.store_process import StoreProcess
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = Path(
@@ -43,54 +42,9 @@ def synthetic_prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
 
 
-class StoreDaemon:
+def StoreDaemon(dram: str = "1GiB") -> StoreProcess:
     """`ucm-serve store` on a free port, DRAM only, in this venv."""
-
-    def __init__(self, dram: str = "1GiB") -> None:
-        cmd = [
-            sys.executable,
-            "-c",
-            "import sys; from ucm.daemon_cli import main; sys.exit(main(sys.argv[1:]))",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--dram",
-            dram,
-            "--insecure",
-            "--log-level",
-            "WARNING",
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO)
-        self.address = self._wait_ready(30.0)
-
-    def _wait_ready(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            if select.select([self.proc.stdout], [], [], 0.2)[0]:
-                line = self.proc.stdout.readline()
-                if line.startswith("ucm-store ready "):
-                    return line.split()[-1]
-                if not line and self.proc.poll() is not None:
-                    break
-        self.stop()
-        raise RuntimeError(f"store daemon did not start (exit {self.proc.poll()})")
-
-    def stats(self):
-        from ucm.client import StoreClient
-
-        with StoreClient(self.address, timeout_s=5.0) as client:
-            return client.stats()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+    return StoreProcess(dram=dram)
 
 
 def ucm_transfer_config(store_address: str) -> dict:

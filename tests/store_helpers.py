@@ -3,19 +3,14 @@ rounds of dumps and loads from several threads, a daemon process."""
 
 from __future__ import annotations
 
-import os
-import select
-import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from launch.store_process import StoreProcess
 from ucm.api import BlockRef, Tier
 from ucm.keys import KeyNamespace, block_keys, root_key
 from ucm.store import Store, StoreConfig
@@ -112,60 +107,9 @@ def run_threads(worker: Callable[[int], None], count: int, timeout_s: float = 60
     return errors
 
 
-class DaemonProcess:
-    def __init__(self, proc: subprocess.Popen, address: str) -> None:
-        self.proc = proc
-        self.address = address
-
-    def stop(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-
 @contextmanager
-def run_daemon(disk_path: Path | None = None, *extra: str, dram: str = "64MiB") -> Iterator[DaemonProcess]:
-    # Straight to the store's entry point so these tests do not depend on the rest of the engine package.
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from ucm.daemon_cli import main; sys.exit(main(sys.argv[1:]))",
-        "--bind",
-        "tcp://127.0.0.1:0",
-        "--dram",
-        dram,
-        "--log-level",
-        "WARNING",
-    ]
-    if disk_path is not None:
-        cmd += ["--disk-path", str(disk_path), "--disk", "64MiB"]
-    if not {"--curve-keys", "--server-key", "--insecure"} & set(extra):
-        cmd.append("--insecure")  # these tests are about the store itself; test_store_security covers CURVE
-    proc = subprocess.Popen(cmd + list(extra), stdout=subprocess.PIPE, stderr=None, text=True, env=dict(os.environ))
-    try:
-        address = _wait_ready(proc, timeout=30.0)
-        yield DaemonProcess(proc, address)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
-def _wait_ready(proc: subprocess.Popen, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            line = proc.stdout.readline()
-            if line.startswith("ucm-store ready "):
-                return line.split()[-1]
-            if not line and proc.poll() is not None:
-                break
-    raise AssertionError(f"daemon did not print its ready line (exit code {proc.poll()})")
+def run_daemon(disk_path: Path | None = None, *extra: str, dram: str = "64MiB") -> Iterator[StoreProcess]:
+    """The store's own daemon (launch/store_process.py), --insecure unless `extra` names keys: these tests are about
+    the store itself; test_store_security covers CURVE."""
+    with StoreProcess(dram=dram, disk_path=disk_path, extra=extra) as daemon:
+        yield daemon

@@ -10,13 +10,14 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+
+from launch.store_process import StoreProcess
 
 BS = 16
 NUM_LAYERS = 30
@@ -88,41 +89,6 @@ def corrupt_lmdb_block(path: Path, key: bytes) -> None:
     env.close()
 
 
-class Daemon:
-    """`ucm-serve store` in a subprocess, DRAM tier only."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "launch.cli",
-                "store",
-                "--insecure",
-                "--bind",
-                "tcp://127.0.0.1:0",
-                "--dram",
-                "256MiB",
-                "--log-level",
-                "WARNING",
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        line = self.proc.stdout.readline()
-        assert line.startswith("ucm-store ready "), f"daemon did not start: {line!r}"
-        self.address = line.split()[-1]
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
-
-
 @pytest.fixture(scope="module")
 def model():
     from tests.engine_helpers import single_thread
@@ -152,7 +118,7 @@ def world(tmp_path_factory, model):
 
     keys = block_keys(root_key(KeyNamespace(model.fingerprint, "float32", BS)), prompt_ids(), BS)
     corrupt_lmdb_block(bad_dir, keys[CORRUPT_BLOCK])
-    daemon = Daemon()
+    daemon = StoreProcess(dram="256MiB")
     try:
         res["producer_daemon"] = run_engine(model, daemon.address, "kv_producer")
         scenarios = [

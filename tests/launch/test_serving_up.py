@@ -38,7 +38,10 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_up_serves_and_shuts_down_cleanly() -> None:
+def test_up_serves_and_shuts_down_cleanly(tmp_path, monkeypatch) -> None:
+    # Started from another directory, as a user would: only what the venv installed is importable (the checkout's
+    # folders are not on sys.path), next to Hugging Face's `kernels`, which transformers installs.
+    monkeypatch.chdir(tmp_path)
     port = free_port()
     up = Child(
         "up",
