@@ -8,6 +8,7 @@ Each unsupported or unknown parameter is a 400 naming it. One cluster for the mo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -333,3 +334,34 @@ def test_a_guide_only_the_engine_refuses_is_a_400(http, so) -> None:
     err = _error(http, C, body)
     assert err["type"] == "invalid_request_error" and "cannot compile" in err["message"], err
     assert complete(http)["choices"][0]["finish_reason"] in {"stop", "length"}, "the cluster must keep serving"
+
+
+# What widely used clients send by default, recorded once against a capturing proxy (benchmarks/capture_clients.py):
+# the OpenAI SDK, `vllm bench serve` (openai and openai-chat), AIPerf, guidellm, litellm, LangChain. Each request is
+# replayed as it was sent, headers included, and must be answered 200 with a well-formed body or stream.
+CLIENT_FIXTURES = sorted((Path(__file__).parent / "client_fixtures").glob("*.json"))
+
+
+def test_every_client_fixture_was_recorded() -> None:
+    clients = {json.loads(f.read_text())["client"] for f in CLIENT_FIXTURES}
+    assert clients >= {"openai-sdk", "vllm-bench", "aiperf", "guidellm", "litellm", "langchain"}, clients
+
+
+@pytest.mark.parametrize("fixture", CLIENT_FIXTURES, ids=[f.stem for f in CLIENT_FIXTURES])
+def test_what_a_client_sends_by_default_is_answered(http, fixture) -> None:
+    sent = json.loads(fixture.read_text())
+    r = http.request(sent["method"], sent["path"], headers=sent["headers"], json=sent["body"])
+    assert r.status_code == 200, r.text
+    if sent["path"] == "/v1/models":
+        assert MODEL in {m["id"] for m in r.json()["data"]}
+        return
+    if isinstance(sent["body"], dict) and sent["body"].get("stream"):
+        events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", r.text[-500:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks and not any("error" in c for c in chunks), r.text[-1000:]
+        assert any(c["choices"] and c["choices"][0].get("finish_reason") for c in chunks), "no finish_reason"
+    else:
+        out = r.json()
+        assert out["choices"] and out["choices"][0]["finish_reason"] in {"stop", "length"}, out
+        assert out["usage"]["completion_tokens"] >= 1
