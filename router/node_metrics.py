@@ -22,7 +22,7 @@ MAX_STATS_PER_NODE = 256
 _MAX_STAT_CHARS = 96
 _STAT_NAME = re.compile(r"[a-z][a-z0-9_]*")
 # Stats that are levels, not running totals: everything else a node reports only grows (until it restarts).
-_GAUGE_STATS = frozenset({"connector_store_reachable"})
+_GAUGE_STATS = frozenset({"connector_store_reachable", "threads"})
 _GAUGE_STORE_SUFFIXES = ("_bytes_used", "_capacity_bytes", "_blocks")
 # The router's own ucm_node_* families (router/metrics.py): a stat must not shadow them.
 _RESERVED = frozenset(
