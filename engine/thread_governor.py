@@ -17,7 +17,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from ucm_kernels.cpu.host import CpuClock, busy_cpu_s
 
 logger = logging.getLogger(__name__)
 
@@ -26,34 +27,6 @@ WINDOW_S = 0.25  # the shortest window a decision reads: several of the schedule
 # once they rise RAISE_ABOVE over (a 2-core host: a busy neighbour leaves 1.0-1.3 free cores, 2 threads drop; the
 # router's and the store's bursts leave 1.6-1.9, 2 threads stay; 1 thread goes back to 2 only above 1.7).
 DROP_BELOW, RAISE_ABOVE = 0.4, 0.7
-_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (steal: a hypervisor's other guests)
-
-
-@dataclass(frozen=True)
-class CpuClock:
-    """Seconds: wall time, busy time summed over the engine's cores, this process's CPU time."""
-
-    wall: float
-    busy: float
-    own: float
-
-
-def read_busy_seconds(cpus: frozenset[int], stat_path: str = "/proc/stat") -> float | None:
-    """Busy seconds summed over `cpus` since boot, from /proc/stat's per-CPU lines; None where there are none."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total, seen = 0, 0
-    try:
-        with open(stat_path, encoding="ascii") as f:
-            for line in f:
-                if not line.startswith("cpu") or line.startswith("cpu "):
-                    continue
-                name, *fields = line.split()
-                if int(name[3:]) in cpus:
-                    total += sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
-                    seen += 1
-    except (OSError, ValueError):
-        return None
-    return total / tick if seen else None
 
 
 def engine_cpus() -> frozenset[int]:
@@ -71,7 +44,7 @@ class ThreadGovernor:
         self,
         max_threads: int,
         cpus: frozenset[int] | None = None,
-        read_busy: Callable[[frozenset[int]], float | None] = read_busy_seconds,
+        read_busy: Callable[[frozenset[int]], float | None] = busy_cpu_s,
         clock: Callable[[], float] = time.monotonic,
         own_cpu: Callable[[], float] = time.process_time,
     ) -> None:
@@ -90,20 +63,21 @@ class ThreadGovernor:
 
     def _sample(self) -> CpuClock | None:
         busy = self._read_busy(self.cpus)
-        return None if busy is None else CpuClock(self._clock(), busy, self._own_cpu())
+        return None if busy is None else CpuClock(self._clock(), self._own_cpu(), busy)
 
     def threads(self) -> int:
         """The thread count for the next step, re-decided once at least WINDOW_S has passed since the last decision."""
         if self._last is None or self.max_threads == 1:
             return self.current
-        if self._clock() - self._last.wall < WINDOW_S:
+        if self._clock() - self._last.wall_s < WINDOW_S:
             return self.current
         now = self._sample()
         if now is None:
             return self.current
         last, self._last = self._last, now
-        wall = now.wall - last.wall
-        others = max(0.0, (now.busy - last.busy) - (now.own - last.own)) / wall
+        wall = now.wall_s - last.wall_s
+        others = now.others_cores_since(last, min_judged_s=0.0)
+        assert others is not None, "both samples read the busy time"
         self.others_cores = others
         free = len(self.cpus) - others
         if self.current > 1 and free < self.current - DROP_BELOW:

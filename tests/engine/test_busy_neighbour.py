@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.thread_governor import engine_cpus, read_busy_seconds
+from engine.thread_governor import engine_cpus
 from tests.engine_helpers import PROMPTS, make_llm
+from ucm_kernels.cpu.host import busy_cpu_s
 
 pytestmark = pytest.mark.skipif(
-    len(engine_cpus()) < 2 or read_busy_seconds(engine_cpus()) is None, reason="needs 2 cores and /proc/stat"
+    len(engine_cpus()) < 2 or busy_cpu_s(engine_cpus()) is None, reason="needs 2 cores and /proc/stat"
 )
 
 

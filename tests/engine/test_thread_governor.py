@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from engine.thread_governor import WINDOW_S, ThreadGovernor, engine_cpus, read_busy_seconds
+from engine.thread_governor import WINDOW_S, ThreadGovernor, engine_cpus
+from ucm_kernels.cpu.host import busy_cpu_s
 
 
 class Host:
@@ -81,7 +82,7 @@ def test_without_proc_stat_the_count_stays() -> None:
     assert gov.threads() == 2 and gov.changes == 0
 
 
-def test_proc_stat_is_read_for_the_engines_cores(tmp_path) -> None:
+def test_proc_stat_is_read_for_the_engines_cores_or_the_machine(tmp_path) -> None:
     stat = tmp_path / "stat"
     tick = os.sysconf("SC_CLK_TCK")
     stat.write_text(
@@ -89,9 +90,10 @@ def test_proc_stat_is_read_for_the_engines_cores(tmp_path) -> None:
         "intr 1 2 3\n"
     )
     # cpu0: user + system = 2 s (idle and iowait are not busy); cpu1: user + steal = 3 s
-    assert read_busy_seconds(frozenset({0}), str(stat)) == pytest.approx(2.0)
-    assert read_busy_seconds(frozenset({0, 1}), str(stat)) == pytest.approx(5.0)
-    assert read_busy_seconds(frozenset({7}), str(stat)) is None
+    assert busy_cpu_s(frozenset({0}), str(stat)) == pytest.approx(2.0)
+    assert busy_cpu_s(frozenset({0, 1}), str(stat)) == pytest.approx(5.0)
+    assert busy_cpu_s(frozenset({7}), str(stat)) is None
+    assert busy_cpu_s(None, str(stat)) == pytest.approx(54 / tick), "no CPUs named: the machine's line"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc/stat")
@@ -99,7 +101,7 @@ def test_a_real_busy_process_is_seen() -> None:
     cpus = engine_cpus()
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        host_busy = read_busy_seconds(cpus)
+        host_busy = busy_cpu_s(cpus)
         assert host_busy is not None
         gov = ThreadGovernor(len(cpus), cpus)
         deadline = time.monotonic() + 30

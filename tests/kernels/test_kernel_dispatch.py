@@ -53,7 +53,7 @@ def auto(monkeypatch, tmp_path):
 
     def force(times: dict[ShapeClass, dict[str, float]], keep_files: bool = False) -> list[ShapeClass]:
         calibration.forget()
-        for stored in [] if keep_files else cache.glob("ucm_kernels/calibration-*.json"):
+        for stored in [] if keep_files else cache.glob("kernels/calibration-*.json"):
             stored.unlink()
         forced.clear()
         forced.update(times)

@@ -102,7 +102,7 @@ def test_a_quantized_packing_that_never_wins_falls_back_to_the_fp32_panels(nativ
         assert packed is not None and isinstance(packed.panels, torch.Tensor) and packed.max_rows == 4
         wins[PanelFormat.Q8] = 8
         skinny_gemm.forget()
-        for stored in tmp_path.glob("ucm_kernels/linear-*.json"):
+        for stored in tmp_path.glob("kernels/linear-*.json"):
             stored.unlink()
         packed = skinny_gemm.panel_weight(native_lib, w)
         assert packed is not None and isinstance(packed.panels, Q8Panels) and packed.max_rows == 8

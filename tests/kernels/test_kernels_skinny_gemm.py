@@ -64,7 +64,7 @@ def forced(monkeypatch, tmp_path):
 
     def set_up_to(rows: int) -> list[tuple[int, int]]:
         skinny_gemm.forget()
-        for stored in cache.glob("ucm_kernels/linear-*.json"):
+        for stored in cache.glob("kernels/linear-*.json"):
             stored.unlink()
         state["up_to"] = rows
         measured.clear()

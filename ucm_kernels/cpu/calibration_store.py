@@ -17,7 +17,6 @@ import logging
 import os
 import platform
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,18 +25,16 @@ from typing import TypeVar
 import torch
 
 from ucm_kernels.cache_dir import cache_dir
-from ucm_kernels.cpu.host import cpu_info, torch_isa
+from ucm_kernels.cpu.host import CpuClock, cpu_info, torch_isa
 from ucm_kernels.cpu.native import NativeLib
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # A measurement is stored only if other processes took at most this many cores on average meanwhile (the machine's
-# busy time less this process's CPU time); beyond it the timings say more about the sharing than about the kernels
-# (two nodes that start together calibrate at once). Intervals shorter than MIN_JUDGED_S, a few of the kernel's
-# 10 ms ticks, are not judged (a test's forced result).
+# busy time less this process's CPU time, host.CpuClock); beyond it the timings say more about the sharing than
+# about the kernels (two nodes that start together calibrate at once).
 OTHERS_MAX_CORES = 0.25
-MIN_JUDGED_S = 0.1
 FILE_VERSION = 4  # 4: skinny rows by the summed saving; 3: against oneDNN too; 2: stored only when rounds agree
 
 
@@ -110,46 +107,6 @@ def file_lock(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
-
-
-def busy_cpu_s() -> float | None:
-    """Seconds every CPU of the machine has spent busy since boot (Linux's /proc/stat), or None elsewhere."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    # user nice system idle iowait irq softirq steal (guest time is already inside user and nice)
-    ticks = [int(v) for v in fields[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / _TICKS_PER_S
-
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-@dataclass(frozen=True)
-class CpuClock:
-    """A moment's wall clock, this process's CPU time and the machine's busy CPU time (None where it cannot be
-    read): two of them tell whether other processes ran in between."""
-
-    wall_s: float
-    own_cpu_s: float
-    machine_busy_s: float | None
-
-    @classmethod
-    def now(cls) -> CpuClock:
-        return cls(time.perf_counter(), time.process_time(), busy_cpu_s())
-
-    def others_cores_since(self, start: CpuClock) -> float | None:
-        """How many cores other processes (and a hypervisor's steal) took on average since `start`, or None when
-        the interval is too short for the kernel's tick to tell (a test's forced result) or unreadable."""
-        wall = self.wall_s - start.wall_s
-        if self.machine_busy_s is None or start.machine_busy_s is None or wall < MIN_JUDGED_S:
-            return None
-        others = (self.machine_busy_s - start.machine_busy_s) - (self.own_cpu_s - start.own_cpu_s)
-        return max(0.0, others) / wall
 
 
 def stored_or_measured(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import platform
+import time
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -68,3 +70,49 @@ def _cache_size(text: str) -> int:
     """sysfs's cache size ("491520K", "32M", "1024") in bytes."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (guest time is already inside user and nice)
+MIN_JUDGED_S = 0.1  # shorter intervals, a few of the kernel's 10 ms ticks, are not judged (a test's forced result)
+
+
+def busy_cpu_s(cpus: frozenset[int] | None = None, stat_path: str = "/proc/stat") -> float | None:
+    """Seconds the machine's CPUs (only `cpus`, if given) have spent busy since boot, from Linux's /proc/stat (a
+    hypervisor's steal counts as busy: other guests took it); None where it cannot be read."""
+    total, seen = 0, 0
+    try:
+        with open(stat_path, encoding="ascii") as f:
+            for line in f:
+                if not line.startswith("cpu"):
+                    break
+                name, *fields = line.split()
+                if (name == "cpu") == (cpus is None) and (cpus is None or int(name[3:]) in cpus):
+                    total += sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
+                    seen += 1
+    except (OSError, ValueError):
+        return None
+    return total / _TICKS_PER_S if seen else None
+
+
+@dataclass(frozen=True)
+class CpuClock:
+    """A moment's wall clock, this process's CPU time and the busy CPU time of the machine (or of some of its CPUs;
+    None where it cannot be read): two of them tell how many cores other processes took in between."""
+
+    wall_s: float
+    own_cpu_s: float
+    machine_busy_s: float | None
+
+    @classmethod
+    def now(cls, cpus: frozenset[int] | None = None) -> CpuClock:
+        return cls(time.perf_counter(), time.process_time(), busy_cpu_s(cpus))
+
+    def others_cores_since(self, start: CpuClock, min_judged_s: float = MIN_JUDGED_S) -> float | None:
+        """How many cores other processes (and a hypervisor's steal) took on average since `start`, or None when
+        the interval is too short for the kernel's tick to tell or unreadable."""
+        wall = self.wall_s - start.wall_s
+        if self.machine_busy_s is None or start.machine_busy_s is None or wall < min_judged_s:
+            return None
+        others = (self.machine_busy_s - start.machine_busy_s) - (self.own_cpu_s - start.own_cpu_s)
+        return max(0.0, others) / wall
