@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("launch.ray.cli", "status_main", "a Ray deployment: where each actor runs, its load, the store's tiers"),
     "down": ("launch.ray.cli", "down_main", "stop a Ray deployment (one started with up --ray --detach)"),
     "serve": ("launch.launcher", "serve_main", "`serve MODEL`: the same as `up --model MODEL` (vLLM's one-line form)"),
+    "env": ("launch.env_report", "main", "the host, versions, lock and every calibrated kernel choice (--pin FILE)"),
 }
 # The serving nodes: their OpenMP wait policy is set before their module imports torch (node/openmp_env.py).
 NODE_COMMANDS = ("prefill", "decode")

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import sys
+import textwrap
 import threading
 
 from engine.config import KVSavePolicy
@@ -117,6 +119,14 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def print_environment() -> None:
+    """The nodes have warmed up and made their kernel choices: the one block a bug report needs, as `ucm-serve env`
+    prints it (in a child process: this supervisor stays free of torch)."""
+    env = subprocess.run([sys.executable, "-m", "launch.cli", "env"], capture_output=True, text=True, timeout=120)
+    text = env.stdout if env.returncode == 0 else f"`ucm-serve env` failed: {env.stderr.strip()[-500:]}"
+    print("[up] environment (ucm-serve env):\n" + textwrap.indent(text.rstrip(), "[up]   "), flush=True)
+
+
 def build_parser(command: str = "up") -> argparse.ArgumentParser:
     """`up` takes `--model`; `serve` takes the model as its first argument, like `vllm serve MODEL`."""
     p = argparse.ArgumentParser(
@@ -211,6 +221,7 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
         signal.signal(sig, shutdown)
     try:
         cluster.start(args.timeout)
+        print_environment()
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
         print(f"\nucm-serve is up: {cluster.url}  (OpenAI API at {cluster.url}/v1, metrics at {cluster.url}/metrics)")
         print(

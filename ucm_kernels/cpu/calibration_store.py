@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -109,6 +110,53 @@ def file_lock(path: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+PIN_ENV = "UCM_PIN"  # a file from `ucm-serve env --pin FILE`: its choices are taken before any cache file or timing
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One calibrated choice as `ucm-serve env --pin` writes it: what a cache file holds, less the host key."""
+
+    kind: str  # the cache file's kind: calibration, linear, dtype
+    threads: int
+    name: str  # the entry's name in that file
+    entry: object
+
+
+def stored_choices(root: Path | None = None) -> list[tuple[Path, dict[str, object], Pin]]:
+    """Every choice in this cache dir's calibration files, with the file and its key (host, library, threads)."""
+    found = []
+    for path in sorted(((root if root is not None else cache_dir()) / "kernels").glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or data.get("version") != FILE_VERSION or not isinstance(data.get("key"), dict):
+            continue
+        key, kind = data["key"], path.stem.rsplit("-", 1)[0]
+        for name, entry in (data.get("entries") or {}).items():
+            found.append((path, key, Pin(kind, int(key.get("threads", 0)), name, entry)))
+    return found
+
+
+@functools.lru_cache(maxsize=4)
+def _read_pins(path: str) -> dict[tuple[str, int, str], object]:
+    try:
+        data = json.loads(Path(path).read_text())
+        return {(p["kind"], int(p["threads"]), p["name"]): p["entry"] for p in data["choices"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{PIN_ENV}={path} is not a pin file from `ucm-serve env --pin`: {e}") from None
+
+
+def pinned(kind: str, threads: int, name: str) -> tuple[object, Path] | None:
+    """The pinned entry for this choice and the pin file, when $UCM_PIN names one that has it."""
+    path = os.environ.get(PIN_ENV, "").strip()
+    if not path:
+        return None
+    pins = _read_pins(path)
+    return (pins[(kind, threads, name)], Path(path)) if (kind, threads, name) in pins else None
+
+
 def stored_or_measured(
     file_kind: str,
     name: str,
@@ -123,6 +171,9 @@ def stored_or_measured(
     (value, what its rounds disagreed on), measured by one process at a time and stored only when the rounds agreed
     on everything and no other process took cores meanwhile: a loaded machine's answer is used now and measured
     again by the next process. The caller memoises and logs."""
+    pin = pinned(file_kind, threads, name)
+    if pin is not None and (found := parse(pin[0])) is not None:
+        return found, Source(pin[1], measured=False)
     key = calibration_key(lib, threads)
     path = key_file(file_kind, key, root)
     found = parse(read_entries(path, key).get(name))
