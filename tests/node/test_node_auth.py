@@ -23,6 +23,12 @@ from ucm.auth import ClientAuth, CurveClientKeys, KeyPaths, generate_keys
 FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
+async def _until(condition) -> None:
+    """Poll `condition` (the caller bounds the wait with asyncio.wait_for)."""
+    while not condition():
+        await asyncio.sleep(0.02)
+
+
 def _register(node_id: str, instance: str, max_model_len: int = 2048) -> P.Register:
     return P.Register(
         node_id, P.NodeRole.DECODE, "m", "fp", "float32", 16, max_model_len, 8, 100, True, instance=instance
@@ -205,8 +211,7 @@ def test_router_socket_binds_node_ids_to_keys(tmp_path) -> None:
             socks += [thief, thief_monitor]
             evil.append(thief)
             assert await asyncio.wait_for(_handshake(thief_monitor), 30) == zmq.EVENT_HANDSHAKE_SUCCEEDED
-            while sum(client.gate.dropped.values()) < len(attempts):
-                await asyncio.sleep(0.02)
+            await asyncio.wait_for(_until(lambda: sum(client.gate.dropped.values()) >= len(attempts)), 30)
             assert client.gate.dropped == {
                 DropReason.BAD_IDENTITY: 1,
                 DropReason.WRONG_KEY: 2,
