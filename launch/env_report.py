@@ -17,12 +17,12 @@ import importlib.metadata as metadata
 import json
 import os
 import platform
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from launch.lock_file import LOCKS, differences
+
 VERSIONS = ("ucm-serve", "torch", "transformers", "triton", "numpy", "xgrammar", "kernels", "pyzmq", "lmdb", "msgspec")
 # Every variable that changes which path runs or how many threads it gets.
 OVERRIDES = (
@@ -30,7 +30,6 @@ OVERRIDES = (
     "UCM_CC", "UCM_CACHE_DIR", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "ATEN_CPU_CAPABILITY",
     "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
 )  # fmt: skip
-PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s\\;]+)")
 
 
 def _version(dist: str) -> str | None:
@@ -42,16 +41,13 @@ def _version(dist: str) -> str | None:
 
 def lock_state() -> dict[str, Any]:
     """The lock this checkout ships (lock/test.txt) and how far the running venv is from it."""
-    lock = REPO / "lock" / "test.txt"
+    lock = LOCKS / "test.txt"
     if not lock.exists():
         return {"lock": None}
-    normalize = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
-    pins = {normalize(m[1]): m[2] for line in lock.read_text().splitlines() if (m := PIN.match(line))}
-    installed = {normalize(d.metadata["Name"]): d.version for d in metadata.distributions()}
-    differ = sorted(n for n, v in pins.items() if installed.get(n) not in (None, v))
-    missing = sorted(n for n in pins if n not in installed)
+    differ = differences(lock)
     return {"lock": str(lock), "sha256": hashlib.sha256(lock.read_bytes()).hexdigest()[:16],
-            "differ": differ, "missing": len(missing)}  # fmt: skip
+            "differ": sorted(n for n, (_, have) in differ.items() if have is not None),
+            "missing": sum(1 for _, have in differ.values() if have is None)}  # fmt: skip
 
 
 def collect() -> dict[str, Any]:

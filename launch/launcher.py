@@ -22,7 +22,7 @@ from launch.cluster import Cluster, ClusterSpec, StoreMode
 from launch.model_prep import BadModel, check_model_spec
 from launch.ray.options import add_ray_args
 from launch.topology import DISAGG_MIN_CORES, Topology, choose_topology
-from protocol import defaults
+from protocol import defaults, flags
 from ucm.store_config import DiskWrites
 
 
@@ -47,34 +47,10 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prefill", type=int, default=None, help="prefill nodes (implies --topology disagg; default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode nodes (implies --topology disagg; default 1)")
-    p.add_argument("--host", default=defaults.HTTP_HOST, help="HTTP address of the router (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port of the router")
-    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model)")
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="prompt + completion tokens per request (default: the model's)"
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=defaults.MAX_NUM_SEQS,
-        help="sequences each node runs at once (vLLM's flag; more wait in its queue)",
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=defaults.MAX_NUM_BATCHED_TOKENS,
-        help="tokens one engine step computes at most, prompt chunks and decodes together (vLLM's flag): smaller "
-        "steps give first tokens sooner, larger ones more throughput. Default: each engine picks it for the host at "
-        "start-up and logs why: vLLM's CPU default 2048 where such a step's matmuls are predicted under 1 s from "
-        "a measured matmul, else 1024 (measured better on a slow AVX2 host; engine/step_budget.py)",
-    )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV of prompt prefixes in each node's device cache (the store is --no-store)",
-    )
+    for flag in (flags.HOST, flags.PORT, flags.SERVED_MODEL_NAME, flags.MAX_MODEL_LEN, flags.MAX_NUM_SEQS):
+        flag.add(p)
+    for flag in (flags.MAX_NUM_BATCHED_TOKENS, flags.API_KEY, flags.ENABLE_PREFIX_CACHING):
+        flag.add(p)
     p.add_argument("--no-store", action="store_true", help="run without the KV store (decode nodes recompute)")
     p.add_argument(
         "--kv-save-policy",
@@ -100,16 +76,8 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         help="which blocks the store writes to disk (`ucm-serve store --help`); default: behind with --disk-path "
         "or --ray, else reused (the temporary folder `up` removes at stop)",
     )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto = bf16 on CPUs with native bf16 (and on CUDA), else fp32",
-    )
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument(
-        "--kv-cache-memory", default=defaults.NODE_KV_CACHE_MEMORY, help="each node's paged KV cache (the device tier)"
-    )
+    for flag in (flags.DTYPE, flags.DEVICE, flags.KV_CACHE_MEMORY):
+        flag.add(p)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cluster to be healthy")
     p.add_argument(
         "--insecure",
@@ -138,7 +106,7 @@ def build_parser(command: str = "up") -> argparse.ArgumentParser:
         )
         p.add_argument("--model", dest="model_flag", default=None, help="the same as the positional MODEL")
     else:
-        p.add_argument("--model", default=defaults.MODEL, help="alias, Hugging Face folder or .gguf file")
+        flags.MODEL.add(p)
     add_serving_args(p)
     add_ray_args(p)  # --ray [ADDRESS]: every role as a Ray actor (launch/ray/, docs/deploy.md)
     return p

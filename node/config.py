@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from urllib.parse import urlencode
 
 from engine.config import KVSavePolicy
-from protocol import defaults
+from protocol import defaults, flags
 from protocol.messages import NodeRole
 from protocol.peer_identity import check_node_id
 from ucm.auth import ClientAuth
@@ -81,29 +81,13 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "--router", required=True, help=f"router's node address (its --bind-nodes), e.g. {defaults.NODES_ADDR}"
     )
     parser.add_argument("--store", default="none", help="store daemon address (tcp://…), 'embedded', or 'none'")
-    parser.add_argument("--model", default=defaults.MODEL, help="alias, Hugging Face folder or .gguf file")
-    parser.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    flags.MODEL.add(parser)
+    for flag in (flags.SERVED_MODEL_NAME, flags.DTYPE, flags.DEVICE):
+        flag.add(parser)
     parser.add_argument("--node-id", default="", help="stable id (default: role-host-pid)")
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS)
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=defaults.MAX_NUM_BATCHED_TOKENS,
-        help="tokens one engine step computes at most (prompt chunks and decodes); default: chosen for the host "
-        "at start-up (engine/step_budget.py)",
-    )
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument(
-        "--kv-cache-memory", default=defaults.NODE_KV_CACHE_MEMORY, help="paged KV cache size, e.g. 512MiB, 4GiB"
-    )
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV of prompt prefixes held in the paged cache",
-    )
+    for flag in (flags.MAX_NUM_SEQS, flags.MAX_NUM_BATCHED_TOKENS, flags.MAX_MODEL_LEN, flags.KV_CACHE_MEMORY):
+        flag.add(parser)
+    flags.ENABLE_PREFIX_CACHING.add(parser)
     parser.add_argument(
         "--kv-save-policy",
         type=KVSavePolicy,

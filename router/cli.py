@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from protocol import defaults
+from protocol import defaults, flags
 from router.config import RouterConfig
 from ucm.auth import KeyPaths, ServerAuth
 
@@ -30,12 +30,12 @@ def model_folder(model: str | None) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ucm-serve router", description=__doc__)
-    p.add_argument("--host", default=defaults.HTTP_HOST)
-    p.add_argument("--port", type=int, default=defaults.HTTP_PORT)
+    flags.HOST.add(p)
+    flags.PORT.add(p)
     p.add_argument("--bind-nodes", default=defaults.NODES_ADDR, help="ZeroMQ address nodes connect to")
     p.add_argument("--model", default=None, help="the model folder (for the tokenizer); the default served name")
-    p.add_argument("--served-model-name", default=None, help="the name clients send (default: --model)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    flags.SERVED_MODEL_NAME.add(p)
+    flags.API_KEY.add(p)
     d = RouterConfig
     p.add_argument(
         "--node-timeout",
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also queue requests while the measured service rate serves them within this many seconds; "
         "beyond both bounds: 429 with Retry-After",
     )
-    p.add_argument("--max-model-len", type=int, default=None)
+    flags.MAX_MODEL_LEN.add(p)
     p.add_argument(
         "--max-body-bytes",
         type=int,

@@ -6,20 +6,11 @@ install would get (transformers 4.x stayed on our machines while a new user got 
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
-import re
 from pathlib import Path
 
+from launch.lock_file import PIN, differences, pins
+
 ROOT = Path(__file__).resolve().parents[2]
-PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s\\;]+)")
-
-
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def pins(lock: Path) -> dict[str, str]:
-    return {normalize(m[1]): m[2] for line in lock.read_text().splitlines() if (m := PIN.match(line))}
 
 
 def test_every_lock_pins_its_closure_with_hashes() -> None:
@@ -38,6 +29,5 @@ def test_the_locks_agree_where_they_overlap() -> None:
 
 
 def test_this_venv_has_exactly_the_locked_versions() -> None:
-    installed = {normalize(d.metadata["Name"]): d.version for d in metadata.distributions()}
-    wrong = {n: (v, installed.get(n)) for n, v in pins(ROOT / "lock" / "test.txt").items() if installed.get(n) != v}
+    wrong = differences(ROOT / "lock" / "test.txt")
     assert wrong == {}, "installed versions differ from lock/test.txt (locked, installed); `make install-test`"
