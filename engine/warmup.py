@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.final_states import FinalStates
 from engine.guided.spec import GuidedDecoding, GuidedKind
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
@@ -93,13 +93,20 @@ def warm_up(engine: EngineCore) -> WarmupReport:
         engine.governor, engine.scheduler.connector = governor, connector
         if governor is not None:
             governor.restart()
-        _zero(engine.stats_counters)
+        _forget_the_warm_up(engine)
     report = WarmupReport(time.monotonic() - t0, counts, steps)
     logger.info("%s", report.line())
     return report
 
 
-def _zero(stats: EngineStats) -> None:
-    """The counters start from zero after the warm-up (in place: the scheduler holds the same object)."""
+def _forget_the_warm_up(engine: EngineCore) -> None:
+    """The engine as if the warm-up had not run: its blocks out of the device prefix cache, unrecorded (a write-back
+    connector would otherwise save them when a user's request takes their slots), its final states dropped, the
+    counters from zero (in place: the scheduler holds the same object)."""
+    pool = engine.kv_manager.pool
+    pool.reset_prefix_cache()
+    pool.take_evicted()
+    engine.runner.final_states = FinalStates(engine.runner.final_states.capacity)
+    stats = engine.stats_counters
     for f in dataclasses.fields(stats):
         setattr(stats, f.name, f.default)

@@ -58,7 +58,8 @@ def test_after_the_warm_up_the_first_requests_measure_nothing(smollm2_fp32, made
     finally:
         cold.close()
     forget_every_choice()
-    widest = torch.get_num_threads()
+    before, widest = torch.get_num_threads(), 2  # a 2-core machine's count: the warm-up then adds the 1-thread choices
+    torch.set_num_threads(widest)
     llm = make_llm(smollm2_fp32, kv_store=f"embedded?disk_path={tmp_path / 'b'}")
     try:
         engine = llm.engine
@@ -69,6 +70,7 @@ def test_after_the_warm_up_the_first_requests_measure_nothing(smollm2_fp32, made
         assert engine.stats().steps == 0 and engine.stats().computed_tokens == 0, "the counters start at zero"
         engine.kv_store.flush()
         assert sum(t.blocks for t in engine.kv_store.stats().tiers.values()) == 0, "the warm-up saved nothing"
+        assert engine.kv_manager.pool.stats().num_cached == 0, "nor left a block in the device prefix cache"
         made_choices.clear()
         governor, engine.governor = engine.governor, None  # the counts are the test's to set
         runs = {}
@@ -79,6 +81,6 @@ def test_after_the_warm_up_the_first_requests_measure_nothing(smollm2_fp32, made
             engine.kv_manager.pool.reset_prefix_cache()
         engine.governor = governor
     finally:
-        torch.set_num_threads(widest)
+        torch.set_num_threads(before)
         llm.close()
     assert runs[widest] == expected, "a warmed-up engine answers as a cold one"
