@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.vllm_harness import synthetic_prompt
 from engine import LLM, SamplingParams
+from engine.thread_governor import WINDOW_S
 from ucm_kernels.cpu.host import cpu_info, vector_flags
 
 PROMPTS, PROMPT_TOKENS, OUTPUT_TOKENS = 4, 460, 64
@@ -68,11 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         llm.engine.governor = governor if governed else None
         torch.set_num_threads(widest)
         governor.current = widest
+        governor.restart()
         loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
         try:
-            if loop is not None:
-                time.sleep(0.3)  # the neighbour running before the first step, as it would be
-            governor.restart()
+            # A window's worth of time before the first step, as between two waves of a server: with a neighbour,
+            # it is already running then, and the governor's first decision sees it.
+            time.sleep(2 * WINDOW_S)
             runs[label] = traced_wave(llm, 1)
         finally:
             if loop is not None:
