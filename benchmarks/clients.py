@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.vs_vllm import UCM_NAME, VLLM, Server, add_server_args, cpu_description, installed_servers, servers
+from benchmarks.bench_server import VLLM, Server
+from benchmarks.vs_vllm import UCM_NAME, add_server_args, cpu_description, installed_servers, servers
 from engine.model_source import resolve_model_dir
 
 HERE = Path(__file__).resolve().parent

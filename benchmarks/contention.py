@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_server import Server
 from benchmarks.sse_client import StreamThread
 from benchmarks.vllm_harness import synthetic_prompt
-from benchmarks.vs_vllm import UCM_NAME, Server, add_server_args, cpu_description, installed_servers, servers
+from benchmarks.vs_vllm import UCM_NAME, add_server_args, cpu_description, installed_servers, servers
 from engine.model_source import resolve_model_dir
 
 WAVE = 4

@@ -46,9 +46,10 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
+from benchmarks.hit_rate_point import Point
 from benchmarks.hit_rate_report import plot, print_table
 from benchmarks.traces import Request, Workload, make_workload, working_set
 from ucm.api import BlockRef, Tier
@@ -61,28 +62,6 @@ from ucm.store_config import DiskWrites
 
 PAYLOAD_BYTES = 64
 ROOT = root_key(KeyNamespace("hit-rate-bench", "fake", 512))
-
-
-@dataclass(frozen=True)
-class Point:
-    workload: str
-    sweep: str  # "dram" or "tiered"
-    policy: str
-    capacity_frac: float  # of the working set: the DRAM tier (dram sweep) or the disk tier (tiered sweep)
-    dram_blocks: int
-    disk_blocks: int
-    accesses: int
-    dram_hits: int
-    disk_hits: int
-    belady_hits: int  # MIN with one cache of dram_blocks + disk_blocks
-    infinite_hits: int
-    seconds: float
-    disk_writes: str = DiskWrites.BEHIND.value  # the tiered sweep's StoreConfig.disk_writes
-    disk_blocks_written: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return (self.dram_hits + self.disk_hits) / self.accesses
 
 
 class Replayer:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from ucm.eviction import PolicyName
 
 if TYPE_CHECKING:
-    from benchmarks.hit_rate import Point
+    from benchmarks.hit_rate_point import Point
 
 
 def print_table(points: list[Point]) -> None:

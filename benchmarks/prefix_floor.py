@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.vs_vllm import VLLM
+from benchmarks.bench_server import VLLM
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model_dir
 from engine.step_budget import linear_flops_per_token

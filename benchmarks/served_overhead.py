@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_server import Server
 from benchmarks.serve import Req, run_workload, summarize
 from benchmarks.session_cpu import client_cpu_s, cpu_line, cpu_used, session_cpu
-from benchmarks.vs_vllm import Server, cpu_description
+from benchmarks.vs_vllm import cpu_description
 from benchmarks.vs_vllm_workloads import prefix_rep_reqs, random_reqs
 
 

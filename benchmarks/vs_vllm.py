@@ -36,75 +36,25 @@ import json
 import os
 import platform
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.process_group import stop_group
+from benchmarks.bench_server import VLLM, Server
 from benchmarks.session_cpu import client_cpu_s, cpu_line, cpu_used, session_cpu
 from benchmarks.vllm_harness import DEFAULT_VENV
 from benchmarks.vs_vllm_workloads import run_own_client, run_vllm_client, ttft_probe
 from engine.model_source import resolve_model_dir
 
 UCM_NAME = "smollm2-135m"
-VLLM = "vllm"  # the server name of vLLM-CPU
 TARGETS = {  # metric -> (direction, target ratio ucm/vLLM)
     "random_out_tok_s": ("higher", 1.2),
     "prefix_rep_ttft_mean_ms": ("lower", 0.5),
     "cold_ttft_ms": ("lower", 1.0),
     "repeat_ttft_ms": ("lower", 0.5),
 }
-
-
-@dataclass
-class Server:
-    name: str
-    argv: list[str]
-    served_name: str
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
-
-    def start(self, url: str, out_dir: Path, timeout_s: float) -> float:
-        self.log_path = out_dir / f"server_{self.name}.log"
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=self.log_path.open("w"),
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
-            start_new_session=True,
-        )
-        with httpx.Client(base_url=url, timeout=5) as client:
-            while time.perf_counter() - t0 < timeout_s:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited:\n{self.log_path.read_text()[-2000:]}")
-                if self._ready(client):
-                    return time.perf_counter() - t0
-                time.sleep(0.25)
-        raise RuntimeError(f"{self.name} not healthy within {timeout_s:.0f}s")
-
-    def _ready(self, client: httpx.Client) -> bool:
-        """vLLM: /health is 200. ucm-serve: /health is 200 and every node of the topology registered."""
-        try:
-            r = client.get("/health")
-        except httpx.HTTPError:
-            return False
-        if r.status_code != 200:
-            return False
-        if self.name == VLLM:
-            return True
-        return "ucm-serve is up" in (self.log_path.read_text() if self.log_path else "")
-
-    def stop(self) -> None:
-        stop_group(self.proc)
 
 
 # What an AVX2-only x86 host's processes see, for `--as-avx2`: read by our build (native.py), torch and oneDNN.

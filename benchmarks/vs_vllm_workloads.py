@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from benchmarks.serve import Req, client_session, one_request, run_workload, summarize
 
 if TYPE_CHECKING:
-    from benchmarks.vs_vllm import Server
+    from benchmarks.bench_server import Server
 
 TOKEN_LO, TOKEN_HI = 1000, 40000  # plain word pieces: no special tokens in synthetic prompts
 

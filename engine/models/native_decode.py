@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -41,7 +41,21 @@ from ucm_kernels.cpu.q4_panels import Q4Panels
 from ucm_kernels.cpu.q8_panels import Q8Panels
 
 if TYPE_CHECKING:
-    from engine.models.llama import DecoderLayer, LlamaForCausalLM
+    from engine.model_config import ModelConfig
+    from engine.models.decoder_layer import DecoderLayer
+    from engine.models.rmsnorm import RMSNorm
+
+
+class DecodedModel(Protocol):
+    """What this path reads of the model beside its layers (`LlamaForCausalLM` is one)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def embed_tokens(self) -> torch.Tensor: ...
+    @property
+    def norm(self) -> RMSNorm: ...
+
 
 ANY_ROWS = 1 << 30  # a kernel that takes a step of any row count (q4_bf16 loops over its rows)
 
@@ -89,7 +103,7 @@ class DecodeStep:
 class NativeDecode:
     """The decode-step forward of one `LlamaForCausalLM` (built with its packed weights; see the module doc)."""
 
-    def __init__(self, model: LlamaForCausalLM, layers: list[DecoderLayer]) -> None:
+    def __init__(self, model: DecodedModel, layers: list[DecoderLayer]) -> None:
         self.model = model
         self.layers = layers  # model.layers, typed
         self.steps = 0  # decode steps run here (tests check that this path ran)
@@ -99,7 +113,7 @@ class NativeDecode:
         self._table: tuple[object, decode_layers.NativeLayers] | None = None  # (the kv_caches it is over, it)
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, layers: list[DecoderLayer]) -> NativeDecode | None:
+    def build(cls, model: DecodedModel, layers: list[DecoderLayer]) -> NativeDecode | None:
         """For a CPU model whose norm weights the elementwise kernels take as they are; else None (generic)."""
         dtype = model.embed_tokens.dtype
         norms = [model.norm, *(n for layer in layers for n in (layer.input_norm, layer.post_attn_norm))]

@@ -40,6 +40,22 @@ FORBIDDEN: dict[str, set[str]] = {
     "decode_node": {"prefill_node", "router", "launch"},
     "router": {"node", "prefill_node", "decode_node", "launch"},
 }
+# package -> the packages of ours it may import (docs/architecture.md's "may import" column); launch/ may import any
+MAY_IMPORT: dict[str, set[str]] = {
+    "protocol": set(),
+    "router": {
+        "protocol",
+        "ucm",
+        "engine",
+    },  # engine's torch-free modules only: test_router_and_protocol_never_load_torch
+    "prefill_node": {"node", "engine", "protocol", "connector"},
+    "decode_node": {"node", "engine", "protocol", "connector"},
+    "node": {"engine", "connector", "protocol", "ucm", "ucm_kernels"},
+    "engine": {"connector", "ucm_kernels", "ucm", "protocol"},
+    "connector": {"engine", "ucm_kernels", "ucm"},
+    "ucm": {"protocol"},
+    "ucm_kernels": set(),
+}
 TORCH_FREE = ["router", "protocol"]
 
 
@@ -67,6 +83,50 @@ def violations(package: str) -> list[str]:
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_imports_only_what_its_layer_allows(package: str) -> None:
     assert violations(package) == []
+
+
+@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
+def test_package_imports_only_what_its_row_may_import(package: str) -> None:
+    found = {
+        str(path.relative_to(ROOT)): sorted(extra)
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if (extra := (imported_packages(path) & OURS) - MAY_IMPORT[package] - {package})
+    }
+    assert found == {}, f"imports beyond docs/architecture.md's row for {package}/"
+
+
+def module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of ours (of `modules`) that a module imports by name, at any depth of its body."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from package import module`
+    return names & modules
+
+
+def mutual_imports(root: Path = ROOT) -> list[tuple[str, str]]:
+    """Pairs of our modules that import each other (lazily or for type checking too): a split that did not separate."""
+    paths = {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for package in [*OURS, "benchmarks"]
+        for p in (root / package).rglob("*.py")
+    }
+    graph = {name: module_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    return sorted({(a, b) for a, deps in graph.items() for b in deps if a < b and a in graph[b]})
+
+
+def test_no_two_modules_import_each_other() -> None:
+    assert mutual_imports() == []
+
+
+def test_the_mutual_import_reader_sees_a_cycle(tmp_path: Path) -> None:
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "a.py").write_text("from engine.b import x\n")
+    (tmp_path / "engine" / "b.py").write_text("def f():\n    from engine import a\n")
+    assert mutual_imports(tmp_path) == [("engine.a", "engine.b")]
 
 
 def test_router_and_protocol_never_load_torch() -> None:

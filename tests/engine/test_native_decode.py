@@ -16,7 +16,7 @@ from engine.models.dense import F32Packed, dense, pack_weight
 from engine.models.native_decode import DecodeStep, decode_linear
 from ucm_kernels.attention_metadata import AttentionMetadata
 from ucm_kernels.backend import CPU_ENV_VAR
-from ucm_kernels.cpu import skinny_gemm
+from ucm_kernels.cpu import linear_mode, skinny_gemm
 from ucm_kernels.cpu.q4_panels import Q4Panels, random_q4_weight
 
 
@@ -36,7 +36,7 @@ def _greedy_with_logprobs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
 @pytest.mark.parametrize(("dtype", "linear"), [("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")])
 def test_decode_steps_through_the_native_path_give_the_generic_bits(dtype, linear, native_lib, monkeypatch) -> None:
     # linear "native": every fp32 layer matmul on the skinny kernel's 4-bit panels, whatever this host measured.
-    monkeypatch.setenv(skinny_gemm.ENV, linear)
+    monkeypatch.setenv(linear_mode.ENV, linear)
     skinny_gemm.forget()
     rng = random.Random(3)
     # Different lengths, so the batch's sequences end their blocks at different places.
@@ -72,7 +72,7 @@ def test_decode_steps_through_the_native_path_give_the_generic_bits(dtype, linea
 def test_a_bad_slot_fails_the_step_with_write_kvs_error_either_way(layers_in_c, native_lib, monkeypatch) -> None:
     """A failure inside the native layer loop is the error the kernel's own wrapper raises from the Python loop."""
     # Every matmul on the 4-bit kernel whatever this host measured: a noisy calibration may give one to oneDNN.
-    monkeypatch.setenv(skinny_gemm.ENV, "native")
+    monkeypatch.setenv(linear_mode.ENV, "native")
     llm = LLM(model="smollm2-135m", dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory="64MiB")
     native = llm.engine.runner.model.native_decode
     assert native is not None and native.native_layers is not None, "UCM_CPU_LINEAR=native: every matmul on ours"
@@ -92,7 +92,7 @@ def test_a_bad_slot_fails_the_step_with_write_kvs_error_either_way(layers_in_c, 
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_decode_linear_writes_the_skinny_kernels_bits_into_the_step_buffer(quantized, native_lib, monkeypatch) -> None:
-    monkeypatch.setenv(skinny_gemm.ENV, "native")
+    monkeypatch.setenv(linear_mode.ENV, "native")
     gen = torch.Generator().manual_seed(0)
     n, k = 96, 64
     weight = random_q4_weight(n, k, gen) if quantized else torch.randn(n, k, generator=gen)

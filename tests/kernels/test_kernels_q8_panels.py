@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ucm_kernels.cpu import skinny_gemm
+from ucm_kernels.cpu import linear_mode, skinny_gemm
 from ucm_kernels.cpu.q4_panels import Q4Panels
 from ucm_kernels.cpu.q8_panels import Q8Panels, find_q8, pack_q8, random_q8_weight, skinny_linear_q8
 from ucm_kernels.cpu.skinny_gemm import PanelFormat, pack_panels, skinny_linear
@@ -71,7 +71,7 @@ def test_pack_picks_4_bit_then_8_bit_then_fp32(native_lib) -> None:
 def test_the_fp32_models_lm_head_is_packed_as_q8_panels(native_lib, smollm2_fp32, monkeypatch) -> None:
     """The embedded model's lm_head (the GGUF's Q8_0 tied embedding) takes the 8-bit panels in an fp32 model, and
     its decode rows through them equal the fp32 panels' bits."""
-    monkeypatch.setenv(skinny_gemm.ENV, "native")  # the kernel at every row count, whatever this host measured
+    monkeypatch.setenv(linear_mode.ENV, "native")  # the kernel at every row count, whatever this host measured
     w = smollm2_fp32.model.lm_head_weight.detach()
     packed = skinny_gemm.panel_weight(native_lib, w)
     assert packed is not None and isinstance(packed.panels, Q8Panels)
@@ -83,7 +83,7 @@ def test_the_fp32_models_lm_head_is_packed_as_q8_panels(native_lib, smollm2_fp32
 def test_a_quantized_packing_that_never_wins_falls_back_to_the_fp32_panels(native_lib, monkeypatch, tmp_path) -> None:
     """Where memory is fast, expanding 8-bit panels can cost more than reading fp32 ones: the calibration says so per
     format, and the weight then takes the fp32 panels up to their own row count."""
-    monkeypatch.setenv(skinny_gemm.ENV, "auto")
+    monkeypatch.setenv(linear_mode.ENV, "auto")
     monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(skinny_gemm, "MIN_PACK_BYTES", 0)
     wins = {PanelFormat.Q8: 0, PanelFormat.FP32: 4}

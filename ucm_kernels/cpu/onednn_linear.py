@@ -44,8 +44,8 @@ from ucm_kernels.choice_memo import ChoiceMemo
 from ucm_kernels.cpu.calibration_store import stored_or_measured
 from ucm_kernels.cpu.host import cpu_info, last_level_cache_bytes, vector_flags
 from ucm_kernels.cpu.linear_choice import WinMemo, measured_win
+from ucm_kernels.cpu.linear_mode import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 from ucm_kernels.cpu.native import NativeLib
-from ucm_kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 from ucm_kernels.cpu.timing import ROUNDS, alternating_best_ms, two_way_rounds
 
 log = logging.getLogger(__name__)

@@ -31,10 +31,10 @@ import torch
 
 from ucm_kernels.cpu import amx_gemm
 from ucm_kernels.cpu.linear_choice import WinMemo, measured_win
+from ucm_kernels.cpu.linear_mode import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 from ucm_kernels.cpu.native import NativeLib
 from ucm_kernels.cpu.q4_panels import QB, find_q4_padded, random_q4_weight
 from ucm_kernels.cpu.q8_panels import find_q8_padded, random_q8_weight
-from ucm_kernels.cpu.skinny_gemm import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 from ucm_kernels.cpu.timing import two_way_rounds
 
 log = logging.getLogger(__name__)

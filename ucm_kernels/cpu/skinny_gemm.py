@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from ucm_kernels.choice_memo import ChoiceMemo
+from ucm_kernels.cpu import onednn_linear
 from ucm_kernels.cpu.calibration_store import stored_or_measured
 from ucm_kernels.cpu.host import cpu_info, vector_flags
+from ucm_kernels.cpu.linear_mode import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 from ucm_kernels.cpu.native import NativeLib
 from ucm_kernels.cpu.q4_panels import Q4Panels, pack_q4, random_q4_weight, skinny_linear_q4, skinny_operands
 from ucm_kernels.cpu.q8_panels import Q8Panels, pack_q8, random_q8_weight, skinny_linear_q8
@@ -38,11 +39,7 @@ log = logging.getLogger(__name__)
 
 NR = 16  # output columns per packed panel (skinny_gemm.c)
 ROW_LADDER = (1, 4, 8, 16, 32, 64, 128)
-STACK_BYTES = 64 << 20  # weights per measured row count: past the last-level cache of the CPUs we run on
 MAX_STACK = 32  # ... but no more calls than this per measurement (small weights: Python overhead, not memory)
-# A weight under this stays in the caches between steps, where the BLAS's repacking costs little: not measured, not
-# packed (the tests' tiny random models would otherwise spend seconds per shape measuring noise).
-MIN_PACK_BYTES = 1 << 20
 REPS = 2
 STOP_AFTER_LOSSES = 2  # consecutive row counts the kernel loses before the ladder stops (`_rows_won`)
 # ... once it has measured this many rows, a decode step's: losses at 1 and 4 rows (a near tie at 1 row, where the
@@ -51,7 +48,6 @@ STOP_AFTER_LOSSES = 2  # consecutive row counts the kernel loses before the ladd
 # stored entry now keeps its timings, so such a choice can be read back. (A decode step of 8 took the same time either
 # way there: 47.2-49.2 ms, the two files alternated three times.)
 MIN_LADDER_ROWS = 16
-ENV = "UCM_CPU_LINEAR"
 
 
 class PanelFormat(enum.Enum):
@@ -60,20 +56,6 @@ class PanelFormat(enum.Enum):
     FP32 = "fp32"
     Q4 = "q4"  # exactly GGUF Q4_1 (ucm_kernels/cpu/q4_panels.py)
     Q8 = "q8"  # exactly GGUF Q8_0 (ucm_kernels/cpu/q8_panels.py)
-
-
-class CpuLinear(str, enum.Enum):  # noqa: UP042 (the environment variable's values)
-    AUTO = "auto"
-    NATIVE = "native"
-    TORCH = "torch"
-
-
-def cpu_linear_mode() -> CpuLinear:
-    text = os.environ.get(ENV, CpuLinear.AUTO.value).strip().lower()
-    try:
-        return CpuLinear(text)
-    except ValueError:
-        raise ValueError(f"{ENV}={text!r}: expected one of {[m.value for m in CpuLinear]}") from None
 
 
 @dataclass(frozen=True)
@@ -181,8 +163,6 @@ def _runs(
     lib: NativeLib, x: torch.Tensor, weights: list[torch.Tensor], packed: list[PanelWeight]
 ) -> list[Callable[[], object]]:
     """The packed kernel, then its alternatives (F.linear; oneDNN where available), each over the whole stack."""
-    from ucm_kernels.cpu import onednn_linear  # it imports this module's mode and size rules
-
     runs: list[Callable[[], object]] = [
         lambda: [p.linear(x, None) for p in packed],
         lambda: [F.linear(x, w) for w in weights],
