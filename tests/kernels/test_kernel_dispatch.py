@@ -343,12 +343,16 @@ def _stored(lib, root, measure_fn, name: str = "probe") -> tuple[str, calibratio
     )
 
 
-def test_a_measurement_while_another_process_runs_is_used_but_not_stored(lib, tmp_path):
+def test_a_measurement_while_another_process_runs_is_used_but_not_stored(lib, tmp_path, monkeypatch):
     """Two nodes starting together, or a test's cluster beside a calibration: timings taken while another process
     holds a core say more about the sharing than the kernels, so they are used now and measured again next time."""
     import subprocess
     import sys
     import threading
+
+    from tests.kernels.conftest import REAL_OTHERS_MAX_CORES
+
+    monkeypatch.setattr(calibration_store, "OTHERS_MAX_CORES", REAL_OTHERS_MAX_CORES)  # the rule under test
 
     hog = subprocess.Popen(
         [sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"], stdout=subprocess.PIPE, text=True
@@ -371,10 +375,6 @@ def test_a_measurement_while_another_process_runs_is_used_but_not_stored(lib, tm
 def test_processes_measure_one_at_a_time_and_the_next_reads_the_result(lib, tmp_path, monkeypatch):
     """Two callers that miss the file together: the lock lets one measure; the other reads what it stored."""
     import threading
-
-    monkeypatch.setattr(
-        calibration_store, "OTHERS_MAX_CORES", float("inf")
-    )  # this test is about the lock, not the load
 
     measured: list[str] = []
     start = threading.Barrier(2)
