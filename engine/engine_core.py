@@ -25,7 +25,7 @@ import logging
 import operator
 import random
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,10 @@ from engine.thread_governor import ThreadGovernor
 from ucm.keys import BlockKey, KeyNamespace, root_key
 from ucm_kernels.cpu.amx_gemm import engine_bf16_rows_invariant
 
+if TYPE_CHECKING:
+    from connector.base import ConnectorPair
+    from engine.loader import LoadedModel
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,8 +72,8 @@ class EngineCore:
         self,
         config: EngineConfig,
         *,
-        loaded_model: Any = None,
-        kv_connector: tuple[Any, Any] | None = None,
+        loaded_model: LoadedModel | None = None,
+        kv_connector: ConnectorPair | None = None,
     ) -> None:
         self.config = config
         if loaded_model is None:

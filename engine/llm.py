@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from engine.config import CacheConfig, EngineConfig, KVSavePolicy, SchedulerConfig, canonical_dtype
 from engine.engine_core import EngineCore
@@ -110,7 +110,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """vLLM's chat options: a jinja `chat_template` instead of the model's, the assistant turn opened or the
         last message continued, `tools` and extra variables for the template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(
+            "list[list[dict[str, Any]]]", [messages] if messages and isinstance(messages[0], dict) else messages
+        )
         tok = self.engine.tokenizer
         prompts = [
             {
