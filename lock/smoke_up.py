@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 
 import httpx
 
+from launch.cluster import free_port  # the checkout is installed in the venv this runs in
+
 START_DEADLINE_S = 600  # a first start converts the model and calibrates the kernels
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:
