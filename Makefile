@@ -39,7 +39,7 @@ run: install
 lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy  # the packages (pyproject.toml [tool.mypy]): strict on protocol/, ucm/, router/, connector/
+	$(BIN)/mypy  # the packages (pyproject.toml [tool.mypy]): strict on common/, protocol/, ucm/, router/, connector/
 
 test: install-test lint vllm-plugin
 	$(BIN)/python -m pytest -q --durations=25 tests  # the slowest tests in every log: CI's time budget

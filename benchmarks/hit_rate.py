@@ -52,10 +52,10 @@ from pathlib import Path
 from benchmarks.hit_rate_point import Point
 from benchmarks.hit_rate_report import plot, print_table
 from benchmarks.traces import Request, Workload, make_workload, working_set
+from common.keys import KeyNamespace, chain_key, root_key
 from ucm.api import BlockRef, Tier
 from ucm.eviction import PolicyName
 from ucm.eviction.belady import belady
-from ucm.keys import KeyNamespace, chain_key, root_key
 from ucm.record import BlockRecord, checksum
 from ucm.store import Store, StoreConfig
 from ucm.store_config import DiskWrites

@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.keys import KeyNamespace, root_key
 from engine.config import SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ModelRunnerOutput
-from ucm.keys import KeyNamespace, root_key
 
 BLOCK = 16
 ROOT = root_key(KeyNamespace("sim", "float32", BLOCK))

@@ -34,12 +34,12 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.prom_text import metric
 from benchmarks.sse_client import StreamResult, stream_completion
+from common.auth import ClientAuth
+from common.size import parse_size
 from launch.cluster import Cluster, ClusterSpec
 from launch.topology import Topology, choose_topology
 from ucm.api import StoreStats
-from ucm.auth import ClientAuth
 from ucm.client import StoreClient
-from ucm.size import parse_size
 
 MODEL = "smollm2-135m"
 STATS_CLIENT = "soak"  # the key this script reads the store daemon's stats with

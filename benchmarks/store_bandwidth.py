@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from common.size import parse_size
 from tests.store_helpers import make_refs, run_daemon
 from ucm.client import StoreClient
 from ucm.malloc_tuning import retain_freed_memory
-from ucm.size import parse_size
 from ucm.store import Store, StoreConfig
 
 OP_LAYER = "load 1 layer/call (connector)"

@@ -14,13 +14,13 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from common.save_policy import KVSavePolicy
 from connector.base import ConnectorPair, KVConnectorRole
 from connector.metadata import ConnectorStats
 from connector.request_view import EngineSettings
 from connector.store_spec import StoreKind, StoreSpec
 from connector.ucm_scheduler import UCMSchedulerConnector
 from connector.ucm_worker import UCMWorkerConnector
-from engine.config import KVSavePolicy
 from ucm.api import KVStore
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def open_store(spec: StoreSpec, stats: ConnectorStats | None = None) -> KVStore:
     breaker (a dead daemon costs one short timeout, then is skipped until it answers a probe), whose counters
     go into `stats`."""
     if spec.kind is StoreKind.DAEMON:
-        from ucm.auth import ClientAuth
+        from common.auth import ClientAuth
         from ucm.circuit_breaker import BreakerConfig
         from ucm.client import StoreClient
 
@@ -164,6 +164,6 @@ def make_connector(
         engine_config.block_size,
         save_decode_blocks=engine_config.kv_save_decode_blocks,
         recompute_last_token_only=engine_config.kv_recompute_last_token_only,
-        save_policy=KVSavePolicy(engine_config.kv_save_policy),
+        save_policy=engine_config.kv_save_policy,
     )
     return ConnectorPair(conn.scheduler, conn.worker)

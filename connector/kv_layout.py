@@ -1,7 +1,7 @@
 """Block <-> bytes for one layer: a block's payload is its K then its V, `[2, block_size, num_kv_heads, head_dim]`.
 
 The store sees opaque bytes; this module is the only place that knows the layout (bump
-`ucm.keys.KV_LAYOUT_VERSION` when it changes). Staging buffers live in host memory (the store's shared memory for
+`common.keys.KV_LAYOUT_VERSION` when it changes). Staging buffers live in host memory (the store's shared memory for
 a CPU cache, pinned memory for a CUDA one) and are reused from step to step: a save or load is always finished
 within the step that started it.
 """

@@ -7,10 +7,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from common.keys import BlockKey
 from connector.base import ConnectorMetadata
 from ucm.api import BlockRef, KVStore, StoreTask, TaskStatus
 from ucm.circuit_breaker import BreakerStats
-from ucm.keys import BlockKey
 
 log = logging.getLogger("connector")
 # The request id of a write-back save's BlockSpec: the blocks outlived the requests that computed them.

@@ -7,7 +7,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ucm.keys import BlockKey
+from common.keys import BlockKey
+from common.save_policy import KVSavePolicy
 
 
 class ConnectorRequest(Protocol):
@@ -97,8 +98,8 @@ class EngineSettings(Protocol):
     def kv_recompute_last_token_only(self) -> bool: ...
 
     @property
-    def kv_save_policy(self) -> str:
-        """'computed' (write-through), 'evicted' or 'reused' (write-back): engine/config.py's KVSavePolicy."""
+    def kv_save_policy(self) -> KVSavePolicy:
+        """Write-through ('computed') or write-back ('evicted', 'reused')."""
         ...
 
 

@@ -16,8 +16,8 @@ import enum
 from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
+from common.size import parse_size
 from ucm.eviction import PolicyName
-from ucm.size import parse_size
 
 DEFAULT_DRAM = "2GiB"
 DEFAULT_DISK = "8GiB"

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.keys import BlockKey
+from common.save_policy import KVSavePolicy
 from connector.base import KVConnectorRole, KVConnectorScheduler
 from connector.metadata import (
     EVICTED_REQUEST,
@@ -28,10 +30,8 @@ from connector.request_view import (
     iter_scheduled,
     token_ids_of,
 )
-from engine.config import KVSavePolicy
 from ucm.api import BlockRef, KVStore
 from ucm.circuit_breaker import CircuitBreaker
-from ucm.keys import BlockKey
 from ucm.reuse_admission import ReuseAdmission
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from connector.vllm.plugin_config import PluginConfig
 from connector.vllm.scheduler_core import VllmSchedulerCore
 from connector.vllm.step import StepDelta, StepPlan
 from connector.vllm.worker_core import VllmWorkerCore
-from ucm.protocol import Layout
+from ucm.store_wire import Layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,7 +76,7 @@ class UCMConnectorMetadata(KVConnectorMetadata):
 def _open_client(
     spec: StoreSpec, layout: Layout | None = None, namespace: str | None = None, *, shared_memory: bool = False
 ) -> StoreClient:
-    from ucm.auth import ClientAuth
+    from common.auth import ClientAuth
     from ucm.client import StoreClient
 
     assert spec.address is not None, "PluginConfig only accepts daemon addresses"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ucm.keys import BlockKey
+from common.keys import BlockKey
 
 
 @dataclass(eq=False)

@@ -10,14 +10,15 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from common.save_policy import KVSavePolicy
+from common.size import parse_size
 from protocol import defaults
-from ucm.size import parse_size
 
 logger = logging.getLogger(__name__)
 
 
 def parse_memory_size(value: int | float | str) -> int:
-    """Bytes from an int or a string such as "512MiB", "2GiB", "1.5GB", "1000000" (one parser: `ucm.size`)."""
+    """Bytes from an int or a string such as "512MiB", "2GiB", "1.5GB", "1000000" (one parser: `common.size`)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"memory size must be a number of bytes or a string like '2GiB', got {value!r}")
     try:
@@ -27,27 +28,6 @@ def parse_memory_size(value: int | float | str) -> int:
     if nbytes <= 0:
         raise ValueError(f"memory size must be positive, got {value!r}")
     return nbytes
-
-
-class KVSavePolicy(str, enum.Enum):  # noqa: UP042 (CLI values)
-    """When the connector saves a full block to the store."""
-
-    # As soon as it is computed, layer by layer (write-through): other instances, and a restarted one, can
-    # load it at once. What a prefill node feeding decode nodes needs.
-    COMPUTED = "computed"
-    # Only when the device prefix cache evicts it (write-back), all layers before its slot is reused. For one
-    # engine alone on a store: the device cache already serves what it holds, so a block costs the store
-    # nothing until the device is full; a crash loses what only the device held.
-    EVICTED = "evicted"
-    # As EVICTED while evicted blocks come back (the store is asked for them again); otherwise only blocks that showed
-    # reuse: a prefix hit took them on the device, or they were evicted once before (ucm/reuse_admission.py). In a
-    # workload of new prompts the store is then spared every save, each a copy beside the engine on its cores.
-    REUSED = "reused"
-
-    @property
-    def writes_back(self) -> bool:
-        """Saves happen at eviction from the device prefix cache, not as blocks are computed."""
-        return self is not KVSavePolicy.COMPUTED
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ucm_kernels
+from common.keys import BlockKey, KeyNamespace, root_key
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided.backend import GuidedBackend
@@ -45,7 +46,6 @@ from engine.scheduler_output import TokenLogprobs
 from engine.stats import EngineStats
 from engine.step_budget import StepBudget, auto_budget
 from engine.thread_governor import ThreadGovernor
-from ucm.keys import BlockKey, KeyNamespace, root_key
 from ucm_kernels.cpu.amx_gemm import engine_bf16_rows_invariant
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-from ucm.keys import BlockKey
+from common.keys import BlockKey
 
 CAPACITY = 1024  # prompts remembered per engine: 1.2 MB of bf16 states for SmolLM2, 16 MB at a 4096-wide fp32 model
 

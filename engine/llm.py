@@ -6,7 +6,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, cast
 
-from engine.config import CacheConfig, EngineConfig, KVSavePolicy, SchedulerConfig, canonical_dtype
+from common.save_policy import KVSavePolicy
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, canonical_dtype
 from engine.engine_core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams

@@ -13,12 +13,14 @@ from pathlib import Path
 import torch
 import xxhash
 
+from common.file_digest import cached_file_digest
 from engine.model_config import ModelConfig
-from engine.model_source import cached_file_digest, resolve_model_dir
+from engine.model_source import resolve_model_dir
 from engine.models.llama import LlamaForCausalLM
 from engine.tokenizer import Tokenizer
 from engine.weights import build_model
 from protocol import defaults
+from ucm_kernels.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ def model_fingerprint(folder: Path, config: ModelConfig) -> str:
     h = xxhash.xxh3_128()
     for path in sorted(folder.glob("*.safetensors")):
         h.update(path.name.encode())
-        h.update(cached_file_digest(path).encode())
+        h.update(cached_file_digest(path, cache_dir()).encode())
     h.update(json.dumps(config.arch_dict(), sort_keys=True).encode())
     return f"{config.arch.value}-{h.hexdigest()}"
 

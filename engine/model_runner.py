@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from common.keys import BlockKey
 from engine.attention import set_forward_context
 from engine.final_states import FinalStates
 from engine.generated_rows import GeneratedRows
 from engine.kv_cache import KVCaches
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from ucm.keys import BlockKey
 from ucm_kernels.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:

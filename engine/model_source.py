@@ -19,15 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import xxhash
-
+from common.file_digest import cached_file_digest
 from protocol import defaults
 from ucm_kernels.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = defaults.MODEL
-_HASH_CHUNK = 8 << 20
 
 # alias -> (package holding the file, file name inside the package)
 ALIASES: dict[str, tuple[str, str]] = {
@@ -50,39 +48,10 @@ def alias_path(alias: str) -> Path:
     return path
 
 
-def file_digest(path: Path) -> str:
-    """128-bit xxh3 of a file's bytes, hex; identical on every host for identical content."""
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def converted_dir_for(gguf_path: Path) -> Path:
     """Cache folder a GGUF file converts into (content-addressed: renaming or copying the file reuses it)."""
-    digest = cached_file_digest(gguf_path)[:16]
+    digest = cached_file_digest(gguf_path, cache_dir())[:16]
     return cache_dir() / "models" / f"{gguf_path.stem}-{digest}"
-
-
-def cached_file_digest(path: Path) -> str:
-    """`file_digest`, memoised on disk by (absolute path, size, mtime) so multi-GB checkpoints hash once."""
-    st = path.stat()
-    stamp = f"{path.resolve()}\x1f{st.st_size}\x1f{st.st_mtime_ns}"
-    memo = cache_dir() / "digests" / f"{xxhash.xxh3_64_hexdigest(stamp.encode())}.txt"
-    try:
-        return memo.read_text().strip()
-    except OSError:
-        pass
-    digest = file_digest(path)
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(digest)
-        os.replace(tmp, memo)
-    except OSError as exc:  # a read-only cache dir only costs a re-hash next time
-        log.debug("could not memoise digest of %s: %s", path, exc)
-    return digest
 
 
 def is_hf_dir(path: Path) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ucm.keys import BlockKey
+from common.keys import BlockKey
 
 
 @dataclass(frozen=True)

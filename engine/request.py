@@ -9,9 +9,9 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from common.keys import BlockKey, chain_key
 from engine.sampling_params import SamplingParams
 from protocol.messages import FinishReason  # the one enum, engine to wire to the router (re-exported by engine)
-from ucm.keys import BlockKey, chain_key
 
 
 class RequestStatus(enum.Enum):

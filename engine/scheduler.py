@@ -21,13 +21,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from common.keys import BlockKey
 from engine.config import SchedulerConfig, SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager, PrefixMatch
 from engine.prefix_groups import Waiting, tokens_per_sequence
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.stats import EngineStats
-from ucm.keys import BlockKey
 
 logger = logging.getLogger(__name__)
 

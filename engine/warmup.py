@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SALT = "ucm-serve warm-up"  # its blocks' keys are rooted apart from every user's (ucm/keys.py)
+SALT = "ucm-serve warm-up"  # its blocks' keys are rooted apart from every user's (common/keys.py)
 LONG_PROMPT_TOKENS = 512  # a prompt step of many rows (capped by the step budget and max_model_len)
 DECODE_TOKENS = 4
 MAX_COUNTS = 4  # every thread count up to this many; beyond it the widest, half of it and one

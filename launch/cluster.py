@@ -4,7 +4,7 @@ Used by `ucm-serve up`, by the serving tests and by benchmarks/serve.py, so all 
 Torch-free: the model is converted once by a child process before any node starts (so nodes don't race).
 
 Secure by default: CURVE keys for every link are generated into a private temporary folder (mode 0700) — the
-router's and the store's server pairs and one client pair per node, named for the node id (ucm/auth.py). Ports
+router's and the store's server pairs and one client pair per node, named for the node id (common/auth.py). Ports
 are picked once (store, router HTTP and node socket), and a `Supervisor` restarts any child that exits on the
 same address, so nodes find a restarted store or router and a restarted node registers again.
 """
@@ -24,12 +24,12 @@ from typing import TextIO
 
 import httpx
 
-from engine.config import KVSavePolicy
+from common.auth import KeyPaths, generate_keys
+from common.save_policy import KVSavePolicy
 from launch.child import Child
 from launch.model_prep import model_folder
 from launch.supervisor import RestartPolicy, Supervisor
 from protocol import defaults
-from ucm.auth import KeyPaths, generate_keys
 from ucm.store_config import DiskWrites
 
 

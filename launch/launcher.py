@@ -17,7 +17,7 @@ import sys
 import textwrap
 import threading
 
-from engine.config import KVSavePolicy
+from common.save_policy import KVSavePolicy
 from launch.cluster import Cluster, ClusterSpec, StoreMode
 from launch.model_prep import BadModel, check_model_spec
 from launch.ray.options import add_ray_args

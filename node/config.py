@@ -12,11 +12,11 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
-from engine.config import KVSavePolicy
+from common.auth import ClientAuth
+from common.save_policy import KVSavePolicy
 from protocol import defaults, flags
 from protocol.messages import NodeRole
 from protocol.peer_identity import check_node_id
-from ucm.auth import ClientAuth
 
 # Store addresses that mean "no store": the node then runs without a connector (always recomputes).
 NO_STORE = ("", "none", "off")
@@ -40,7 +40,7 @@ class NodeConfig:
     max_model_len: int | None = None
     kv_cache_memory: str = defaults.NODE_KV_CACHE_MEMORY  # paged-cache size (the device tier of the KV cache)
     enable_prefix_caching: bool = True  # reuse prompt prefixes held in the paged cache
-    kv_save_policy: KVSavePolicy = KVSavePolicy.COMPUTED  # when blocks go to the store (engine/config.py)
+    kv_save_policy: KVSavePolicy = KVSavePolicy.COMPUTED  # when blocks go to the store (common/save_policy.py)
     heartbeat_interval_s: float = 0.5
     num_threads: int | None = None  # torch intra-op threads (several nodes on one small machine: 1 each)
     cached_keys_cap: int = 4096  # how many recent block keys a heartbeat carries

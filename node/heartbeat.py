@@ -17,10 +17,10 @@ from typing import Any
 import msgspec
 import zmq
 
+from common.auth import CurveClientKeys
 from node.key_cache import RecentKeys
 from protocol import messages as P
 from protocol.peer_identity import Channel, PeerIdentity
-from ucm.auth import CurveClientKeys
 
 log = logging.getLogger(__name__)
 

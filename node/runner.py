@@ -13,12 +13,12 @@ import logging
 import time
 from typing import Any
 
+from common.log_limit import LogLimiter
 from node.job import JobCounters, LiveJob, RoleWorker
 from node.key_cache import RecentKeys
 from node.sampling import sampling_params
 from protocol import messages as P
 from protocol.job_limits import OutOfBounds, check_job
-from ucm.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
 _errors = LogLimiter(log)  # a client repeating a bad request must not flood the node's log

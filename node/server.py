@@ -17,6 +17,8 @@ from typing import Any
 
 import zmq
 
+from common.keys import KeyNamespace
+from common.log_limit import LogLimiter
 from node.config import NodeConfig
 from node.heartbeat import HeartbeatThread, StoreStatsPoller
 from node.job import RoleWorker
@@ -25,8 +27,6 @@ from node.openmp_env import openmp_wait
 from node.runner import JobRunner
 from protocol import messages as P
 from protocol.peer_identity import Channel, PeerIdentity
-from ucm.keys import KeyNamespace
-from ucm.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
+from common.auth import KeyPaths, ServerAuth
 from protocol import defaults, flags
 from router.config import RouterConfig
-from ucm.auth import KeyPaths, ServerAuth
 
 log = logging.getLogger("router")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.auth import ServerAuth
 from protocol import defaults
-from ucm.auth import ServerAuth
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from common.keys import BlockKey
 from protocol import messages as P
 from router.arrivals import NodeArrivals
 from router.node_client import NodeClient, NodeLost, NodeUnavailable
 from router.openai_schema import ApiError, bad_request
 from router.pairing import pick_decode, pick_prefill
 from router.registry import NodeState, Registry
-from ucm.keys import BlockKey
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from common import log_limit
+from common.auth import ServerAuth
+from common.log_limit import LogLimiter
 from protocol import messages as P
 from protocol.peer_identity import Channel, PeerIdentity
 from router.node_gate import DropReason, NodeGate
 from router.registry import NodeState, Registry
-from ucm import log_limit
-from ucm.auth import ServerAuth
-from ucm.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
 INSECURE_WARNING = (

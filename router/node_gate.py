@@ -1,6 +1,6 @@
 """Which node a message on the router's node socket comes from, or why it is dropped.
 
-With CURVE, ZAP (ucm/auth.py) has already refused every peer whose key is not authorized, and stamps each frame
+With CURVE, ZAP (common/auth.py) has already refused every peer whose key is not authorized, and stamps each frame
 with the peer's public key (User-Id). The gate binds keys to node ids: the key authorized as `NAME.key` may speak
 only as node `NAME`, on sockets whose identity names node `NAME`, in messages naming node `NAME`. So a key can
 never register, heartbeat or answer jobs as another node, and a spoofed Register cannot change another node's

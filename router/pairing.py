@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from common.keys import BlockKey
 from router.registry import NodeState
-from ucm.keys import BlockKey
 
 # A prefix holder is preferred while its load is at most this much above the least-loaded node's.
 PREFIX_LOAD_SLACK = 0.5

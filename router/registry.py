@@ -11,10 +11,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from common.keys import BlockKey, KeyNamespace, block_keys, root_key
 from protocol import messages as P
 from router.config import RouterConfig
 from router.progress import ProgressWatch
-from ucm.keys import BlockKey, KeyNamespace, block_keys, root_key
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from common.keys import BlockKey, KeyNamespace, block_keys, root_key
 from engine.outputs import CompletionOutput, EngineLoad, RequestOutput
 from engine.stats import EngineStats
-from ucm.keys import BlockKey, KeyNamespace, block_keys, root_key
 
 HOLD = "hold"
 EXPLODE = "explode"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from common.keys import KeyNamespace, block_keys, root_key
 from launch.store_process import StoreProcess
 from ucm.api import BlockRef, Tier
-from ucm.keys import KeyNamespace, block_keys, root_key
 from ucm.store import Store, StoreConfig
 
 BLOCK_SIZE = 4

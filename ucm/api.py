@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ucm.keys import BlockKey
+from common.keys import BlockKey
 
 
 class StoreUnavailable(ConnectionError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from ucm.keys import BlockKey
+from common.keys import BlockKey
 from ucm.record import BlockRecord
 
 T = TypeVar("T")

@@ -7,7 +7,7 @@ timeout the client fails fast for `retry_after_s` instead of waiting out every c
 fails fast until the store answers a background probe instead (ucm/circuit_breaker.py), and calls in flight give up at
 once. Thread-safe: one DEALER socket per thread.
 
-`auth=ClientAuth(...)` (or `ClientAuth.from_dir(DIR)` for a folder from `ucm.auth.generate_keys`) makes every socket a
+`auth=ClientAuth(...)` (or `ClientAuth.from_dir(DIR)` for a folder from `common.auth.generate_keys`) makes every socket a
 CURVE client; without the right keys a CURVE daemon never answers (calls time out as above). Dumps go into a namespace
 whose layout the daemon checks: `layout=` declares it up front; otherwise the first dump declares (num_layers, payload
 bytes, tokens per block) of what it sends, under `namespace` or a name derived from that layout. The namespace is
@@ -33,13 +33,13 @@ from typing import TypeVar
 import msgspec
 import zmq
 
-from ucm import protocol as p
+from common.auth import ClientAuth
+from common.keys import BlockKey
+from ucm import store_wire as p
 from ucm.api import BlockRef, DumpsByLayers, StoreStats, StoreUnavailable, check_dump_layers
-from ucm.auth import ClientAuth
 from ucm.circuit_breaker import BreakerConfig, BreakerStats, CircuitBreaker, CircuitOpen
 from ucm.client_errors import StoreRequestError, log_unavailable, task_failed
 from ucm.client_segments import ClientSegments
-from ucm.keys import BlockKey
 from ucm.load_frames import copy_frames
 from ucm.record import as_bytes_view
 from ucm.shared_segment import SharedSegment

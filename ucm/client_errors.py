@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from ucm import protocol as p
+from ucm import store_wire as p
 from ucm.api import StoreUnavailable
 from ucm.circuit_breaker import CircuitOpen
 

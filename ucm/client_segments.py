@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from ucm import protocol as p
+from ucm import store_wire as p
 from ucm.shared_segment import SharedSegment, shm_available, sweep_dead_segments
 
 

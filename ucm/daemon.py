@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from ucm import protocol as p
-from ucm.auth import INSECURE_WARNING, ServerAuth
+from common.auth import INSECURE_WARNING, ServerAuth
+from common.log_limit import LogLimiter
+from ucm import store_wire as p
 from ucm.dump_check import checked_dump
-from ucm.log_limit import LogLimiter
 from ucm.namespaces import NamespaceRegistry
 from ucm.ownership import OwnerTable
 from ucm.record import Buffer

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import msgspec
 
+from common.auth import ClientAuth, KeyPaths, ServerAuth, generate_keys
+from common.size import format_size, parse_size
 from protocol import defaults
 from ucm.api import StoreStats
-from ucm.auth import ClientAuth, KeyPaths, ServerAuth, generate_keys
 from ucm.client import StoreClient, StoreUnavailable
 from ucm.daemon import DaemonConfig, StoreDaemon
 from ucm.eviction import PolicyName
 from ucm.malloc_tuning import retain_freed_memory
-from ucm.size import format_size, parse_size
 from ucm.store import Store, StoreConfig
 from ucm.store_config import DiskWrites
 

@@ -17,10 +17,10 @@ from typing import NamedTuple, TypeVar
 
 import lmdb
 
+from common.keys import BlockKey
 from ucm.api import TierStats
 from ucm.chain_order import deepest_first, records_deepest_first
 from ucm.eviction import EvictionPolicy
-from ucm.keys import BlockKey
 from ucm.read_snapshot import SnapshotHolder, StoredRecord
 from ucm.record import BlockRecord, committed_seconds, stated_parent
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Mapping
 
+from common.keys import BlockKey
 from ucm.api import TierStats
 from ucm.chain_order import records_deepest_first
 from ucm.eviction import EvictionPolicy
-from ucm.keys import BlockKey
 from ucm.record import BlockRecord
 
 log = logging.getLogger("ucm.dram")

@@ -3,7 +3,7 @@
 Two stages, so that a shape error is reported as such even for a client that has not opened a namespace:
 
 1. structure (no layout needed): one payload per block and layer, 16-byte keys, token ids in [0, 2**32),
-   distinct layers in 0..num_layers-1, and each key chains: key == `ucm.keys.chain_key(parent, token_ids)`. A chain's
+   distinct layers in 0..num_layers-1, and each key chains: key == `common.keys.chain_key(parent, token_ids)`. A chain's
    first block is checked the same way (its parent is the root the client derived from its namespace and
    cache_salt; the store never sees the salt, so the root itself cannot be recomputed here).
 2. layout: num_layers, every payload's size and every block's token count equal the namespace's layout.
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from common.keys import KEY_NBYTES, chain_key
 from ucm.api import BlockRef
-from ucm.keys import KEY_NBYTES, chain_key
-from ucm.protocol import Dump, ErrorCode, Layout
 from ucm.refusal import Refused
+from ucm.store_wire import Dump, ErrorCode, Layout
 
 LayoutLookup = Callable[[str], Layout]  # namespace name -> its layout, or Refused(NO_NAMESPACE)
 

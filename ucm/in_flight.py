@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from ucm.keys import BlockKey
+from common.keys import BlockKey
 from ucm.record import BlockRecord
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 
-from ucm.protocol import ErrorCode, Layout
 from ucm.refusal import Refused
+from ucm.store_wire import ErrorCode, Layout
 from ucm.wire_limits import MAX_BLOCK_TOKENS, MAX_LAYERS, LayoutCaps
 
 

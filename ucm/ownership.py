@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ucm.keys import BlockKey
+from common.keys import BlockKey
 
 
 class ClaimState(enum.Enum):

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from common.keys import BlockKey
 from ucm.api import BlockRef
-from ucm.keys import BlockKey
 
 
 @dataclass

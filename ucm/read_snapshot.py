@@ -18,7 +18,7 @@ import time
 
 import lmdb
 
-from ucm.keys import BlockKey
+from common.keys import BlockKey
 from ucm.record import RecordError, RecordLayout
 
 # Long enough to serve the per-layer calls of one load (they are issued together), short enough that an idle

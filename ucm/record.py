@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from common.keys import KEY_NBYTES, BlockKey
 from ucm.api import BlockRef
-from ucm.keys import KEY_NBYTES, BlockKey
 
 MAGIC = b"UCMB"
 FORMAT_VERSION = 1

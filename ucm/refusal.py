@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ucm.protocol import ErrorCode
+from ucm.store_wire import ErrorCode
 
 
 class Refused(ValueError):

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ucm.keys import BlockKey
+from common.keys import BlockKey
 
 # On a 2-core Zen 5 EPYC a block's disk write takes ~1 CPU ms (1.1 s for 1120 LMDB writes of 368 KiB), ~1.5 ms of the
 # engine's time beside it; computing the block again ~15 CPU ms (a cold 2048-token prompt: 960 ms on both cores).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from ucm import protocol as p
+from ucm import store_wire as p
 from ucm.refusal import Refused
 from ucm.shared_segment import MappedSegment
 

@@ -24,12 +24,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from common.keys import KEY_NBYTES, BlockKey
 from ucm.api import BlockRef, DumpsByLayers, StoreStats, Tier, check_dump_layers
 from ucm.disk_tier import DiskTier
 from ucm.dram_tier import DramTier
 from ucm.eviction import EvictionPolicy, PolicyName, make_policy
 from ucm.in_flight import InFlight
-from ucm.keys import KEY_NBYTES, BlockKey
 from ucm.pending_dumps import PendingDumps
 from ucm.pins import PinTable
 from ucm.record import BlockRecord, Buffer, as_bytes_view, checksum

@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 from xxhash import xxh3_64_intdigest as xxh3_64
 
+from common.keys import BlockKey
 from ucm.api import BlockRef, StoreStats
 from ucm.disk_tier import DiskTier
 from ucm.dram_tier import DramTier
 from ucm.in_flight import InFlight
-from ucm.keys import BlockKey
 from ucm.read_snapshot import StoredRecord
 from ucm.record import BlockRecord, Buffer, RecordError, RecordMismatch, decode_record
 from ucm.removal_clock import RemovalClock

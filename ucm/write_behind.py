@@ -11,8 +11,8 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
+from common.keys import BlockKey
 from ucm.disk_tier import DiskTier
-from ucm.keys import BlockKey
 from ucm.record import BlockRecord
 
 log = logging.getLogger("ucm.write_behind")

@@ -3,7 +3,7 @@
 A stored block is one vLLM cache block of one layer as opaque bytes, and the layout inside it depends on vLLM's
 version, its attention backend and, on the CPU, the instruction set the backend picked (`vec`, `vec16`, `amx`,
 `neon`...). So the layout tag names all of them, and the namespace also carries the TP rank and size (a rank
-holds only its heads). The scope becomes `ucm.keys.KeyNamespace(model_fingerprint=<this text>, ...)`: a
+holds only its heads). The scope becomes `common.keys.KeyNamespace(model_fingerprint=<this text>, ...)`: a
 ucm-serve engine's fingerprint is a bare content hash, so the two never share a root key (and never should:
 their block layouts differ).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ucm.keys import BlockKey, KeyNamespace, root_key
+from common.keys import BlockKey, KeyNamespace, root_key
 
 
 @dataclass(frozen=True)

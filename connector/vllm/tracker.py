@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from common.keys import BlockKey, chain_key
 from ucm.api import BlockRef
-from ucm.keys import BlockKey, chain_key
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.config import KVSavePolicy
+from common.save_policy import KVSavePolicy
 from launch.child import Child
 from launch.ray.keys import KeyFiles
 from launch.ray.spec import STATUS_CLIENT, NodeKind
@@ -186,7 +186,7 @@ class StoreActor:
         """The daemon's live counters (what `ucm-serve store-stats --json` prints), read with the status key."""
         import msgspec
 
-        from ucm.auth import ClientAuth
+        from common.auth import ClientAuth
         from ucm.client import StoreClient
 
         auth = ClientAuth.from_dir(self._keys, STATUS_CLIENT) if self._keys is not None else None
@@ -217,11 +217,11 @@ class RouterActor:
     def __init__(self, launch: RouterLaunch, startup_timeout_s: float = 120.0) -> None:
         import uvicorn
 
+        from common.auth import KeyPaths
         from engine.tokenizer import Tokenizer
         from launch.model_prep import model_folder
         from router.app import create_app
         from router.config import RouterConfig
-        from ucm.auth import KeyPaths
 
         self._keys = launch.keys.write() if launch.keys is not None else None
         host = _host(launch.host)

@@ -1,7 +1,7 @@
 """CURVE keys for a Ray deployment: generated once by the deploying driver, handed to each actor as bytes in its
 constructor arguments (Ray's control plane), and written by the actor into a private folder on its own host.
 
-Each actor gets only what it needs (ucm/auth.py lays the files out):
+Each actor gets only what it needs (common/auth.py lays the files out):
 
     router      router.key_secret + authorized/<node>.key           (no store secret, no node secrets)
     store       server.key_secret + authorized/<node>.key + the status client's pair (its own stats reads)
@@ -19,8 +19,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.auth import AUTHORIZED, ROUTER, SERVER, generate_keys
 from launch.ray.spec import STATUS_CLIENT
-from ucm.auth import AUTHORIZED, ROUTER, SERVER, generate_keys
 
 
 @dataclass(frozen=True)

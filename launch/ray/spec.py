@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.config import KVSavePolicy
+from common.save_policy import KVSavePolicy
 from launch.cluster import ClusterSpec
 from ucm.store_config import DiskWrites
 

@@ -1,62 +1,103 @@
 """The folder list is the architecture: these rules keep the packages layered (docs/architecture.md).
 
-router/ → protocol/ → prefill_node/, decode_node/ → node/ → engine/ → connector/ → ucm/, with ucm_kernels/ underneath
-and launch/ beside. Imports are read from the source (lazy ones inside functions count too), so a rule cannot be
-dodged by importing late; the torch rule is also checked at run time, since it is about what loads transitively.
+router/ → protocol/ → prefill_node/, decode_node/ → node/ → engine/ → connector/ → ucm/, with ucm_kernels/ underneath,
+common/ (the nouns every side shares) under all of them and launch/ beside. The rules are read from the page's table
+"Who may import whom", so the page and this test cannot drift apart. Imports are read from the source (lazy ones
+inside functions count too), so a rule cannot be dodged by importing late; the torch rule is also checked at run time,
+since it is about what loads transitively.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = {
-    "engine",
-    "ucm_kernels",
-    "ucm",
-    "connector",
-    "protocol",
-    "node",
-    "prefill_node",
-    "decode_node",
-    "router",
-    "launch",
-}
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+ROLES = {"prefill_node", "decode_node"}
 
-# package -> the packages of ours it must never import
-FORBIDDEN: dict[str, set[str]] = {
-    "ucm_kernels": OURS - {"ucm_kernels"},
-    "protocol": OURS - {"protocol"},
-    "ucm": {"engine", "connector", "node", "prefill_node", "decode_node", "router", "launch"},
-    "engine": {"node", "prefill_node", "decode_node", "router", "launch"},
-    "connector": {"node", "prefill_node", "decode_node", "router", "launch"},
-    "node": {"prefill_node", "decode_node", "router", "launch"},
-    "prefill_node": {"decode_node", "router", "launch"},
-    "decode_node": {"prefill_node", "router", "launch"},
-    "router": {"node", "prefill_node", "decode_node", "launch"},
-}
-# package -> the packages of ours it may import (docs/architecture.md's "may import" column); launch/ may import any
-MAY_IMPORT: dict[str, set[str]] = {
-    "protocol": set(),
-    "router": {
-        "protocol",
-        "ucm",
-        "engine",
-    },  # engine's torch-free modules only: test_router_and_protocol_never_load_torch
-    "prefill_node": {"node", "engine", "protocol", "connector"},
-    "decode_node": {"node", "engine", "protocol", "connector"},
-    "node": {"engine", "connector", "protocol", "ucm", "ucm_kernels"},
-    "engine": {"connector", "ucm_kernels", "ucm", "protocol"},
-    "connector": {"engine", "ucm_kernels", "ucm"},
-    "ucm": {"protocol"},
-    "ucm_kernels": set(),
-}
-TORCH_FREE = ["router", "protocol"]
+
+@dataclass(frozen=True)
+class Rule:
+    """One package's row of the table."""
+
+    may_import: set[str] | None  # the packages of ours it may import; None: any ("anything")
+    never: set[str]  # the packages of ours it must never import
+    torch_free: bool  # "torch" in the "never" column
+
+
+def read_table(text: str) -> dict[str, Rule]:
+    """The "Who may import whom" table: package -> its rule. A cell names packages in backquotes (`router` or
+    `router/`); in the "never" column, "the roles", "each other" (the row's other packages), "everything of ours"
+    and "torch" are words of the rule too."""
+    section = text.split("## Who may import whom", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows.append(cells)
+    ours = {name for cells in rows for name in _named(cells[0])}
+
+    def packages(cell: str) -> set[str]:
+        return {name for name in _named(cell) if name in ours}
+
+    rules = {}
+    for package_cell, may_cell, never_cell in rows:
+        row = packages(package_cell)
+        for package in row:
+            never = packages(never_cell)
+            never |= ROLES if "the roles" in never_cell else set()
+            never |= row - {package} if "each other" in never_cell else set()
+            never |= ours - {package} if "everything of ours" in never_cell else set()
+            may = None if may_cell.startswith("anything") else packages(may_cell)
+            rules[package] = Rule(may, never, re.search(r"\btorch\b", never_cell) is not None)
+    return rules
+
+
+def _named(cell: str) -> list[str]:
+    return re.findall(r"`(\w+)/?`", cell)
+
+
+RULES = read_table(ARCHITECTURE.read_text())
+OURS = set(RULES)
+# package -> the packages of ours it must never import (docs/architecture.md's "never" column)
+FORBIDDEN = {package: rule.never for package, rule in RULES.items() if rule.never}
+# package -> the packages of ours it may import (the "may import" column); launch/ may import any
+MAY_IMPORT = {package: rule.may_import for package, rule in RULES.items() if rule.may_import is not None}
+TORCH_FREE = sorted(package for package, rule in RULES.items() if rule.torch_free)
+
+
+def test_the_table_reader_reads_the_page() -> None:
+    top_level = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "benchmarks"}
+    assert top_level <= OURS, "a package of ours has no row in docs/architecture.md's import table"
+    assert RULES["ucm_kernels"] == Rule(set(), OURS - {"ucm_kernels"}, False)
+    assert RULES["decode_node"].never == {"prefill_node", "router", "launch"}
+    assert RULES["launch"].may_import is None
+    assert {"router", "protocol", "common"} <= set(TORCH_FREE)
+
+
+def test_the_table_reader_sees_each_word_of_a_rule() -> None:
+    page = """## Who may import whom
+| package | may import (of ours) | never |
+|---|---|---|
+| `a/` | nothing | torch, everything of ours |
+| `b/`, `c/` | `a` (its nouns), `d` | each other, the roles |
+| `d/` | anything | — |
+
+## Next
+| `e/` | `a` | `b` |
+"""
+    rules = read_table(page)
+    assert set(rules) == {"a", "b", "c", "d"}
+    assert rules["a"] == Rule(set(), {"b", "c", "d"}, True)
+    assert rules["b"] == Rule({"a", "d"}, {"c"} | ROLES, False)
+    assert rules["d"] == Rule(None, set(), False)
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -129,7 +170,7 @@ def test_the_mutual_import_reader_sees_a_cycle(tmp_path: Path) -> None:
     assert mutual_imports(tmp_path) == [("engine.a", "engine.b")]
 
 
-def test_router_and_protocol_never_load_torch() -> None:
+def test_torch_free_packages_never_load_torch() -> None:
     modules = sorted(
         ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         for pkg in TORCH_FREE
@@ -138,7 +179,7 @@ def test_router_and_protocol_never_load_torch() -> None:
     code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "False", "importing router/ and protocol/ loaded torch"
+    assert out.stdout.strip() == "False", f"importing {', '.join(TORCH_FREE)} loaded torch"
 
 
 def test_the_rule_reader_sees_lazy_imports(tmp_path: Path) -> None:

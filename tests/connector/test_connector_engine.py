@@ -114,7 +114,7 @@ def world(tmp_path_factory, model):
     res["aligned_hit"] = run_engine(model, embedded, "kv_consumer", aligned)
     close_embedded_stores()  # flush LMDB and release it before another process opens it
     shutil.copytree(lmdb_dir, bad_dir)
-    from ucm.keys import KeyNamespace, block_keys, root_key
+    from common.keys import KeyNamespace, block_keys, root_key
 
     keys = block_keys(root_key(KeyNamespace(model.fingerprint, "float32", BS)), prompt_ids(), BS)
     corrupt_lmdb_block(bad_dir, keys[CORRUPT_BLOCK])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.keys import KeyNamespace, root_key
 from connector.base import KVConnectorRole
 from connector.factory import UCMDirectConnector
 from connector.kv_layout import KVLayout, StagingBuffer, pack_blocks, unpack_blocks
@@ -15,7 +16,6 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from ucm.api import BlockRef
-from ucm.keys import KeyNamespace, root_key
 from ucm.store import Store
 from ucm.store_config import StoreConfig
 from ucm.task import Task

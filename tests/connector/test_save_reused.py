@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import itertools
 
+from common.keys import KeyNamespace, root_key
+from common.save_policy import KVSavePolicy
 from connector.base import KVConnectorRole
 from connector.metadata import ConnectorStats
 from connector.ucm_scheduler import UCMSchedulerConnector
 from engine.block_pool import BlockPool, EvictedBlock
-from engine.config import KVSavePolicy
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerOutput
-from ucm.keys import KeyNamespace, root_key
 from ucm.reuse_admission import MIN_EVICTIONS
 from ucm.store import Store
 from ucm.store_config import StoreConfig

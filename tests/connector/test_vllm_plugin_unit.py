@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.keys import KeyNamespace, root_key
 from connector.vllm.block_bytes import block_rows
 from connector.vllm.key_scope import VllmKeyScope, layout_tag
 from connector.vllm.plugin_config import PluginConfig
 from connector.vllm.step import BlockLoad, ScheduledRequest, StepDelta, StepPlan
 from tests.vllm_fakes import BS, LAYERS, FakeRequest, FakeVllm
-from ucm.keys import KeyNamespace, root_key
 from ucm.store import Store, StoreConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from common.keys import block_keys, root_key
 from ucm.api import BlockRef
-from ucm.keys import block_keys, root_key
 
 BS = 16
 PROMPT_LEN = 200  # 12 full blocks and a tail
@@ -143,7 +143,8 @@ def test_a_block_the_store_holds_is_not_saved_again(smollm2_fp32, tmp_path):
 
 
 def test_write_back_needs_the_prefix_cache():
-    from engine.config import CacheConfig, EngineConfig, KVSavePolicy
+    from common.save_policy import KVSavePolicy
+    from engine.config import CacheConfig, EngineConfig
 
     with pytest.raises(ValueError, match="needs the prefix cache"):
         EngineConfig(

@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 
+from common.keys import KeyNamespace, block_keys, root_key
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from ucm.keys import KeyNamespace, block_keys, root_key
 
 BS = 4
 ROOT = root_key(KeyNamespace("test-model", "float32", BS))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.keys import KeyNamespace, chain_key, root_key
 from engine.prefix_groups import Waiting, shared_blocks, tokens_per_sequence
-from ucm.keys import KeyNamespace, chain_key, root_key
 
 BS = 4
 ROOT = root_key(KeyNamespace("test-model", "float32", BS))

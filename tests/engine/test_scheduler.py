@@ -6,13 +6,13 @@ import itertools
 
 import pytest
 
+from common.keys import KeyNamespace, root_key
 from engine.config import SchedulerConfig, SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from ucm.keys import KeyNamespace, root_key
 
 BS = 4
 ROOT = root_key(KeyNamespace("test-model", "float32", BS))

@@ -13,12 +13,12 @@ import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from common.auth import ClientAuth, CurveClientKeys, generate_keys
 from launch.child import Child
 from launch.cluster import Cluster, ClusterSpec
 from protocol import messages as P
 from protocol.peer_identity import Channel, PeerIdentity
 from tests.cluster_helpers import health_nodes, metric, wait_until
-from ucm.auth import ClientAuth, CurveClientKeys, generate_keys
 from ucm.store_config import DiskWrites
 
 openai = pytest.importorskip("openai")

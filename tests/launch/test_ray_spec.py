@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from engine.config import KVSavePolicy
+from common.save_policy import KVSavePolicy
 from launch.launcher import build_parser
 from launch.ray.actors import NodeLaunch
 from launch.ray.keys import KeyBundle
@@ -89,7 +89,7 @@ def test_each_actor_gets_only_its_keys() -> None:
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
         assert stat.S_IMODE((folder / "decode-0.key_secret").stat().st_mode) == 0o600
         # The folder is one a node's --curve-keys accepts: its pair for the router link and the store link.
-        from ucm.auth import ClientAuth, KeyPaths
+        from common.auth import ClientAuth, KeyPaths
 
         ClientAuth.for_router(folder, "decode-0").load()
         ClientAuth.from_dir(folder, "decode-0").load()

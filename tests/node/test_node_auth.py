@@ -12,13 +12,13 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from common.auth import ClientAuth, CurveClientKeys, KeyPaths, generate_keys
 from launch.supervisor import RestartPolicy
 from protocol import messages as P
 from protocol.peer_identity import Channel, PeerIdentity
 from router.node_client import NodeClient
 from router.node_gate import DropReason, NodeGate
 from router.registry import Registry
-from ucm.auth import ClientAuth, CurveClientKeys, KeyPaths, generate_keys
 
 FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.keys import block_keys, root_key
 from decode_node.worker import DecodeWorker
 from node.job import RoleWorker
 from node.key_cache import RecentKeys
@@ -14,7 +15,6 @@ from node.runner import JobRunner
 from prefill_node.worker import PrefillWorker
 from protocol import messages as P
 from tests.node_helpers import EXPLODE, HOLD, VOCAB, FakeEngine
-from ucm.keys import block_keys, root_key
 
 PROMPT = list(range(100, 140))  # 40 tokens: two full blocks of 16
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from common.keys import KeyNamespace, block_keys, root_key
 from protocol import messages as P
 from router.pairing import pick_decode, pick_prefill
 from router.registry import Registry
-from ucm.keys import KeyNamespace, block_keys, root_key
 
 
 def _reg(node_id: str, role: P.NodeRole, instance: str = "a", model: str = "m", fp: str = "fp") -> P.Register:

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from ucm.keys import KEY_NBYTES, KeyNamespace, block_keys, chain_key, root_key
+from common.keys import KEY_NBYTES, KeyNamespace, block_keys, chain_key, root_key
 
 _SCRIPT = """
-from ucm.keys import KeyNamespace, block_keys, root_key
+from common.keys import KeyNamespace, block_keys, root_key
 root = root_key(KeyNamespace("fp-123", "bfloat16", 4), "tenant-a")
 print(",".join(k.hex() for k in block_keys(root, list(range(1000, 1010)), 4)))
 """

@@ -22,7 +22,7 @@ from tests.store_helpers import (
     run_daemon,
     run_threads,
 )
-from ucm import protocol as p
+from ucm import store_wire as p
 from ucm.api import Tier
 from ucm.client import StoreClient, StoreUnavailable
 

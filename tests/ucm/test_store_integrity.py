@@ -5,8 +5,8 @@ from __future__ import annotations
 import lmdb
 import pytest
 
+from common import keys
 from tests.store_helpers import NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, load_all, make_refs, open_store, payload
-from ucm import keys as ucm_keys
 from ucm.api import Tier
 
 
@@ -47,8 +47,8 @@ def test_corruption_on_disk_is_a_miss_and_dropped(tmp_path, where: int) -> None:
 
 
 def test_forced_collision_never_returns_wrong_data(tmp_path, monkeypatch) -> None:
-    real_chain_key = ucm_keys.chain_key
-    monkeypatch.setattr(ucm_keys, "chain_key", lambda parent, token_ids, extra=b"": real_chain_key(parent, [0]))
+    real_chain_key = keys.chain_key
+    monkeypatch.setattr(keys, "chain_key", lambda parent, token_ids, extra=b"": real_chain_key(parent, [0]))
     a, b = make_refs([1, 2, 3, 4]), make_refs([5, 6, 7, 8])
     assert a[0].key == b[0].key and a[0].token_ids != b[0].token_ids
     with open_store(tmp_path) as store:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from common.keys import BlockKey
 from tests.store_helpers import assert_loaded, dump_all, load_all, make_refs, open_store, record_bytes
 from ucm.api import Tier
-from ucm.keys import BlockKey
 from ucm.reuse_admission import MIN_EVICTIONS, ReuseAdmission
 from ucm.store_config import DiskWrites
 

@@ -10,6 +10,8 @@ import msgspec
 import pytest
 import zmq
 
+from common.auth import ClientAuth, generate_keys
+from common.keys import chain_key
 from tests.store_helpers import (
     BLOCK_SIZE,
     NUM_LAYERS,
@@ -21,12 +23,10 @@ from tests.store_helpers import (
     payload,
     run_daemon,
 )
-from ucm import protocol as p
+from ucm import store_wire as p
 from ucm.api import BlockRef, Tier
-from ucm.auth import ClientAuth, generate_keys
 from ucm.client import StoreClient, StoreRequestError, StoreUnavailable
 from ucm.daemon_cli import main as daemon_main
-from ucm.keys import chain_key
 from ucm.shared_segment import shm_available
 
 LAYOUT = p.Layout(NUM_LAYERS, PAYLOAD, BLOCK_SIZE)

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from tests.store_helpers import BLOCK_SIZE, NUM_LAYERS, PAYLOAD, assert_loaded, dump_all, make_refs, payload, run_daemon
-from ucm import protocol as p
+from ucm import store_wire as p
 from ucm.client import StoreClient
 from ucm.shared_segment import HEADER_NBYTES, SHM_DIR, SharedSegment, shm_available, sweep_dead_segments
 
