@@ -24,9 +24,10 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from connector.request_view import ConnectorRequest, ConnectorSchedulerOutput
+from protocol.messages import KVTransferParams
 from ucm.api import Tier
 
 if TYPE_CHECKING:  # importing this package stays torch-free
@@ -73,7 +74,7 @@ class KVConnectorScheduler(ABC):
         """Everything the worker must load and save in this step. Resets per-step state."""
 
     @abstractmethod
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         """A request ended. Returns (free blocks only later, kv_transfer_params for the next hop)."""
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.base import ConnectorMetadata, ConnectorPair, KVConnectorScheduler, KVConnectorWorker
 from connector.request_view import ConnectorRequest, ConnectorSchedulerOutput
+from protocol.messages import KVTransferParams
 from ucm.api import Tier
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class RecordingScheduler(KVConnectorScheduler):
         self.log.add(Call("build_connector_meta"))
         return self.inner.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         self.log.add(Call("request_finished", request.request_id))
         return self.inner.request_finished(request, block_ids)
 

@@ -3,12 +3,13 @@ engine's `Request` / `SchedulerOutput` satisfy them structurally, and tests may 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from common.keys import BlockKey
 from common.save_policy import KVSavePolicy
+from protocol.messages import KVTransferParams
 
 
 class ConnectorRequest(Protocol):
@@ -31,7 +32,9 @@ class ConnectorRequest(Protocol):
         ...
 
     @property
-    def kv_transfer_params(self) -> Mapping[str, Any] | None: ...
+    def kv_transfer_params(self) -> KVTransferParams | None:
+        """The producer's, when this request continues one (a decode job)."""
+        ...
 
     def block_parent_key(self, block_index: int) -> BlockKey: ...
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from common.keys import BlockKey
 from common.save_policy import KVSavePolicy
@@ -30,6 +29,7 @@ from connector.request_view import (
     iter_scheduled,
     token_ids_of,
 )
+from protocol.messages import KVTransferParams
 from ucm.api import BlockRef, KVStore
 from ucm.circuit_breaker import CircuitBreaker
 from ucm.reuse_admission import ReuseAdmission
@@ -224,7 +224,7 @@ class UCMSchedulerConnector(KVConnectorScheduler):
 
     # ---- 10. request end ---------------------------------------------------------------------------------
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         self._pending.pop(request.request_id, None)
         self._key_checked.discard(request.request_id)
         progress = self._progress.pop(request.request_id, _Progress())
@@ -232,25 +232,25 @@ class UCMSchedulerConnector(KVConnectorScheduler):
             return False, None
         # Saves finish within their step (wait_for_save), so the blocks can be freed at once.
         prompt_blocks = len(request.prompt_token_ids) // self.block_size
-        return False, {
-            "block_keys": [key.hex() for key in request.block_keys[:prompt_blocks]],
+        return False, KVTransferParams(
+            block_keys=[key.hex() for key in request.block_keys[:prompt_blocks]],
             # The engine's count: device and store hits, with failed loads already taken back.
-            "num_cached_tokens": max(0, int(getattr(request, "num_cached_tokens", progress.external_tokens))),
-            "num_saved_tokens": progress.saved_blocks * self.block_size,
-            "block_size": self.block_size,
-            "store": self.store_address,
-        }
+            num_cached_tokens=max(0, int(getattr(request, "num_cached_tokens", progress.external_tokens))),
+            num_saved_tokens=progress.saved_blocks * self.block_size,
+            block_size=self.block_size,
+            store=self.store_address,
+        )
 
     def _check_producer_keys(self, request: ConnectorRequest) -> None:
         """Keys from a producer that differ from ours mean a different model, dtype, block size or salt: every
         lookup would silently miss, so say so (once per request)."""
-        params = request.kv_transfer_params or {}
-        theirs = params.get("block_keys") if isinstance(params, dict) else None
+        params = request.kv_transfer_params
+        theirs = params.block_keys if params is not None else []
         if not theirs or request.request_id in self._key_checked:
             return
         self._key_checked.add(request.request_id)
         ours = [key.hex() for key in request.block_keys[: len(theirs)]]
-        if ours != list(theirs[: len(ours)]):
+        if ours != theirs[: len(ours)]:
             self.stats.key_mismatches += 1
             log.warning(
                 "request %s: the producer's block keys differ from this engine's (model, dtype, block "

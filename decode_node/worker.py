@@ -35,8 +35,7 @@ class DecodeWorker:
         if job.first_token_id is None:
             counters.local_prefill_started += 1
             return EngineJob(prompt, job.params.max_tokens)
-        transfer = job.kv_transfer_params.as_dict() if job.kv_transfer_params is not None else None
-        return EngineJob([*prompt, job.first_token_id], job.params.max_tokens, transfer)
+        return EngineJob([*prompt, job.first_token_id], job.params.max_tokens, job.kv_transfer_params)
 
     def messages(self, out: RequestOutput, job: LiveJob) -> list[P.Message]:
         comp = out.outputs[0]

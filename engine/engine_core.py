@@ -46,6 +46,7 @@ from engine.scheduler_output import TokenLogprobs
 from engine.stats import EngineStats
 from engine.step_budget import StepBudget, auto_budget
 from engine.thread_governor import ThreadGovernor
+from protocol.messages import KVTransferParams
 from ucm_kernels.cpu.amx_gemm import engine_bf16_rows_invariant
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class _Parent:
     n: int
     prompt: str | None = None
     done: set[int] = dataclasses.field(default_factory=set)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     stats: RequestStateStats = dataclasses.field(default_factory=RequestStateStats)
 
 
@@ -178,7 +179,7 @@ class EngineCore:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         prompt: str | None = None,
     ) -> list[BlockKey]:
         """Queue a request; returns the keys of its prompt's full blocks (computed once, here: a node publishes

@@ -9,10 +9,11 @@ like vLLM (the values of the one `FinishReason` enum, protocol/messages.py, that
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.request_stats import RequestStateStats
 from engine.stats import EngineStats
+from protocol.messages import KVTransferParams
 
 if TYPE_CHECKING:
     from connector.metadata import ConnectorStats
@@ -54,7 +55,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from a cache (device prefix cache + connector)
     num_external_tokens: int = 0  # of those, loaded by the KV connector
     external_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # of those, by store tier (Tier.value)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # the connector's, for the next hop (final output only)
     metrics: RequestStateStats | None = None  # the request's timeline (vLLM's RequestOutput.metrics)
 
 

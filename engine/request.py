@@ -11,7 +11,7 @@ from typing import Any
 
 from common.keys import BlockKey, chain_key
 from engine.sampling_params import SamplingParams
-from protocol.messages import FinishReason  # the one enum, engine to wire to the router (re-exported by engine)
+from protocol.messages import FinishReason, KVTransferParams  # FinishReason: the one enum (re-exported by engine)
 
 
 class RequestStatus(enum.Enum):
@@ -51,7 +51,7 @@ class Request:
         seed: int,
         priority: int = 0,
         cache_salt: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         parent_id: str | None = None,
         sample_index: int = 0,
     ) -> None:
@@ -69,9 +69,9 @@ class Request:
         # depends on the batch it ran in nor on being recomputed after preemption.
         self.seed = seed
         self.cache_salt = cache_salt
-        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_params = kv_transfer_params  # the producer's (a decode job's), for the connector
         # What the connector's request_finished returned: handed to the next hop (e.g. prefill → decode).
-        self.finished_kv_transfer_params: dict[str, Any] | None = None
+        self.finished_kv_transfer_params: KVTransferParams | None = None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Prompt tokens served from a cache (device or connector) when first scheduled; -1 until then.

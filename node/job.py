@@ -45,7 +45,7 @@ class EngineJob:
 
     prompt_token_ids: list[int]  # decode with a first token: the prompt + that token
     max_tokens: int
-    kv_transfer_params: dict[str, Any] | None = None  # the connector's input (the producer's params)
+    kv_transfer_params: P.KVTransferParams | None = None  # the connector's input (the producer's params)
 
 
 @dataclass
@@ -99,8 +99,8 @@ def cache_info(out: RequestOutput, job: LiveJob) -> P.CacheInfo:
     cached = max(0, int(getattr(out, "num_cached_tokens", 0) or 0))
     store: int | None = getattr(out, "num_external_tokens", None)
     params = out.kv_transfer_params
-    if store is None and isinstance(params, dict) and "num_cached_tokens" in params:
-        store = int(params["num_cached_tokens"])  # the producer connector's count of tokens it loaded
+    if store is None and params is not None:
+        store = params.num_cached_tokens  # the producer connector's count of tokens it loaded
     by_tier: dict[str, int] = getattr(out, "external_tokens_by_tier", None) or {}
     # The connector counted the blocks it loaded; a block a preempted request loaded twice is one hit: clamp to
     # the engine's own count so that DRAM + disk == store_hit_tokens.

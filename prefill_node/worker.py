@@ -39,15 +39,13 @@ class PrefillWorker:
         logprobs = to_logprobs(comp.logprobs, job.want_logprobs)
         # max_tokens=1 always ends with "length"; only a stop (EOS / stop token) ends the whole request
         stopped = reason is P.FinishReason.STOP
-        params = out.kv_transfer_params
-        transfer = P.KVTransferParams.from_dict(params) if params is not None else None
         return [
             P.PrefillDone(
                 request_id=out.request_id,
                 first_token_id=comp.token_ids[0],
                 finished=stopped,
                 finish_reason=reason if stopped else None,
-                kv_transfer_params=transfer,
+                kv_transfer_params=out.kv_transfer_params,
                 logprob=logprobs[0] if logprobs else None,
                 cache=cache_info(out, job),
             )

@@ -104,7 +104,8 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True):
 
 class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """What a prefill node's connector hands the decode node with PrefillDone, sent back with the DecodeJob: which
-    blocks the producer saved and where. The engine's connectors speak the same fields as a dict (`as_dict`).
+    blocks the producer saved and where. The same struct from the wire to the connector and back: the connector's
+    `request_finished` returns it, the engine's `Request` carries it, the connector reads its fields.
     Unknown fields are refused: a field the connector adds is a protocol change, made here."""
 
     block_keys: list[str] = []  # hex keys of the prompt's full blocks, as the producer computed them
@@ -115,14 +116,13 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> KVTransferParams:
-        """ValueError for fields of the wrong type (a connector bug)."""
+        """The one conversion for a peer that speaks these fields as a dict, as vLLM hands a connector its
+        `kv_transfer_params` (our own path carries the struct throughout). ValueError naming the field for a field
+        of the wrong type, or one this struct does not have."""
         try:
             return msgspec.convert(params, cls)
         except msgspec.ValidationError as e:
             raise ValueError(f"bad kv_transfer_params: {e}") from e
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__struct_fields__}
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):

@@ -18,6 +18,7 @@ from typing import Any
 from common.keys import BlockKey, KeyNamespace, block_keys, root_key
 from engine.outputs import CompletionOutput, EngineLoad, RequestOutput
 from engine.stats import EngineStats
+from protocol.messages import KVTransferParams
 
 HOLD = "hold"
 EXPLODE = "explode"
@@ -68,7 +69,7 @@ class FakeEngine:
         params: Any,
         *,
         cache_salt: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> list[BlockKey]:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError("prompt too long")

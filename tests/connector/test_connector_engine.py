@@ -15,6 +15,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from launch.store_process import StoreProcess
@@ -45,7 +46,7 @@ def run_engine(loaded_model, kv_store: str | None, kv_role: str | None, prompt: 
     result = {
         "tokens": list(out.outputs[0].token_ids),
         "engine": asdict(llm.engine.stats()),
-        "kv_transfer_params": out.kv_transfer_params if hasattr(out, "kv_transfer_params") else None,
+        "kv_transfer_params": msgspec.to_builtins(out.kv_transfer_params),  # JSON, for the parent process
     }
     if llm.engine.kv_connector is not None:
         sched, worker = llm.engine.kv_connector

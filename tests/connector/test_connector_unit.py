@@ -15,6 +15,7 @@ from connector.ucm_worker import UCMWorkerConnector
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from protocol.messages import KVTransferParams
 from ucm.api import BlockRef
 from ucm.store import Store
 from ucm.store_config import StoreConfig
@@ -97,7 +98,7 @@ def test_save_then_load_roundtrip(store, monkeypatch, small_save_layer_bytes):
     else:  # the in-process store's dump is its dump_layers of one layer
         assert [c for c in calls if c[0] == "dump"] == [("dump", [layer]) for layer in range(LAYERS)], calls
     assert pstats.blocks_saved == 4 and pstats.blocks_save_failed == 0
-    assert delay is False and params["num_saved_tokens"] == 16 and len(params["block_keys"]) == 4
+    assert delay is False and params.num_saved_tokens == 16 and len(params.block_keys) == 4
     assert store.lookup(make_request("x", tokens).block_keys) == 4
 
     sched, worker, caches, stats = make_pair(store, KVConnectorRole.CONSUMER)
@@ -236,11 +237,11 @@ def test_blockref_of_request_matches_store_expectations():
 def test_producer_keys_from_another_namespace_are_flagged(store, caplog):
     sched, _, _, stats = make_pair(store, KVConnectorRole.CONSUMER)
     req = make_request("r", list(range(8)))
-    req.kv_transfer_params = {"block_keys": ["00" * 16, "01" * 16]}
+    req.kv_transfer_params = KVTransferParams(block_keys=["00" * 16, "01" * 16])
     sched.get_num_new_matched_tokens(req, 0)
     assert stats.key_mismatches == 1 and "block keys differ" in caplog.text
     ok = make_request("s", list(range(8)))
-    ok.kv_transfer_params = {"block_keys": [k.hex() for k in ok.block_keys]}
+    ok.kv_transfer_params = KVTransferParams(block_keys=[k.hex() for k in ok.block_keys])
     sched.get_num_new_matched_tokens(ok, 0)
     assert stats.key_mismatches == 1
 

@@ -9,6 +9,7 @@ import pytest
 
 from connector.base import ConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
 from engine import EngineCore, SamplingParams
+from protocol.messages import KVTransferParams
 from tests.engine_helpers import PROMPTS, make_llm, single_thread
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -60,7 +61,7 @@ class ToyScheduler(KVConnectorScheduler):
 
     def request_finished(self, request, block_ids):
         self.calls.append("request_finished")
-        return False, {"num_blocks": len(block_ids)}
+        return False, KVTransferParams(num_saved_tokens=len(block_ids) * self.bs, block_size=self.bs)
 
 
 class ToyWorker(KVConnectorWorker):
@@ -124,7 +125,8 @@ def run(core: EngineCore, ids: list[int]) -> list[int]:
         for out in core.step():
             tokens += out.outputs[0].token_ids
             if out.finished:
-                assert out.kv_transfer_params == {"num_blocks": core.kv_manager.blocks_needed(len(ids) + 7)}
+                bs, blocks = core.namespace.block_size, core.kv_manager.blocks_needed(len(ids) + 7)
+                assert out.kv_transfer_params == KVTransferParams(num_saved_tokens=blocks * bs, block_size=bs)
                 assert out.num_external_tokens == core.stats().external_hit_tokens
     core.check_integrity()
     return tokens

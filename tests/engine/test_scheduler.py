@@ -13,6 +13,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from protocol.messages import KVTransferParams
 
 BS = 4
 ROOT = root_key(KeyNamespace("test-model", "float32", BS))
@@ -212,7 +213,7 @@ class _DelayFreeConnector:
         return object()
 
     def request_finished(self, request, block_ids):
-        return True, {"blocks": list(block_ids)}
+        return True, KVTransferParams(block_keys=[k.hex() for k in request.block_keys])
 
 
 def test_delay_free_until_connector_reports_sent():
@@ -222,7 +223,9 @@ def test_delay_free_until_connector_reports_sent():
     sched.add_request(r)
     out = sched.schedule()
     sched.update_from_output(out, fake_run(out))
-    assert r.is_finished and r.finished_kv_transfer_params == {"blocks": [0, 1]}
+    assert r.is_finished and r.finished_kv_transfer_params == KVTransferParams(
+        block_keys=[k.hex() for k in r.block_keys]
+    )
     assert sched.kv.block_ids("r") == [0, 1]  # still held for the connector
     sched.check_integrity()
     out = sched.schedule()
