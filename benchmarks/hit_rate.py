@@ -46,6 +46,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -53,7 +54,7 @@ from benchmarks.hit_rate_point import Point
 from benchmarks.hit_rate_report import plot, print_table
 from benchmarks.traces import Request, Workload, make_workload, working_set
 from common.keys import KeyNamespace, chain_key, root_key
-from ucm.api import BlockRef, Tier
+from ucm.api import BlockRef, KVStore, Tier
 from ucm.eviction import PolicyName
 from ucm.eviction.belady import belady
 from ucm.record import BlockRecord, checksum
@@ -84,10 +85,14 @@ class Replayer:
             self._refs[block] = ref
         return ref
 
-    def replay(self, store: Store, requests: list[Request]) -> tuple[int, int]:
-        """(DRAM hit blocks, disk hit blocks) over the whole workload."""
+    def replay(
+        self, store: KVStore, requests: list[Request], flush: Callable[[], None] | None = None
+    ) -> tuple[int, int]:
+        """(DRAM hit blocks, disk hit blocks) over the whole workload, counted by the store's own tier stats.
+
+        `store`: the in-process `Store` or a `StoreClient` of a daemon (the same calls, over its socket); `flush`:
+        called after each request's commit, so the disk tier's write-behind is done before the next lookup."""
         dram_hits = disk_hits = 0
-        has_disk = store.config.disk_path is not None
         for request in requests:
             refs: list[BlockRef] = []
             for block in request:
@@ -100,15 +105,15 @@ class Replayer:
                 assert not task.failed_blocks, f"load of committed blocks failed: {task.failed_blocks}"
                 after = store.stats().tiers
                 dram = after[Tier.DRAM].hits - before[Tier.DRAM].hits
-                disk = after[Tier.DISK].hits - before[Tier.DISK].hits if has_disk else 0
+                disk = after[Tier.DISK].hits - before[Tier.DISK].hits if Tier.DISK in after else 0
                 assert dram + disk == hit, f"tier hits {dram}+{disk} != {hit} loaded blocks"
                 dram_hits, disk_hits = dram_hits + dram, disk_hits + disk
             missing = refs[hit:]
             if missing:
                 store.dump(missing, 0, 1, [self._payload] * len(missing)).wait()
                 store.commit([ref.key for ref in missing], True)
-                if has_disk:
-                    store.flush()
+                if flush is not None:
+                    flush()
         return dram_hits, disk_hits
 
 
@@ -122,7 +127,9 @@ def run_point(
     dram_frac: float,
     disk_policy: PolicyName | None = None,
     disk_writes: DiskWrites = DiskWrites.BEHIND,
+    min_hits: int | None = None,
 ) -> Point:
+    """`min_hits`: Belady's prefix hits at this capacity when the caller has them (they depend on the capacity only)."""
     replayer = Replayer()
     rec = replayer.record_bytes()
     cap = max(1, round(frac * ws))
@@ -139,7 +146,7 @@ def run_point(
             disk_writes=disk_writes,
         )
         with Store(config) as store:
-            dram_hits, disk_hits = replayer.replay(store, requests)
+            dram_hits, disk_hits = replayer.replay(store, requests, store.flush if disk_blocks else None)
             written = store.stats().tiers[Tier.DISK].bytes_written if disk_blocks else 0
     accesses = sum(map(len, requests))
     return Point(
@@ -152,7 +159,7 @@ def run_point(
         accesses,
         dram_hits,
         disk_hits,
-        belady(requests, dram_blocks + disk_blocks).prefix_hits,
+        min_hits if min_hits is not None else belady(requests, dram_blocks + disk_blocks).prefix_hits,
         accesses - ws,
         time.perf_counter() - start,
         disk_writes.value,

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from ucm.eviction import PolicyName
 
 _MiB = 1 << 20
+# What the daemon, `up` and the vLLM plugin's daemon run unless told otherwise (benchmarks.hit_rate_suite judges it).
+DEFAULT_POLICY = PolicyName.LRU
 
 
 class DiskWrites(str, enum.Enum):  # noqa: UP042 (the CLI's values)
@@ -31,8 +33,8 @@ class StoreConfig:
     disk_bytes: int = 0
     disk_writes: DiskWrites = DiskWrites.BEHIND
     lmdb_map_size: int | None = None  # None: twice the disk capacity plus slack (the map is sparse, not allocated)
-    policy: PolicyName = PolicyName.LRU  # DRAM tier
-    disk_policy: PolicyName = PolicyName.LRU
+    policy: PolicyName = DEFAULT_POLICY  # DRAM tier
+    disk_policy: PolicyName = DEFAULT_POLICY
     promote_on_disk_hit: bool = True
     # Disk reads and promotions always verify every payload's checksum. A DRAM entry's checksums were computed
     # from (commit) or verified against (promotion) its very bytes, which are immutable Python buffers, so

@@ -9,12 +9,15 @@ import pytest
 from tests.eviction_helpers import drain, everything, put
 from ucm.eviction import (
     ARCPolicy,
+    GDSFPolicy,
+    LRFUPolicy,
     LRUPolicy,
     PolicyName,
     S3FIFOPolicy,
     TinyLFUPolicy,
     make_policy,
 )
+from ucm.eviction.scored_heap import ScoredHeap
 
 # --- common contract ------------------------------------------------------------------------------------
 
@@ -223,3 +226,65 @@ def test_w_tinylfu_window_adapts() -> None:
 
 
 # --- DENSITY --------------------------------------------------------------------------------------------
+
+
+def test_gdsf_keeps_the_frequent_block_and_ages_by_its_clock() -> None:
+    policy = make_policy(PolicyName.GDSF, 3 * 10)
+    for key in ("a", "b", "c"):
+        policy.insert(key, 10)
+    for _ in range(3):
+        policy.touch("a")
+    policy.touch("b")
+    policy.touch("b")
+    assert policy.evict(lambda k: True) == "c", "the least used block goes first"
+    assert isinstance(policy, GDSFPolicy)
+    clock = policy.clock
+    assert clock > 0, "the clock rises to the evicted priority"
+    policy.insert("d", 10)  # a newcomer starts at the clock: above what left, below what is still used
+    assert policy.evict(lambda k: True) == "d"
+    # Without further use, newcomers overtake "a" once the clock passes its priority: aging.
+    for i in range(12):
+        policy.insert(f"n{i}", 10)
+        policy.touch(f"n{i}")
+        victim = policy.evict(lambda k: True)
+        if victim == "a":
+            break
+    else:
+        raise AssertionError("a block no longer used was never aged out")
+
+
+def test_lrfu_forgets_with_its_half_life() -> None:
+    policy = make_policy(PolicyName.LRFU, 10)  # half-life: 10 accesses (capacity in blocks)
+    assert isinstance(policy, LRFUPolicy)
+    policy.insert("old", 1)
+    for _ in range(5):
+        policy.touch("old")  # 6 uses, long ago
+    for i in range(40):
+        policy.insert(f"x{i}", 1)
+        policy.remove(f"x{i}")
+    policy.insert("new", 1)
+    policy.touch("new")  # 2 uses, now: 6 uses decayed by 2^-4 count less
+    assert policy.evict(lambda k: True) == "old"
+    policy = make_policy(PolicyName.LRFU, 1000)  # half-life 1000: the same history keeps the frequent block
+    policy.insert("old", 1)
+    for _ in range(5):
+        policy.touch("old")
+    for i in range(40):
+        policy.insert(f"x{i}", 1)
+        policy.remove(f"x{i}")
+    policy.insert("new", 1)
+    policy.touch("new")
+    assert policy.evict(lambda k: True) == "new"
+
+
+def test_scored_heap_skips_pinned_and_stale_entries() -> None:
+    heap = ScoredHeap()
+    heap.set("a", 1.0)
+    heap.set("b", 2.0)
+    heap.set("a", 3.0)  # the old entry of "a" is stale
+    assert heap.pop_min(lambda k: k != "b") == ("a", 3.0), "b is pinned, a's stale 1.0 is skipped"
+    assert heap.pop_min(lambda k: True) == ("b", 2.0), "the pinned key kept its place"
+    assert heap.pop_min(lambda k: True) is None and len(heap) == 0
+    for i in range(5000):  # rescoring one key many times compacts instead of growing without bound
+        heap.set("k", float(i))
+    assert len(heap._heap) <= 2 * len(heap) + 1024 + 1

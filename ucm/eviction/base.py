@@ -22,6 +22,8 @@ class PolicyName(enum.Enum):
     S3FIFO = "s3fifo"
     ARC = "arc"
     TINYLFU = "tinylfu"
+    GDSF = "gdsf"  # GreedyDual-Size-Frequency: cost per byte x frequency, with an aging clock
+    LRFU = "lrfu"  # LMCache-style cost-aware score: recompute tokens per byte x a hit count with a half-life
     ADAPTIVE = "adaptive"  # follows the better of LRU and DENSITY on sampled shadow caches
     DENSITY = "density"  # prefix-aware: evicts chains tail first, by hit density learned per reuse class
 
