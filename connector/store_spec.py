@@ -18,6 +18,7 @@ from urllib.parse import parse_qsl
 
 from common.size import parse_size
 from ucm.eviction import PolicyName
+from ucm.store_config import DEFAULT_POLICY
 
 DEFAULT_DRAM = "2GiB"
 DEFAULT_DISK = "8GiB"
@@ -39,8 +40,8 @@ class StoreSpec:
     dram_bytes: int = 0  # embedded only
     disk_path: str | None = None
     disk_bytes: int = 0
-    policy: PolicyName = PolicyName.LRU
-    disk_policy: PolicyName = PolicyName.LRU
+    policy: PolicyName = DEFAULT_POLICY
+    disk_policy: PolicyName = DEFAULT_POLICY
 
     @classmethod
     def parse(cls, text: str) -> StoreSpec:
@@ -80,8 +81,8 @@ class StoreSpec:
                 dram_bytes=parse_size(opts.get("dram", DEFAULT_DRAM)),
                 disk_path=disk_path,
                 disk_bytes=parse_size(opts.get("disk", DEFAULT_DISK)) if disk_path else 0,
-                policy=PolicyName(opts.get("policy", PolicyName.LRU.value)),
-                disk_policy=PolicyName(opts.get("disk_policy", PolicyName.LRU.value)),
+                policy=PolicyName(opts.get("policy", DEFAULT_POLICY.value)),
+                disk_policy=PolicyName(opts.get("disk_policy", DEFAULT_POLICY.value)),
             )
         except ValueError as exc:
             raise ValueError(f"bad kv_store {text!r}: {exc}") from exc

@@ -201,11 +201,15 @@ class DiskTier:
         self.stats.blocks = len(self._sizes)
         return True
 
-    def remove(self, keys: Sequence[BlockKey], purge: bool = False) -> None:
+    def remove(self, keys: Sequence[BlockKey], purge: bool = False, corrupt: bool = False) -> None:
         """Forget keys and delete them from LMDB; purge: delete every key from LMDB, also those the index no
-        longer has (a write that landed after they were removed)."""
+        longer has (a write that landed after they were removed); corrupt: a read found them wrong."""
         with self._lock:
             present = [key for key in keys if self._forget(key)]
+            if corrupt:
+                self.stats.dropped_corrupt += len(present)
+            else:
+                self.stats.removed += len(present)
         self._delete(list(keys) if purge else present)
 
     def _delete(self, keys: Sequence[BlockKey]) -> None:

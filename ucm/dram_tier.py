@@ -127,10 +127,15 @@ class DramTier:
         self.stats.blocks = len(self._blocks)
         return True
 
-    def remove(self, key: BlockKey) -> bool:
+    def remove(self, key: BlockKey, corrupt: bool = False) -> bool:
+        """Drop a block: asked to, or (`corrupt`) because a read found its bytes wrong."""
         record = self._blocks.pop(key, None)
         if record is None:
             return False
+        if corrupt:
+            self.stats.dropped_corrupt += 1
+        else:
+            self.stats.removed += 1
         self._read.discard(key)
         self._policy.remove(key)
         self.stats.bytes_used -= record.nbytes

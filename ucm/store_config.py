@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from ucm.eviction import PolicyName
 
 _MiB = 1 << 20
-# What the daemon, `up` and the vLLM plugin's daemon run unless told otherwise (benchmarks.hit_rate_suite judges it).
-DEFAULT_POLICY = PolicyName.LRU
+# What the daemon, `up` and the vLLM plugin's daemon run unless told otherwise: the policy that did best on the traces
+# held out from tuning (benchmarks.hit_rate_suite; docs/benchmarks.md has the table), at ~1 KB of metadata per
+# resident block and up to 8 ghosts per block (ucm/eviction/density.py).
+DEFAULT_POLICY = PolicyName.DENSITY
 
 
 class DiskWrites(str, enum.Enum):  # noqa: UP042 (the CLI's values)

@@ -263,10 +263,10 @@ class BlockReader:
             tiers.removals.begin()
             tiers.counters.corrupt_dropped += 1
             tiers.inflight.pop(key)
-            tiers.dram.remove(key)
+            tiers.dram.remove(key, corrupt=True)
         try:
             if tiers.disk is not None:
-                tiers.disk.remove([key])
+                tiers.disk.remove([key], corrupt=True)
         finally:
             with tiers.lock:
                 tiers.removals.end()

@@ -25,12 +25,17 @@ def test_silent_when_idle_then_reports_the_interval() -> None:
     metrics.vllm.record_prompt(
         P.CacheInfo(prompt_tokens=100, cached_tokens=64, store_hit_tokens=16, store_dram_tokens=12, store_disk_tokens=4)
     )
+    metrics.store_tier.labels("dram", "evictions").set(120)  # what the nodes' heartbeats report of the store
     later = dataclasses.replace(stats.snapshot(), at=first.at + 10.0)
     line = stats.line(first, later)
     assert line is not None
     assert line.startswith("Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 2.0 tokens/s, ")
     assert "Running: 0 reqs, Waiting: 0 reqs" in line and "Prefix cache hit rate: 64.0%" in line
-    assert line.endswith("Store hit rate: dram 12.0%, disk 4.0%"), line
+    assert line.endswith("Store hit rate: dram 12.0%, disk 4.0%, Store evictions: dram 120, disk 0"), line
+    metrics.prompt_tokens.inc(1)
+    metrics.store_tier.labels("dram", "evictions").set(7)  # the store restarted and has evicted 7 since
+    again = stats.line(later, dataclasses.replace(stats.snapshot(), at=later.at + 10.0))
+    assert again is not None and again.endswith("Store evictions: dram 7, disk 0"), again
 
 
 def test_store_tiers_are_split_out_and_clamped_to_the_store_hits() -> None:

@@ -236,6 +236,6 @@ def test_access_log_and_stats_line(cluster, client, sent) -> None:
     router.wait_for(
         r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [1-9][\d.]* tokens/s, "
         r"Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: \S+, Prefix cache hit rate: \S+, "
-        r"Store hit rate: dram \S+, disk \S+",
+        r"Store hit rate: dram \S+, disk \S+, Store evictions: dram \d+, disk \d+",
         60,
     )
