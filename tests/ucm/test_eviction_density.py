@@ -209,3 +209,48 @@ def test_adaptive_density_copy_learns_from_the_leaders_evictions() -> None:
     assert density.ghosts() == 2, "LRU's victims stay ghosts in density's copy (a remove would forget them)"
     put(adaptive, 0, 4)
     assert density.hits(0) == 1, "back within the horizon: its use before the eviction counts"
+
+
+def test_density_classes_never_hit_blocks_by_depth_and_lineage() -> None:
+    density = DensityPolicy(10_000)
+    root = [f"s{i}" for i in range(3)]
+    first = [*root, *(f"a{i}" for i in range(10))]
+    insert_chains(density, first)  # deepest first: each block waits for the one above it
+    assert density.placement("a9")[0] is True, "the chain's root has no parent: the whole chain is anchored"
+    assert [density.placement(k)[1] for k in first] == list(range(13))
+    assert all(density.placement(k)[2] == 0 for k in first), "a new prompt continues nothing"
+    assert density.placement("a9")[3] == 1 and density.placement("a0")[3] == 0, "depth 12 is past the first bucket"
+    # A follow-up: the prompt's blocks are hit (once), then its new blocks stored below the deepest of them.
+    for key in reversed(first):
+        density.touch(key)
+    follow = [f"b{i}" for i in range(3)]
+    for i in range(len(follow) - 1, -1, -1):
+        density.insert(follow[i], 1, follow[i - 1] if i else first[-1])
+    assert [density.placement(k)[:3] for k in follow] == [(True, 13 + i, 1) for i in range(3)]
+    hot = DensityPolicy(10_000)
+    insert_chains(hot, root)
+    for _ in range(3):
+        for key in reversed(root):
+            hot.touch(key)
+    hot.insert("q0", 1, "s2")
+    assert hot.placement("q0")[:3] == (True, 3, 0), "below a hot shared prompt: a new prompt, not a follow-up"
+
+
+def test_density_chain_under_an_unknown_parent_settles_at_the_next_request() -> None:
+    density = DensityPolicy(10_000)
+    for i in range(4, -1, -1):  # a chain whose root's parent (the namespace root) is never stored
+        density.insert(f"c{i}", 1, f"c{i - 1}" if i else "namespace-root")
+    assert density.placement("c0")[0] is False, "the namespace root might still come"
+    density.insert("other", 1, "namespace-root")  # the next request: c0's parent was not handed over
+    assert [density.placement(f"c{i}")[:2] for i in range(5)] == [(True, i) for i in range(5)]
+
+
+def test_density_anchors_each_block_of_a_long_chain_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = ReuseModel.reclass
+    monkeypatch.setattr(ReuseModel, "reclass", lambda self, key, cls: (calls.append(key), real(self, key, cls)))
+    density = DensityPolicy(100_000)
+    chain = [f"k{i}" for i in range(3000)]
+    insert_chains(density, chain)
+    assert len(calls) == len(chain) - 1, "anchored in one pass when the root arrives, not once per arrival"
+    assert density.placement(chain[-1])[1] == len(chain) - 1

@@ -6,15 +6,24 @@
    this tier cannot reach it, so it goes first. It may still be reachable another way (its parent on disk, or
    in the engine's own prefix cache): an orphan that is read again, or whose parent comes back, is kept as
    any other block.
-2. Which leaf goes is learned. Blocks are classed by how often they were hit (0, 1, 2, 3+; counted across
-   evictions, the model remembers ghosts), and the leaf with the lowest value per byte goes, its value being
-   its class's Gittins index at its age (`ucm.eviction.reuse_model`). Within a class that is the oldest leaf,
-   so before the model has data (every value 0) the order is LRU's over leaves.
+2. Which leaf goes is learned. Blocks are classed by how often they were hit (1, 2, 3+; counted across
+   evictions, the model remembers ghosts) and, never hit, by where they sit: their depth in the chain (under 8,
+   16, 32 blocks, or deeper) and whether the request that stored them continued an earlier one (the first hit
+   block above them was hit once or twice: a follow-up turn) or not (a new prompt under a hot shared prefix, or
+   none). The leaf with the lowest value per byte goes, its value being its class's Gittins index at its age
+   (`ucm.eviction.reuse_model`). Within a class that is the oldest leaf, so before the model has data (every
+   value 0) the order is LRU's over leaves.
 
-Why hit counts (measured on the sampled Mooncake conversation trace, docs/benchmarks.md): a block never hit
-since it was stored is used again with probability 0.26, one hit once 0.44, twice 0.56, three times or more
-0.80, and the hot ones come back sooner (a median 857 new blocks later, against 1,952). Depth, position in
-the request, and first request against continuation separate far less (0.16 to 0.40).
+Why these classes (measured on the tuning half of the conversation trace, benchmarks/trace_suite.py): a block
+hit once is used again with probability 0.44, twice 0.56, three times or more 0.80, and the hot ones come back
+sooner. Of never-hit blocks, what comes back is the tail of a conversation whose user sends another turn: of
+first turns, 0.41 of those under 8 blocks and 0.24 of those over 48; of follow-ups 0.56 and 0.40. The depth and
+lineage classes were chosen on that half alone; on the traces held out from it they took the share of the
+LRU→MIN gap closed from 18.8% to 24.5% (docs/benchmarks.md, hit_rate_suite).
+
+A chain is stored deepest block first, so a block's depth and lineage are known only once the block above it
+arrives: blocks wait *unanchored* until then, and the arrival of the request's shallowest new block (whose parent
+is resident, or who has none) anchors the chain below it in one pass, O(new blocks) per request.
 
 Costs: O(log n) per operation (two heaps per class, stale entries skipped lazily and compacted). Memory is
 O(resident blocks): per block its record, at most 2 × (2n + 1024) heap entries, and at most `GHOSTS_PER_BLOCK`
@@ -37,7 +46,10 @@ from dataclasses import dataclass
 from ucm.eviction.base import PolicyName, check_capacity, check_size
 from ucm.eviction.reuse_model import ReuseModel
 
-HIT_CLASSES = 4  # classes 0, 1, 2 hits, and 3 or more
+DEPTHS = (8, 16, 32)  # never-hit blocks are classed by depth below these, in blocks
+LINEAGES = 2  # ... and by whether they continued a request: 0 no (or under a hot shared prefix), 1 yes
+NEVER_HIT_CLASSES = LINEAGES * (len(DEPTHS) + 1)
+HIT_CLASSES = NEVER_HIT_CLASSES + 3  # then blocks hit 1, 2, and 3 or more times
 _COMPACT_SLACK = 1024
 GHOSTS_PER_BLOCK = 8  # the cap on the model's ghosts, per block the cache holds (module docstring)
 
@@ -49,10 +61,22 @@ class _Block:
     ts: int  # the clock at its last use
     parent: Hashable | None  # as the tier named it; linked while resident here
     orphan: bool = False
+    anchored: bool = False  # its depth and lineage are known: its parent was here and anchored when it came
+    depth: int = 0
+    lineage: int = 0
 
     @property
     def cls(self) -> int:
-        return min(self.hits, HIT_CLASSES - 1)
+        if self.hits:
+            return NEVER_HIT_CLASSES - 1 + min(self.hits, 3)
+        return self.lineage * (len(DEPTHS) + 1) + sum(self.depth >= d for d in DEPTHS)
+
+    def heritage(self) -> int:
+        """The lineage a block stored right below this one gets: a continuation if this one was hit once or
+        twice (a follow-up reached the end of its prefix here), none under a hot block (a shared prompt)."""
+        if self.hits:
+            return 1 if self.hits < 3 else 0
+        return self.lineage
 
 
 class DensityPolicy:
@@ -73,6 +97,9 @@ class DensityPolicy:
         self._seq = itertools.count()  # ties never compare keys
         self._now = 0  # one tick per insert or touch
         self._model: ReuseModel | None = None  # sized from the first block
+        # Unanchored blocks whose parent is not here: until the next block the tier hands over is not their parent
+        # (then their chain starts with them, or above a block no longer held: depth 0, no lineage).
+        self._tops: dict[Hashable, None] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -86,6 +113,7 @@ class DensityPolicy:
 
     def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         check_size(size)
+        self._settle(continuing=key)
         block = self._blocks.get(key)
         if block is not None:  # a rewrite of a block we hold: a use with the new size
             self.used_bytes += size - block.size
@@ -97,15 +125,26 @@ class DensityPolicy:
         self._now += 1
         earlier = self._model.end(key, self._now)  # a ghost: back within the horizon
         block = _Block(size, 0 if earlier is None else earlier + 1, self._now, None if parent == key else parent)
+        above = self._blocks.get(block.parent) if block.parent is not None else None
+        if block.parent is None:
+            block.anchored = True
+        elif above is None:
+            self._tops[key] = None  # its parent may be the next block the tier hands over
+        elif above.anchored:
+            block.anchored, block.depth, block.lineage = True, above.depth + 1, above.heritage()
         self._blocks[key] = block
         self.used_bytes += size
         if block.parent is not None:
             self._kids.setdefault(block.parent, set()).add(key)
-        for kid in self._kids.get(key, ()):  # blocks that were waiting for this parent
-            self._adopt(kid)
         self._used(key, block)
+        for kid in self._kids.get(key, ()):  # blocks that were waiting for this parent
+            self._tops.pop(kid, None)
+            self._adopt(kid)
+        if block.anchored:
+            self._anchor_below(key, block)
 
     def touch(self, key: Hashable) -> None:
+        self._settle(continuing=None)
         block = self._blocks.get(key)
         if block is None:
             return
@@ -152,6 +191,11 @@ class DensityPolicy:
         """Blocks whose parent left this tier, next victim first (for tests and debugging)."""
         return list(self._orphans)
 
+    def placement(self, key: Hashable) -> tuple[bool, int, int, int]:
+        """(anchored, depth, lineage, class) of a tracked block (for tests and debugging)."""
+        block = self._blocks[key]
+        return block.anchored, block.depth, block.lineage, block.cls
+
     def hits(self, key: Hashable) -> int:
         """Hits of a tracked block, counting those before it was last evicted (for tests and debugging)."""
         return self._blocks[key].hits
@@ -175,6 +219,31 @@ class DensityPolicy:
         # Proportional to the resident blocks, or to the blocks that fit at the first block's size, so that
         # a cache emptied by evictions (or by removes) still remembers what it just held.
         self._model.left(key, self._now, GHOSTS_PER_BLOCK * max(len(self._blocks), self._model.entries))
+
+    def _settle(self, continuing: Hashable | None) -> None:
+        """Anchor the tops this operation does not continue (`continuing`: the key being inserted)."""
+        if not self._tops:
+            return
+        for key in [k for k in self._tops if self._blocks[k].parent != continuing]:
+            del self._tops[key]
+            block = self._blocks[key]
+            block.anchored = True  # depth 0, lineage 0: what it was classed as meanwhile
+            self._anchor_below(key, block)
+
+    def _anchor_below(self, key: Hashable, block: _Block) -> None:
+        """Give the unanchored blocks below an anchored one their depth and lineage, reclassing their open starts
+        and leaf entries; each block is anchored once, so a request's chain costs O(its blocks) in all."""
+        assert self._model is not None, "a tracked block implies a model"
+        stack = [(kid, block) for kid in self._kids.get(key, ())]
+        while stack:
+            kid_key, above = stack.pop()
+            kid = self._blocks[kid_key]
+            if kid.anchored:
+                continue
+            kid.anchored, kid.depth, kid.lineage = True, above.depth + 1, above.heritage()
+            self._model.reclass(kid_key, kid.cls)
+            self._push(kid_key, kid)
+            stack.extend((grandkid, kid) for grandkid in self._kids.get(kid_key, ()))
 
     def _is_leaf(self, key: Hashable, block: _Block) -> bool:
         return not block.orphan and not self._kids.get(key)
@@ -229,6 +298,7 @@ class DensityPolicy:
         return found
 
     def _drop(self, key: Hashable) -> None:
+        self._tops.pop(key, None)
         block = self._blocks.pop(key)
         self.used_bytes -= block.size
         if block.orphan:

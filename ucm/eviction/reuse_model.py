@@ -95,6 +95,17 @@ class ReuseModel:
             counts = self._open_counts[now // self._epoch_len] = [0] * self.num_classes
         counts[cls] += 1
 
+    def reclass(self, key: Hashable, cls: int) -> None:
+        """The open start of `key` belongs to class `cls` after all (what decided its class arrived after its use)."""
+        assert 0 <= cls < self.num_classes, f"class {cls} outside 0..{self.num_classes - 1}"
+        start = self._open.get(key)
+        if start is None or start.cls == cls:
+            return
+        counts = self._open_counts[start.ts // self._epoch_len]
+        counts[start.cls] -= 1
+        counts[cls] += 1
+        self._open[key] = start._replace(cls=cls)
+
     def end(self, key: Hashable, now: int) -> int | None:
         """`key` is used again at `now`: record the reuse; the hits its start carried (None: not followed)."""
         start = self._close(key)
