@@ -4,6 +4,7 @@ rounds of dumps and loads from several threads, a daemon process."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,9 +103,10 @@ def run_threads(worker: Callable[[int], None], count: int, timeout_s: float = 60
     threads = [threading.Thread(target=guarded, args=(n,)) for n in range(count)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join(timeout_s)
-    return errors
+        t.join(max(0.0, deadline - time.monotonic()))
+    return errors + [f"thread {n}: still running after {timeout_s} s" for n, t in enumerate(threads) if t.is_alive()]
 
 
 @contextmanager

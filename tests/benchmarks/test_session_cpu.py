@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks.session_cpu import cpu_used, session_cpu, stat_fields
+from tests.cluster_helpers import wait_until
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 
@@ -36,9 +36,7 @@ def test_a_sessions_cpu_is_counted_per_process(tmp_path) -> None:
     )
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "burnt"
-        deadline = time.monotonic() + 30
-        while _state(child.pid) != "S" and time.monotonic() < deadline:
-            time.sleep(0.01)  # polling a condition (asleep in stdin.read), not waiting a fixed time
+        wait_until("the child to block in stdin.read", lambda: _state(child.pid) == "S", poll_s=0.01)
         blocked = session_cpu(child.pid)
         name = f"{child.pid} burn_mod x"
         used = cpu_used({}, blocked)  # from its start, as vs_vllm counts a process born during a workload

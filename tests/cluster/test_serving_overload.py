@@ -2,21 +2,26 @@
 served in full with every prompt prefilled once; overload beyond the admission queue gets 429 + Retry-After and
 the server goes on serving; a prefill node killed mid-request is replaced by the decode node, once.
 
-One cluster for the module (order matters: the kill comes last). prefill-0 sleeps 0.8 s in every engine step
-(UCM_TEST_STEP_DELAY_S) while the router gives up on a node after 3 s without a step: requests queued behind
-others on prefill-0 wait longer than that (4 batches of 2) and must still not be retried. The 2.2 s between the
-delay and the stall window is the step's own compute time under a loaded CI box.
+One cluster for the module (order matters: the kill comes last). The router gives up on a node that holds its
+requests and makes no step for STALL_S; prefill-0 sleeps STALL_S / 8 in every engine step (UCM_TEST_STEP_DELAY_S)
+and prefills one prompt a step (max_num_seqs 1), so the burst keeps it busy for len(PROMPTS) steps, longer than
+STALL_S by construction (the test checks that too): a router that timed requests, not steps, would retry them.
+No step comes near the window: the 7 s left beside the sleep are the step's own compute (tens of milliseconds) and
+a heartbeat, however loaded the box.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import signal
+import time
 
 import httpx
 import pytest
 
 from launch.cluster import Cluster, ClusterSpec
+from tests.cluster_helpers import health_nodes
 from tests.cluster_helpers import metric as cluster_metric
 from tests.cluster_helpers import wait_until as cluster_wait_until
 
@@ -25,12 +30,14 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
-SEQS = 2  # max_num_seqs of each node: router slots = 2 (prefill) + 2 (decode)
-QUEUED = 4  # --max-queued-requests
-PROMPTS = [
-    f"Note {i}: the {w} is"
-    for i, w in enumerate(["river", "mountain", "library", "harbour", "orchard", "lighthouse", "market", "observatory"])
-]
+SEQS = 1  # max_num_seqs of each node: router slots = 1 (prefill) + 1 (decode); prefill-0 runs a prompt a step
+QUEUED = 8  # --max-queued-requests: the whole burst is admitted (2 running + 8 queued)
+STALL_S = 8.0  # the router's --stall-timeout
+STEP_DELAY_S = STALL_S / 8  # prefill-0's sleep in every step: far inside the window, whatever the box's load
+WORDS = ["river", "mountain", "library", "harbour", "orchard", "lighthouse", "market", "tower", "bridge", "garden"]
+PROMPTS = [f"Note {i}: the {w} is" for i, w in enumerate(WORDS)]
+assert len(PROMPTS) * STEP_DELAY_S > STALL_S, "the burst must keep prefill-0 busy past the stall window"
+assert len(PROMPTS) <= 2 * SEQS + QUEUED, "the burst must be admitted whole (no 429)"
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +57,14 @@ def cluster(offline):  # offline first: its CPU time must not starve the nodes' 
         dtype="float32",
         kv_cache_memory="128MiB",
         max_num_seqs=SEQS,
-        node_timeout_s=2.0,
+        node_timeout_s=5.0,  # 25 heartbeats: a loaded box delays some, never that many
         heartbeat_interval_s=0.2,
         node_args=("--threads", "1"),
-        node_env={"prefill-0": {"UCM_TEST_STEP_DELAY_S": "0.8"}},
-        router_args=("--stall-timeout", "3.0", "--max-queued-requests", str(QUEUED), "--max-queue-wait-s", "0.01"),
+        node_env={"prefill-0": {"UCM_TEST_STEP_DELAY_S": str(STEP_DELAY_S)}},
+        router_args=(
+            *("--stall-timeout", str(STALL_S), "--max-queued-requests", str(QUEUED)),
+            *("--max-queue-wait-s", "0.01"),
+        ),
         supervise=False,  # the killed prefill node must stay dead: the decode node prefills instead, exactly once
     )
     with Cluster(spec, log=lambda s: None) as c:
@@ -98,9 +108,13 @@ def test_burst_on_a_slow_prefill_node_completes_and_prefills_each_prompt_once(cl
     def ask(prompt: str) -> str:
         return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
 
-    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:  # 4x what the nodes run at once
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:  # 5x what the nodes run at once
         got = list(pool.map(ask, PROMPTS))
+    took = time.monotonic() - t0
     assert got == [offline[p] for p in PROMPTS]
+    # One prefill after another on prefill-0, each at least STEP_DELAY_S: a lower bound no load can shorten.
+    assert took > STALL_S, f"the burst took {took:.1f} s, inside the stall window: it tested nothing"
     # Heartbeats carry the nodes' job counters: wait for them to account for every request, then check none
     # was started twice (a retried prefill would be a second start on the decode node).
     wait_until(
@@ -125,13 +139,13 @@ def test_overload_beyond_the_queue_gets_429_then_the_server_serves(cluster, clie
     body = {
         "model": MODEL,
         "prompt": "Tell a long story about a lighthouse keeper.",
-        "max_tokens": 64,
+        "max_tokens": 1000,  # the running two hold their slots for seconds of decode: the queue stays full meanwhile
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
     }
     with httpx.Client(base_url=cluster.url, timeout=120) as http, contextlib.ExitStack() as streams:
-        # The response head is sent once admission decided: 2 + 2 run on the nodes, QUEUED wait in the router.
+        # The response head is sent once admission decided: 1 + 1 run on the nodes, QUEUED wait in the router.
         for i in range(2 * SEQS + QUEUED):
             r = streams.enter_context(http.stream("POST", "/v1/completions", json=body))
             assert r.status_code == 200, (i, r.read())
@@ -155,15 +169,20 @@ def test_overload_beyond_the_queue_gets_429_then_the_server_serves(cluster, clie
 def test_killed_prefill_node_is_replaced_by_the_decode_node_once(cluster, client, offline) -> None:
     wait_idle(cluster)
     prompt = PROMPTS[2]
-    started = jobs(cluster, "prefill-0", "prefill")
     local = jobs(cluster, "decode-0", "local_prefill")
+    # Frozen first, so the kill certainly lands while prefill-0 holds the request: killed during its step's sleep
+    # instead, the kill could come after the prefill on a loaded box and the failover would not be tested.
+    victim = cluster.children["prefill-0"]
+    victim.proc.send_signal(signal.SIGSTOP)
     with cf.ThreadPoolExecutor(1) as pool:
         future = pool.submit(
             lambda: client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
         )
-        # The node reports a job as soon as it takes it, before its (0.8 s) step: kill it mid-prefill.
-        wait_until("prefill-0 to take the job", lambda: jobs(cluster, "prefill-0", "prefill") == started + 1)
-        cluster.children["prefill-0"].kill()
+        wait_until(
+            "the router to send prefill-0 the job",
+            lambda: health_nodes(cluster.url).get("prefill-0", {}).get("load", 0) > 0,
+        )
+        victim.kill()  # SIGKILL (a stopped process dies too) with the job in flight
         assert future.result(timeout=120) == offline[prompt]
     assert metric(cluster, "ucm_local_prefills_total") == 1 and metric(cluster, "ucm_prefill_retries_total") == 0
     wait_until(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,12 @@ from router.registry import Registry
 FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
-async def _until(condition) -> None:
-    """Poll `condition` (the caller bounds the wait with asyncio.wait_for)."""
+async def _until(what: str, condition, timeout_s: float = 30.0) -> None:
+    """Poll `condition` until it holds; AssertionError naming `what` after `timeout_s` (a generous bound: only a
+    condition that never comes true reaches it)."""
+    deadline = time.monotonic() + timeout_s
     while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.02)
 
 
@@ -211,7 +215,7 @@ def test_router_socket_binds_node_ids_to_keys(tmp_path) -> None:
             socks += [thief, thief_monitor]
             evil.append(thief)
             assert await asyncio.wait_for(_handshake(thief_monitor), 30) == zmq.EVENT_HANDSHAKE_SUCCEEDED
-            await asyncio.wait_for(_until(lambda: sum(client.gate.dropped.values()) >= len(attempts)), 30)
+            await _until("the gate to drop every attempt", lambda: sum(client.gate.dropped.values()) >= len(attempts))
             assert client.gate.dropped == {
                 DropReason.BAD_IDENTITY: 1,
                 DropReason.WRONG_KEY: 2,

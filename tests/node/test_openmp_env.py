@@ -3,8 +3,13 @@ the node's module imports torch, only where the user chose none, and passed to R
 
 from __future__ import annotations
 
+import math
 import os
+import threading
+import time
 import types
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
@@ -19,10 +24,11 @@ from node.openmp_env import (
     node_spincount,
     openmp_wait,
 )
-from ucm_kernels.cpu.pause_probe import pause_seconds
+from ucm_kernels.cpu.pause_probe import ROUNDS, TRIES, pause_seconds
 
 ROUND_S = 28e-9  # a spin-wait round as the 2-core AMD EPYC (Zen 5) measured it
 COUNT = str(round(NODE_SPIN_S / ROUND_S))
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -38,9 +44,30 @@ def test_the_spin_is_a_time_in_this_cpus_rounds() -> None:
     assert node_spincount(1e-3) == MIN_SPINCOUNT and node_spincount(1e-12) == MAX_SPINCOUNT, "libgomp's at most"
 
 
+def _within(deadline_s: float, fn: Callable[[], T]) -> tuple[T, float]:
+    """fn()'s result and its wall time; fails if it has not returned within `deadline_s` (a generous bound: only a
+    probe that hangs reaches it). A daemon thread, so a hung probe cannot keep the test process alive."""
+    box: list[tuple[T, float]] = []
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        value = fn()
+        box.append((value, time.perf_counter() - t0))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    assert box, f"no answer within {deadline_s} s"
+    return box[0]
+
+
 def test_the_probe_measures_this_cpu(tmp_path) -> None:
-    round_s = pause_seconds(tmp_path)
-    assert round_s is not None and 1e-10 < round_s < 1e-5, f"a spin-wait round of {round_s} s"
+    _within(300, lambda: pause_seconds(tmp_path))  # builds the probe (a C compile): not what is timed below
+    round_s, wall_s = _within(60, lambda: pause_seconds(tmp_path))
+    assert round_s is not None and 0 < round_s < math.inf, f"a spin-wait round of {round_s} s"
+    # The least of TRIES timings of ROUNDS rounds, all of them inside this call: true however loaded the box is
+    # (a sum of the tries, or a figure in the wrong unit, would not be).
+    assert round_s * ROUNDS * TRIES <= wall_s, (round_s, wall_s)
     assert MIN_SPINCOUNT <= int(node_openmp_env({})["GOMP_SPINCOUNT"]) <= MAX_SPINCOUNT
 
 

@@ -24,11 +24,14 @@ def _runner(worker: RoleWorker, engine=None) -> tuple[JobRunner, FakeEngine]:
     return JobRunner(engine, worker, RecentKeys(64)), engine
 
 
-def _drain(runner: JobRunner) -> list[P.Message]:
+def _drain(runner: JobRunner, max_steps: int = 10_000) -> list[P.Message]:
+    """Step until the runner holds nothing; fails past `max_steps` (the fake's jobs end in a few)."""
     out: list[P.Message] = []
-    while runner.busy:
+    for _ in range(max_steps):
+        if not runner.busy:
+            return out
         out += runner.step()
-    return out
+    raise AssertionError(f"the runner still holds jobs after {max_steps} steps")
 
 
 def test_prefill_worker_answers_prefill_done_and_publishes_the_prompt_keys() -> None:

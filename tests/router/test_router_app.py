@@ -22,11 +22,10 @@ SCRIPT = textwrap.dedent("""
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     c = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer k"})
-    for _ in range(100):
-        try:
-            c.get("/v1/models"); break
-        except httpx.HTTPError:
-            time.sleep(0.1)
+    deadline = time.monotonic() + 120  # a generous bound: only a server that never starts reaches it
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the router did not start"
+        time.sleep(0.05)
     good = {"model": "smollm2-135m", "prompt": "hi", "max_tokens": 4}
     out = {
         "health": c.get("/health").status_code,

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from tests.cluster_helpers import wait_until
 from tests.store_helpers import (
     NUM_LAYERS,
     PAYLOAD,
@@ -54,11 +55,7 @@ def test_prefetch_promotes(tmp_path) -> None:
     with open_store(tmp_path) as store:
         store.prefetch([r.key for r in refs])
         store._pool.submit(lambda: None).result()  # prefetch runs on the load pool; wait for it
-        for _ in range(100):
-            if store.stats().tiers[Tier.DRAM].blocks == 4:
-                break
-            threading.Event().wait(0.02)
-        assert store.stats().tiers[Tier.DRAM].blocks == 4
+        wait_until("the prefetch to fill DRAM", lambda: store.stats().tiers[Tier.DRAM].blocks == 4, poll_s=0.02)
         ok, _, dst = load_all(store, refs)
         assert ok and store.stats().tiers[Tier.DISK].hits == 4
         assert_loaded(refs, dst)
