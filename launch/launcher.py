@@ -36,10 +36,7 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     command's own (`up --model`, `serve MODEL`)."""
     p.add_argument(
         "--topology",
-        type=Topology,
-        default=Topology.AUTO,
-        choices=list(Topology),
-        metavar="{" + ",".join(t.value for t in Topology) + "}",
+        **flags.one_of(Topology, Topology.AUTO),
         help=f"auto: colocated (one engine, all cores, + store) below {DISAGG_MIN_CORES} CPU cores, where "
         "a prefill/decode split leaves one core idle while the other works (measured: "
         "docs/benchmarks.md); disagg from there or with a GPU. On this host auto picks "
@@ -54,10 +51,7 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-store", action="store_true", help="run without the KV store (decode nodes recompute)")
     p.add_argument(
         "--kv-save-policy",
-        type=KVSavePolicy,
-        default=None,
-        choices=list(KVSavePolicy),
-        metavar="{" + ",".join(p.value for p in KVSavePolicy) + "}",
+        **flags.one_of(KVSavePolicy, None),
         help="when a colocated node saves KV blocks to the store (prefill nodes: always as computed). Default: "
         "reused with one colocated node (nobody else reads the store while its device cache holds a block, and "
         "writing every block through cost ~10%% of served throughput on 2 cores; saving evicted blocks that never "
@@ -69,10 +63,7 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-path", default=None, help="store LMDB folder (default: a temporary folder)")
     p.add_argument(
         "--disk-writes",
-        type=DiskWrites,
-        default=None,
-        choices=list(DiskWrites),
-        metavar="{" + ",".join(w.value for w in DiskWrites) + "}",
+        **flags.one_of(DiskWrites, None),
         help="which blocks the store writes to disk (`ucm-serve store --help`); default: behind with --disk-path "
         "or --ray, else reused (the temporary folder `up` removes at stop)",
     )

@@ -90,10 +90,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     flags.ENABLE_PREFIX_CACHING.add(parser)
     parser.add_argument(
         "--kv-save-policy",
-        type=KVSavePolicy,
-        default=KVSavePolicy.COMPUTED,
-        choices=list(KVSavePolicy),
-        metavar="{" + ",".join(p.value for p in KVSavePolicy) + "}",
+        **flags.one_of(KVSavePolicy, KVSavePolicy.COMPUTED),
         help="computed: every full block to the store as it is computed (other nodes and restarts load it); "
         "evicted: only when the device prefix cache evicts it (one engine alone on a store; not on prefill nodes); "
         "reused: as evicted while evicted blocks come back, else only those that showed reuse",
@@ -101,18 +98,11 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
     auth = parser.add_argument_group("authentication (ZeroMQ CURVE, docs/security.md)")
-    auth.add_argument(
-        "--curve-keys",
-        metavar="DIR",
-        default=None,
-        help="folder from `ucm-serve keys DIR --nodes NODE_ID,...`: this node's pair DIR/NODE_ID.key_secret "
-        "and the router's DIR/router.key; also used for a tcp:// --store without ?curve_keys=",
-    )
-    auth.add_argument(
-        "--insecure",
-        action="store_true",
-        help="no authentication to the router (and to a --store without ?curve_keys=)",
-    )
+    flags.curve_keys(
+        "this node's pair DIR/NODE_ID.key_secret and the router's DIR/router.key; also used for a tcp:// --store "
+        "without ?curve_keys="
+    ).add(auth)
+    flags.insecure("to the router (and to a --store without ?curve_keys=)").add(auth)
 
 
 def _authenticated_store(store: str, keys: str, node_id: str) -> str:

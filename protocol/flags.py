@@ -8,6 +8,7 @@ Torch-free and import-free beyond the defaults (the router reads it too). A comm
 from __future__ import annotations
 
 import argparse
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,24 @@ class Flag:
 
     def add(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         parser.add_argument(self.name, help=self.help, **self.kwargs)
+
+
+def one_of(kind: type[enum.Enum], default: enum.Enum | None) -> dict[str, Any]:
+    """argparse's kwargs for a flag that takes one of a str enum's values, parsed into the enum (--help lists them)."""
+    values = [member.value for member in kind]
+    return {"type": kind, "default": default, "choices": list(kind), "metavar": "{" + ",".join(values) + "}"}
+
+
+def curve_keys(reads: str) -> Flag:
+    """--curve-keys DIR, the one key folder `ucm-serve keys` writes; `reads`: what this command takes from it."""
+    return Flag(
+        "--curve-keys", f"folder from `ucm-serve keys DIR --nodes ...`: {reads}", {"metavar": "DIR", "default": None}
+    )
+
+
+def insecure(unauthenticated: str) -> Flag:
+    """--insecure, the explicit opt-out of CURVE; `unauthenticated`: which sockets go without it, and the risk."""
+    return Flag("--insecure", f"no authentication {unauthenticated}", {"action": "store_true"})
 
 
 MODEL = Flag("--model", "alias, Hugging Face folder or .gguf file", {"default": defaults.MODEL})

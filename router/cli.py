@@ -28,6 +28,60 @@ def model_folder(model: str | None) -> Path:
     return path
 
 
+def _tunable(name: str, field: str, text: str) -> flags.Flag:
+    """A router flag that sets RouterConfig.`field` (its dest), typed and defaulted by that field."""
+    default = getattr(RouterConfig, field)
+    metavar = name.removeprefix("--").upper().replace("-", "_")  # argparse's, which a dest would change
+    return flags.Flag(name, text, {"type": type(default), "default": default, "dest": field, "metavar": metavar})
+
+
+# The router's own tunables, each declared once: main() builds RouterConfig from their dests.
+TUNABLES = (
+    _tunable("--node-timeout", "node_timeout_s", "drop a node after this many silent seconds (missed heartbeats)"),
+    _tunable(
+        "--stall-timeout",
+        "stall_timeout_s",
+        "drop a node that holds requests but completed no engine step for this many seconds "
+        "(requests never time out while their node makes progress)",
+    ),
+    _tunable(
+        "--max-queued-requests",
+        "max_queued_requests",
+        "requests always accepted into the router's queue beyond the nodes' capacity",
+    ),
+    _tunable(
+        "--max-queue-wait-s",
+        "max_queue_wait_s",
+        "also queue requests while the measured service rate serves them within this many seconds; "
+        "beyond both bounds: 429 with Retry-After",
+    ),
+    _tunable(
+        "--max-body-bytes", "max_body_bytes", "refuse request bodies larger than this with 413, before parsing them"
+    ),
+    _tunable(
+        "--max-prompt-chars",
+        "max_prompt_chars",
+        "refuse prompts (all prompts / messages of a request together) longer than this with 400, before tokenizing",
+    ),
+    _tunable(
+        "--max-seqs-per-request",
+        "max_sequences_per_request",
+        "refuse requests asking for more sequences (prompts x n) than this with 400",
+    ),
+    _tunable(
+        "--decode-wait",
+        "decode_wait_s",
+        "seconds a request whose decode node died waits for another decode node to register "
+        "before it fails (it then resumes where it stopped)",
+    ),
+    _tunable(
+        "--stats-interval",
+        "stats_interval_s",
+        "seconds between the periodic stats lines (throughput, running/waiting, KV usage, hit rates)",
+    ),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ucm-serve router", description=__doc__)
     flags.HOST.add(p)
@@ -36,75 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="the model folder (for the tokenizer); the default served name")
     flags.SERVED_MODEL_NAME.add(p)
     flags.API_KEY.add(p)
-    d = RouterConfig
-    p.add_argument(
-        "--node-timeout",
-        type=float,
-        default=d.node_timeout_s,
-        help="drop a node after this many silent seconds (missed heartbeats)",
-    )
-    p.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=d.stall_timeout_s,
-        help="drop a node that holds requests but completed no engine step for this many seconds "
-        "(requests never time out while their node makes progress)",
-    )
-    p.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=d.max_queued_requests,
-        help="requests always accepted into the router's queue beyond the nodes' capacity",
-    )
-    p.add_argument(
-        "--max-queue-wait-s",
-        type=float,
-        default=d.max_queue_wait_s,
-        help="also queue requests while the measured service rate serves them within this many seconds; "
-        "beyond both bounds: 429 with Retry-After",
-    )
     flags.MAX_MODEL_LEN.add(p)
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=d.max_body_bytes,
-        help="refuse request bodies larger than this with 413, before parsing them",
-    )
-    p.add_argument(
-        "--max-prompt-chars",
-        type=int,
-        default=d.max_prompt_chars,
-        help="refuse prompts (all prompts / messages of a request together) longer than this with 400, "
-        "before tokenizing",
-    )
-    p.add_argument(
-        "--max-seqs-per-request",
-        type=int,
-        default=d.max_sequences_per_request,
-        help="refuse requests asking for more sequences (prompts x n) than this with 400",
-    )
-    p.add_argument(
-        "--decode-wait",
-        type=float,
-        default=d.decode_wait_s,
-        help="seconds a request whose decode node died waits for another decode node to register "
-        "before it fails (it then resumes where it stopped)",
-    )
-    p.add_argument(
-        "--stats-interval",
-        type=float,
-        default=d.stats_interval_s,
-        help="seconds between the periodic stats lines (throughput, running/waiting, KV usage, hit rates)",
-    )
+    for flag in TUNABLES:
+        flag.add(p)
     p.add_argument("--log-level", default="info")
     auth = p.add_argument_group("node authentication (ZeroMQ CURVE, docs/security.md)")
-    auth.add_argument(
-        "--curve-keys",
-        metavar="DIR",
-        default=None,
-        help="folder from `ucm-serve keys DIR --nodes ...`: router.key_secret + authorized/NODE.key "
-        "(a node registers only as the node id its key file is named for)",
-    )
+    flags.curve_keys(
+        "router.key_secret + authorized/NODE.key (a node registers only as the node id its key file is named for)"
+    ).add(auth)
     auth.add_argument("--server-key", metavar="FILE", default=None, help="the router's .key_secret file")
     auth.add_argument(
         "--authorized",
@@ -112,11 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="folder of accepted node public keys, one NODE_ID.key per node",
     )
-    auth.add_argument(
-        "--insecure",
-        action="store_true",
-        help="no authentication on the node socket: anyone who reaches it can register as a node",
-    )
+    flags.insecure("on the node socket: anyone who reaches it can register as a node").add(auth)
     return p
 
 
@@ -157,23 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ucm-serve router: {e}", file=sys.stderr)
         return 2
     config = RouterConfig(
-        max_body_bytes=args.max_body_bytes,
-        max_prompt_chars=args.max_prompt_chars,
-        max_sequences_per_request=args.max_seqs_per_request,
         bind_nodes=args.bind_nodes,
         host=args.host,
         port=args.port,
         model=args.model,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
-        node_timeout_s=args.node_timeout,
-        stall_timeout_s=args.stall_timeout,
-        max_queued_requests=args.max_queued_requests,
-        max_queue_wait_s=args.max_queue_wait_s,
         max_model_len=args.max_model_len,
         node_auth=node_auth,
-        decode_wait_s=args.decode_wait,
-        stats_interval_s=args.stats_interval,
+        **{flag.kwargs["dest"]: getattr(args, flag.kwargs["dest"]) for flag in TUNABLES},
     )
     import uvicorn
 
