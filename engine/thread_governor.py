@@ -61,6 +61,12 @@ class ThreadGovernor:
         """Start a new window now (after a stretch the engine's own use should not be judged by, e.g. its warm-up)."""
         self._last = self._sample()
 
+    def reset(self) -> None:
+        """Back to all max_threads, judged from a new window starting now: as a freshly started engine (a benchmark's
+        runs, each compared with the others, start from the same state)."""
+        self.current = self.max_threads
+        self.restart()
+
     def _sample(self) -> CpuClock | None:
         busy = self._read_busy(self.cpus)
         return None if busy is None else CpuClock(self._clock(), self._own_cpu(), busy)

@@ -45,6 +45,18 @@ def test_a_busy_neighbour_takes_a_thread_and_gives_it_back() -> None:
     assert gov.threads() == 2 and gov.changes == 2
 
 
+def test_reset_gives_every_thread_back_and_judges_from_then_on() -> None:
+    host = Host()
+    gov = host.governor()
+    host.run(0.5, own_cores=1.0, other_cores=1.0)
+    assert gov.threads() == 1
+    host.run(0.5, own_cores=1.0, other_cores=1.0)  # a window the reset discards
+    gov.reset()
+    assert gov.current == 2 and gov.threads() == 2, "every thread back, and no window has passed since the reset"
+    host.run(0.5, own_cores=1.0, other_cores=1.0)  # the neighbour is still there: the next decision sees it
+    assert gov.threads() == 1
+
+
 def test_short_bursts_of_the_router_and_store_do_not_flap_the_count() -> None:
     host = Host()
     gov = host.governor()
