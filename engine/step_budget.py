@@ -8,7 +8,7 @@ lands depends on how fast the host computes a step:
   once a ~7% shorter wall time;
 - on a 2-core Intel Xeon with AMX (bf16), where they take ~0.6 s, `ucm-serve up` with 2048 against 1024 served a
   cold 2048-token prompt in 0.62 s against 0.86-0.90, prefix_repetition in 2.59 s against 2.79-3.02 mean TTFT and
-  random 512/64 at 139 against 132-134 tok/s (docs/benchmarks.md).
+  random 512/64 at 139 against 132-134 tok/s (docs/history/benchmarks.json: the AMX host's "First runs").
 So: vLLM's own CPU default (`FAST_BUDGET`, 2048) where a step of that many tokens is predicted to take at most
 `FAST_STEP_S`, else `SLOW_BUDGET`. The prediction is the model's linear layers (2 flops per weight and token) at the
 rate of the dtype calibration's matmul (ucm_kernels/cpu/calibration.py, measured once per CPU and cached), which is

@@ -190,7 +190,8 @@ class Cluster:
             self._tmp = self._tmp or tempfile.mkdtemp(prefix="ucm-store-")
             # Removed at stop, so its disk tier only extends DRAM: written when DRAM evicts, and only while evicted
             # blocks come back. (On a 2-core EPYC writing every block behind cost ~10% of served throughput, and
-            # every block DRAM evicts, in a workload of new prompts, ~10% more: docs/benchmarks.md.)
+            # every block DRAM evicts, in a workload of new prompts, ~10% more: docs/history/benchmarks.json, "Earlier:
+            # the disk tier of `up` as a victim tier" and "Saves only while evicted blocks come back".)
             path, writes = self._tmp, DiskWrites.REUSED
         writes = self.spec.disk_writes or writes
         assert self.store_addr is not None, "start_store needs StoreMode.DAEMON"
@@ -294,7 +295,8 @@ class Cluster:
             # step gets many times slower, so split the cores between the nodes. Even with the nodes' short spin
             # (node/openmp_env.py), 1 prefill + 1 decode with 2 threads each on a 2-core Zen 5 served vLLM's random
             # burst at 64 against 145-164 tok/s and prefix_repetition at 8.2-8.4 against 4.3-4.7 s mean TTFT; only a
-            # lone cold prompt gained (1.0-1.2 against 1.5-1.6 s). docs/benchmarks.md, 2026-12-02.
+            # lone cold prompt gained (1.0-1.2 against 1.5-1.6 s). docs/history/benchmarks.json, "Before it: the
+            # peers' own script, and `up` with and without its store" (2026-12-02).
             nodes = max(1, self.spec.prefill + self.spec.decode + self.spec.colocated)
             args += ["--threads", str(max(1, (os.cpu_count() or 1) // nodes))]
         if kind == "colocated":
@@ -311,8 +313,10 @@ class Cluster:
         if spec.colocated == 1 and spec.prefill == spec.decode == 0 and spec.enable_prefix_caching:
             # Nobody else reads the store while its device cache holds a block. Saving every block as computed
             # cost ~10% of served random throughput and ~0.3-0.4 s of prefix_repetition TTFT on a 2-core EPYC
-            # (`up --no-store` against `up`: docs/benchmarks.md), and saving every evicted block, where none comes
-            # back, ~10% more once the device cache is full: REUSED saves them only while they come back.
+            # (`up --no-store` against `up`: docs/history/benchmarks.json, "AVX-512 BF16 host" and "Later the same
+            # day: where the served system loses to itself"), and saving every evicted block, where none comes back,
+            # ~10% more once the device cache is full ("Saves only while evicted blocks come back"): REUSED saves
+            # them only while they come back.
             return KVSavePolicy.REUSED, "one engine: its device cache serves what it holds, the store the rest"
         return KVSavePolicy.COMPUTED, "several engines share the store"
 

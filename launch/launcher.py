@@ -38,8 +38,8 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         "--topology",
         **flags.one_of(Topology, Topology.AUTO),
         help=f"auto: colocated (one engine, all cores, + store) below {DISAGG_MIN_CORES} CPU cores, where "
-        "a prefill/decode split leaves one core idle while the other works (measured: "
-        "docs/benchmarks.md); disagg from there or with a GPU. On this host auto picks "
+        "a prefill/decode split leaves one core idle while the other works (measured: docs/history/benchmarks.json, "
+        "'The skinny GEMM's rows in blocks'); disagg from there or with a GPU. On this host auto picks "
         f"{_auto_here()}",
     )
     p.add_argument("--prefill", type=int, default=None, help="prefill nodes (implies --topology disagg; default 1)")

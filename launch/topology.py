@@ -5,9 +5,10 @@
                 with every core
 
 Measured on a 2-core AVX2 host (AMD EPYC Zen 3, fp32) with `benchmarks/vs_vllm.py` and vLLM's own client
-(docs/benchmarks.md): with one core per node a cold 2048-token prompt takes 9.8 s disaggregated vs 5.3 s on one
-engine with both cores, and a burst of 32 prompts over 4 shared 1024-token prefixes waits 31.2 s vs 18.6 s mean
-TTFT; random 512/64 at concurrency 8 is a tie (23.9 vs 22.5 out tok/s). The decode core idles through every
+(docs/history/benchmarks.json, "The skinny GEMM's rows in blocks", its earlier run): with one core per node a cold
+2048-token prompt takes 9.8 s disaggregated vs 5.3 s on one engine with both cores, and a burst of 32 prompts over 4
+shared 1024-token prefixes waits 31.2 s vs 18.6 s mean TTFT; random 512/64 at concurrency 8 is a tie (23.9 vs 22.5
+out tok/s). The decode core idles through every
 prefill and the prefill core through every decode phase, and the one engine still loads any prefix the store
 holds (across requests, restarts and other nodes). Disaggregation pays once each role has cores of its own to
 spare: from `DISAGG_MIN_CORES` cores (not measured here: no such host), or with a GPU.

@@ -6,7 +6,7 @@ costs more than the copy itself (measured: 0.2-0.8 GB/s for a first dump vs 3-6 
 process owner should call this (the daemon does; an embedding engine may).
 
 It also keeps the process to one malloc arena. With glibc's per-thread arenas, a buffer freed in one thread's arena
-is not reused by another, and each arena keeps its own high-water mark: in a colocated soak (docs/benchmarks.md,
+is not reused by another, and each arena keeps its own high-water mark: in a colocated soak (docs/history/benchmarks.json,
 "Soak") the daemon held 23 MiB free in two arenas beside its 64 MiB DRAM tier. With one arena the free part was
 8 MiB at the same load, and `benchmarks.store_bandwidth` measured the same bandwidths (promotion from disk in process
 2x faster: its buffers are no longer fresh pages).

@@ -1,9 +1,10 @@
 """`ReuseAdmission`: which blocks DRAM evicts are worth a disk write (`DiskWrites.REUSED`).
 
-On a small host each disk write is CPU taken from the engine (docs/benchmarks.md: LMDB took ~1 CPU s a round of
-32 × 512-token prompts beside two engine threads, ~1 ms a 368 KiB block), and in a workload of new prompts no
-written block is ever read. Where evicted blocks do come back (15–24% of them on the Mooncake trace, with DRAM at 1%
-of its working set and the disk at 5–20%), each one found on disk saves a recompute worth ~10 writes, so there the
+On a small host each disk write is CPU taken from the engine (docs/history/benchmarks.json, "Where the served rounds'
+time goes": LMDB took ~1 CPU s a round of 32 × 512-token prompts beside two engine threads, ~1 ms a 368 KiB block),
+and in a workload of new prompts no written block is ever read. Where evicted blocks do come back (15–24% of them on
+the Mooncake trace, with DRAM at 1% of its working set and the disk at 5–20%: the same file, "Saves only while
+evicted blocks come back"), each one found on disk saves a recompute worth ~10 writes, so there the
 disk should take everything. So this watches whether evicted blocks come back, and:
 
 - while at least `write_all_returns` of the evicted blocks come back (and for the first `min_evictions`, before the

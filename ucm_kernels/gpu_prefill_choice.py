@@ -1,7 +1,8 @@
 """Which path a CUDA prefill runs, decided by measuring both on this GPU: the Triton paged kernel, or the torch
 path (gather the context's K/V, then torch's fused SDPA: flash attention on whole prompts).
 
-Neither wins everywhere. On an H100 (docs/benchmarks.md) the torch path ran Llama-8B's heads (x 128) over one
+Neither wins everywhere. On an H100 (docs/history/benchmarks.json, "GPU: NVIDIA H100 ...: prefill attention",
+2026-11-26) the torch path ran Llama-8B's heads (x 128) over one
 whole 8k prompt in 1.2 ms against the Triton kernel's 2.1, while the kernel won the same prompt's second half over
 its cached first (1.6 against 2.0 ms) and SmolLM2's heads (x 64) 2-3x either way. The torch path also loops over
 the sequences on the host (a sync, then one gather and one SDPA each), so it can only pay where each sequence

@@ -158,7 +158,8 @@ def _num_sms(device_index: int) -> int:
 
 # A grid of at least 2 programs per SM is not split; a smaller one is split up to 4 per SM. On an H200 (132 SMs,
 # bf16): llama8b b64x2k (512 programs) runs 0.133 ms whole vs 0.142 split in 2; llama8b b4x32k 0.158 ms at 2 per
-# SM vs 0.136 at 4; smollm2 b8x4k 0.058 vs 0.052 (docs/benchmarks.md, GPU kernels).
+# SM vs 0.136 at 4; smollm2 b8x4k 0.058 vs 0.052 (`benchmarks.kernels`' sweep: docs/history/benchmarks.json,
+# "GPU: NVIDIA H200").
 NO_SPLIT_PER_SM, SPLIT_TO_PER_SM = 2, 4
 
 

@@ -4,7 +4,7 @@
 format on every call; at decode batch sizes that reorder is a large part of the matmul. Packing once at load
 time gives bit-identical results and, measured on this project's AVX-512-BF16 dev machine (1 thread),
 25–45% faster matmuls at 1–32 rows and 3–8% at 512–2048 rows (`python -m benchmarks.kernels` has no row for
-this; see docs/benchmarks.md).
+this; a whole run's engine CPU time, 29.9 -> 28.0 s: docs/history/benchmarks.json, "Engine throughput").
 
 fp32 on CPU: a decode step's few rows go through a panel-packed copy of the weight (ucm_kernels/cpu/skinny_gemm.c),
 which reads it once per call where the BLAS also repacks it: 2.4x faster matmuls at 8 rows on a 2-core AVX2 EPYC.
