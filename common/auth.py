@@ -10,6 +10,11 @@ Key files are the z85 certificates `zmq.auth.create_certificates` writes (`NAME.
                                                 StoreClient(addr, auth=ClientAuth.from_dir(DIR, NAME))
     DIR/authorized/NAME.key                     public keys both servers accept (add more .key files here)
 
+A node's KV event sockets (common/kv_events/publisher.py) are CURVE servers too, with the node's own pair
+(`PublisherAuth`): they accept the router's key and every key in DIR/authorized/, so a consumer of the events
+(the router's prefix index, or one written for vLLM) connects with a pair from the folder and the node's public
+key DIR/NODE.key as its server key (`ServerAuth.client_keys_for`).
+
 Handing a client `DIR` gives it the servers' public keys and its own pair; a server's secret is only read
 by that server. The ZAP handler (`zmq.auth.thread.ThreadAuthenticator`) refuses any peer whose public key is
 not in the authorized folder: the handshake fails, nothing it sends reaches the server. The router also binds
@@ -143,6 +148,16 @@ class ServerAuth:
         sock.curve_server = True
         return authenticator
 
+    def client_keys_for(self, peer: str) -> CurveClientKeys:
+        """This server's pair as a CURVE client of peer `peer`'s own server (the router subscribing to node NAME's
+        KV events): NAME's public key is the one authorized under its name. ValueError if there is none."""
+        public, secret = _load_pair(Path(self.secret_file))
+        peer_file = Path(self.authorized_dir) / f"{check_client_name(peer)}.key"
+        if not peer_file.is_file():
+            raise ValueError(f"no public key {peer_file} for {peer!r}")
+        peer_public, _ = zmq.auth.load_certificate(peer_file)
+        return CurveClientKeys(public, secret, peer_public)
+
     def peer_names(self) -> dict[str, str]:
         """z85 public key (ZAP's User-Id) -> the name of its file in the authorized folder, read now.
 
@@ -194,3 +209,51 @@ class CurveClientKeys:
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_serverkey = self.server_public
+
+
+@dataclass(frozen=True)
+class PublisherAuth:
+    """A node's KV event sockets (PUB and replay ROUTER) as CURVE servers: the node's own pair; the subscribers
+    accepted are the router's key and every key in the authorized folder, read when the publisher starts."""
+
+    secret_file: Path
+    authorized_dir: Path
+    router_public_file: Path
+
+    @classmethod
+    def from_client(cls, auth: ClientAuth) -> PublisherAuth:
+        """From a node's router link (its pair, the router's public key), in the folder `generate_keys` wrote."""
+        secret = Path(auth.secret_file)
+        return cls(secret, secret.parent / AUTHORIZED, Path(auth.server_public_file))
+
+    def accepted_keys(self) -> set[bytes]:
+        """z85 public keys allowed to subscribe."""
+        keys = {zmq.auth.load_certificate(path)[0] for path in sorted(Path(self.authorized_dir).glob("*.key"))}
+        if not Path(self.router_public_file).is_file():
+            raise ValueError(f"router public key file {self.router_public_file} does not exist")
+        keys.add(zmq.auth.load_certificate(self.router_public_file)[0])
+        return keys
+
+    def start(self, ctx: zmq.Context[Any]) -> ThreadAuthenticator:
+        """The context's ZAP handler accepting `accepted_keys` (stop it at shutdown); one per context."""
+        authenticator = ThreadAuthenticator(ctx)
+        authenticator.start()
+        authenticator.configure_curve_callback(domain="*", credentials_provider=_KeySet(self.accepted_keys()))
+        return authenticator
+
+    def serve(self, sock: zmq.Socket[Any]) -> None:
+        """Make `sock` (not yet bound or connected) a CURVE server with the node's pair."""
+        public, secret = _load_pair(Path(self.secret_file))
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+
+
+@dataclass(frozen=True)
+class _KeySet:
+    """pyzmq's ZAP credentials provider: a fixed set of z85 keys."""
+
+    keys: set[bytes]
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
