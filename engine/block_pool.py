@@ -12,6 +12,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from common.keys import BlockKey
+from common.kv_events.events import KVEvent
+from engine.kv_event_log import KVEventLog
 
 
 @dataclass(eq=False)
@@ -49,9 +51,16 @@ class BlockPoolStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, record_evictions: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        record_evictions: bool = False,
+        events: KVEventLog | None = None,
+    ) -> None:
         """`record_evictions`: keep what every cached block reused by `get_new_blocks` held, until
-        `take_evicted` (a write-back connector saves them before the step overwrites them)."""
+        `take_evicted` (a write-back connector saves them before the step overwrites them). `events`: log every key
+        entering and leaving the prefix cache as vLLM's KV events, until `take_events`."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -65,6 +74,7 @@ class BlockPool:
         self.cache_version = 0
         self.record_evictions = record_evictions
         self._evicted: list[EvictedBlock] = []
+        self.events = events
 
     # -- allocation ---------------------------------------------------------------------------------------
     @property
@@ -112,9 +122,17 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(self, block: KVCacheBlock, key: BlockKey, parent_key: BlockKey, token_ids: tuple[int, ...]) -> bool:
+    def cache_block(
+        self,
+        block: KVCacheBlock,
+        key: BlockKey,
+        parent_key: BlockKey,
+        token_ids: tuple[int, ...],
+        first: bool = False,
+    ) -> bool:
         """Register a full, computed block. False (and nothing changes) if the key is already cached:
-        the duplicate then stays uncached and is simply reused once freed."""
+        the duplicate then stays uncached and is simply reused once freed. `first`: the sequence's first block (its
+        parent is the namespace root, which its BlockStored event leaves out, as vLLM does)."""
         if not self.enable_caching:
             return False
         assert block.ref_cnt > 0, f"caching unreferenced {block}"
@@ -126,6 +144,8 @@ class BlockPool:
         block.key, block.parent_key, block.token_ids = key, parent_key, token_ids
         self._cached[key] = block
         self.cache_version += 1
+        if self.events is not None:
+            self.events.stored(key, None if first else parent_key, token_ids)
         return True
 
     def take_evicted(self) -> list[EvictedBlock]:
@@ -137,17 +157,25 @@ class BlockPool:
         """Forget a block's key (e.g. its KV failed to load and holds garbage)."""
         self._evict(block)
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def take_events(self) -> list[KVEvent]:
+        """The KV events since the last call (none without an event log)."""
+        return self.events.take() if self.events is not None else []
+
+    def _evict(self, block: KVCacheBlock, announce: bool = True) -> None:
         if block.key is not None:
             if self._cached.get(block.key) is block:
                 del self._cached[block.key]
+                if announce and self.events is not None:
+                    self.events.removed(block.key)
             block.key = block.parent_key = block.token_ids = None
             block.reused = False
             self.cache_version += 1
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
-            self._evict(block)
+            self._evict(block, announce=False)
+        if self.events is not None:
+            self.events.cleared()
 
     # -- invariants -------------------------------------------------------------------------------------------
     def stats(self) -> BlockPoolStats:

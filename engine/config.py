@@ -183,6 +183,9 @@ class EngineConfig:
     # (False: recompute the whole last block).
     kv_recompute_last_token_only: bool = True
     kv_save_policy: KVSavePolicy = KVSavePolicy.COMPUTED
+    # Log the device prefix cache's changes as vLLM's KV events (`EngineCore.take_kv_events`, which a node publishes
+    # per step: common/kv_events/); vLLM's KVEventsConfig.enable_kv_cache_events.
+    enable_kv_cache_events: bool = False
     # On CPU, run each step with as many threads as cores other processes leave free (engine/thread_governor.py);
     # False (or UCM_ADAPTIVE_THREADS=0 in the environment, which reaches every node `up` starts): torch's count.
     adaptive_threads: bool = field(default_factory=adaptive_threads_default)

@@ -31,6 +31,7 @@ import torch
 
 import ucm_kernels
 from common.keys import BlockKey, KeyNamespace, root_key
+from common.kv_events.events import KVEvent
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided.backend import GuidedBackend
@@ -125,7 +126,9 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.stats_counters = EngineStats()
         write_back = kv_connector is not None and config.kv_save_policy.writes_back
-        self.kv_manager = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, write_back)
+        self.kv_manager = KVCacheManager(
+            num_blocks, bs, config.cache.enable_prefix_caching, write_back, config.enable_kv_cache_events
+        )
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=config.scheduler.max_num_seqs,
@@ -266,6 +269,11 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The device prefix cache's KV events since the last call (with `enable_kv_cache_events`; else none): what a
+        node publishes after each step, as vLLM's scheduler does."""
+        return self.kv_manager.take_events()
 
     # -- the step -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

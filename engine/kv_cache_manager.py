@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from common.kv_events.events import KVEvent
 from engine.block_pool import BlockPool, EvictedBlock, KVCacheBlock
+from engine.kv_event_log import KVEventLog
 from engine.request import Request
 
 
@@ -21,11 +23,18 @@ class PrefixMatch:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, record_evictions: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        record_evictions: bool = False,
+        record_events: bool = False,
     ) -> None:
+        """`record_events`: the block pool logs vLLM's KV events (`take_events`, once per step)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching, record_evictions)
+        events = KVEventLog(block_size) if record_events else None
+        self.pool = BlockPool(num_blocks, enable_caching, record_evictions, events)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -74,7 +83,7 @@ class KVCacheManager:
         end = min(request.num_computed_tokens // self.block_size, len(request.block_keys), len(blocks))
         for i in range(start, end):
             self.pool.cache_block(
-                blocks[i], request.block_keys[i], request.block_parent_key(i), request.block_token_ids(i)
+                blocks[i], request.block_keys[i], request.block_parent_key(i), request.block_token_ids(i), first=i == 0
             )
         self._num_cached_blocks[request.request_id] = max(start, end)
 
@@ -145,6 +154,9 @@ class KVCacheManager:
 
     def take_evicted(self) -> list[EvictedBlock]:
         return self.pool.take_evicted()
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

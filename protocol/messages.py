@@ -146,6 +146,15 @@ class CacheInfo(msgspec.Struct, omit_defaults=True):
 # ---------------------------------------------------------------- node → router
 
 
+class KVEventsEndpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """Where a node publishes its device prefix cache's KV events (vLLM's wire format, common/kv_events/): the
+    bound PUB address and replay ROUTER address as a subscriber reaches them, and the topic."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
 class Register(_Msg, tag="register"):
     node_id: str
     role: NodeRole
@@ -159,6 +168,9 @@ class Register(_Msg, tag="register"):
     has_store: bool
     instance: str = ""  # random per process: a restarted node with the same id is a new incarnation
     protocol_version: int = PROTOCOL_VERSION
+    # Set when the node publishes KV events on a socket it binds (--kv-events-config): the router's prefix index
+    # subscribes there. None: no events, or a PUB that connects out to a consumer the router is not.
+    kv_events: KVEventsEndpoint | None = None
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
