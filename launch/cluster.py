@@ -25,6 +25,7 @@ from typing import TextIO
 import httpx
 
 from common.auth import KeyPaths, generate_keys
+from common.kv_events.config import KVEventsConfig
 from common.save_policy import KVSavePolicy
 from launch.child import Child
 from launch.model_prep import model_folder
@@ -68,6 +69,8 @@ class ClusterSpec:
     node_args: tuple[str, ...] = field(default=())
     node_env: dict[str, dict[str, str]] = field(default_factory=dict)  # extra environment by node name (test hooks)
     secure: bool = True  # False: every child runs with --insecure (no CURVE)
+    # vLLM's --kv-events-config for every node; the i-th node (node_names() order) gets both ports offset by i
+    kv_events: KVEventsConfig | None = None
     extra_keys: tuple[str, ...] = ()  # more authorized node names (nodes started by hand, tests)
     # The store daemon's niceness (all its threads, set before exec). Its work is mostly background (every saved
     # block copied in and written behind to LMDB); at the default priority it preempts the engines' OpenMP threads
@@ -299,6 +302,9 @@ class Cluster:
             # peers' own script, and `up` with and without its store" (2026-12-02).
             nodes = max(1, self.spec.prefill + self.spec.decode + self.spec.colocated)
             args += ["--threads", str(max(1, (os.cpu_count() or 1) // nodes))]
+        if self.spec.kv_events is not None:
+            nth = self.spec.node_names().index(name)
+            args += ["--kv-events-config", self.spec.kv_events.for_node(nth).to_json()]
         if kind == "colocated":
             args.append("--colocated")
         if kind == "colocated" and self.store_addr is not None:  # prefill nodes always save as they compute

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 
+from common.kv_events.config import check_node_offsets, parse_kv_events_config
 from common.save_policy import KVSavePolicy
 from launch.cluster import Cluster, ClusterSpec, StoreMode
 from launch.model_prep import BadModel, check_model_spec
@@ -67,7 +68,7 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         help="which blocks the store writes to disk (`ucm-serve store --help`); default: behind with --disk-path "
         "or --ray, else reused (the temporary folder `up` removes at stop)",
     )
-    for flag in (flags.DTYPE, flags.DEVICE, flags.KV_CACHE_MEMORY):
+    for flag in (flags.DTYPE, flags.DEVICE, flags.KV_CACHE_MEMORY, flags.KV_EVENTS_CONFIG):
         flag.add(p)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cluster to be healthy")
     p.add_argument(
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
             parser.error(f"two models: {args.model!r} and --model {args.model_flag!r}")
         args.model = args.model or args.model_flag or defaults.MODEL
     if args.ray is not None:
+        if args.kv_events_config:
+            parser.error("--kv-events-config is not supported with --ray yet")
         from launch.ray.cli import up_main
 
         return up_main(args)
@@ -134,6 +137,9 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
     cuda = args.device == "cuda" or (args.device is None and _cuda_available())
     try:
         choice = choose_topology(args.topology, args.prefill, args.decode, cuda=cuda)
+        kv_events = parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None
+        if kv_events is not None:
+            check_node_offsets(kv_events, choice.prefill + choice.decode + choice.colocated)
     except ValueError as e:
         print(f"ucm-serve {command}: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -165,6 +171,7 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         secure=not args.insecure,
+        kv_events=kv_events,
     )
     if args.insecure:
         print("[up] WARNING: --insecure: router and store sockets accept anyone who can reach them", flush=True)

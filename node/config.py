@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from urllib.parse import urlencode
 
 from common.auth import ClientAuth
+from common.kv_events.config import KVEventsConfig, parse_kv_events_config
 from common.save_policy import KVSavePolicy
 from protocol import defaults, flags
 from protocol.messages import NodeRole
@@ -46,8 +47,10 @@ class NodeConfig:
     cached_keys_cap: int = 4096  # how many recent block keys a heartbeat carries
     step_delay_s: float = 0.0  # test hook (UCM_TEST_STEP_DELAY_S): extra seconds per engine step
     # CURVE keys for the router link (this node's pair, named for its node id, and the router's public key).
-    # None: unauthenticated (the CLI requires --insecure for that).
+    # None: unauthenticated (the CLI requires --insecure for that). The KV event sockets use the same pair.
     router_auth: ClientAuth | None = None
+    # vLLM's --kv-events-config: the device cache's KV events published per engine step (common/kv_events/)
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.router_addr:
@@ -72,6 +75,10 @@ class NodeConfig:
         return self.served_model_name or self.model
 
     @property
+    def publishes_kv_events(self) -> bool:
+        return self.kv_events is not None and self.kv_events.enabled
+
+    @property
     def resolved_node_id(self) -> str:
         return self.node_id or f"{self.role.value}-{socket.gethostname()}-{os.getpid()}"
 
@@ -88,6 +95,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     for flag in (flags.MAX_NUM_SEQS, flags.MAX_NUM_BATCHED_TOKENS, flags.MAX_MODEL_LEN, flags.KV_CACHE_MEMORY):
         flag.add(parser)
     flags.ENABLE_PREFIX_CACHING.add(parser)
+    flags.KV_EVENTS_CONFIG.add(parser)
     parser.add_argument(
         "--kv-save-policy",
         **flags.one_of(KVSavePolicy, KVSavePolicy.COMPUTED),
@@ -119,6 +127,7 @@ def _authenticated_store(store: str, keys: str, node_id: str) -> str:
 def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
     """ValueError for a bad combination (keys without a node id, neither keys nor --insecure)."""
     store = None if args.store.strip().lower() in NO_STORE else args.store.strip()
+    kv_events = parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None
     router_auth = None
     if args.insecure and args.curve_keys:
         raise ValueError("--insecure contradicts --curve-keys")
@@ -161,4 +170,5 @@ def config_from_args(args: argparse.Namespace, role: NodeRole) -> NodeConfig:
         num_threads=args.threads,
         step_delay_s=float(os.environ.get(STEP_DELAY_ENV) or 0.0),
         router_auth=router_auth,
+        kv_events=kv_events,
     )

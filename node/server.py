@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 import zmq
 
 from common.keys import KeyNamespace
@@ -23,6 +24,7 @@ from node.config import NodeConfig
 from node.heartbeat import HeartbeatThread, StoreStatsPoller
 from node.job import RoleWorker
 from node.key_cache import RecentKeys
+from node.kv_events import NodeEvents
 from node.openmp_env import openmp_wait
 from node.runner import JobRunner
 from protocol import messages as P
@@ -54,6 +56,7 @@ def build_engine(config: NodeConfig, worker: RoleWorker) -> Any:
         kv_store=config.store_addr,
         kv_role=worker.connector_role.value if config.store_addr else None,
         kv_save_policy=config.kv_save_policy,
+        enable_kv_cache_events=config.publishes_kv_events,
     )
     return EngineCore(engine_config)
 
@@ -100,6 +103,9 @@ class NodeServer:
         if keys is not None:
             keys.apply(sock)
         sock.connect(self.config.router_addr)
+        events = NodeEvents(self.config, self.engine) if self.config.publishes_kv_events else None
+        if events is not None:  # announced in the Register, which the heartbeat thread sends
+            self.register_msg = msgspec.structs.replace(self.register_msg, kv_events=events.announcement)
         heartbeat = HeartbeatThread(
             ctx, self.config.router_addr, self.register_msg, self.config.heartbeat_interval_s, self.recent_keys, keys
         )
@@ -121,8 +127,12 @@ class NodeServer:
                 frames = [frame for msg in self.runner.step() if (frame := self._encode(msg)) is not None]
                 for frame in P.step_replies(frames):  # one frame a step, not one a request
                     sock.send(frame)
+                if events is not None:
+                    events.after_step()  # one batch per step, as vLLM's scheduler publishes
                 heartbeat.update_load(self._load())
         finally:
+            if events is not None:
+                events.close()
             if poller is not None:
                 poller.stop()
             heartbeat.stop()

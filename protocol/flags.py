@@ -84,3 +84,13 @@ DTYPE = Flag(
     {"default": "auto", "choices": list(DTYPES)},
 )
 DEVICE = Flag("--device", "cpu or cuda (default: cuda if available)", {"default": None})
+KV_EVENTS_CONFIG = Flag(
+    "--kv-events-config",
+    "vLLM's KV cache events config, a JSON object: e.g. "
+    '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+    '"replay_endpoint": "tcp://*:5558"}\'; fields: enable_kv_cache_events, publisher, endpoint, replay_endpoint, '
+    "buffer_steps, hwm, max_queue_size, topic (vLLM's defaults). Each node publishes its device cache's "
+    "BlockStored/BlockRemoved/AllBlocksCleared there in vLLM's wire format (CURVE unless --insecure); the router "
+    "indexes them. `up` offsets both ports by each further node's index, as vLLM offsets them per data-parallel rank",
+    {"default": None, "metavar": "JSON"},
+)

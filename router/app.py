@@ -18,12 +18,13 @@ from typing import Any
 from fastapi import FastAPI
 
 from router.admission import AdmissionQueue
-from router.config import RouterConfig
+from router.config import PrefixSource, RouterConfig
 from router.context import RouterContext
 from router.dispatcher import Dispatcher
 from router.errors import install_error_handlers
 from router.http_gate import HttpGate
 from router.info_routes import info_routes
+from router.kv_index import KVIndex
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -46,9 +47,13 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         client = NodeClient(config.bind_nodes, registry, config.node_auth)
         client.on_node_event.append(metrics.node_event)
         client.on_node_event.append(lambda node_id, event: admission.pump())  # capacity may have grown
+        index = KVIndex(config.node_auth) if config.prefix_source is PrefixSource.EVENTS else None
+        if index is not None:
+            client.on_node_event.append(index.follow(registry))
+        app.state.kv_index = index
         await client.start()
         ctx.serving = OpenAIServing(
-            Dispatcher(client, config.decode_wait_s),
+            Dispatcher(client, config.decode_wait_s, index),
             admission,
             tokenizer,
             metrics,
@@ -70,6 +75,8 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         finally:
             stats.cancel()
             await client.close()
+            if index is not None:
+                index.close()
             pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ucm-serve router", lifespan=lifespan)

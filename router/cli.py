@@ -9,7 +9,7 @@ from pathlib import Path
 
 from common.auth import KeyPaths, ServerAuth
 from protocol import defaults, flags
-from router.config import RouterConfig
+from router.config import PrefixSource, RouterConfig
 
 log = logging.getLogger("router")
 
@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     flags.MAX_MODEL_LEN.add(p)
     for flag in TUNABLES:
         flag.add(p)
+    p.add_argument(
+        "--prefix-source",
+        **flags.one_of(PrefixSource, RouterConfig.prefix_source),
+        help="what prefix-aware pairing reads a node's device cache from: events = the KV events of nodes started "
+        "with --kv-events-config (indexed by the router), heartbeat summaries for the others; heartbeat = the "
+        "summaries alone (the policy before KV events)",
+    )
     p.add_argument("--log-level", default="info")
     auth = p.add_argument_group("node authentication (ZeroMQ CURVE, docs/security.md)")
     flags.curve_keys(
@@ -154,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=args.api_key,
         max_model_len=args.max_model_len,
         node_auth=node_auth,
+        prefix_source=args.prefix_source,
         **{flag.kwargs["dest"]: getattr(args, flag.kwargs["dest"]) for flag in TUNABLES},
     )
     import uvicorn

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from common.auth import ServerAuth
 from protocol import defaults
+
+
+class PrefixSource(enum.Enum):
+    """Where prefix-aware pairing (router/pairing.py) learns what each node's device cache holds."""
+
+    EVENTS = "events"  # the KV event index (router/kv_index.py) for nodes that publish events, else heartbeats
+    HEARTBEAT = "heartbeat"  # the recent-key summaries in heartbeats alone (the policy before KV events)
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,9 @@ class RouterConfig:
     # The periodic stats line (router/stats_log.py: throughput, running/waiting, KV usage, hit rates), written
     # every this many seconds while there is activity; vLLM's default.
     stats_interval_s: float = 10.0
+    # Nodes started with --kv-events-config announce their KV event endpoints; with EVENTS the router subscribes and
+    # pairs by what the events say each node holds (nodes without events: their heartbeat summaries).
+    prefix_source: PrefixSource = PrefixSource.EVENTS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

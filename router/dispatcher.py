@@ -30,6 +30,7 @@ import msgspec
 from common.keys import BlockKey
 from protocol import messages as P
 from router.arrivals import NodeArrivals
+from router.kv_index import KVIndex
 from router.node_client import NodeClient, NodeLost, NodeUnavailable
 from router.openai_schema import ApiError, bad_request
 from router.pairing import pick_decode, pick_prefill
@@ -117,11 +118,15 @@ class _DecodeState:
 
 
 class Dispatcher:
-    def __init__(self, client: NodeClient, decode_wait_s: float = DEFAULT_DECODE_WAIT_S):
+    def __init__(
+        self, client: NodeClient, decode_wait_s: float = DEFAULT_DECODE_WAIT_S, prefix_index: KVIndex | None = None
+    ):
+        """`prefix_index`: what the nodes' KV events say they hold (router/kv_index.py); None: heartbeats only."""
         if decode_wait_s < 0:
             raise ValueError(f"decode_wait_s must be >= 0, got {decode_wait_s}")
         self.client = client
         self.decode_wait_s = decode_wait_s
+        self.prefix_index = prefix_index
         self.arrivals = NodeArrivals()
         client.on_node_event.append(self.arrivals.node_event)
 
@@ -154,7 +159,10 @@ class Dispatcher:
             alive = self.registry.alive(P.NodeRole.PREFILL)
             if keys is None and alive:
                 keys = self.registry.prompt_keys(req.prompt_token_ids, req.cache_salt)
-            choice = pick_prefill(alive, keys or [], exclude=tried)
+            hits = None
+            if self.prefix_index is not None and keys:
+                hits = self.prefix_index.prefix_hits([n.node_id for n in alive], keys)
+            choice = pick_prefill(alive, keys or [], exclude=tried, hits=hits)
             if choice is None:
                 if trace.prefill_attempts:
                     log.warning("%s: no prefill node left (tried %s); decode node prefills", req.request_id, tried)
