@@ -1,0 +1,250 @@
+"""How near this host's own limits the engine runs (issue 49): its measured matmul rate and memory read bandwidth,
+and each phase of the yardstick models (benchmarks/yardstick_models.py) as a fraction of them.
+
+    python -m benchmarks.roofline [--models llama-1b qwen-0.5b] [--dtype auto] [--json bench_out/roofline.json]
+
+Measured in this process, all on the same threads (the engine's thread governor is off, so both see every core):
+
+    matmul rate    torch's F.linear on one decoder layer's shapes (qkv fused, o, gate_up fused, down) at a
+                   1536-token step, bf16 and fp32, best of --rounds
+    read bandwidth the faster of a sum and a dot product (with itself) over an fp32 buffer of 4x the last-level
+                   cache (at least 1 GiB, at most 4), best of --rounds
+    prefill        the engine's step that computes one 1536-token prompt (and samples its first token), best of
+                   --repeats, in FLOPs the step needs: every layer's qkv and causal attention for every row, o and MLP
+                   for every row but the last layer's (it runs them on the sampled row alone), the lm_head on one row
+    decode b       the median step of B requests decoding together (256-token prompts), in bytes a step must read:
+                   every weight (the tied lm_head whole) and each request's K and V so far
+
+Fractions: prefill's FLOP/s of the matmul rate in the engine's dtype (attention counted at the matmul rate, as the
+issue asks), decode's bytes/s of the read bandwidth. A model whose weights partly fit the last-level cache may read
+faster than DRAM: the fraction can then pass 100%. Targets (issue 49): prefill >= 85%, decode >= 75%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+
+from benchmarks.prefix_floor import attention_flops, linear_shapes, matmul_gflops
+from benchmarks.vllm_harness import synthetic_prompt
+from benchmarks.yardstick_models import SHAPES, ensure_model
+from engine import LLM, SamplingParams
+from engine.config import resolve_dtype_name
+from engine.model_config import ModelConfig
+from engine.step_budget import linear_flops_per_token
+from ucm_kernels.cpu.host import cpu_info, last_level_cache_bytes, vector_flags
+from ucm_kernels.cpu.timing import alternating_best_ms
+
+TARGETS = {"prefill": 0.85, "decode": 0.75}
+DECODE_PROMPT, DECODE_STEPS = 256, 16
+
+
+def read_bandwidth_gbs(rounds: int) -> tuple[float, int]:
+    """(GB/s, buffer bytes): the faster of two streaming reads (torch's sum, and a dot product of the buffer with
+    itself) of a buffer well past the last-level cache."""
+    llc = last_level_cache_bytes() or (64 << 20)
+    size = min(max(4 * llc, 1 << 30), 4 << 30)
+    buf = torch.ones(size // 4, dtype=torch.float32)
+    reads = [buf.sum, lambda: torch.dot(buf, buf)]
+    for read in reads:
+        read()  # first touch
+    ms = min(alternating_best_ms(reads, rounds))
+    return size / (ms / 1000) / 1e9, size
+
+
+def prefill_flops(mc: ModelConfig, tokens: int) -> int:
+    """What the engine's prompt step computes (module docstring): the last layer's o and MLP on the sampled row."""
+    per_layer_token = linear_flops_per_token(mc) // mc.num_layers
+    qkv = 2 * mc.hidden_size * (mc.q_size + 2 * mc.kv_size)
+    skipped = (per_layer_token - qkv) * (tokens - 1)
+    lm_head = 2 * mc.vocab_size * mc.hidden_size
+    return linear_flops_per_token(mc) * tokens - skipped + attention_flops(mc, 0, tokens) + lm_head
+
+
+def weight_bytes(mc: ModelConfig, itemsize: int) -> int:
+    """Every weight a decode step reads: the layers' matmuls, biases and norms, the final norm and the lm_head."""
+    layer = sum(n * k for n, k in linear_shapes(mc)) + 2 * mc.hidden_size
+    layer += (mc.q_size + 2 * mc.kv_size) if mc.qkv_bias else 0
+    return itemsize * (mc.num_layers * layer + mc.vocab_size * mc.hidden_size + mc.hidden_size)
+
+
+def kv_bytes(mc: ModelConfig, tokens: int, itemsize: int) -> int:
+    return 2 * mc.num_layers * mc.kv_size * tokens * itemsize
+
+
+def time_prefill(llm: LLM, tokens: int, repeats: int, seed: int) -> float:
+    """Seconds of the step that computes a whole `tokens`-token prompt, best of `repeats` (new prompts each)."""
+    engine, best = llm.engine, float("inf")
+    for r in range(repeats):
+        engine.add_request(f"p{seed}-{r}", synthetic_prompt(tokens, seed * 100 + r), SamplingParams(max_tokens=1))
+        while engine.has_unfinished_requests():
+            before = engine.stats().computed_tokens
+            t0 = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - t0
+            if engine.stats().computed_tokens - before == tokens:
+                best = min(best, seconds)
+    assert best < float("inf"), f"no step computed the {tokens}-token prompt at once (max_num_batched_tokens?)"
+    return best
+
+
+def time_decode(llm: LLM, batch: int, seed: int) -> list[float]:
+    """Seconds of DECODE_STEPS steps in which `batch` requests decode together (their prompts already computed)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0, ignore_eos=True)
+    ids = [f"d{seed}-{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, synthetic_prompt(DECODE_PROMPT, seed * 1000 + batch * 10 + i), params)
+    steps: list[float] = []
+    while len(steps) < DECODE_STEPS and engine.has_unfinished_requests():
+        before = engine.stats().computed_tokens
+        t0 = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - t0
+        if engine.stats().computed_tokens == before:  # no prompt tokens: every request decoded a token
+            steps.append(seconds)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return steps
+
+
+def measure_model(
+    shape: str, dtype: str, rates: dict[str, float], bandwidth: float, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    folder = ensure_model(shape)
+    mc = ModelConfig.from_folder(folder)
+    llm = LLM(
+        model=str(folder),
+        dtype=dtype,
+        kv_cache_memory="512MiB",
+        max_num_seqs=max(args.batches),
+        max_num_batched_tokens=max(2048, args.prefill_tokens),
+        enable_prefix_caching=False,
+    )
+    llm.engine.governor = None  # every core, as the matmuls and the read were measured
+    torch.set_num_threads(args.threads)
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    try:
+        time_prefill(llm, args.prefill_tokens, 1, seed=9)  # warm: one-time costs are not the subject
+        time_decode(llm, max(args.batches), seed=9)
+        rows = []
+        prefill_s = time_prefill(llm, args.prefill_tokens, args.repeats, seed=1)
+        flops = prefill_flops(mc, args.prefill_tokens)
+        roof = rates[dtype] * 1e9
+        rows.append(
+            {
+                "model": shape,
+                "phase": f"prefill {args.prefill_tokens}",
+                "work": flops,
+                "unit": "FLOP",
+                "ms": prefill_s * 1e3,
+                "rate": flops / prefill_s,
+                "roofline": roof,
+                "fraction": flops / prefill_s / roof,
+                "target": TARGETS["prefill"],
+            }
+        )
+        for batch in args.batches:
+            steps = time_decode(llm, batch, seed=2)
+            step_s = statistics.median(steps)
+            context = DECODE_PROMPT + DECODE_STEPS // 2  # the median step's K/V per request
+            read = weight_bytes(mc, itemsize) + batch * kv_bytes(mc, context, itemsize)
+            rows.append(
+                {
+                    "model": shape,
+                    "phase": f"decode b{batch}",
+                    "work": read,
+                    "unit": "B",
+                    "ms": step_s * 1e3,
+                    "rate": read / step_s,
+                    "roofline": bandwidth,
+                    "fraction": read / step_s / bandwidth,
+                    "target": TARGETS["decode"],
+                    "tok_s": batch / step_s,
+                    "steps_ms": [s * 1e3 for s in steps],
+                }
+            )
+        return rows
+    finally:
+        llm.close()
+        del llm
+        gc.collect()
+
+
+def fmt_work(row: dict[str, Any]) -> tuple[str, str]:
+    if row["unit"] == "FLOP":
+        return f"{row['work'] / 1e12:.2f} TFLOP", f"{row['rate'] / 1e12:.2f} of {row['roofline'] / 1e12:.2f} TFLOP/s"
+    return f"{row['work'] / 1e9:.2f} GB", f"{row['rate'] / 1e9:.1f} of {row['roofline'] / 1e9:.1f} GB/s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--dtype", default="auto", help="the engine's: auto (as served), bfloat16 or float32")
+    ap.add_argument("--prefill-tokens", type=int, default=1536)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--repeats", type=int, default=3, help="prefill steps timed (the best counts)")
+    ap.add_argument("--rounds", type=int, default=5, help="matmul and read timings (the best counts)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = resolve_dtype_name(args.dtype, "cpu")
+    model_name, _ = cpu_info()
+    host = f"{model_name} [{' '.join(vector_flags())}], {args.threads} thread(s), engine dtype {dtype}"
+    print(f"host: {host}", flush=True)
+    bandwidth_gbs, buf = read_bandwidth_gbs(args.rounds)
+    print(f"read bandwidth: {bandwidth_gbs:.1f} GB/s (streaming reads of {buf / 2**30:.2f} GiB)", flush=True)
+    report: dict[str, Any] = {
+        "host": host,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "dtype": dtype,
+        "threads": args.threads,
+        "read_gbs": bandwidth_gbs,
+        "models": {},
+    }
+    rows: list[dict[str, Any]] = []
+    for shape in args.models:
+        mc = ModelConfig.from_folder(ensure_model(shape))
+        rates = {
+            str(dt).removeprefix("torch."): matmul_gflops(mc, args.prefill_tokens, dt, args.rounds)
+            for dt in (torch.bfloat16, torch.float32)
+        }
+        print(
+            f"{shape}: matmul at {args.prefill_tokens} rows: "
+            + ", ".join(f"{d} {r:.0f} GFLOP/s" for d, r in rates.items()),
+            flush=True,
+        )
+        report["models"][shape] = {"matmul_gflops": rates}
+        rows += measure_model(shape, dtype, rates, bandwidth_gbs * 1e9, args)
+    print(
+        f"\n{'model':<11}{'phase':<14}{'work':>12}{'time ms':>10}  {'achieved of measured':<28}{'fraction':>9}  target"
+    )
+    for row in rows:
+        work, rate = fmt_work(row)
+        ok = "ok" if row["fraction"] >= row["target"] else "--"
+        print(
+            f"{row['model']:<11}{row['phase']:<14}{work:>12}{row['ms']:>10.1f}  {rate:<28}{100 * row['fraction']:>8.0f}%"
+            f"  >= {100 * row['target']:.0f}% {ok}"
+        )
+    report["rows"] = rows
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
