@@ -19,7 +19,7 @@ hit once is used again with probability 0.44, twice 0.56, three times or more 0.
 sooner. Of never-hit blocks, what comes back is the tail of a conversation whose user sends another turn: of
 first turns, 0.41 of those under 8 blocks and 0.24 of those over 48; of follow-ups 0.56 and 0.40. The depth and
 lineage classes were chosen on that half alone; on the traces held out from it they took the share of the
-LRU→MIN gap closed from 18.8% to 24.5% (docs/benchmarks.md, hit_rate_suite).
+LRU→MIN gap closed from 18.8% to 24.7% (docs/benchmarks.md, hit_rate_suite).
 
 A chain is stored deepest block first, so a block's depth and lineage are known only once the block above it
 arrives: blocks wait *unanchored* until then, and the arrival of the request's shallowest new block (whose parent
