@@ -68,3 +68,19 @@ def check_size(size: int) -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(f"block size must be a non-negative int, got {size!r}")
     return size
+
+
+class SizedKeys:
+    """What the policies that keep one size per tracked key share: membership, length, and admitting every block."""
+
+    _sizes: dict[Hashable, int]
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._sizes
+
+    def admit(self, key: Hashable, size: int) -> bool:
+        check_size(size)
+        return True

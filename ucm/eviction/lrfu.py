@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable
 
-from ucm.eviction.base import PolicyName, check_capacity, check_size
+from ucm.eviction.base import PolicyName, SizedKeys, check_capacity, check_size
 from ucm.eviction.scored_heap import ScoredHeap
 
 
-class LRFUPolicy:
+class LRFUPolicy(SizedKeys):
     name = PolicyName.LRFU
 
     def __init__(self, capacity_bytes: int, half_life: int | None = None) -> None:
@@ -29,16 +29,6 @@ class LRFUPolicy:
         self._sizes: dict[Hashable, int] = {}
         self._clock = 0
         self.used_bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._sizes)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._sizes
-
-    def admit(self, key: Hashable, size: int) -> bool:
-        check_size(size)
-        return True
 
     def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         check_size(size)

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from ucm.eviction.base import PolicyName, check_capacity, check_size
+from ucm.eviction.base import PolicyName, SizedKeys, check_capacity, check_size
 
 
-class LRUPolicy:
+class LRUPolicy(SizedKeys):
     """An OrderedDict from oldest to newest use; O(1) per operation, O(chain depth) per insert under a resident
     parent, O(pinned) extra per evict."""
 
@@ -26,16 +26,6 @@ class LRUPolicy:
         self._sizes: OrderedDict[Hashable, int] = OrderedDict()
         self._parents: dict[Hashable, Hashable] = {}
         self.used_bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._sizes)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._sizes
-
-    def admit(self, key: Hashable, size: int) -> bool:
-        check_size(size)
-        return True
 
     def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         check_size(size)
