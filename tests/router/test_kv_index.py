@@ -4,7 +4,6 @@ CURVE; the pairing's use of it; and the live router indexing a real node runtime
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -225,70 +224,56 @@ class EventfulEngine(FakeEngine):
 
 
 def test_the_live_router_indexes_what_a_node_announces(tmp_path) -> None:
-    import uvicorn
-
     from decode_node.worker import DecodeWorker
-    from engine.model_source import resolve_model_dir
-    from engine.tokenizer import Tokenizer
     from launch.cluster import free_port
     from node.config import NodeConfig
     from node.server import NodeServer
-    from router.app import create_app
     from router.config import RouterConfig
+    from tests.router.hostile_live import live_router
 
-    config = RouterConfig(port=free_port(), node_timeout_s=1.0)
-    app = create_app(config, Tokenizer(resolve_model_dir(config.model)))
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=config.port, loop="asyncio", log_level="warning")
-    )
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
-    thread.start()
-    _until("the router", lambda: server.started)
-    events = KVEventsConfig(
-        enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay"
-    )
-
-    def start_node() -> tuple[NodeServer, EventfulEngine, threading.Thread]:
-        node_config = NodeConfig(
-            role=P.NodeRole.DECODE,
-            router_addr=app.state.nodes_address,
-            store_addr=None,
-            node_id="d0",
-            served_model_name="smollm2-135m",
-            heartbeat_interval_s=0.1,
-            kv_events=events,
+    with live_router(RouterConfig(port=free_port(), node_timeout_s=1.0)) as (app, _):
+        events = KVEventsConfig(
+            enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay"
         )
-        engine = EventfulEngine()
-        node = NodeServer(node_config, engine, DecodeWorker())
-        node_thread = threading.Thread(target=node.serve, daemon=True)
-        node_thread.start()
-        return node, engine, node_thread
 
-    index: KVIndex = app.state.kv_index
-    registry: Registry = app.state.registry
-    node, engine, node_thread = start_node()
-    try:
-        _until("registered and indexed", lambda: "d0" in registry.nodes and index.indexed("d0"))
-        announced = registry.nodes["d0"].info.kv_events
-        assert announced == P.KVEventsEndpoint(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "")
-        keys = registry.prompt_keys(list(range(64)), None)
-        engine.emit([block_stored(keys[:3], None, list(range(48)), 16)])
-        _until("the node's blocks", lambda: index.holders(keys) == {"d0": 3})
-        engine.emit([AllBlocksCleared()])
-        _until("AllBlocksCleared", lambda: index.holders(keys) == {})
-        engine.emit([block_stored(keys[:2], None, list(range(32)), 16)])
-        _until("stored again", lambda: index.holders(keys) == {"d0": 2})
-        node.stop()
-        node_thread.join(10)
-        _until("dropped after missed heartbeats, and forgotten", lambda: not index.indexed("d0"))
-        assert index.holders(keys) == {}
-        node, engine, node_thread = start_node()  # a new incarnation on the same addresses
-        _until("indexed again", lambda: index.indexed("d0"))
-        engine.emit([block_stored(keys[:1], None, list(range(16)), 16)])
-        _until("the new incarnation's blocks alone", lambda: index.blocks("d0") == {keys[0]})
-    finally:
-        node.stop()
-        node_thread.join(10)
-        server.should_exit = True
-        thread.join(10)
+        def start_node() -> tuple[NodeServer, EventfulEngine, threading.Thread]:
+            node_config = NodeConfig(
+                role=P.NodeRole.DECODE,
+                router_addr=app.state.nodes_address,
+                store_addr=None,
+                node_id="d0",
+                served_model_name="smollm2-135m",
+                heartbeat_interval_s=0.1,
+                kv_events=events,
+            )
+            engine = EventfulEngine()
+            node = NodeServer(node_config, engine, DecodeWorker())
+            node_thread = threading.Thread(target=node.serve, daemon=True)
+            node_thread.start()
+            return node, engine, node_thread
+
+        index: KVIndex = app.state.kv_index
+        registry: Registry = app.state.registry
+        node, engine, node_thread = start_node()
+        try:
+            _until("registered and indexed", lambda: "d0" in registry.nodes and index.indexed("d0"))
+            announced = registry.nodes["d0"].info.kv_events
+            assert announced == P.KVEventsEndpoint(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "")
+            keys = registry.prompt_keys(list(range(64)), None)
+            engine.emit([block_stored(keys[:3], None, list(range(48)), 16)])
+            _until("the node's blocks", lambda: index.holders(keys) == {"d0": 3})
+            engine.emit([AllBlocksCleared()])
+            _until("AllBlocksCleared", lambda: index.holders(keys) == {})
+            engine.emit([block_stored(keys[:2], None, list(range(32)), 16)])
+            _until("stored again", lambda: index.holders(keys) == {"d0": 2})
+            node.stop()
+            node_thread.join(10)
+            _until("dropped after missed heartbeats, and forgotten", lambda: not index.indexed("d0"))
+            assert index.holders(keys) == {}
+            node, engine, node_thread = start_node()  # a new incarnation on the same addresses
+            _until("indexed again", lambda: index.indexed("d0"))
+            engine.emit([block_stored(keys[:1], None, list(range(16)), 16)])
+            _until("the new incarnation's blocks alone", lambda: index.blocks("d0") == {keys[0]})
+        finally:
+            node.stop()
+            node_thread.join(10)
