@@ -9,27 +9,23 @@ sizes GDSF orders by frequency with aging. Frequencies are kept only while a blo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
-from ucm.eviction.base import PolicyName, SizedKeys, check_capacity, check_size
-from ucm.eviction.scored_heap import ScoredHeap
+from ucm.eviction.base import PolicyName, check_size
+from ucm.eviction.scored_heap import ScoredPolicy
 
 
-class GDSFPolicy(SizedKeys):
+class GDSFPolicy(ScoredPolicy):
     name = PolicyName.GDSF
 
     def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = check_capacity(capacity_bytes)
-        self._heap = ScoredHeap()
-        self._sizes: dict[Hashable, int] = {}
+        super().__init__(capacity_bytes)
         self._freq: dict[Hashable, int] = {}
         self.clock = 0.0
-        self.used_bytes = 0
 
     def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         check_size(size)
-        self.used_bytes += size - self._sizes.get(key, 0)
-        self._sizes[key] = size
+        self._put(key, size)
         self._freq[key] = self._freq.get(key, 0) + 1
         self._rescore(key)
 
@@ -38,22 +34,10 @@ class GDSFPolicy(SizedKeys):
             self._freq[key] += 1
             self._rescore(key)
 
-    def remove(self, key: Hashable) -> None:
-        size = self._sizes.pop(key, None)
-        if size is not None:
-            self.used_bytes -= size
-            del self._freq[key]
-            self._heap.discard(key)
-
-    def evict(self, can_evict: Callable[[Hashable], bool]) -> Hashable | None:
-        found = self._heap.pop_min(can_evict)
-        if found is None:
-            return None
-        key, priority = found
-        self.clock = max(self.clock, priority)
-        self.used_bytes -= self._sizes.pop(key)
+    def _left(self, key: Hashable, score: float | None) -> None:
         del self._freq[key]
-        return key
+        if score is not None:
+            self.clock = max(self.clock, score)
 
     def _rescore(self, key: Hashable) -> None:
         # Cost per byte: one block's tokens over its bytes, the same for every block of a model: 1 / size up

@@ -11,50 +11,32 @@ one cache-full of accesses counts half as much.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
-from ucm.eviction.base import PolicyName, SizedKeys, check_capacity, check_size
-from ucm.eviction.scored_heap import ScoredHeap
+from ucm.eviction.base import PolicyName, check_size
+from ucm.eviction.scored_heap import ScoredPolicy
 
 
-class LRFUPolicy(SizedKeys):
+class LRFUPolicy(ScoredPolicy):
     name = PolicyName.LRFU
 
     def __init__(self, capacity_bytes: int, half_life: int | None = None) -> None:
-        self.capacity_bytes = check_capacity(capacity_bytes)
+        super().__init__(capacity_bytes)
         if half_life is not None and half_life <= 0:
             raise ValueError(f"half_life must be positive, got {half_life}")
         self._half_life = half_life  # None: capacity in blocks, set at the first insert
-        self._heap = ScoredHeap()
-        self._sizes: dict[Hashable, int] = {}
         self._clock = 0
-        self.used_bytes = 0
 
     def insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         check_size(size)
         if self._half_life is None:
             self._half_life = max(1, self.capacity_bytes // max(size, 1))
-        self.used_bytes += size - self._sizes.get(key, 0)
-        self._sizes[key] = size
+        self._put(key, size)
         self._use(key)
 
     def touch(self, key: Hashable) -> None:
         if key in self._sizes:
             self._use(key)
-
-    def remove(self, key: Hashable) -> None:
-        size = self._sizes.pop(key, None)
-        if size is not None:
-            self.used_bytes -= size
-            self._heap.discard(key)
-
-    def evict(self, can_evict: Callable[[Hashable], bool]) -> Hashable | None:
-        found = self._heap.pop_min(can_evict)
-        if found is None:
-            return None
-        key = found[0]
-        self.used_bytes -= self._sizes.pop(key)
-        return key
 
     def _use(self, key: Hashable) -> None:
         assert self._half_life is not None, "the half-life is set at the first insert"

@@ -1,4 +1,5 @@
-"""A min-heap of keys by a float score, with lazy deletion: the shared core of the scored policies (GDSF, LRFU).
+"""A min-heap of keys by a float score, with lazy deletion, and `ScoredPolicy`: the shared core of the policies
+that evict the lowest score (GDSF, LRFU).
 
 A key's score can only be replaced, never edited in place: the new (score, seq, key) entry shadows the old one,
 which is skipped when it surfaces. Stale entries are compacted once they outnumber live ones, so memory stays
@@ -10,6 +11,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Hashable
+
+from ucm.eviction.base import SizedKeys, check_capacity
 
 _COMPACT_SLACK = 1024
 
@@ -57,3 +60,37 @@ class ScoredHeap:
         for entry in pinned:
             heapq.heappush(self._heap, entry)
         return found
+
+
+class ScoredPolicy(SizedKeys):
+    """Sizes, used bytes and the heap of a policy that evicts its lowest-scored key; a subclass scores (`_heap.set`)
+    and hears of each key that leaves through `_left`."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = check_capacity(capacity_bytes)
+        self._heap = ScoredHeap()
+        self._sizes: dict[Hashable, int] = {}
+        self.used_bytes = 0
+
+    def _put(self, key: Hashable, size: int) -> None:
+        self.used_bytes += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+
+    def remove(self, key: Hashable) -> None:
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self.used_bytes -= size
+            self._heap.discard(key)
+            self._left(key, None)
+
+    def evict(self, can_evict: Callable[[Hashable], bool]) -> Hashable | None:
+        found = self._heap.pop_min(can_evict)
+        if found is None:
+            return None
+        key, score = found
+        self.used_bytes -= self._sizes.pop(key)
+        self._left(key, score)
+        return key
+
+    def _left(self, key: Hashable, score: float | None) -> None:
+        """`key` is no longer tracked: evicted at `score`, or removed (None)."""
