@@ -83,7 +83,6 @@ class StatsLogger:
         seconds = max(now.at - before.at, 1e-9)
         usage = [1.0 - n.free_blocks / n.info.num_blocks for n in nodes if n.info.num_blocks > 0]
         tiers = [f"{t.value} {_percent(now.tiers[t] - before.tiers[t], queried)}" for t in StoreTier]
-        # A counter going down is a restarted store: count from zero again.
         evicted = [f"{t.value} {_since(before.evictions[t], now.evictions[t]):.0f}" for t in StoreTier]
         return (
             f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, "

@@ -71,7 +71,7 @@ class TierStats:
     # Blocks that left, per reason: to make room (the policy's choice), asked (`remove`), found corrupt by a read.
     evictions: int = 0
     removed: int = 0
-    dropped_corrupt: int = 0
+    corrupt_dropped: int = 0
     # Blocks not written here for want of reuse (the disk with DiskWrites.REUSED: DRAM evicted them unread, first seen).
     declined: int = 0
     bytes_read: int = 0

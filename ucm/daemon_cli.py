@@ -242,7 +242,7 @@ def _table(stats: StoreStats) -> str:
         load_ms = 1e3 * t.read_seconds / t.hits if t.hits else 0.0
         lines.append(
             f"{tier.value:<6}{t.hits:>10}{t.misses:>10}{t.blocks:>9}{format_size(t.bytes_used):>12}"
-            f"{format_size(t.capacity_bytes):>12}{t.evictions:>9}{t.removed:>9}{t.dropped_corrupt:>9}{t.declined:>9}"
+            f"{format_size(t.capacity_bytes):>12}{t.evictions:>9}{t.removed:>9}{t.corrupt_dropped:>9}{t.declined:>9}"
             f"{load_ms:>9.3f}{rd:>11.2f}{wr:>11.2f}"
         )
     lines.append(

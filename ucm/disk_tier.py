@@ -207,7 +207,7 @@ class DiskTier:
         with self._lock:
             present = [key for key in keys if self._forget(key)]
             if corrupt:
-                self.stats.dropped_corrupt += len(present)
+                self.stats.corrupt_dropped += len(present)
             else:
                 self.stats.removed += len(present)
         self._delete(list(keys) if purge else present)

@@ -133,7 +133,7 @@ class DramTier:
         if record is None:
             return False
         if corrupt:
-            self.stats.dropped_corrupt += 1
+            self.stats.corrupt_dropped += 1
         else:
             self.stats.removed += 1
         self._read.discard(key)

@@ -42,11 +42,11 @@ def test_corruption_on_disk_is_a_miss_and_dropped(tmp_path, where: int) -> None:
         stats = store.stats()
         assert stats.corrupt_dropped == 1 and stats.tiers[Tier.DISK].blocks == 2
         disk = stats.tiers[Tier.DISK]
-        assert (disk.dropped_corrupt, disk.removed, disk.evictions) == (1, 0, 0), "counted under its reason"
+        assert (disk.corrupt_dropped, disk.removed, disk.evictions) == (1, 0, 0), "counted under its reason"
         assert store.lookup([r.key for r in refs]) == 1
         store.remove([refs[2].key])
         disk = store.stats().tiers[Tier.DISK]
-        assert (disk.dropped_corrupt, disk.removed) == (1, 1)
+        assert (disk.corrupt_dropped, disk.removed) == (1, 1)
     with lmdb.open(str(tmp_path / "db"), readonly=True, lock=False) as env:
         assert env.begin().get(refs[1].key) is None  # dropped from LMDB too
 
