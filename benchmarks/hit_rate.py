@@ -117,6 +117,11 @@ class Replayer:
         return dram_hits, disk_hits
 
 
+def capacity_blocks(frac: float, working_set_blocks: int) -> int:
+    """A tier of `frac` × the working set, in whole blocks (at least one)."""
+    return max(1, round(frac * working_set_blocks))
+
+
 def run_point(
     workload: str,
     sweep: str,
@@ -132,7 +137,7 @@ def run_point(
     """`min_hits`: Belady's prefix hits at this capacity when the caller has them (they depend on the capacity only)."""
     replayer = Replayer()
     rec = replayer.record_bytes()
-    cap = max(1, round(frac * ws))
+    cap = capacity_blocks(frac, ws)
     dram_blocks, disk_blocks = (cap, 0) if sweep == "dram" else (max(1, round(dram_frac * ws)), cap)
     start = time.perf_counter()
     shm = Path("/dev/shm")

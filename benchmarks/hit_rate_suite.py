@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.hit_rate import Replayer, run_point
+from benchmarks.hit_rate import Replayer, capacity_blocks, run_point
 from benchmarks.hit_rate_point import Point
 from benchmarks.trace_suite import TraceName, load
 from benchmarks.traces import working_set
@@ -53,7 +53,7 @@ def _point(args: tuple[TraceName, float, PolicyName, int, int | None]) -> Point:
 def _min_hits(args: tuple[TraceName, float, int | None]) -> int:
     name, frac, max_requests = args
     blocks = _blocks(name, max_requests)
-    return belady(blocks, max(1, round(frac * working_set(blocks)))).prefix_hits
+    return belady(blocks, capacity_blocks(frac, working_set(blocks))).prefix_hits
 
 
 def gap_closed(points: list[Point], policy: str) -> float:
@@ -76,7 +76,6 @@ def report(points: list[Point], candidate: str) -> dict[str, object]:
         f"\nhit rate % per trace and capacity (f of its working set), DRAM-only store; MIN = Belady; candidate {candidate}"
     )
     print(f"{'trace':<14}{'cap':>6}" + "".join(f"{n:>9}" for n in policies) + f"{'MIN':>8}{'cand-best':>10}")
-    verdict: dict[str, object] = {"candidate": candidate, "cells_below_best": [], "gap_closed": {}}
     below: list[str] = []
     for trace in traces:
         rows = [p for p in points if p.workload == trace]
@@ -113,8 +112,13 @@ def report(points: list[Point], candidate: str) -> dict[str, object]:
         f"{100 * held_mean.get(candidate, float('nan')):.1f}% (target {100 * HELD_OUT_GAP:g}%); conversation trace "
         f"{100 * conv_mean:.1f}% (target {100 * CONVERSATION_GAP:g}%)"
     )
-    verdict.update(cells_below_best=below, gap_closed=gaps, held_out_mean=held_mean, conversation_gap=conv_mean)
-    return verdict
+    return {
+        "candidate": candidate,
+        "cells_below_best": below,
+        "gap_closed": gaps,
+        "held_out_mean": held_mean,
+        "conversation_gap": conv_mean,
+    }
 
 
 def daemon_check(
@@ -192,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     traces = [TraceName(t) for t in ("conv-tune,azure-agent" if args.quick else args.traces).split(",")]
     policies = [PolicyName(p) for p in args.policies.split(",")]
     fracs = [float(f) for f in ("0.02,0.1" if args.quick else args.fracs).split(",")]
-    for name in traces:
-        print(f"{name.value}: {len(load(name).requests)} requests", flush=True)
+    for name in traces:  # loaded here once for the daemon check too (`_blocks` is cached per process)
+        print(f"{name.value}: {len(_blocks(name, args.max_requests))} requests", flush=True)
     t0 = time.perf_counter()
     cells = [(t, f, args.max_requests) for t in traces for f in fracs]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
