@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, default_trace_path
+from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, Chainer, default_trace_path
 
 SYNTHETIC_BLOCK_TOKENS = (
     128  # Azure prompts are short (median 1,020 and 1,469 tokens): 512-token blocks hide their structure
@@ -146,20 +146,6 @@ def azure_rows(kind: str) -> list[AzureRow]:
     return rows
 
 
-class _Chainer:
-    """Interns (parent id, content) into fresh ids, so equal prefixes get equal ids (as chained hashes do)."""
-
-    def __init__(self) -> None:
-        self._ids: dict[tuple[int, Hashable], int] = {}
-
-    def chain(self, contents: list[Hashable]) -> list[int]:
-        out, parent = [], -1
-        for content in contents:
-            parent = self._ids.setdefault((parent, content), len(self._ids))
-            out.append(parent)
-        return out
-
-
 @dataclass(order=True)
 class _Session:
     due_ms: float  # when its user (or agent) sends the next turn
@@ -198,7 +184,7 @@ def generated(name: TraceName) -> Trace:
     bt = SYNTHETIC_BLOCK_TOKENS
     lengths = rng.integers(shape.prefix_blocks[0], shape.prefix_blocks[1] + 1, size=shape.prefixes)
     weights = 1.0 / np.arange(1, shape.prefixes + 1) ** shape.zipf
-    chainer = _Chainer()
+    chainer = Chainer()
     system: list[Hashable] = [("system", j) for j in range(shape.system_blocks)]
     waiting: list[_Session] = []  # heap by due time
     ready: list[_Session] = []  # due, in due order
@@ -228,7 +214,7 @@ def generated(name: TraceName) -> Trace:
         ids = chainer.chain(content[: row.context_tokens // bt])
         # The trailing partial block's id is unique to this request, as in Mooncake's files.
         if row.context_tokens % bt:
-            ids.append(chainer.chain([*content[: row.context_tokens // bt], ("tail", i)])[-1])
+            ids += chainer.chain([("tail", i)], parent=ids[-1] if ids else -1)
         out.append(TraceRequest(now, row.context_tokens, row.generated_tokens, ids))
         session.turns_left -= 1
         if session.turns_left > 0:

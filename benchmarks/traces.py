@@ -68,15 +68,15 @@ def load_mooncake(path: Path, max_requests: int | None = None, sample: int = 1) 
     return requests
 
 
-class _Chainer:
-    """Interns (parent id, content) pairs into fresh int ids, so equal prefixes get equal ids."""
+class Chainer:
+    """Interns (parent id, content) pairs into fresh int ids, so equal prefixes get equal ids (as chained hashes do)."""
 
     def __init__(self) -> None:
         self._ids: dict[tuple[int, Hashable], int] = {}
 
-    def chain(self, contents: list[Hashable]) -> Request:
+    def chain(self, contents: list[Hashable], parent: int = -1) -> Request:
+        """Ids of `contents` in order, the first chained below `parent` (-1: the root)."""
         out: Request = []
-        parent = -1
         for content in contents:
             parent = self._ids.setdefault((parent, content), len(self._ids))
             out.append(parent)
@@ -90,7 +90,7 @@ def _zipf_choice(rng: np.random.Generator, n: int, alpha: float) -> int:
 
 def chat(num_requests: int, seed: int = 0, system_blocks: int = 4, active_sessions: int = 64) -> list[Request]:
     rng = np.random.default_rng(seed)
-    chainer = _Chainer()
+    chainer = Chainer()
     system = [("sys", j) for j in range(system_blocks)]
     sessions: dict[int, list[Hashable]] = {}  # session id -> its content after the system prompt
     next_session = 0
@@ -114,7 +114,7 @@ def chat(num_requests: int, seed: int = 0, system_blocks: int = 4, active_sessio
 
 def sysprompt(num_requests: int, seed: int = 0, num_prompts: int = 24, alpha: float = 1.0) -> list[Request]:
     rng = np.random.default_rng(seed)
-    chainer = _Chainer()
+    chainer = Chainer()
     lengths = rng.integers(2, 12, size=num_prompts)
     out: list[Request] = []
     for i in range(num_requests):
@@ -129,7 +129,7 @@ def rag(
     num_requests: int, seed: int = 0, num_docs: int = 2000, doc_blocks: int = 6, alpha: float = 0.9
 ) -> list[Request]:
     rng = np.random.default_rng(seed)
-    chainer = _Chainer()
+    chainer = Chainer()
     system: list[Hashable] = [("sys", j) for j in range(3)]
     out: list[Request] = []
     for i in range(num_requests):
