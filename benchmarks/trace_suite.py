@@ -39,13 +39,11 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
-from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, Chainer, default_trace_path
+from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, Chainer, conversation_hash, default_trace_path
 
-SYNTHETIC_BLOCK_TOKENS = (
-    128  # Azure prompts are short (median 1,020 and 1,469 tokens): 512-token blocks hide their structure
-)
+# Azure prompts are short (median 1,020 and 1,469 tokens): 512-token blocks would hide their structure.
+SYNTHETIC_BLOCK_TOKENS = 128
 SEEDS = {"azure-chat": 20261203, "azure-rag": 20261204, "azure-agent": 20261205}
 
 
@@ -109,8 +107,9 @@ def conversation_half(name: TraceName, path: Path | None = None) -> Trace:
         for line in f:
             row = json.loads(line)
             ids = [int(h) for h in row["hash_ids"]]
-            if len(ids) > 1:
-                half = xxhash.xxh3_64_intdigest(ids[1].to_bytes(8, "little")) % 2
+            conversation = conversation_hash(ids)
+            if conversation is not None:
+                half = conversation % 2
             else:  # only the system prompt: alternate, so both halves get their share
                 half, short = short % 2, short + 1
             if half == want:

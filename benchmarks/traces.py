@@ -45,6 +45,12 @@ def default_trace_path() -> Path:
     return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
 
 
+def conversation_hash(ids: list[int]) -> int | None:
+    """A stable hash of the block after the shared system prompt, which the turns of one conversation share (None:
+    the request is no longer than the system prompt). Samples and splits of the trace bucket requests by it."""
+    return xxhash.xxh3_64_intdigest(ids[1].to_bytes(8, "little")) if len(ids) > 1 else None
+
+
 def load_mooncake(path: Path, max_requests: int | None = None, sample: int = 1) -> list[Request]:
     """Full-block hash ids per request; `max_requests` reads the first N lines, `sample` keeps ~1/k conversations."""
     if not path.is_file():
@@ -59,8 +65,9 @@ def load_mooncake(path: Path, max_requests: int | None = None, sample: int = 1) 
                 break
             row = json.loads(line)
             ids = [int(h) for h in row["hash_ids"][: int(row["input_length"]) // MOONCAKE_BLOCK_TOKENS]]
-            if len(ids) > 1:
-                keep = xxhash.xxh3_64_intdigest(ids[1].to_bytes(8, "little")) % sample == 0
+            conversation = conversation_hash(ids)
+            if conversation is not None:
+                keep = conversation % sample == 0
             else:  # nothing to share beyond the system prompt: keep the same fraction of them
                 keep, short = short % sample == 0, short + 1
             if keep:
