@@ -41,11 +41,12 @@ def StoreDaemon(dram: str = "1GiB") -> StoreProcess:
     return StoreProcess(dram=dram)
 
 
-def ucm_transfer_config(store_address: str) -> dict:
+def ucm_transfer_config(store_address: str, role: str = "kv_both") -> dict:
+    """`role`: kv_both, or kv_producer / kv_consumer for the two sides of a prefill/decode pair."""
     return {
         "kv_connector": "UCMConnector",
         "kv_connector_module_path": "connector.vllm_plugin",
-        "kv_role": "kv_both",
+        "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": store_address},
     }
@@ -72,6 +73,8 @@ class VllmServer:
     # on 2 cores. Same for every connector in a comparison.
     eager: bool = True
     port: int = 0
+    served_model_name: str = "m"
+    extra_args: tuple[str, ...] = ()  # more `vllm serve` flags (e.g. --enable-prompt-tokens-details)
     proc: subprocess.Popen | None = None
     startup_s: float = 0.0
 
@@ -116,7 +119,8 @@ class VllmServer:
             "4096",
             "--enable-prefix-caching",
             "--served-model-name",
-            "m",
+            self.served_model_name,
+            *self.extra_args,
         ]
         if self.transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(self.transfer_config)]

@@ -75,6 +75,12 @@ TUNABLES = (
         "before it fails (it then resumes where it stopped)",
     ),
     _tunable(
+        "--vllm-max-num-seqs",
+        "vllm_max_num_seqs",
+        "with --vllm-decode: sequences each vLLM decode instance runs at once (its --max-num-seqs), the admission "
+        "queue's capacity per instance",
+    ),
+    _tunable(
         "--stats-interval",
         "stats_interval_s",
         "seconds between the periodic stats lines (throughput, running/waiting, KV usage, hit rates)",
@@ -99,6 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="what prefix-aware pairing reads a node's device cache from: events = the KV events of nodes started "
         "with --kv-events-config (indexed by the router), heartbeat summaries for the others; heartbeat = the "
         "summaries alone (the policy before KV events)",
+    )
+    vllm = p.add_argument_group(
+        "fronting vLLM (docs/vllm.md): vLLM instances with UCMConnector on one store daemon instead of ucm-serve "
+        "nodes; --model is then only the default served name"
+    )
+    vllm.add_argument(
+        "--vllm-prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a vLLM instance running UCMConnector as kv_producer (http://HOST:PORT); repeat for more",
+    )
+    vllm.add_argument(
+        "--vllm-decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a vLLM instance running UCMConnector as kv_consumer (http://HOST:PORT); repeat for more",
     )
     p.add_argument("--log-level", default="info")
     auth = p.add_argument_group("node authentication (ZeroMQ CURVE, docs/security.md)")
@@ -146,6 +170,8 @@ def node_auth_from_args(args: argparse.Namespace) -> ServerAuth | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.vllm_prefill or args.vllm_decode:
+        return _front_vllm(args)
     try:
         node_auth = node_auth_from_args(args)
         folder = model_folder(args.model)
@@ -176,5 +202,43 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     # The ready line (tests and `ucm-serve up` wait for it) is printed by the app's startup: see create_app.
+    server.run()
+    return 0
+
+
+def _front_vllm(args: argparse.Namespace) -> int:
+    """The router in front of vLLM instances: no node socket, no tokenizer (vLLM tokenizes)."""
+    from router.vllm_backend import BadBackendUrl, normalize_url
+
+    try:
+        config = RouterConfig(
+            host=args.host,
+            port=args.port,
+            model=args.model or defaults.MODEL,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            vllm_prefill=tuple(normalize_url(u) for u in args.vllm_prefill),
+            vllm_decode=tuple(normalize_url(u) for u in args.vllm_decode),
+            **{flag.kwargs["dest"]: getattr(args, flag.kwargs["dest"]) for flag in TUNABLES},
+        )
+    except (ValueError, BadBackendUrl) as e:
+        print(f"ucm-serve router: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from router.vllm_app import create_vllm_app
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call otherwise
+
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_vllm_app(config),
+            host=config.host,
+            port=config.port,
+            log_level=args.log_level,
+            loop="asyncio",
+            access_log=False,
+        )
+    )
     server.run()
     return 0

@@ -52,6 +52,12 @@ class RouterConfig:
     # Nodes started with --kv-events-config announce their KV event endpoints; with EVENTS the router subscribes and
     # pairs by what the events say each node holds (nodes without events: their heartbeat summaries).
     prefix_source: PrefixSource = PrefixSource.EVENTS
+    # Fronting vLLM instead of ucm-serve nodes (router/vllm_app.py): their base URLs, by P/D role. Prefill instances
+    # run UCMConnector as kv_producer, decode instances as kv_consumer, on one store daemon (docs/vllm.md).
+    vllm_prefill: tuple[str, ...] = ()
+    vllm_decode: tuple[str, ...] = ()
+    # Sequences each vLLM decode instance runs at once (its --max-num-seqs): admission's capacity per instance.
+    vllm_max_num_seqs: int = 64
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -66,8 +72,16 @@ class RouterConfig:
         for name in ("max_body_bytes", "max_prompt_chars", "max_sequences_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.vllm_prefill and not self.vllm_decode:
+            raise ValueError("vLLM prefill instances need at least one vLLM decode instance (--vllm-decode URL)")
+        if self.vllm_max_num_seqs < 1:
+            raise ValueError(f"vllm_max_num_seqs must be >= 1, got {self.vllm_max_num_seqs}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
+
+    @property
+    def fronts_vllm(self) -> bool:
+        return bool(self.vllm_decode)
 
     @property
     def model_name(self) -> str:

@@ -1,0 +1,206 @@
+"""The router fronting vLLM instances (router/vllm_app.py), over real HTTP, against stand-ins for `vllm serve`: what
+the prefill instance is sent (vLLM's disaggregated-prefill parameters), that the decode instance gets the client's
+request unchanged and its answer or stream reaches the client as is, that a dead prefill or decode instance costs no
+request (the next one takes it), that vLLM's 4xx reach the client, and the router's own 4xx. Runs without vLLM; the
+real thing is tests/connector/test_vllm_pd_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from launch.cluster import free_port
+from router.config import RouterConfig
+from router.vllm_app import create_vllm_app
+from tests.cluster_helpers import wait_until
+
+MODEL = "smollm2-135m"
+CACHED = 128
+
+
+@dataclass
+class FakeVllm:
+    """What a vLLM instance answers, enough for the proxy: a JSON completion or an SSE stream; `status` other than
+    200 answers every generation request with that status."""
+
+    name: str
+    status: int = 200
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        async def generate(request: Request) -> Response:
+            body = json.loads(await request.body())
+            self.bodies.append(body)
+            if self.status != 200:
+                error = {"error": {"message": f"{self.name} refuses", "type": "BadRequestError", "code": self.status}}
+                return JSONResponse(error, status_code=self.status)
+            usage = {"prompt_tokens": 200, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": CACHED}}
+            if not body.get("stream"):
+                return JSONResponse({"from": self.name, "choices": [{"text": "a b c"}], "usage": usage})
+
+            async def events() -> Any:
+                for word in ("a", " b", " c"):
+                    yield f"data: {json.dumps({'from': self.name, 'choices': [{'text': word}]})}\n\n"
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        app.post("/v1/completions")(generate)
+        app.post("/v1/chat/completions")(generate)
+        return app
+
+
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
+    try:
+        wait_until("a server to start", lambda: server.started, 30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused, as for a killed instance
+
+
+@contextmanager
+def dying() -> Iterator[str]:
+    """An instance that passes its health check and dies on a generation request: the connection closes with no
+    answer, as when vLLM is killed mid-request."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /health"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    port = server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@contextmanager
+def router(prefill: list[str], decode: list[str], **config: Any) -> Iterator[httpx.Client]:
+    cfg = RouterConfig(
+        port=0, served_model_name=MODEL, vllm_prefill=tuple(prefill), vllm_decode=tuple(decode), **config
+    )
+    with serving(create_vllm_app(cfg)) as url, httpx.Client(base_url=url, timeout=30) as client:
+        yield client
+
+
+def chat(stream: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    return {**body, "stream": True, "stream_options": {"include_usage": True}, "n": 1} if stream else body
+
+
+def test_prefill_then_decode_relays_the_consumer_answer() -> None:
+    p, d = FakeVllm("p"), FakeVllm("d")
+    with serving(p.app()) as p_url, serving(d.app()) as d_url, router([p_url], [d_url]) as client:
+        r = client.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 200, r.text
+        assert r.json()["from"] == "d" and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == CACHED
+        [pre] = p.bodies
+        assert pre["max_tokens"] == 1 and pre["stream"] is False
+        assert pre["kv_transfer_params"]["do_remote_decode"] is True
+        assert pre["messages"] == chat()["messages"]
+        assert d.bodies == [chat()], "the decode instance gets the client's request unchanged"
+
+        with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as s:
+            assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+            text = "".join(s.iter_text())
+        assert '"from": "d"' in text and '"cached_tokens": 128' in text and text.endswith("data: [DONE]\n\n")
+        pre = p.bodies[-1]
+        assert "stream_options" not in pre and "n" not in pre and pre["stream"] is False and pre["max_tokens"] == 1
+        assert d.bodies[-1] == chat(stream=True)
+
+        health = client.get("/health").json()
+        assert health["engine"] == "vllm" and all(b["alive"] for b in health["backends"].values())
+
+
+def test_a_dead_instance_costs_no_request() -> None:
+    p, d = FakeVllm("p"), FakeVllm("d")
+    # The dying ones are listed first, so the first pick (least loaded, listed order) lands on them.
+    with (
+        serving(p.app()) as p_url,
+        serving(d.app()) as d_url,
+        dying() as dead_p,
+        dying() as dead_d,
+        router([dead_p, p_url], [dead_d, d_url], decode_wait_s=5.0) as client,
+    ):
+        for stream in (False, True):
+            with client.stream("POST", "/v1/completions", json={**chat(stream), "prompt": "hi"}) as r:
+                assert r.status_code == 200, r.read()
+                assert '"from": "d"' in r.read().decode().replace('"from":"d"', '"from": "d"')
+        assert len(p.bodies) == 2 and len(d.bodies) == 2
+        metrics = client.get("/metrics").text
+        # The health probe may bring a dying one back between the two requests, so it may have failed twice.
+        for line in (
+            f'ucm_vllm_backend_failures_total{{role="prefill",url="{dead_p}"}}',
+            f'ucm_vllm_backend_failures_total{{role="decode",url="{dead_d}"}}',
+            "ucm_vllm_prefill_retries_total",
+            "ucm_vllm_decode_retries_total",
+        ):
+            assert re.search(re.escape(line) + r" [12]\n", metrics), (line, metrics)
+
+
+def test_a_failing_decode_instance_hands_over_and_no_prefill_instance_means_the_consumer_computes() -> None:
+    broken, d = FakeVllm("broken", status=500), FakeVllm("d")
+    with serving(broken.app()) as b_url, serving(d.app()) as d_url, router([dead_url()], [b_url, d_url]) as client:
+        r = client.post("/v1/completions", json={**chat(), "prompt": "hi"})
+        assert r.status_code == 200 and r.json()["from"] == "d"
+        assert len(broken.bodies) == 1, "the 500 was tried once, then the request went to the next instance"
+        metrics = client.get("/metrics").text
+        assert "ucm_vllm_prefills_skipped_total 1" in metrics and "ucm_vllm_decode_retries_total 1" in metrics
+
+
+def test_client_errors() -> None:
+    p, d = FakeVllm("p", status=400), FakeVllm("d")
+    with serving(p.app()) as p_url, serving(d.app()) as d_url, router([p_url], [d_url], api_key="k") as client:
+        auth = {"Authorization": "Bearer k"}
+        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+        refused = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}, headers=auth)
+        assert refused.status_code == 400 and refused.json()["error"]["message"] == "p refuses"
+        assert d.bodies == [], "a request vLLM refused is not decoded"
+        wrong = client.post("/v1/completions", json={"model": "other", "prompt": "x"}, headers=auth)
+        assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
+        assert client.post("/v1/completions", content=b"[1]", headers=auth).status_code == 400
+        bad_stream = client.post("/v1/completions", json={"prompt": "x", "stream": "yes"}, headers=auth)
+        assert bad_stream.status_code == 400 and bad_stream.json()["error"]["param"] == "stream"
+
+
+def test_config_refuses_prefill_without_decode() -> None:
+    with pytest.raises(ValueError, match="decode"):
+        RouterConfig(vllm_prefill=("http://127.0.0.1:1",))
