@@ -28,6 +28,7 @@ from router.kv_index import KVIndex
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
+from router.pairing import Pairing
 from router.registry import Registry
 from router.routes import generation_routes, json_schema
 from router.serving import OpenAIServing
@@ -53,7 +54,7 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         app.state.kv_index = index
         await client.start()
         ctx.serving = OpenAIServing(
-            Dispatcher(client, config.decode_wait_s, index),
+            Dispatcher(client, config.decode_wait_s, index, Pairing(config.pairing)),
             admission,
             tokenizer,
             metrics,

@@ -10,6 +10,7 @@ from pathlib import Path
 from common.auth import KeyPaths, ServerAuth
 from protocol import defaults, flags
 from router.config import PrefixSource, RouterConfig
+from router.pairing_policy import PairingPolicy
 
 log = logging.getLogger("router")
 
@@ -124,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a vLLM instance running UCMConnector as kv_consumer (http://HOST:PORT); repeat for more",
     )
+    p.add_argument(
+        "--pairing",
+        **flags.one_of(PairingPolicy, RouterConfig.pairing),
+        help="how each request's prefill and decode node are picked (router/pairing.py): cost = the least expected "
+        "seconds from each node's measured step costs (prompt tokens left after its device and store hits, the "
+        "queue ahead, KV to bring), never past a node's admission bound; prefix-slack = the longest cached prefix "
+        "within a load slack (the policy before); least-loaded, round-robin, dynamo, sglang: for comparison",
+    )
     p.add_argument("--log-level", default="info")
     auth = p.add_argument_group("node authentication (ZeroMQ CURVE, docs/security.md)")
     flags.curve_keys(
@@ -188,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         node_auth=node_auth,
         prefix_source=args.prefix_source,
+        pairing=args.pairing,
         **{flag.kwargs["dest"]: getattr(args, flag.kwargs["dest"]) for flag in TUNABLES},
     )
     import uvicorn

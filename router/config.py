@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from common.auth import ServerAuth
 from protocol import defaults
+from router.pairing_policy import PairingPolicy
 
 
 class PrefixSource(enum.Enum):
@@ -58,6 +59,8 @@ class RouterConfig:
     vllm_decode: tuple[str, ...] = ()
     # Sequences each vLLM decode instance runs at once (its --max-num-seqs): admission's capacity per instance.
     vllm_max_num_seqs: int = 64
+    # How router/pairing.py picks each request's prefill and decode node (COST: by measured seconds).
+    pairing: PairingPolicy = PairingPolicy.COST
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

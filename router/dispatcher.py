@@ -33,7 +33,8 @@ from router.arrivals import NodeArrivals
 from router.kv_index import KVIndex
 from router.node_client import NodeClient, NodeLost, NodeUnavailable
 from router.openai_schema import ApiError, bad_request
-from router.pairing import pick_decode, pick_prefill
+from router.pairing import Pairing
+from router.pairing_policy import PairingPolicy
 from router.registry import NodeState, Registry
 
 log = logging.getLogger(__name__)
@@ -119,14 +120,20 @@ class _DecodeState:
 
 class Dispatcher:
     def __init__(
-        self, client: NodeClient, decode_wait_s: float = DEFAULT_DECODE_WAIT_S, prefix_index: KVIndex | None = None
+        self,
+        client: NodeClient,
+        decode_wait_s: float = DEFAULT_DECODE_WAIT_S,
+        prefix_index: KVIndex | None = None,
+        pairing: Pairing | None = None,
     ):
-        """`prefix_index`: what the nodes' KV events say they hold (router/kv_index.py); None: heartbeats only."""
+        """`prefix_index`: what the nodes' KV events say they hold (router/kv_index.py); None: heartbeats only.
+        `pairing`: which rule picks the nodes (router/pairing.py; default: the measured-cost one)."""
         if decode_wait_s < 0:
             raise ValueError(f"decode_wait_s must be >= 0, got {decode_wait_s}")
         self.client = client
         self.decode_wait_s = decode_wait_s
         self.prefix_index = prefix_index
+        self.pairing = pairing if pairing is not None else Pairing(PairingPolicy.COST)
         self.arrivals = NodeArrivals()
         client.on_node_event.append(self.arrivals.node_event)
 
@@ -162,7 +169,9 @@ class Dispatcher:
             hits = None
             if self.prefix_index is not None and keys:
                 hits = self.prefix_index.prefix_hits([n.node_id for n in alive], keys)
-            choice = pick_prefill(alive, keys or [], exclude=tried, hits=hits)
+            choice = self.pairing.prefill(
+                alive, keys or [], exclude=tried, hits=hits, prompt_tokens=len(req.prompt_token_ids)
+            )
             if choice is None:
                 if trace.prefill_attempts:
                     log.warning("%s: no prefill node left (tried %s); decode node prefills", req.request_id, tried)
@@ -173,7 +182,11 @@ class Dispatcher:
             trace.prefill_attempts += 1
             trace.prefill_node = node.node_id
             job = P.PrefillJob(req.request_id, req.prompt_token_ids, req.params, req.cache_salt)
-            reply = await self._ask(node, req.request_id, job)
+            node.queued_tokens += choice.compute_tokens  # the queue ahead of the next prompt priced on this node
+            try:
+                reply = await self._ask(node, req.request_id, job)
+            finally:
+                node.queued_tokens -= choice.compute_tokens
             if isinstance(reply, P.PrefillDone):
                 trace.caches.append((P.NodeRole.PREFILL, reply.cache))
                 return reply
@@ -229,11 +242,26 @@ class Dispatcher:
                 )
 
     async def _decode_node(self, state: _DecodeState) -> NodeState:
-        """The least-loaded decode node that has not lost this request; with none, wait for a registration."""
+        """The pairing's decode node among those that have not lost this request; with none, wait for a
+        registration."""
         deadline = time.monotonic() + self.decode_wait_s
+        req = state.req
         while True:
             alive = [n for n in self.registry.alive(*DECODE_ROLES) if (n.node_id, n.info.instance) not in state.failed]
-            node = pick_decode(alive)
+            keys: list[BlockKey] = []
+            hits = None
+            if alive and self.pairing.policy in (PairingPolicy.COST, PairingPolicy.DYNAMO):
+                keys = self.registry.prompt_keys(req.prompt_token_ids, req.cache_salt)
+                if self.prefix_index is not None and keys:
+                    hits = self.prefix_index.prefix_hits([n.node_id for n in alive], keys)
+            node = self.pairing.decode(
+                alive,
+                prompt_keys=keys,
+                hits=hits,
+                max_tokens=req.params.max_tokens - len(state.generated),
+                prefills_here=state.first is None,
+                prompt_tokens=len(req.prompt_token_ids),
+            )
             if node is not None:
                 return node
             if not await self.arrivals.wait(deadline):

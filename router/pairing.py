@@ -1,28 +1,243 @@
-"""Which prefill node and which decode node serve a request.
+"""Which prefill node and which decode node serve a request: `Pairing`, one of `PairingPolicy`'s rules.
 
-Prefill: the node whose device cache already holds the longest prefix of the prompt's block keys wins,
-unless it is much busier than the least-loaded one (a hit saves compute only if the node is not the
-bottleneck); otherwise the least loaded. What a node holds comes from the KV event index where the node publishes
-events (`hits`, router/kv_index.py), else from the recent keys in its heartbeats. Decode: the least loaded (fewest
-running + waiting per capacity), ties broken by free KV blocks.
+COST (the default) prices each candidate in seconds, with the weights each node measured (router/step_cost.py):
+    prefill: (queued prompt tokens + tokens left to compute after its device and store hits) x seconds per token
+             + blocks loaded from the store x seconds per loaded block
+    decode:  blocks its device cache lacks x seconds per loaded block (the KV it must bring)
+             + max_tokens x (seconds per step + seconds per token x its batch with this sequence)
+             (+ the prefill's price when the decode node computes the prompt itself: no prefill node)
+and never places work on a node at its admission bound (running + waiting >= capacity) while another has room. A
+node without measurements yet is priced at the median of those with; with none measured every node shares one unit,
+so the ranking still follows tokens (a loaded block then costs `LOAD_PRIOR` of its block's compute, a guess stated
+as one, until a node measures its loads).
+
+The others are kept for comparison (benchmarks/cluster_sim.py runs them side by side): PREFIX_SLACK, the policy
+before (the longest cached prefix while its node is within `PREFIX_LOAD_SLACK` of the least loaded); LEAST_LOADED;
+ROUND_ROBIN; DYNAMO (NVIDIA Dynamo's KV router at temperature 0: least overlap_weight x prefill blocks + decode
+blocks); SGLANG (SGLang's cache-aware router: shortest queue while the load is imbalanced, else the best prefix
+match when it covers over half the prompt, else the node caching least).
+
+What a node holds comes from the KV event index where the node publishes events (`hits`, router/kv_index.py), else
+from the recent keys in its heartbeats. `pick_prefill` / `pick_decode` are the PREFIX_SLACK and least-loaded rules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import itertools
+import statistics
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from common.keys import BlockKey
+from router.pairing_policy import PairingPolicy
 from router.registry import NodeState
 
 # A prefix holder is preferred while its load is at most this much above the least-loaded node's.
 PREFIX_LOAD_SLACK = 0.5
+# Until a node measures its store loads: a loaded block costs this fraction of computing its tokens.
+LOAD_PRIOR = 0.1
+# Dynamo's KvRouterConfig defaults: overlap_score_weight 1.0, temperature 0 (argmin, no sampling).
+DYNAMO_OVERLAP_WEIGHT = 1.0
+# SGLang's router defaults (sgl-router CacheAwarePolicy): balance_abs_threshold 32, balance_rel_threshold 1.0001,
+# cache_threshold 0.5.
+SGLANG_ABS_THRESHOLD = 32
+SGLANG_REL_THRESHOLD = 1.0001
+SGLANG_CACHE_THRESHOLD = 0.5
 
 
 @dataclass(frozen=True)
 class PrefillChoice:
     node: NodeState
     prefix_hit_blocks: int  # how many of the prompt's blocks the chosen node reported holding
+    compute_tokens: int = 0  # prompt tokens it is expected to compute (after device and store hits)
+    seconds: float = 0.0  # COST's price (queue ahead included); 0 for the other policies
+
+
+def _held(node: NodeState, keys: Sequence[BlockKey], hits: Mapping[str, int] | None) -> int:
+    if hits is not None and node.node_id in hits:
+        return hits[node.node_id]
+    return node.prefix_hit_blocks(list(keys))
+
+
+def _least_loaded(nodes: Sequence[NodeState]) -> NodeState:
+    return min(nodes, key=lambda n: (n.load, -n.free_blocks, n.node_id))
+
+
+def _busy(node: NodeState) -> int:
+    return max(node.running + node.waiting, len(node.inflight))
+
+
+def _within_bound(nodes: list[NodeState]) -> list[NodeState]:
+    """The nodes below their admission bound; all of them when none is (the router's queue admitted the request)."""
+    room = [n for n in nodes if _busy(n) < n.info.capacity]
+    return room or nodes
+
+
+@dataclass(frozen=True)
+class _Rates:
+    """Seconds per computed token, per step and per loaded block for each candidate, measured or filled in."""
+
+    token_s: dict[str, float]
+    step_s: dict[str, float]
+    load_s: dict[str, float]
+
+    @classmethod
+    def of(cls, nodes: Sequence[NodeState]) -> _Rates:
+        def fill(measured: dict[str, float | None], default: float) -> dict[str, float]:
+            known = [v for v in measured.values() if v is not None]
+            middle = statistics.median(known) if known else default
+            return {k: v if v is not None else middle for k, v in measured.items()}
+
+        token_s = fill({n.node_id: n.cost.prefill_token_s for n in nodes}, 1.0)
+        step_s = fill({n.node_id: n.cost.step_s for n in nodes}, 0.0)
+        prior = {n.node_id: LOAD_PRIOR * n.info.block_size * token_s[n.node_id] for n in nodes}
+        measured_load = {n.node_id: n.cost.block_load_s for n in nodes}
+        known = [v for v in measured_load.values() if v is not None]
+        load_s = {
+            k: v if v is not None else (statistics.median(known) if known else prior[k])
+            for k, v in measured_load.items()
+        }
+        return cls(token_s, step_s, load_s)
+
+
+class Pairing:
+    """One policy's choices; holds what a policy remembers between requests (round-robin's turn)."""
+
+    def __init__(self, policy: PairingPolicy = PairingPolicy.COST) -> None:
+        if not isinstance(policy, PairingPolicy):
+            raise ValueError(f"policy must be a PairingPolicy, got {policy!r}")
+        self.policy = policy
+        self._turn = itertools.count()
+
+    def prefill(
+        self,
+        nodes: list[NodeState],
+        prompt_keys: Sequence[BlockKey],
+        exclude: Collection[str] = (),
+        hits: Mapping[str, int] | None = None,
+        store_hits: Mapping[str, int] | None = None,
+        prompt_tokens: int | None = None,
+    ) -> PrefillChoice | None:
+        """`hits`: node id -> leading prompt blocks in its device cache (the KV event index; nodes missing answer
+        from heartbeats); `store_hits`: node id -> leading blocks its store holds (loadable, not computed);
+        `prompt_tokens`: the prompt's length (default: its full blocks')."""
+        candidates = [n for n in nodes if n.node_id not in exclude]
+        if not candidates:
+            return None
+        policy = self.policy
+        if policy is PairingPolicy.COST:
+            return self._prefill_cost(candidates, prompt_keys, hits, store_hits, prompt_tokens)
+        if policy is PairingPolicy.PREFIX_SLACK:
+            least = _least_loaded(candidates)
+            best = PrefillChoice(least, _held(least, prompt_keys, hits))
+            for node in candidates:
+                here = _held(node, prompt_keys, hits)
+                if here > best.prefix_hit_blocks and node.load <= least.load + PREFIX_LOAD_SLACK:
+                    best = PrefillChoice(node, here)
+            return best
+        if policy is PairingPolicy.LEAST_LOADED:
+            node = _least_loaded(candidates)
+        elif policy is PairingPolicy.ROUND_ROBIN:
+            node = sorted(candidates, key=lambda n: n.node_id)[next(self._turn) % len(candidates)]
+        elif policy is PairingPolicy.DYNAMO:
+            node = min(candidates, key=lambda n: (self._dynamo(n, prompt_keys, hits), n.node_id))
+        else:
+            assert policy is PairingPolicy.SGLANG, f"unhandled policy {policy}"
+            node = self._sglang(candidates, prompt_keys, hits)
+        return PrefillChoice(node, _held(node, prompt_keys, hits))
+
+    def decode(
+        self,
+        nodes: list[NodeState],
+        exclude: Collection[str] = (),
+        prompt_keys: Sequence[BlockKey] = (),
+        hits: Mapping[str, int] | None = None,
+        max_tokens: int = 1,
+        prefills_here: bool = False,
+        prompt_tokens: int | None = None,
+    ) -> NodeState | None:
+        """`hits`: node id -> leading prompt blocks in its device cache; `prefills_here`: no prefill node ran, the
+        decode node computes the prompt too (COST then prices that as well)."""
+        candidates = [n for n in nodes if n.node_id not in exclude]
+        if not candidates:
+            return None
+        if self.policy is PairingPolicy.ROUND_ROBIN:
+            return sorted(candidates, key=lambda n: n.node_id)[next(self._turn) % len(candidates)]
+        if self.policy is PairingPolicy.DYNAMO:
+            return min(candidates, key=lambda n: (self._dynamo(n, prompt_keys, hits), n.node_id))
+        if self.policy is not PairingPolicy.COST:
+            return _least_loaded(candidates)
+        candidates = _within_bound(candidates)
+        rates = _Rates.of(candidates)
+
+        def price(node: NodeState) -> float:
+            nid = node.node_id
+            held = _held(node, prompt_keys, hits) if prompt_keys else 0
+            if prefills_here:
+                return self._prefill_seconds(node, rates, len(prompt_keys), held, 0, prompt_tokens)[0]
+            bring = (len(prompt_keys) - held) * rates.load_s[nid]
+            per_step = rates.step_s[nid] + rates.token_s[nid] * (_busy(node) + 1)
+            return bring + max(1, max_tokens) * per_step
+
+        return min(candidates, key=lambda n: (price(n), n.load, n.node_id))
+
+    # ------------------------------------------------------------------ the rules
+
+    def _prefill_cost(
+        self,
+        candidates: list[NodeState],
+        keys: Sequence[BlockKey],
+        hits: Mapping[str, int] | None,
+        store_hits: Mapping[str, int] | None,
+        prompt_tokens: int | None,
+    ) -> PrefillChoice:
+        candidates = _within_bound(candidates)
+        rates = _Rates.of(candidates)
+        best: PrefillChoice | None = None
+        for node in candidates:
+            device = _held(node, keys, hits)
+            store = store_hits.get(node.node_id, 0) if store_hits is not None else 0
+            seconds, compute = self._prefill_seconds(node, rates, len(keys), device, store, prompt_tokens)
+            choice = PrefillChoice(node, device, compute, seconds)
+            if best is None or (seconds, node.load, node.node_id) < (best.seconds, best.node.load, best.node.node_id):
+                best = choice
+        assert best is not None, "no candidate priced"
+        return best
+
+    @staticmethod
+    def _prefill_seconds(
+        node: NodeState, rates: _Rates, blocks: int, device: int, store: int, prompt_tokens: int | None
+    ) -> tuple[float, int]:
+        """(price in seconds, tokens to compute) of `node` prefilling a prompt of `blocks` full blocks."""
+        block = node.info.block_size
+        tokens = prompt_tokens if prompt_tokens is not None else blocks * block
+        reused = min(max(device, store), blocks)
+        compute = max(1, tokens - reused * block)  # the last token is always computed: its logits give the first
+        loaded = max(0, reused - device)
+        nid = node.node_id
+        seconds = (node.queued_tokens + compute) * rates.token_s[nid] + loaded * rates.load_s[nid]
+        return seconds, compute
+
+    @staticmethod
+    def _dynamo(node: NodeState, keys: Sequence[BlockKey], hits: Mapping[str, int] | None) -> float:
+        """Dynamo's worker logit: blocks to prefill (this prompt's new ones + those queued there) weighted by
+        overlap_weight, plus the KV blocks its active sequences hold."""
+        block = node.info.block_size
+        prefill_blocks = len(keys) - _held(node, keys, hits) + node.queued_tokens / block
+        decode_blocks = node.info.num_blocks - node.free_blocks
+        return DYNAMO_OVERLAP_WEIGHT * prefill_blocks + decode_blocks
+
+    @staticmethod
+    def _sglang(candidates: list[NodeState], keys: Sequence[BlockKey], hits: Mapping[str, int] | None) -> NodeState:
+        loads = {n.node_id: _busy(n) for n in candidates}
+        low, high = min(loads.values()), max(loads.values())
+        if high - low > SGLANG_ABS_THRESHOLD and high > low * SGLANG_REL_THRESHOLD:
+            return min(candidates, key=lambda n: (loads[n.node_id], n.node_id))
+        best = max(candidates, key=lambda n: (_held(n, keys, hits), -loads[n.node_id], n.node_id))
+        if keys and _held(best, keys, hits) / len(keys) > SGLANG_CACHE_THRESHOLD:
+            return best
+        # SGLang sends a poorly matched prompt to the worker with the smallest radix tree (the most room to cache).
+        return min(candidates, key=lambda n: (n.info.num_blocks - n.free_blocks, loads[n.node_id], n.node_id))
 
 
 def pick_prefill(
@@ -31,28 +246,11 @@ def pick_prefill(
     exclude: Collection[str] = (),
     hits: Mapping[str, int] | None = None,
 ) -> PrefillChoice | None:
-    """`hits`: node id -> leading prompt blocks it holds, for the nodes whose KV events are indexed; the others
-    answer from their heartbeat summaries."""
-    candidates = [n for n in nodes if n.node_id not in exclude]
-    if not candidates:
-        return None
-
-    def held(node: NodeState) -> int:
-        if hits is not None and node.node_id in hits:
-            return hits[node.node_id]
-        return node.prefix_hit_blocks(prompt_keys)
-
-    least = min(candidates, key=lambda n: (n.load, -n.free_blocks, n.node_id))
-    best = PrefillChoice(least, held(least))
-    for node in candidates:
-        hits_here = held(node)
-        if hits_here > best.prefix_hit_blocks and node.load <= least.load + PREFIX_LOAD_SLACK:
-            best = PrefillChoice(node, hits_here)
-    return best
+    """PREFIX_SLACK's prefill node. `hits`: node id -> leading prompt blocks it holds, for the nodes whose KV events
+    are indexed; the others answer from their heartbeat summaries."""
+    return Pairing(PairingPolicy.PREFIX_SLACK).prefill(nodes, prompt_keys, exclude, hits)
 
 
 def pick_decode(nodes: list[NodeState], exclude: Collection[str] = ()) -> NodeState | None:
-    candidates = [n for n in nodes if n.node_id not in exclude]
-    if not candidates:
-        return None
-    return min(candidates, key=lambda n: (n.load, -n.free_blocks, n.node_id))
+    """The least-loaded decode node (fewest running + waiting per capacity), ties broken by free KV blocks."""
+    return Pairing(PairingPolicy.LEAST_LOADED).decode(nodes, exclude)

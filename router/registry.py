@@ -15,6 +15,7 @@ from common.keys import BlockKey, KeyNamespace, block_keys, root_key
 from protocol import messages as P
 from router.config import RouterConfig
 from router.progress import ProgressWatch
+from router.step_cost import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,10 @@ class NodeState:
     cached_keys: frozenset[bytes] = frozenset()
     stats: dict[str, float] = field(default_factory=dict)
     inflight: set[str] = field(default_factory=set)  # request ids the router has outstanding on this node
+    # Prompt tokens of the router's prefill jobs on this node not answered yet, as pairing counted them to compute
+    # (the queue ahead of the next prompt); the dispatcher adds and subtracts them.
+    queued_tokens: int = 0
+    cost: StepCost = field(default_factory=StepCost)  # this process's measured step costs (its heartbeats)
 
     @property
     def node_id(self) -> str:
@@ -99,6 +104,7 @@ class Registry:
         if old is not None and old.info.instance == msg.instance:
             state.inflight = old.inflight  # the same process registering again: its jobs are still running
             state.progress = old.progress
+            state.queued_tokens, state.cost = old.queued_tokens, old.cost
         else:
             lost = old
         self.nodes[msg.node_id] = state
@@ -114,6 +120,7 @@ class Registry:
         node.progress.reported(msg.steps, node.last_seen)
         node.running, node.waiting, node.free_blocks = msg.running, msg.waiting, msg.free_blocks
         node.stats = msg.stats
+        node.cost.observe(msg.stats, node.last_seen)
         if msg.cached_keys is not None:
             node.cached_keys = frozenset(msg.cached_keys)
         return None

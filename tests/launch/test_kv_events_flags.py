@@ -15,6 +15,7 @@ from node.config import add_node_args, config_from_args
 from protocol.messages import NodeRole
 from router.cli import build_parser as router_parser
 from router.config import PrefixSource
+from router.pairing_policy import PairingPolicy
 
 EVENTS = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:6100", "replay_endpoint": "tcp://*:6200"}'
 
@@ -77,6 +78,14 @@ def test_router_prefix_source_flag() -> None:
     assert args.prefix_source is PrefixSource.HEARTBEAT
     with pytest.raises(SystemExit):
         router_parser().parse_args(["--insecure", "--prefix-source", "gossip"])
+
+
+def test_router_pairing_flag() -> None:
+    assert router_parser().parse_args(["--insecure"]).pairing is PairingPolicy.COST
+    args = router_parser().parse_args(["--insecure", "--pairing", "prefix-slack"])
+    assert args.pairing is PairingPolicy.PREFIX_SLACK
+    with pytest.raises(SystemExit):
+        router_parser().parse_args(["--insecure", "--pairing", "random"])
 
 
 @pytest.mark.slow
