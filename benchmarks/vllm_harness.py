@@ -21,13 +21,12 @@ from benchmarks.process_group import stop_group
 from benchmarks.prom_text import metric
 from launch.cluster import free_port
 from launch.store_process import StoreProcess
+from launch.vllm_command import INSTALL_HINT, VllmCommand, default_vllm_venv, ucm_transfer_config
+
+__all__ = ["INSTALL_HINT", "ucm_transfer_config"]  # re-exported: the tests and benchmarks import them from here
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_VENV = Path(
-    os.environ.get("UCM_VLLM_VENV")
-    or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ucm-peers" / "vllm-venv"
-)
-INSTALL_HINT = "bash benchmarks/peers/install_ucm_vllm_plugin.sh (make test runs it)"
+DEFAULT_VENV = default_vllm_venv()
 TOKEN_LO, TOKEN_HI = 1000, 40000  # plain word pieces: no special tokens in synthetic prompts
 
 
@@ -39,17 +38,6 @@ def synthetic_prompt(n: int, seed: int) -> list[int]:
 def StoreDaemon(dram: str = "1GiB") -> StoreProcess:
     """`ucm-serve store` on a free port, DRAM only, in this venv."""
     return StoreProcess(dram=dram)
-
-
-def ucm_transfer_config(store_address: str, role: str = "kv_both") -> dict:
-    """`role`: kv_both, or kv_producer / kv_consumer for the two sides of a prefill/decode pair."""
-    return {
-        "kv_connector": "UCMConnector",
-        "kv_connector_module_path": "connector.vllm_plugin",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"store": store_address},
-    }
 
 
 def example_transfer_config(folder: Path) -> dict:
@@ -69,12 +57,11 @@ class VllmServer:
     log_path: Path
     venv: Path = DEFAULT_VENV
     dtype: str = "float32"
-    # vLLM-CPU's own CI switch: Dynamo with the eager backend instead of Inductor, which takes minutes to compile
-    # on 2 cores. Same for every connector in a comparison.
     eager: bool = True
     port: int = 0
     served_model_name: str = "m"
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags (e.g. --enable-prompt-tokens-details)
+    cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND; None: every core
     proc: subprocess.Popen | None = None
     startup_s: float = 0.0
 
@@ -83,47 +70,21 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 600.0) -> float:
-        vllm = self.venv / "bin" / "vllm"
-        if not vllm.exists():
-            raise RuntimeError(f"no vLLM at {self.venv}: run {INSTALL_HINT}")
         self.port = free_port()
-        cores = os.cpu_count() or 1
-        preload = [
-            p
-            for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(self.venv / "lib" / "libiomp5.so"))
-            if Path(p).exists()
-        ]
-        env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-            "VLLM_HOST_IP": "127.0.0.1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            **({"LD_PRELOAD": ":".join(preload)} if preload else {}),
-        }
-        if self.eager:
-            env["VLLM_CPU_CI_ENV"] = "1"
+        command = VllmCommand(
+            self.venv,
+            self.model_dir,
+            self.port,
+            self.transfer_config,
+            served_model_name=self.served_model_name,
+            dtype=self.dtype,
+            cpus=self.cpus,
+            eager=self.eager,
+            extra_args=self.extra_args,
+        )
+        argv = command.argv()  # RuntimeError (VllmMissing) naming the install script when vLLM is absent
+        env = {**os.environ, **command.env()}
         env.pop("VIRTUAL_ENV", None)
-        argv = [
-            str(vllm),
-            "serve",
-            str(self.model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            self.dtype,
-            "--max-model-len",
-            "4096",
-            "--enable-prefix-caching",
-            "--served-model-name",
-            self.served_model_name,
-            *self.extra_args,
-        ]
-        if self.transfer_config is not None:
-            argv += ["--kv-transfer-config", json.dumps(self.transfer_config)]
         t0 = time.perf_counter()
         # Its own session, so stop() ends vLLM's engine-core child too; cwd outside the repo so vLLM imports
         # our package from where the install script put it, as a user's vLLM would.

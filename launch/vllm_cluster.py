@@ -1,0 +1,152 @@
+"""`VllmCluster`: `ucm-serve up --engine vllm` — the store daemon, vLLM prefill instances (UCMConnector as
+`kv_producer`), vLLM decode instances (`kv_consumer`, with `--enable-prompt-tokens-details` so `cached_tokens` counts
+what they loaded) and the router in front of them (`--vllm-prefill URL --vllm-decode URL`), as supervised children.
+
+The same `Cluster` life as with our own nodes (launch/cluster.py): the model prepared once, CURVE keys unless
+`secure=False` (each vLLM instance is a store client named for its child: `prefill-0`, `decode-0`), fixed ports, a
+child that exits restarted on the same address (a restarted vLLM instance answers `/health` again and the router
+takes it back). vLLM comes from its own venv (launch/vllm_command.py); a missing one is `VllmMissing`, before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import TextIO
+
+import httpx
+
+from common.size import parse_size
+from launch.child import Child
+from launch.cluster import Cluster, ClusterSpec, StoreMode, _cmd, free_port
+from launch.supervisor import Supervisor
+from launch.vllm_command import VllmCommand, default_vllm_venv, ucm_transfer_config, vllm_executable
+
+_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+class VllmCluster(Cluster):
+    def __init__(self, spec: ClusterSpec, venv: Path | None = None, sink: TextIO | None = None, log=print) -> None:
+        if spec.colocated:
+            raise ValueError("--engine vllm runs prefill and decode instances (--prefill N --decode N), not colocated")
+        if spec.store is not StoreMode.DAEMON:
+            raise ValueError(
+                "--engine vllm passes KV from prefill to decode instances through the store: no --no-store"
+            )
+        self.venv = venv or default_vllm_venv()
+        vllm_executable(self.venv)  # VllmMissing now, not after the store started
+        super().__init__(spec, sink, log)
+        self.ports = {name: free_port() for name in spec.node_names()}
+
+    def urls(self, kind: str) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for name, port in self.ports.items() if name.startswith(kind + "-")]
+
+    def start(self, timeout: float = 900.0) -> Cluster:
+        try:
+            self._prepare_model()
+            if self.spec.secure:
+                self._make_keys()
+            self.start_store()
+            for i in range(self.spec.prefill):
+                self.start_node("prefill", i)
+            for i in range(self.spec.decode):
+                self.start_node("decode", i)
+            self._start_router()
+            self.wait_healthy(timeout)
+            if self.spec.supervise:
+                self.supervisor = Supervisor(self._snapshot, self._restart, self.spec.restart, self.log)
+                self.supervisor.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def command(self, kind: str, index: int) -> VllmCommand:
+        name = f"{kind}-{index}"
+        assert self.store_addr is not None and self.model_dir is not None, "start_store and the model come first"
+        store = self.store_addr
+        if self.keys is not None:
+            store += f"?curve_keys={self.keys.dir}&curve_client={name}"
+        instances = len(self.ports)
+        cores = os.cpu_count() or 1
+        # Split the cores between the instances as `up` does for its nodes: oversubscribed OpenMP threads spin
+        # against each other. Instance i gets its own slice; with fewer cores than instances they share core 0.
+        per = max(1, cores // instances)
+        first = (list(self.ports).index(name) * per) % cores
+        cpus = f"{first}-{first + per - 1}" if per > 1 else str(first)
+        extra: tuple[str, ...] = ("--enable-prompt-tokens-details",) if kind == "decode" else ()
+        extra += ("--max-num-seqs", str(self.spec.max_num_seqs))
+        if self.spec.max_num_batched_tokens is not None:
+            extra += ("--max-num-batched-tokens", str(self.spec.max_num_batched_tokens))
+        if not self.spec.enable_prefix_caching:
+            extra += ("--no-enable-prefix-caching",)
+        return VllmCommand(
+            self.venv,
+            Path(self.model_dir),
+            self.ports[name],
+            ucm_transfer_config(store, _ROLE[kind]),
+            served_model_name=self.spec.model_name,
+            dtype=self.spec.dtype,
+            max_model_len=self.spec.max_model_len,
+            kv_cache_gib=max(1, math.ceil(parse_size(self.spec.kv_cache_memory) / 2**30)),
+            cpus=cpus,
+            extra_args=extra,
+        )
+
+    def start_node(self, kind: str, index: int) -> Child:
+        name = f"{kind}-{index}"
+        with self._lock:
+            old = self.children.pop(name, None)
+        if old is not None:
+            old.stop()
+        command = self.command(kind, index)
+        self.log(f"[up] starting vLLM {kind} instance {name} at {command.url} (1-3 minutes on a small CPU host)")
+        child = Child(name, command.argv(), sink=self.sink, env=command.env(), group=True)
+        with self._lock:
+            self.children[name] = child
+        return child
+
+    def _start_router(self) -> None:
+        args = ["router", "--host", self.spec.host, "--port", str(self.port)]
+        args += ["--served-model-name", self.spec.model_name, "--vllm-max-num-seqs", str(self.spec.max_num_seqs)]
+        for url in self.urls("prefill"):
+            args += ["--vllm-prefill", url]
+        for url in self.urls("decode"):
+            args += ["--vllm-decode", url]
+        if self.spec.api_key:
+            args += ["--api-key", self.spec.api_key]
+        args += list(self.spec.router_args)
+        self._spawn("router", _cmd(*args)).wait_for(r"fronting vLLM instances", 120)
+        self.log(f"[up] router fronting {len(self.ports)} vLLM instance(s) at {self.url}")
+
+    def wait_healthy(self, timeout: float, expect: set[str] | None = None) -> None:
+        """Until the router reports every vLLM instance (or `expect`'s) alive; a child that exits fails it."""
+        want = expect if expect is not None else set(self.ports)
+        deadline = time.monotonic() + timeout
+        last = None
+        while True:
+            for name, child in self._snapshot().items():
+                if not child.alive and (name in want or name in ("store", "router")):
+                    raise RuntimeError(f"{name} exited ({child.proc.returncode}):\n{child.output()[-3000:]}")
+            try:
+                backends = httpx.get(f"{self.url}/health", timeout=2).json().get("backends", {})
+            except (httpx.HTTPError, ValueError):
+                backends = {}
+            up = {name for name in want if backends.get(self._backend_name(name), {}).get("alive")}
+            if up == want:
+                self.log(f"[up] all {len(want)} vLLM instances healthy")
+                return
+            status = f"{len(up)}/{len(want)} vLLM instances healthy"
+            if status != last:
+                self.log(f"[up] waiting: {status}")
+                last = status
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM instances not healthy within {timeout:.0f}s ({status})")
+            time.sleep(1.0)
+
+    def _backend_name(self, name: str) -> str:
+        kind = name.split("-", 1)[0]
+        return f"{kind}@127.0.0.1:{self.ports[name]}"  # router/vllm_backend.py's VllmBackend.name

