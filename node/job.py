@@ -34,6 +34,7 @@ class JobCounters:
     refused: int = 0  # jobs answered JobFailed at once: out of bounds, or the engine would not take them
     failed: int = 0  # jobs failed later: their engine step (or their output) raised
     step_errors: int = 0  # engine steps that raised; the node kept serving
+    busy_seconds: float = 0.0  # wall time inside engine steps: what router/step_cost.py divides by work
 
     def as_stats(self) -> dict[str, float]:
         return {f"jobs_{k}": float(v) for k, v in vars(self).items()}

@@ -103,12 +103,15 @@ class JobRunner:
             return []
         if self._step_delay_s:
             time.sleep(self._step_delay_s)  # test hook only (NodeConfig.step_delay_s): a slow but live node
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:
             self.counters.step_errors += 1
             log.exception("engine step failed")
             return self._fail_step(e)
+        finally:
+            self.counters.busy_seconds += time.perf_counter() - started
         messages: list[P.Message] = []
         for out in outputs:
             job = self.jobs.get(out.request_id)

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Node:
     instance: str
-    endpoints: P.KVEventsEndpoint
+    endpoints: P.KVEventsEndpoint | None  # None: events handed over in process (`attach` / `ingest`)
     generation: int
     media: dict[str, set[BlockHash]] = field(default_factory=dict)  # medium -> keys held there
 
@@ -132,6 +132,23 @@ class KVIndex:
             command = _Subscribe(node_id, self._generations, endpoints, keys)
         log.info("node %s: indexing KV events from %s", node_id, endpoints.endpoint)
         self._send(command)
+
+    def attach(self, node_id: str, instance: str) -> None:
+        """Index a node whose events reach the router in process (`ingest`), not over a socket: a simulated
+        cluster (benchmarks/cluster_sim.py) feeds the same state, under the same rules, as the nodes' streams."""
+        with self._lock:
+            self._drop_locked(node_id)
+            self._generations += 1
+            self._nodes[node_id] = _Node(instance, None, self._generations)
+
+    def ingest(self, node_id: str, batch: KVEventBatch) -> None:
+        """One batch of an `attach`ed node's events, applied now."""
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None or node.endpoints is not None:
+                raise ValueError(f"node {node_id} is not attached for in-process events")
+            generation = node.generation
+        self._apply(node_id, generation, batch)
 
     def forget(self, node_id: str) -> None:
         """A node was dropped: nothing it announced counts from now on."""

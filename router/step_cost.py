@@ -7,8 +7,8 @@ weights >= 0), so the router's cost-based pairing (router/pairing.py) weighs a p
 by what this node measured, not by constants. A block loaded from the store costs the connector's wait per loaded
 block (`connector_load_wait_seconds` / `connector_blocks_loaded`: only the part the forward pass could not hide).
 
-An interval counts as busy when the node's step counter moved; a node busy for part of an interval reads as slower
-than it is, which overstates every node alike under light load and vanishes under the load where routing matters.
+The busy time of an interval is the node's own `jobs_busy_seconds` (wall time inside engine steps, node/runner.py);
+from a node that does not report it, the whole interval when its step counter moved.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ HALF_LIFE_S = 60.0
 MIN_BUSY_S = 0.5
 # Fewer loaded blocks than this say nothing about the store's speed.
 MIN_LOADED_BLOCKS = 4.0
+BUSY_KEY = "jobs_busy_seconds"  # node/job.py's JobCounters.busy_seconds as the heartbeat names it
 
 
 @dataclass
@@ -57,6 +58,10 @@ class StepCost:
         tokens = stats.get("computed_tokens", 0.0) - last.get("computed_tokens", 0.0)
         if dt <= 0 or steps <= 0 or tokens < 0:
             return  # idle, or counters that went back (a new process under the same state: never mixed)
+        if BUSY_KEY in stats and BUSY_KEY in last:
+            dt = stats[BUSY_KEY] - last[BUSY_KEY]
+            if dt <= 0:
+                return
         decay = 0.5 ** (dt / self.half_life_s)
         self._tt = self._tt * decay + tokens * tokens
         self._ts = self._ts * decay + tokens * steps

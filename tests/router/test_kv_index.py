@@ -277,3 +277,22 @@ def test_the_live_router_indexes_what_a_node_announces(tmp_path) -> None:
         finally:
             node.stop()
             node_thread.join(10)
+
+
+def test_attached_nodes_take_in_process_batches_under_the_same_rules(index) -> None:
+    """`attach` / `ingest` (a simulated cluster's nodes): the same state and rules as a subscribed stream."""
+    with pytest.raises(ValueError):
+        index.ingest("sim0", KVEventBatch(ts=0.0, events=[_stored(KEYS)]))  # never attached
+    index.attach("sim0", "a")
+    index.ingest("sim0", KVEventBatch(ts=0.0, events=[_stored(KEYS[:4]), _stored(KEYS[:2], MEDIUM_CPU)]))
+    assert index.holders(KEYS) == {"sim0": 4} and index.holders(KEYS, MEDIUM_CPU) == {"sim0": 2}
+    index.ingest("sim0", KVEventBatch(ts=1.0, events=[BlockRemoved(block_hashes=[KEYS[1]], medium="GPU")]))
+    assert index.holders(KEYS) == {"sim0": 1}
+    index.ingest("sim0", KVEventBatch(ts=2.0, events=[AllBlocksCleared()]))
+    assert index.holders(KEYS) == {} and index.holders(KEYS, MEDIUM_CPU) == {}
+    index.ingest("sim0", KVEventBatch(ts=3.0, events=[_stored(KEYS[:3])]))
+    index.attach("sim0", "b")  # a new incarnation starts from nothing
+    assert index.holders(KEYS) == {}
+    index.forget("sim0")
+    with pytest.raises(ValueError):
+        index.ingest("sim0", KVEventBatch(ts=4.0, events=[_stored(KEYS)]))

@@ -60,6 +60,14 @@ def test_step_cost_ignores_idle_intervals_and_counters_that_go_back() -> None:
         StepCost(half_life_s=0)
 
 
+def test_step_cost_divides_by_the_nodes_own_busy_seconds() -> None:
+    """A node idle for most of each heartbeat interval still reads at its speed: its steps' wall time counts."""
+    cost = StepCost()
+    for i in range(10):
+        cost.observe({"computed_tokens": 100.0 * i, "steps": 2.0 * i, "jobs_busy_seconds": 0.1 * i}, 5.0 * i)
+    assert cost.prefill_token_s == pytest.approx(0.001, rel=1e-6)  # 0.1 s per 100 tokens, not 5 s
+
+
 def test_cost_prefers_the_holder_until_its_queue_costs_more_than_the_compute() -> None:
     reg = _cluster("p0", "p1")
     p0, p1 = reg.nodes["p0"], reg.nodes["p1"]
