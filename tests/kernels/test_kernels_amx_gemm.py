@@ -25,7 +25,8 @@ def amx_lib(native_lib):
     return native_lib
 
 
-SHAPES = [(960, 576), (3072, 576), (576, 1536), (64, 32)]
+# (576, 1536) and (256, 4160): a K of more than one chunk (amx_gemm.c's KCB), the sums kept between chunks
+SHAPES = [(960, 576), (3072, 576), (576, 1536), (256, 4160), (64, 32)]
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -37,7 +38,7 @@ def test_within_bf16_rounding_of_the_fp32_product(amx_lib, n, k):
     torch.testing.assert_close(got, want, atol=1e-2, rtol=2**-7)  # the output rounded to bf16 (8 bits)
 
 
-@pytest.mark.parametrize("n,k", SHAPES[:3])
+@pytest.mark.parametrize("n,k", SHAPES[:4])
 def test_a_rows_bits_do_not_depend_on_the_call(amx_lib, n, k):
     gen = torch.Generator().manual_seed(k)
     w, x = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(1100, k, generator=gen).bfloat16()

@@ -23,10 +23,20 @@
  * on the Xeon with AMX, builds alternated in one process, SmolLM2's shapes at 2048 rows: 0.73-0.96x the time,
  * bit-equal. Calls of up to SPLIT_ROWS rows keep one pass over k: over 30 layers' weights from memory, the k passes
  * cost 16 and 32 rows ~6% (their C tiles stored and loaded once more, no x to keep).
+ *
+ * A K past KCB k blocks (Llama-1B: 2048 and its down projection's 8192) runs a block in chunks of KCB k blocks,
+ * every row slice of the block over one chunk before the next, its sums waiting in a per-thread fp32 scratch of
+ * the whole block: a block's W is NC x K bf16, 4 MB at K = 8192, past L2 (2 MB a core), so one pass over K per
+ * 32-row slice streamed the block's W from L3 again for each of the block's 4 slices; a chunk's W (512 KB) and x
+ * (256 KB) stay in L2 across them. The sums are stored and loaded as fp32 between chunks, as between KBC passes:
+ * the same additions in the same order, bit for bit. Measured on the 2-core Xeon with AMX (others' jobs running),
+ * old and new builds alternated in one process, best of 10, at 1536 rows: 2048 x 8192 0.66x the time, Llama-1B's
+ * three 2048-k shapes 0.86-0.98x; a chunk of 64 k blocks gave 0.70x at 8192, one of 128 lost to 64, one of 16 tied.
  */
 
 #define _GNU_SOURCE
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "amx_tiles.h"
@@ -41,6 +51,8 @@
 #define SLICE 128 /* outputs of a row slice, whose epilogue runs during the next slice's tiles */
 #define KBC 9 /* k blocks (of 32) a pass: a slice's x and a block's W for them fit L1 (2 x 18 KB) */
 #define SPLIT_ROWS 64 /* calls of more rows pass over k in KBC blocks; fewer rows (weights from memory) in one */
+#define KCB 32 /* k blocks (of 32) a chunk of a long K: a block's W (NC x 1024) and x (MC x 1024) share L2 */
+#define BLOCK_SLICES ((MC / 32) * (NC / SLICE)) /* row slices of a block: each its own sums between chunks */
 
 /* What the kernel does with a block's 32 outputs (two 16-output panels). PAIRS and SILU take a gate_up weight
  * packed with its gate and up panels alternating (amx_gemm.py, pack(paired=True)): panel 2j holds gate outputs
@@ -135,7 +147,8 @@ static inline void store_rows(const Pending *p, int64_t lo, int64_t hi, uint16_t
 
 /* y[m][n] (bf16) = x[m][k] (bf16, row-major) @ W^T, W packed by ucm_kernels/cpu/amx_gemm.py, through `epilogue`
  * (EPI_*). pad: a scratch of 32 * k bf16 per thread for a last block of fewer than 32 rows. Returns 0, or 1 where
- * this build or the OS has no AMX, 2 for a shape or epilogue it does not take (k or n not a multiple of 32). */
+ * this build or the OS has no AMX, 2 for a shape or epilogue it does not take (k or n not a multiple of 32), 3 where
+ * the scratch of a long K could not be allocated. */
 int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y,
                      uint16_t *pad, int32_t num_threads, int32_t epilogue) {
 #if !defined(UCM_HAS_AMX) || !defined(UCM_HAS_SILU16)
@@ -157,6 +170,11 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
     while (nblocks < panels && mblocks * nblocks < 4 * num_threads) nblocks *= 2;
     if (nblocks > panels) nblocks = panels;
     const int64_t kbs = k / 32, kbc = m > SPLIT_ROWS ? KBC : kbs; /* k blocks, and those a pass over a slice takes */
+    const int64_t kcb = m > SPLIT_ROWS && kbs > KCB ? KCB : kbs; /* k blocks a chunk takes (all: one chunk) */
+    const int chunked = kcb < kbs;
+    const int64_t block_floats = 32 * SLICE * BLOCK_SLICES;
+    float *block_scratch = chunked ? aligned_alloc(64, sizeof(float) * (size_t)(block_floats * num_threads)) : NULL;
+    if (chunked && block_scratch == NULL) return 3;
 #pragma omp parallel num_threads(num_threads)
     {
         amx_load_config();
@@ -167,6 +185,8 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
 #else
         int tid = 0;
 #endif
+        /* chunked: every slice of a block has its own sums (a block's slices are all open until its last chunk) */
+        float *block_c = chunked ? block_scratch + tid * block_floats : NULL;
         uint16_t *mypad = pad + (int64_t)tid * 32 * k;
         for (int64_t g0 = 0; g0 < m; g0 += RG) {
 #pragma omp for collapse(2) schedule(static)
@@ -174,28 +194,37 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                 for (int64_t bm = 0; bm < mblocks; bm++) {
                     const int64_t n_begin = bn * panels / nblocks * 32, n_end = (bn + 1) * panels / nblocks * 32;
                     const int64_t m_begin = g0 + bm * MC, m_end = m_begin + MC < m ? m_begin + MC : m;
-                    for (int64_t r0 = m_begin; r0 < m_end; r0 += 32) {
-                        const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
-                        const uint16_t *xs = x + r0 * k;
-                        if (rows < 32) { /* the call's last rows: zeros below them, the same arithmetic per row */
-                            memcpy(mypad, xs, (size_t)(rows * k) * 2);
-                            memset(mypad + rows * k, 0, (size_t)((32 - rows) * k) * 2);
-                            xs = mypad;
-                        }
-                        for (int64_t s0 = n_begin; s0 < n_end; s0 += SLICE) {
-                            const int64_t s_end = s0 + SLICE < n_end ? s0 + SLICE : n_end;
-                            float *sums = pending.c == c[0] ? c[1] : c[0];
-                            /* the pending slice's rows go out in even shares, one after each block's pass */
-                            const int64_t passes = (kbs + kbc - 1) / kbc * ((s_end - s0) / 32);
-                            int64_t pass = 0;
-                            for (int64_t kb0 = 0; kb0 < kbs; kb0 += kbc)
-                                for (int64_t o0 = s0; o0 < s_end; o0 += 32, pass++) {
-                                    block_32x32(xs, k, wp, o0 / 16, sums + (o0 - s0) * 32, kb0,
-                                                kb0 + kbc < kbs ? kb0 + kbc : kbs);
-                                    store_rows(&pending, pass * pending.rows / passes,
-                                               (pass + 1) * pending.rows / passes, y, n, epilogue);
-                                }
-                            pending = (Pending){sums, rows, r0, s0, s_end};
+                    if (chunked) { /* the block's slots are all written before its last chunk: nothing may wait */
+                        store_rows(&pending, 0, pending.rows, y, n, epilogue);
+                        pending.rows = 0;
+                    }
+                    for (int64_t kc0 = 0; kc0 < kbs; kc0 += kcb) {
+                        const int64_t kc1 = kc0 + kcb < kbs ? kc0 + kcb : kbs;
+                        const int last_chunk = kc1 == kbs;
+                        for (int64_t r0 = m_begin; r0 < m_end; r0 += 32) {
+                            const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
+                            const uint16_t *xs = x + r0 * k;
+                            if (rows < 32) { /* the call's last rows: zeros below them, the same arithmetic per row */
+                                memcpy(mypad, xs, (size_t)(rows * k) * 2);
+                                memset(mypad + rows * k, 0, (size_t)((32 - rows) * k) * 2);
+                                xs = mypad;
+                            }
+                            for (int64_t s0 = n_begin; s0 < n_end; s0 += SLICE) {
+                                const int64_t s_end = s0 + SLICE < n_end ? s0 + SLICE : n_end;
+                                float *sums = chunked ? block_c + ((r0 - m_begin) / 32 * (NC / SLICE) + (s0 - n_begin) / SLICE) * 32 * SLICE
+                                                      : pending.c == c[0] ? c[1] : c[0];
+                                /* the pending slice's rows go out in even shares, one after each block's pass */
+                                const int64_t passes = (kc1 - kc0 + kbc - 1) / kbc * ((s_end - s0) / 32);
+                                int64_t pass = 0;
+                                for (int64_t kb0 = kc0; kb0 < kc1; kb0 += kbc)
+                                    for (int64_t o0 = s0; o0 < s_end; o0 += 32, pass++) {
+                                        block_32x32(xs, k, wp, o0 / 16, sums + (o0 - s0) * 32, kb0,
+                                                    kb0 + kbc < kc1 ? kb0 + kbc : kc1);
+                                        store_rows(&pending, pass * pending.rows / passes,
+                                                   (pass + 1) * pending.rows / passes, y, n, epilogue);
+                                    }
+                                if (last_chunk) pending = (Pending){sums, rows, r0, s0, s_end};
+                            }
                         }
                     }
                 }
@@ -204,6 +233,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
         store_rows(&pending, 0, pending.rows, y, n, epilogue);
         _tile_release();
     }
+    free(block_scratch);
     return 0;
 #endif
 }

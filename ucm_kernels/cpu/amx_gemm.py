@@ -63,7 +63,9 @@ def linear(lib: NativeLib, x: torch.Tensor, packed: torch.Tensor, epilogue: Epil
         x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), pad.data_ptr(), threads, int(epilogue)
     )
     if status != 0:
-        raise RuntimeError(f"ucm_amx_gemm returned {status} (1: no AMX in this build or process, 2: shape or epilogue)")
+        raise RuntimeError(
+            f"ucm_amx_gemm returned {status} (1: no AMX in this build or process, 2: shape or epilogue, 3: out of memory)"
+        )
     return y
 
 
