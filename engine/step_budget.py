@@ -10,20 +10,36 @@ lands depends on how fast the host computes a step:
   cold 2048-token prompt in 0.62 s against 0.86-0.90, prefix_repetition in 2.59 s against 2.79-3.02 mean TTFT and
   random 512/64 at 139 against 132-134 tok/s (docs/history/benchmarks.json: the AMX host's "First runs").
 So: vLLM's own CPU default (`FAST_BUDGET`, 2048) where a step of that many tokens is predicted to take at most
-`FAST_STEP_S`, else `SLOW_BUDGET`. The prediction is the model's linear layers (2 flops per weight and token) at the
-rate of the dtype calibration's matmul (ucm_kernels/cpu/calibration.py, measured once per CPU and cached), which is
-what dominates a long step; attention adds a share that grows with the context. CUDA takes `FAST_BUDGET`.
+`FAST_STEP_S`, else `SLOW_BUDGET`. The prediction is the model's linear layers (2 flops per weight and token),
+which dominate a long step (attention adds a share that grows with the context), at the rate they run at here:
+one decoder layer's matmuls of the served model's shapes (fused qkv, o, fused gate_up with its SiLU, down), at a
+`FAST_BUDGET`-row step, through the engine's own path (`engine.models.dense`: the packed copies and kernels a prompt
+step takes, the AMX kernel where oneDNN is not row-invariant), random weights, best of rounds; cached per CPU,
+library, torch, threads and shapes (ucm_kernels/cpu/calibration_store.py). It had been the dtype calibration's one
+F.linear of 64 x 2048 -> 5632: on the 2-core Xeon with AMX that logged 789 GFLOP/s where a 1536-token step of
+Llama-1B's shapes runs at 1.8-2.2 TFLOP/s (issue 49). CUDA takes `FAST_BUDGET`.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from engine.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 FAST_BUDGET = 2048  # vLLM's CPU default for its OpenAI server
 SLOW_BUDGET = 1024
 FAST_STEP_S = 1.0  # ... where a FAST_BUDGET step's matmuls take at most this long
+RATE_ROUNDS = 3  # timed calls of a layer's matmuls, the best counts
+RATE_SPREAD = 1.5  # slowest over fastest past which other load decided them: used, not stored (measured again)
 
 
 @dataclass(frozen=True)
@@ -58,12 +74,86 @@ def choose(mc: ModelConfig, matmul_gflops: float | None) -> StepBudget:
     )
 
 
+@dataclass(frozen=True)
+class LayerMatmul:
+    """One matmul of a decoder layer: its weight's shape, and whether it is the gate_up (its SiLU in the call)."""
+
+    n: int  # out features
+    k: int  # in features
+    gate_up: bool = False
+
+
+def layer_matmuls(mc: ModelConfig) -> list[LayerMatmul]:
+    """A decoder layer's matmuls in the order its forward calls them (`DecoderLayer.matmul_weights`)."""
+    return [
+        LayerMatmul(mc.q_size + 2 * mc.kv_size, mc.hidden_size),
+        LayerMatmul(mc.hidden_size, mc.q_size),
+        LayerMatmul(2 * mc.intermediate_size, mc.hidden_size, gate_up=True),
+        LayerMatmul(mc.hidden_size, mc.intermediate_size),
+    ]
+
+
+def layer_step(mc: ModelConfig, dtype: torch.dtype, rows: int) -> tuple[Callable[[], object], int]:
+    """(one call of a layer's matmuls on `rows` prompt rows through the engine's path, its FLOPs): random weights of
+    the model's shapes, packed as the loader packs them (`engine.models.dense.pack_weight`)."""
+    from engine.models.dense import dense, dense_silu_and_mul, pack_weight
+
+    gen = torch.Generator().manual_seed(0)
+    calls: list[Callable[[], torch.Tensor]] = []
+    flops = 0
+    for mm in layer_matmuls(mc):
+        w = (torch.randn(mm.n, mm.k, generator=gen) * 0.02).to(dtype)
+        x = torch.randn(rows, mm.k, generator=gen).to(dtype)
+        fn = dense_silu_and_mul if mm.gate_up else dense
+        calls.append(functools.partial(fn, x, w, None, pack_weight(w, gate_up=mm.gate_up)))
+        flops += 2 * rows * mm.n * mm.k
+    return (lambda: [call() for call in calls]), flops
+
+
+def measure_layer_gflops(mc: ModelConfig, dtype: torch.dtype, rows: int = FAST_BUDGET) -> tuple[float, list[str]]:
+    """(GFLOP/s of one layer's matmuls at `rows` rows, best of RATE_ROUNDS calls; what the calls disagreed on)."""
+    run, flops = layer_step(mc, dtype, rows)
+    run()  # warm-up: first touch of the outputs, the kernels' lazy set-up
+    seconds = []
+    for _ in range(RATE_ROUNDS):
+        t0 = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - t0)
+    spread = max(seconds) / min(seconds)
+    return flops / min(seconds) / 1e9, [f"calls {spread:.2f}x apart"] if spread > RATE_SPREAD else []
+
+
+def _parse_rate(stored: object) -> float | None:
+    gflops = stored.get("gflops") if isinstance(stored, dict) else None
+    return float(gflops) if isinstance(gflops, (int, float)) and gflops > 0 else None
+
+
+def step_matmul_gflops(mc: ModelConfig, dtype: torch.dtype, root: Path | None = None) -> float:
+    """GFLOP/s of a FAST_BUDGET-row step's matmuls of this model in `dtype` on this CPU: read from the cache file,
+    else measured (`measure_layer_gflops`) and stored. Without the native library (no compiler) the dtype
+    calibration's one F.linear stands in, as before."""
+    from ucm_kernels.cpu import native
+    from ucm_kernels.cpu.calibration_store import stored_or_measured
+
+    lib = native.load()
+    if lib is None:
+        from ucm_kernels.cpu.calibration import MATMUL_SHAPE, matmul_times
+
+        t, k, n = MATMUL_SHAPE
+        ms = matmul_times(root)["bfloat16" if dtype == torch.bfloat16 else "float32"]
+        return 2 * t * k * n / (ms * 1e-3) / 1e9
+    shapes = " ".join(f"{m.n}x{m.k}{' silu' if m.gate_up else ''}" for m in layer_matmuls(mc))
+    name = f"{str(dtype).removeprefix('torch.')} {FAST_BUDGET} rows: {shapes}"
+    threads = torch.get_num_threads()
+    gflops, where = stored_or_measured(
+        "step", name, lib, threads, root, _parse_rate, lambda: measure_layer_gflops(mc, dtype), lambda g: {"gflops": g}
+    )
+    log.info("step matmuls (%s) at %.0f GFLOP/s, %d thread(s) (%s)", name, gflops, threads, where)
+    return gflops
+
+
 def auto_budget(mc: ModelConfig, dtype_name: str, device: str) -> StepBudget:
-    """`choose` on this host: the CPU's rate from the dtype calibration's cached matmul timing."""
+    """`choose` on this host: the CPU's rate at this model's layer shapes (`step_matmul_gflops`)."""
     if device != "cpu":
         return choose(mc, None)
-    from ucm_kernels.cpu.calibration import MATMUL_SHAPE, matmul_times
-
-    t, k, n = MATMUL_SHAPE
-    ms = matmul_times()["bfloat16" if dtype_name == "bfloat16" else "float32"]
-    return choose(mc, 2 * t * k * n / (ms * 1e-3) / 1e9)
+    return choose(mc, step_matmul_gflops(mc, getattr(torch, dtype_name)))

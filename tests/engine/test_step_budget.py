@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import step_budget
-from engine.step_budget import FAST_BUDGET, SLOW_BUDGET, choose, linear_flops_per_token
+from engine.step_budget import FAST_BUDGET, SLOW_BUDGET, choose, layer_step, linear_flops_per_token
 from tests.engine_helpers import make_llm
-from ucm_kernels.cpu import calibration
-from ucm_kernels.cpu.calibration import MATMUL_SHAPE
 
 
 def test_linear_flops_are_two_per_weight_of_the_real_models_decoder_linears(smollm2_fp32):
@@ -29,11 +28,24 @@ def test_fast_hosts_get_vllms_default_and_slow_ones_the_smaller_budget(smollm2_f
         choose(mc, 0.0)
 
 
+def test_the_rate_is_timed_on_the_served_models_layer_at_a_full_step(smollm2_fp32):
+    """What the budget's rate is measured on: every matmul of one of this model's layers (its FLOPs are a layer's
+    share of linear_flops_per_token) at FAST_BUDGET rows, through the engine's own path."""
+    mc = smollm2_fp32.config
+    run, flops = layer_step(mc, torch.float32, FAST_BUDGET)
+    assert flops == linear_flops_per_token(mc) // mc.num_layers * FAST_BUDGET
+    outs = run()
+    assert isinstance(outs, list) and [o.shape for o in outs] == [
+        (FAST_BUDGET, mc.q_size + 2 * mc.kv_size),
+        (FAST_BUDGET, mc.hidden_size),
+        (FAST_BUDGET, mc.intermediate_size),  # the gate_up call gives silu(gate) * up
+        (FAST_BUDGET, mc.hidden_size),
+    ]
+
+
 def forced_rate(monkeypatch, gflops: float) -> None:
-    """The dtype calibration's matmul as if this host ran it at `gflops` in both dtypes."""
-    t, k, n = MATMUL_SHAPE
-    ms = 2 * t * k * n / (gflops * 1e9) * 1e3
-    monkeypatch.setattr(calibration, "matmul_times", lambda root=None: {"bfloat16": ms, "float32": ms})
+    """The step calibration as if this host ran the model's matmuls at `gflops`."""
+    monkeypatch.setattr(step_budget, "step_matmul_gflops", lambda mc, dtype, root=None: gflops)
 
 
 @pytest.mark.parametrize("gflops,want", [(5000.0, FAST_BUDGET), (50.0, SLOW_BUDGET)])

@@ -211,8 +211,8 @@ MATMUL_SECONDS = 1.0
 def measure_matmul() -> dict[str, float]:
     """Best milliseconds of F.linear in bf16 and fp32 on MATMUL_SHAPE, the two alternating (tests replace this).
 
-    Cached for the machine's life, and engine/step_budget.py reads an absolute rate off it, so it must not depend on
-    the moment. On an idle 2-core Zen 5 EPYC, best of 5 calls each, one dtype after the other, gave 345-598 GFLOP/s
+    Cached for the machine's life, and engine/step_budget.py reads an absolute rate off it where the native library
+    is missing (else it times the served model's own layer shapes), so it must not depend on the moment. On an idle 2-core Zen 5 EPYC, best of 5 calls each, one dtype after the other, gave 345-598 GFLOP/s
     in bf16 in three runs a minute apart (a 2048-token step predicted at 0.73-1.26 s, across step_budget's 1.0 s);
     alternating, best of 20, 462-599 in five runs (0.73-0.94 s), in 0.4-0.6 s each."""
     t, k, n = MATMUL_SHAPE
@@ -234,7 +234,7 @@ def bf16_matmul_faster(root: Path | None = None) -> tuple[bool, dict[str, float]
 
 def matmul_times(root: Path | None = None) -> dict[str, float]:
     """MATMUL_SHAPE's milliseconds in bf16 and fp32 on this machine: read from the cache file, else measured and
-    stored (engine/step_budget.py reads the rate off them too)."""
+    stored (engine/step_budget.py reads the rate off them where the native library is missing)."""
     model, flags = cpu_info()
     key = {"cpu": model, "flags": flags, "machine": platform.machine(), "torch": torch.__version__,
            "torch_isa": torch_isa(), "threads": torch.get_num_threads()}  # fmt: skip
