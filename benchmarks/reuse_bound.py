@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = list(pool.map(_cell, [(t, f) for t in traces for f in fracs]))
     print("hit % per capacity: lru · density · oracle (told who returns) · MIN; then the gap share pooled")
     print(f"{'trace':<14}" + "".join(f" | {f:<19g}" for f in fracs) + f" | {'density':>7} {'oracle':>7}")
-    out: dict[str, object] = {"cells": [asdict(c) for c in cells], "follow_ups": {}}
+    follow: dict[str, object] = {}
     for name in traces:
         rows = [c for c in cells if c.trace == name.value]
         line = "".join(
@@ -173,12 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\nP(follow-up) by turn 0 / 1 / 2 / 3+ (requests), and by prompt-length tercile (up to N blocks)")
     for name in traces:
         fu = follow_ups(load(name).full_blocks())
-        out["follow_ups"][name.value] = asdict(fu)  # type: ignore[index]
+        follow[name.value] = asdict(fu)
         turns = " / ".join(f"{p:.2f} ({n})" for n, p in fu.by_turn)
         lengths = " / ".join(f"{p:.2f} (≤{b})" for b, _, p in fu.by_length)
         print(f"{name.value:<14}{turns};  {lengths};  accesses that re-read a block {100 * fu.stored_reused:.0f}%")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    args.json.write_text(json.dumps({"cells": [asdict(c) for c in cells], "follow_ups": follow}, indent=1))
     print(f"\n{len(cells)} cells in {time.perf_counter() - t0:.0f}s; wrote {args.json}")
     return 0
 
