@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from common.auth import INSECURE_WARNING, ServerAuth
+from common.auth import INSECURE_WARNING, PublisherAuth, ServerAuth
+from common.kv_events.config import KVEventsConfig
+from common.kv_events.publisher import ZmqEventPublisher
 from common.log_limit import LogLimiter
 from ucm import store_wire as p
 from ucm.dump_check import checked_dump
@@ -55,6 +57,10 @@ class DaemonConfig:
     max_segments: int = 1024  # attached shared-memory segments, all clients together (a vLLM worker: one per layer)
     max_segment_bytes: int = 1 << 40
     auth: ServerAuth | None = None  # None: no authentication (logs INSECURE_WARNING)
+    # vLLM's --kv-events-config: the tiers' KV events (medium CPU for DRAM, STORAGE for disk) published as a node
+    # publishes its device cache's; the store must have been built with a TierEvents. `events_auth`: CURVE on them.
+    kv_events: KVEventsConfig | None = None
+    events_auth: PublisherAuth | None = None
 
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
@@ -108,6 +114,15 @@ class StoreDaemon:
         self._shared_loads = 0
         self._shared_dumps = 0
         self._bad_log = LogLimiter(log)
+        self._events: ZmqEventPublisher | None = None
+        self.events_endpoint: str | None = None
+        self.events_replay_endpoint: str | None = None
+        if config.kv_events is not None and config.kv_events.enabled:
+            if store.events is None:
+                raise ValueError("KV events need a store built with a TierEvents (Store(config, events=...))")
+            self._events = ZmqEventPublisher(config.kv_events, config.events_auth)
+            self.events_endpoint = self._events.endpoint
+            self.events_replay_endpoint = self._events.replay_endpoint
 
     @property
     def authenticated(self) -> bool:
@@ -128,6 +143,7 @@ class StoreDaemon:
                         self._receive_guarded(self._router.recv_multipart(copy=False))
                     else:
                         self._forward_reply(self._replies.recv_multipart(copy=False))
+                self._publish_events()  # at least every poll timeout: what the tiers did meanwhile
         finally:
             self._shutdown()
 
@@ -137,6 +153,9 @@ class StoreDaemon:
         while self._replies.poll(0):  # deliver replies of requests that finished during shutdown
             self._forward_reply(self._replies.recv_multipart(copy=False))
         self.store.close()
+        if self._events is not None:
+            self._publish_events()
+            self._events.close()
         for sock in self._pushers:
             sock.close(linger=0)
         self._replies.close(linger=0)
@@ -146,6 +165,12 @@ class StoreDaemon:
         self._ctx.term()
 
     # --- main thread ----------------------------------------------------------------------------------
+
+    def _publish_events(self) -> None:
+        if self._events is not None and self.store.events is not None:
+            events = self.store.events.take()
+            if events:
+                self._events.publish(events)
 
     def _receive_guarded(self, frames: list[zmq.Frame]) -> None:
         try:

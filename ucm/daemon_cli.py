@@ -13,6 +13,7 @@ write-behind queue is flushed and LMDB is closed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -21,9 +22,10 @@ from pathlib import Path
 
 import msgspec
 
-from common.auth import ClientAuth, KeyPaths, ServerAuth, generate_keys
+from common.auth import ClientAuth, KeyPaths, PublisherAuth, ServerAuth, generate_keys
+from common.kv_events.config import parse_kv_events_config
 from common.size import format_size, parse_size
-from protocol import defaults
+from protocol import defaults, flags
 from ucm.api import StoreStats
 from ucm.client import StoreClient, StoreUnavailable
 from ucm.daemon import DaemonConfig, StoreDaemon
@@ -31,6 +33,7 @@ from ucm.eviction import PolicyName
 from ucm.malloc_tuning import retain_freed_memory
 from ucm.store import Store, StoreConfig
 from ucm.store_config import DEFAULT_POLICY, DiskWrites
+from ucm.tier_events import TierEvents
 
 READY_PREFIX = "ucm-store ready "
 
@@ -83,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
         help="shared-memory segments of same-host clients mapped at once (loads are written into them)",
     )
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    flags.KV_EVENTS_CONFIG.add(ap)
     auth = ap.add_argument_group("authentication (ZeroMQ CURVE)")
     auth.add_argument(
         "--curve-keys",
@@ -182,12 +186,20 @@ def main(argv: list[str]) -> int:
             max_request_bytes=args.max_request_bytes,
             max_segments=args.max_segments,
             auth=_server_auth(args),
+            kv_events=parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None,
         )
+        if daemon_config.kv_events is not None and daemon_config.auth is not None:
+            # The tiers' events as CURVE servers with the store's pair, for the router (router.key beside the
+            # store's secret, as `ucm-serve keys` writes them) and the authorized clients.
+            secret = Path(daemon_config.auth.secret_file)
+            events_auth = PublisherAuth(secret, Path(daemon_config.auth.authorized_dir), secret.parent / "router.key")
+            daemon_config = dataclasses.replace(daemon_config, events_auth=events_auth)
     except ValueError as exc:
         print(f"ucm-serve store: {exc}", file=sys.stderr)
         return 2
     retain_freed_memory()  # this process is the store: keep evicted buffers' pages for reuse
-    store = Store(config)
+    publishes = daemon_config.kv_events is not None and daemon_config.kv_events.enabled
+    store = Store(config, events=TierEvents() if publishes else None)
     daemon = StoreDaemon(store, daemon_config)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())
@@ -197,6 +209,10 @@ def main(argv: list[str]) -> int:
         else "no disk tier"
     )
     logging.getLogger("ucm.daemon").info("DRAM %s, %s, policy %s", format_size(config.dram_bytes), disk, args.policy)
+    if daemon.events_endpoint is not None:
+        logging.getLogger("ucm.daemon").info(
+            "KV events of the tiers on %s (replay %s)", daemon.events_endpoint, daemon.events_replay_endpoint
+        )
     print(f"{READY_PREFIX}{daemon.address}", flush=True)
     daemon.serve_forever()
     print("ucm-store stopped", flush=True)

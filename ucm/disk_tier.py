@@ -18,11 +18,13 @@ from typing import NamedTuple, TypeVar
 import lmdb
 
 from common.keys import BlockKey
+from common.kv_events.events import MEDIUM_STORAGE
 from ucm.api import TierStats
 from ucm.chain_order import deepest_first, records_deepest_first
 from ucm.eviction import EvictionPolicy
 from ucm.read_snapshot import SnapshotHolder, StoredRecord
 from ucm.record import BlockRecord, committed_seconds, stated_parent
+from ucm.tier_events import TierEvents
 
 log = logging.getLogger("ucm.disk")
 T = TypeVar("T")
@@ -51,7 +53,9 @@ class DiskTier:
         map_size: int,
         policy: EvictionPolicy,
         can_evict: Callable[[Hashable], bool],
+        events: TierEvents | None = None,
     ) -> None:
+        """`events`: told each block that landed on disk and each dropped (medium STORAGE), those found at open too."""
         if capacity_bytes <= 0:
             raise ValueError(f"disk capacity must be positive, got {capacity_bytes}")
         if map_size < capacity_bytes:
@@ -62,6 +66,7 @@ class DiskTier:
         self._env = lmdb.open(str(path), map_size=map_size, max_readers=256, readahead=False, metasync=False)
         self._policy = policy
         self._can_evict = can_evict
+        self._events = events
         self._lock = threading.Lock()
         self._sizes: dict[BlockKey, int] = {}
         self._snapshots = SnapshotHolder(self._env)  # reads share one; every write or delete retires it
@@ -79,10 +84,14 @@ class DiskTier:
                 self._sizes[item.key] = item.size
                 self._policy.insert(item.key, item.size, item.parent)
                 self.stats.bytes_used += item.size
+                if self._events is not None:
+                    self._events.stored(MEDIUM_STORAGE, item.key, item.parent or bytes(len(item.key)), ())
         self.stats.blocks = len(self._sizes)
         log.info("disk: opened %s with %d blocks, %d bytes", self.path, len(self._sizes), self.stats.bytes_used)
         if self.stats.bytes_used > self.capacity_bytes:  # reopened with a smaller capacity
             victims, _ = self._make_room(0, "reopened with a smaller capacity")
+            if self._events is not None:
+                self._events.removed(MEDIUM_STORAGE, victims)
             self._delete(victims)
 
     def __contains__(self, key: BlockKey) -> bool:
@@ -136,6 +145,8 @@ class DiskTier:
                 self.stats.bytes_used += size
                 accepted.append(record)
             self.stats.blocks = len(self._sizes)
+            if self._events is not None:  # gone from the index now, whether or not the write below lands
+                self._events.removed(MEDIUM_STORAGE, victims)
         start = time.perf_counter()
         nbytes = 0
         try:
@@ -157,6 +168,10 @@ class DiskTier:
         with self._lock:
             self.stats.bytes_written += nbytes
             self.stats.write_seconds += time.perf_counter() - start
+            if self._events is not None:
+                for record in records_deepest_first(accepted)[::-1]:  # root first: one chain, one BlockStored
+                    if record.key in self._sizes:
+                        self._events.stored(MEDIUM_STORAGE, record.key, record.header.parent, record.header.token_ids)
         written = {record.key for record in accepted}
         return [record.key for record in records if record.key in written]
 
@@ -206,6 +221,8 @@ class DiskTier:
         longer has (a write that landed after they were removed); corrupt: a read found them wrong."""
         with self._lock:
             present = [key for key in keys if self._forget(key)]
+            if self._events is not None:
+                self._events.removed(MEDIUM_STORAGE, present)
             if corrupt:
                 self.stats.corrupt_dropped += len(present)
             else:

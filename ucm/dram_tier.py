@@ -11,10 +11,12 @@ import logging
 from collections.abc import Callable, Hashable, Mapping
 
 from common.keys import BlockKey
+from common.kv_events.events import MEDIUM_CPU
 from ucm.api import TierStats
 from ucm.chain_order import records_deepest_first
 from ucm.eviction import EvictionPolicy
 from ucm.record import BlockRecord
+from ucm.tier_events import TierEvents
 
 log = logging.getLogger("ucm.dram")
 
@@ -26,15 +28,17 @@ class DramTier:
         policy: EvictionPolicy,
         can_evict: Callable[[Hashable], bool],
         on_evict: Callable[[BlockRecord, bool], None] | None = None,
+        events: TierEvents | None = None,
     ) -> None:
         """`on_evict`: told each record evicted to make room, and whether a read found it here (under the caller's
-        lock, so it must not block)."""
+        lock, so it must not block). `events`: told each block stored and dropped (medium CPU)."""
         if capacity_bytes <= 0:
             raise ValueError(f"DRAM capacity must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._policy = policy
         self._can_evict = can_evict
         self._on_evict = on_evict
+        self._events = events
         self._blocks: dict[BlockKey, BlockRecord] = {}
         self._read: set[BlockKey] = set()  # resident blocks a get/get_many found (kept only for `on_evict`)
         self.stats = TierStats(capacity_bytes=capacity_bytes)
@@ -106,6 +110,8 @@ class DramTier:
             dropped = self._blocks.pop(victim)
             self.stats.bytes_used -= dropped.nbytes
             self.stats.evictions += 1
+            if self._events is not None:
+                self._events.removed(MEDIUM_CPU, (victim,))
             if self._on_evict is not None:
                 was_read = victim in self._read
                 self._read.discard(victim)
@@ -125,6 +131,8 @@ class DramTier:
         self._policy.insert(key, size, record.header.parent)
         self.stats.bytes_used += size
         self.stats.blocks = len(self._blocks)
+        if self._events is not None:
+            self._events.stored(MEDIUM_CPU, key, record.header.parent, record.header.token_ids)
         return True
 
     def remove(self, key: BlockKey, corrupt: bool = False) -> bool:
@@ -138,6 +146,8 @@ class DramTier:
             self.stats.removed += 1
         self._read.discard(key)
         self._policy.remove(key)
+        if self._events is not None:
+            self._events.removed(MEDIUM_CPU, (key,))
         self.stats.bytes_used -= record.nbytes
         self.stats.blocks = len(self._blocks)
         return True

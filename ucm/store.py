@@ -38,6 +38,7 @@ from ucm.reuse_admission import ReuseAdmission
 from ucm.store_config import DiskWrites, StoreConfig
 from ucm.store_reader import BlockReader, StoreTiers
 from ucm.task import Task
+from ucm.tier_events import TierEvents
 from ucm.write_behind import WriteBehind
 
 __all__ = ["Store", "StoreConfig"]
@@ -50,8 +51,12 @@ def _normalized(ref: BlockRef) -> BlockRef:
 
 
 class Store(DumpsByLayers):
-    def __init__(self, config: StoreConfig, *, policy_factory: PolicyFactory = make_policy) -> None:
+    def __init__(
+        self, config: StoreConfig, *, policy_factory: PolicyFactory = make_policy, events: TierEvents | None = None
+    ) -> None:
+        """`events`: what each tier stores and drops, as KV events (ucm/tier_events.py; the daemon publishes them)."""
         self.config = config
+        self.events = events
         self._lock = threading.Lock()
         self._pins = PinTable()
         victim_tier = config.disk_writes is not DiskWrites.BEHIND and config.disk_path is not None
@@ -60,14 +65,14 @@ class Store(DumpsByLayers):
         reused = victim_tier and config.disk_writes is DiskWrites.REUSED
         self._admission = ReuseAdmission(config.disk_bytes) if reused else None
         self._dram = DramTier(
-            config.dram_bytes, policy_factory(config.policy, config.dram_bytes), self._pins.is_unpinned, demote
+            config.dram_bytes, policy_factory(config.policy, config.dram_bytes), self._pins.is_unpinned, demote, events
         )
         self._disk: DiskTier | None = None
         self._writer: WriteBehind | None = None
         if config.disk_path is not None:
             disk_policy = policy_factory(config.disk_policy, config.disk_bytes)
             self._disk = DiskTier(
-                config.disk_path, config.disk_bytes, config.map_size, disk_policy, self._pins.is_unpinned
+                config.disk_path, config.disk_bytes, config.map_size, disk_policy, self._pins.is_unpinned, events
             )
             self._writer = WriteBehind(self._disk, config.write_queue_blocks, self._on_written)
         self._inflight = InFlight()  # committed, not yet on disk: still visible
