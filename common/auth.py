@@ -151,10 +151,14 @@ class ServerAuth:
     def client_keys_for(self, peer: str) -> CurveClientKeys:
         """This server's pair as a CURVE client of peer `peer`'s own server (the router subscribing to node NAME's
         KV events): NAME's public key is the one authorized under its name. ValueError if there is none."""
+        return self.client_keys_with(Path(self.authorized_dir) / f"{check_client_name(peer)}.key")
+
+    def client_keys_with(self, peer_file: Path) -> CurveClientKeys:
+        """This server's pair as a CURVE client of the server whose public key is `peer_file` (the router subscribing
+        to the store daemon's KV events: DIR/server.key). ValueError if the file is missing."""
+        if not Path(peer_file).is_file():
+            raise ValueError(f"no public key {peer_file}")
         public, secret = _load_pair(Path(self.secret_file))
-        peer_file = Path(self.authorized_dir) / f"{check_client_name(peer)}.key"
-        if not peer_file.is_file():
-            raise ValueError(f"no public key {peer_file} for {peer!r}")
         peer_public, _ = zmq.auth.load_certificate(peer_file)
         return CurveClientKeys(public, secret, peer_public)
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -24,7 +25,7 @@ from router.dispatcher import Dispatcher
 from router.errors import install_error_handlers
 from router.http_gate import HttpGate
 from router.info_routes import info_routes
-from router.kv_index import KVIndex
+from router.kv_index import STORE_SOURCE, KVIndex
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -51,6 +52,10 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         index = KVIndex(config.node_auth) if config.prefix_source is PrefixSource.EVENTS else None
         if index is not None:
             client.on_node_event.append(index.follow(registry))
+            if config.store_events is not None:
+                auth = config.node_auth
+                server_key = Path(auth.secret_file).parent / "server.key" if auth is not None else None
+                index.track(STORE_SOURCE, "store", config.store_events, server_key)
         app.state.kv_index = index
         await client.start()
         ctx.serving = OpenAIServing(

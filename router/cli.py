@@ -9,6 +9,7 @@ from pathlib import Path
 
 from common.auth import KeyPaths, ServerAuth
 from protocol import defaults, flags
+from protocol import messages as P
 from router.config import PrefixSource, RouterConfig
 from router.pairing_policy import PairingPolicy
 
@@ -133,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
         "queue ahead, KV to bring), never past a node's admission bound; prefix-slack = the longest cached prefix "
         "within a load slack (the policy before); least-loaded, round-robin, dynamo, sglang: for comparison",
     )
+    p.add_argument(
+        "--store-kv-events",
+        metavar="ENDPOINT[,REPLAY]",
+        default=None,
+        help="the store daemon's KV events (its --kv-events-config endpoint, and replay endpoint): the router indexes "
+        "what the store's DRAM and disk hold and cost pairing prices those blocks as loads (CURVE with the store's "
+        "server.key from --curve-keys unless --insecure)",
+    )
     p.add_argument("--log-level", default="info")
     auth = p.add_argument_group("node authentication (ZeroMQ CURVE, docs/security.md)")
     flags.curve_keys(
@@ -176,6 +185,14 @@ def node_auth_from_args(args: argparse.Namespace) -> ServerAuth | None:
     return None
 
 
+def store_events_endpoint(text: str | None) -> P.KVEventsEndpoint | None:
+    """`--store-kv-events ENDPOINT[,REPLAY]` -> where the router subscribes (vLLM's default topic, as the store's)."""
+    if not text:
+        return None
+    endpoint, _, replay = text.partition(",")
+    return P.KVEventsEndpoint(endpoint.strip(), replay.strip() or None, "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -198,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         node_auth=node_auth,
         prefix_source=args.prefix_source,
         pairing=args.pairing,
+        store_events=store_events_endpoint(args.store_kv_events),
         **{flag.kwargs["dest"]: getattr(args, flag.kwargs["dest"]) for flag in TUNABLES},
     )
     import uvicorn

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from common.auth import ServerAuth
 from protocol import defaults
+from protocol import messages as P
 from router.pairing_policy import PairingPolicy
 
 
@@ -61,6 +62,9 @@ class RouterConfig:
     vllm_max_num_seqs: int = 64
     # How router/pairing.py picks each request's prefill and decode node (COST: by measured seconds).
     pairing: PairingPolicy = PairingPolicy.COST
+    # The store daemon's KV events (`ucm-serve store --kv-events-config`): what its DRAM and disk hold, which every
+    # node with a store can load instead of computing; COST pairing prices them. None: not indexed.
+    store_events: P.KVEventsEndpoint | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -30,7 +30,7 @@ import msgspec
 from common.keys import BlockKey
 from protocol import messages as P
 from router.arrivals import NodeArrivals
-from router.kv_index import KVIndex
+from router.kv_index import STORE_MEDIA, STORE_SOURCE, KVIndex
 from router.node_client import NodeClient, NodeLost, NodeUnavailable
 from router.openai_schema import ApiError, bad_request
 from router.pairing import Pairing
@@ -166,11 +166,20 @@ class Dispatcher:
             alive = self.registry.alive(P.NodeRole.PREFILL)
             if keys is None and alive:
                 keys = self.registry.prompt_keys(req.prompt_token_ids, req.cache_salt)
-            hits = None
-            if self.prefix_index is not None and keys:
-                hits = self.prefix_index.prefix_hits([n.node_id for n in alive], keys)
+            hits = store_hits = None
+            index = self.prefix_index
+            if index is not None and keys:
+                hits = index.prefix_hits([n.node_id for n in alive], keys)
+                if index.indexed(STORE_SOURCE):  # what the store holds, every node with a store can load
+                    depth = index.depth(STORE_SOURCE, keys, STORE_MEDIA)
+                    store_hits = {n.node_id: depth for n in alive if n.info.has_store}
             choice = self.pairing.prefill(
-                alive, keys or [], exclude=tried, hits=hits, prompt_tokens=len(req.prompt_token_ids)
+                alive,
+                keys or [],
+                exclude=tried,
+                hits=hits,
+                store_hits=store_hits,
+                prompt_tokens=len(req.prompt_token_ids),
             )
             if choice is None:
                 if trace.prefill_attempts:

@@ -21,17 +21,31 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from common.auth import CurveClientKeys, ServerAuth
-from common.kv_events.events import MEDIUM_GPU, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch
+from common.kv_events.events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 from common.kv_events.subscriber import REPLAY_TIMEOUT_S, EventStream, StreamPoller
 from protocol import messages as P
 from router.registry import Registry
 
 log = logging.getLogger(__name__)
+
+# The id the store daemon's events are indexed under (`--store-kv-events`): every node with a store reads from it.
+STORE_SOURCE = "<store>"
+STORE_MEDIA = (MEDIUM_CPU, MEDIUM_STORAGE)
 
 
 @dataclass
@@ -108,16 +122,22 @@ class KVIndex:
 
     # ------------------------------------------------------------------ the event loop's side
 
-    def track(self, node_id: str, instance: str, endpoints: P.KVEventsEndpoint | None) -> None:
+    def track(
+        self, node_id: str, instance: str, endpoints: P.KVEventsEndpoint | None, server_key: Path | None = None
+    ) -> None:
         """A node registered: index its events (a new incarnation or new endpoints start from nothing). A node
-        without events is forgotten."""
+        without events is forgotten. `server_key`: the publisher's public key file, where it is not the node's
+        authorized key (the store daemon's server.key)."""
         if endpoints is None:
             self.forget(node_id)
             return
         keys = None
         if self._auth is not None:
             try:
-                keys = self._auth.client_keys_for(node_id)
+                if server_key is not None:
+                    keys = self._auth.client_keys_with(server_key)
+                else:
+                    keys = self._auth.client_keys_for(node_id)
             except ValueError as e:
                 log.warning("node %s: cannot subscribe to its KV events: %s", node_id, e)
                 self.forget(node_id)
@@ -178,6 +198,18 @@ class KVIndex:
                 for node_id in live:
                     out[node_id] = depth
         return out
+
+    def depth(self, source: str, keys: Sequence[BlockHash], media: Iterable[str]) -> int:
+        """How many leading `keys` `source` holds, each in any of `media` (a store serves one prefix from DRAM and
+        disk together)."""
+        with self._lock:
+            maps = [self._holders.get(medium, {}) for medium in media]
+            held = 0
+            for key in keys:
+                if not any(source in m.get(key, ()) for m in maps):
+                    break
+                held += 1
+            return held
 
     def prefix_hits(
         self, node_ids: Iterable[str], keys: Sequence[BlockHash], medium: str = MEDIUM_GPU

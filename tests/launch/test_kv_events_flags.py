@@ -12,8 +12,10 @@ from common.kv_events.config import KVEventsConfig
 from launch import launcher
 from launch.cluster import Cluster, ClusterSpec, StoreMode
 from node.config import add_node_args, config_from_args
+from protocol import messages as P
 from protocol.messages import NodeRole
 from router.cli import build_parser as router_parser
+from router.cli import store_events_endpoint
 from router.config import PrefixSource
 from router.pairing_policy import PairingPolicy
 
@@ -88,6 +90,13 @@ def test_router_pairing_flag() -> None:
         router_parser().parse_args(["--insecure", "--pairing", "random"])
 
 
+def test_router_store_kv_events_flag() -> None:
+    args = router_parser().parse_args(["--insecure", "--store-kv-events", "tcp://h:5557,tcp://h:5558"])
+    assert store_events_endpoint(args.store_kv_events) == P.KVEventsEndpoint("tcp://h:5557", "tcp://h:5558", "")
+    assert store_events_endpoint("ipc:///tmp/ev") == P.KVEventsEndpoint("ipc:///tmp/ev", None, "")
+    assert store_events_endpoint(None) is None
+
+
 @pytest.mark.slow
 def test_a_cluster_node_publishes_its_blocks_to_a_curve_consumer(tmp_path) -> None:
     """`up`'s processes with --kv-events-config: a consumer holding a key from the cluster's folder subscribes to the
@@ -142,6 +151,8 @@ def test_a_cluster_node_publishes_its_blocks_to_a_curve_consumer(tmp_path) -> No
                 stored += [e for e in BatchDecoder().decode(payload).events if isinstance(e, BlockStored)]
             event = next(e for e in stored if e.token_ids[:32] == prompt[:32])
             assert event.parent_block_hash is None and event.block_size == 16 and event.medium == "GPU"
-            assert len(event.block_hashes) == 2 and all(len(h) == 16 for h in event.block_hashes)
+            assert len(event.block_hashes) == 2 and all(
+                isinstance(h, bytes) and len(h) == 16 for h in event.block_hashes
+            )
         finally:
             ctx.destroy(linger=0)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from common.kv_events.events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 from protocol import messages as P
-from router.kv_index import KVIndex
+from router.kv_index import STORE_MEDIA, STORE_SOURCE, KVIndex
 from tests.store_helpers import dump_all, make_refs, run_daemon
 from ucm.client import StoreClient
 from ucm.tier_events import TierEvents
@@ -50,7 +50,7 @@ def test_the_daemon_publishes_its_tiers_and_the_index_follows(tmp_path) -> None:
     index = KVIndex(replay_timeout_s=0.5)
     try:
         with run_daemon(tmp_path / "db", "--kv-events-config", json.dumps(config)) as daemon:
-            index.track("store", "one", P.KVEventsEndpoint(endpoint, replay, ""))
+            index.track(STORE_SOURCE, "one", P.KVEventsEndpoint(endpoint, replay, ""))
             refs = make_refs(list(range(24)))  # 6 blocks
             keys = [r.key for r in refs]
             with StoreClient(daemon.address, timeout_s=10.0) as client:
@@ -64,10 +64,14 @@ def test_the_daemon_publishes_its_tiers_and_the_index_follows(tmp_path) -> None:
 
                 _until("the subscription", probe)
                 dump_all(client, refs)
-                _until("DRAM's blocks", lambda: index.holders(keys, MEDIUM_CPU) == {"store": 6})
-                _until("disk's blocks (written behind)", lambda: index.holders(keys, MEDIUM_STORAGE) == {"store": 6})
+                _until("DRAM's blocks", lambda: index.holders(keys, MEDIUM_CPU) == {STORE_SOURCE: 6})
+                _until(
+                    "disk's blocks (written behind)", lambda: index.holders(keys, MEDIUM_STORAGE) == {STORE_SOURCE: 6}
+                )
+                assert index.depth(STORE_SOURCE, keys, STORE_MEDIA) == 6  # what pairing prices as loads
                 client.remove(keys[3:4])
-                _until("the removal", lambda: index.holders(keys, MEDIUM_CPU) == {"store": 3})
-                _until("the disk's removal", lambda: index.holders(keys, MEDIUM_STORAGE) == {"store": 3})
+                _until("the removal", lambda: index.holders(keys, MEDIUM_CPU) == {STORE_SOURCE: 3})
+                _until("the disk's removal", lambda: index.holders(keys, MEDIUM_STORAGE) == {STORE_SOURCE: 3})
+                assert index.depth(STORE_SOURCE, keys, STORE_MEDIA) == 3
     finally:
         index.close()
