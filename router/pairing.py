@@ -179,7 +179,8 @@ class Pairing:
             per_step = rates.step_s[nid] + rates.token_s[nid] * (_busy(node) + 1)
             return bring + max(1, max_tokens) * per_step
 
-        return min(candidates, key=lambda n: (price(n), n.load, n.node_id))
+        turn = self._rotation(candidates)
+        return min(candidates, key=lambda n: (price(n), n.load, turn[n.node_id]))
 
     # ------------------------------------------------------------------ the rules
 
@@ -193,16 +194,26 @@ class Pairing:
     ) -> PrefillChoice:
         candidates = _within_bound(candidates)
         rates = _Rates.of(candidates)
-        best: PrefillChoice | None = None
+        turn = self._rotation(candidates)
+        best: tuple[float, float, int] | None = None
+        choice: PrefillChoice | None = None
         for node in candidates:
             device = _held(node, keys, hits)
             store = store_hits.get(node.node_id, 0) if store_hits is not None else 0
             seconds, compute = self._prefill_seconds(node, rates, len(keys), device, store, prompt_tokens)
-            choice = PrefillChoice(node, device, compute, seconds)
-            if best is None or (seconds, node.load, node.node_id) < (best.seconds, best.node.load, best.node.node_id):
-                best = choice
-        assert best is not None, "no candidate priced"
-        return best
+            rank = (seconds, node.load, turn[node.node_id])
+            if best is None or rank < best:
+                best, choice = rank, PrefillChoice(node, device, compute, seconds)
+        assert choice is not None, "no candidate priced"
+        return choice
+
+    def _rotation(self, candidates: Sequence[NodeState]) -> dict[str, int]:
+        """Each candidate's place in a turn that moves on every request: equal prices (idle nodes, prompts nobody
+        holds) go round the nodes instead of always to the first id, which would pile new conversations and their
+        follow-ups on it."""
+        ids = sorted(n.node_id for n in candidates)
+        start = next(self._turn) % len(ids)
+        return {nid: (i - start) % len(ids) for i, nid in enumerate(ids)}
 
     @staticmethod
     def _prefill_seconds(

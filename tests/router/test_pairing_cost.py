@@ -157,3 +157,14 @@ def test_comparison_rules() -> None:
     assert choice is not None and choice.node.node_id == "p0"
     with pytest.raises(ValueError):
         Pairing("cost")  # type: ignore[arg-type]
+
+
+def test_cost_spreads_equal_prices_round_the_nodes() -> None:
+    """Idle nodes and a prompt nobody holds price the same everywhere: the turn moves on, not always the first id."""
+    reg = _cluster("p0", "p1", "p2")
+    nodes = list(reg.nodes.values())
+    pairing = Pairing(PairingPolicy.COST)
+    picks = [pairing.prefill(nodes, _keys(4)) for _ in range(3)]
+    assert sorted(c.node.node_id for c in picks if c is not None) == ["p0", "p1", "p2"]
+    decodes = [pairing.decode(nodes, prompt_keys=_keys(4)) for _ in range(3)]
+    assert sorted(n.node_id for n in decodes if n is not None) == ["p0", "p1", "p2"]
