@@ -358,4 +358,5 @@ class KVIndex:
             topic=command.endpoints.topic,
             keys=command.keys,
             replay_timeout_s=self._replay_timeout_s,
+            snapshot=True,  # whole at once from the publisher's snapshot, not from however much its ring still holds
         )

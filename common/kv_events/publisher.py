@@ -7,6 +7,13 @@
              that sequence on as (empty, topic, sequence, payload), then the end marker (empty, empty, -1 as 8
              bytes signed big-endian, empty)
 
+    snapshot a replay request for sequence SNAPSHOT_SEQ (ours; vLLM's publisher answers it with the end marker
+             alone) gets one batch instead: AllBlocksCleared, then a BlockStored per medium of every block the
+             published events leave held, under the sequence of the last batch they include; then the end marker.
+             A subscriber that starts (a restarted router) rebuilds from it and goes on from the next sequence,
+             however long the publisher has run, instead of replaying the ring buffer (which may no longer
+             reach back to the start).
+
 The ring buffer keeps the last `buffer_steps` batches. `publish` encodes on the caller's thread and hands the bytes
 to the publisher's thread over an inproc socket; that thread owns the PUB and replay sockets, so a replay is served
 while the engine is in a long step. A publisher thread that cannot keep up for a second loses that batch and
@@ -30,12 +37,13 @@ from common.auth import PublisherAuth
 from common.kv_events import endpoints
 from common.kv_events.codec import encode_batch
 from common.kv_events.config import KVEventsConfig
-from common.kv_events.events import AllBlocksCleared, KVEvent, KVEventBatch
+from common.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, block_stored
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
 SEQ_BYTES = 8
+SNAPSHOT_SEQ = (1 << 64) - 2  # a replay request for this start sequence asks for the snapshot
 _HANDOFF_TIMEOUT_MS = 1000  # `publish` waits this long for the publisher thread before dropping the batch
 _STOP = b""  # the inbox's stop sentinel (a payload is never empty)
 
@@ -56,6 +64,11 @@ class ZmqEventPublisher:
         self._seq = itertools.count()
         self._lock = threading.Lock()  # the inbox's sending side: `publish` may be called from several threads
         self._lost = False  # a batch was dropped: the next one starts with AllBlocksCleared
+        # Each batch's events, in publish order, for the publisher thread to fold into `_held` as it sends the batch
+        # (so the snapshot matches a sequence number); deque ends are thread-safe.
+        self._pending: collections.deque[list[KVEvent]] = collections.deque()
+        self._held: dict[str, dict[bytes | int, None]] = {}  # medium -> held keys, oldest first (publisher thread)
+        self._last_seq: int | None = None
         self.published = 0  # batches sent on the PUB socket
         self.dropped = 0  # batches `publish` gave up on (the publisher thread stalled)
         self.replays = 0  # replay requests served
@@ -114,9 +127,11 @@ class ZmqEventPublisher:
                 events = [AllBlocksCleared(), *events]
             when = time.time() if ts is None else ts
             batch = KVEventBatch(ts=when, events=events, data_parallel_rank=self.data_parallel_rank)
+            self._pending.append(batch.events)
             try:
                 self._push.send(encode_batch(batch))
             except zmq.Again:
+                self._pending.pop()  # never reached the thread: it will not look for these events
                 self.dropped += 1
                 self._lost = True
                 log.warning("KV event publisher stalled: a batch of %d events dropped", len(events))
@@ -173,7 +188,30 @@ class ZmqEventPublisher:
             seq = next(self._seq)
             self._pub.send_multipart((self._topic, seq_bytes(seq), payload))  # PUB never blocks: drops at the HWM
             self._buffer.append((seq, payload))
+            self._fold(self._pending.popleft())
+            self._last_seq = seq
             self.published += 1
+
+    def _fold(self, events: list[KVEvent]) -> None:
+        """What a batch leaves held, per medium (the snapshot's state)."""
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                self._held.clear()
+            elif isinstance(event, BlockStored):
+                held = self._held.setdefault(event.medium or "GPU", {})
+                for key in event.block_hashes:
+                    held[key] = None
+            elif isinstance(event, BlockRemoved):
+                held = self._held.setdefault(event.medium or "GPU", {})
+                for key in event.block_hashes:
+                    held.pop(key, None)
+
+    def _snapshot(self) -> bytes:
+        events: list[KVEvent] = [AllBlocksCleared()]
+        for medium, keys in self._held.items():
+            if keys:
+                events.append(block_stored(list(keys), None, [], 0, medium))  # type: ignore[arg-type]
+        return encode_batch(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.data_parallel_rank))
 
     def _serve_replays(self) -> None:
         assert self._replay is not None
@@ -187,6 +225,12 @@ class ZmqEventPublisher:
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big")
             self.replays += 1
+            if start == SNAPSHOT_SEQ:
+                if self._last_seq is not None:
+                    snapshot = self._snapshot()
+                    self._replay.send_multipart((client, b"", self._topic, seq_bytes(self._last_seq), snapshot))
+                self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+                continue
             for seq, payload in list(self._buffer):
                 if seq >= start:
                     self._replay.send_multipart((client, b"", self._topic, seq_bytes(seq), payload))

@@ -12,7 +12,10 @@ sequence the stream expects before the stream reconnected looks like a gap and i
 index does not rely on this: a restarted node registers as a new incarnation and is subscribed to afresh).
 
 On start the stream asks for a replay from sequence 0, so it learns what the publisher still buffers of its past
-even if nothing new is published (and the SUB socket's slow join loses nothing).
+even if nothing new is published (and the SUB socket's slow join loses nothing); with `snapshot`, for the publisher's
+snapshot instead (publisher.py: one batch of everything held, at the last sequence), so a consumer that starts late
+(a restarted router) is whole at once, however far back the ring buffer reaches. A publisher without snapshots
+(vLLM's) answers with the end marker alone, and the stream falls back to replaying from 0 at its first live batch.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import zmq
 from common.auth import CurveClientKeys
 from common.kv_events.codec import BatchDecoder
 from common.kv_events.events import KVEventBatch
-from common.kv_events.publisher import END_SEQ, SEQ_BYTES, seq_bytes
+from common.kv_events.publisher import END_SEQ, SEQ_BYTES, SNAPSHOT_SEQ, seq_bytes
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,7 @@ class EventStream:
         topic: str = "",
         keys: CurveClientKeys | None = None,
         replay_timeout_s: float = REPLAY_TIMEOUT_S,
+        snapshot: bool = False,
     ) -> None:
         self._ctx = ctx
         self._poller = poller
@@ -120,7 +124,7 @@ class EventStream:
         self._replay: zmq.Socket[bytes] | None = None
         if replay_endpoint is not None:
             self._open_replay()
-            self._request_replay(0)
+            self._request_replay(SNAPSHOT_SEQ if snapshot else 0)
 
     def _socket(self, kind: int, endpoint: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._ctx.socket(kind)

@@ -23,7 +23,7 @@ from common.kv_events.events import (
     KVEventBatch,
     block_stored,
 )
-from common.kv_events.publisher import END_SEQ, ZmqEventPublisher, seq_bytes
+from common.kv_events.publisher import END_SEQ, SNAPSHOT_SEQ, ZmqEventPublisher, seq_bytes
 from protocol import messages as P
 from router.kv_index import KVIndex
 from router.pairing import pick_prefill
@@ -138,7 +138,7 @@ def test_gaps_are_repaired_by_replay_and_a_lost_removal_resets(tmp_path, index) 
     script = ScriptedPublisher(ctx, tmp_path)
     try:
         index.track("s", "i", script.endpoints)
-        assert script.answer_replay({}) == 0  # the catch-up at start: nothing buffered yet
+        assert script.answer_replay({}) == SNAPSHOT_SEQ  # the snapshot asked for at start: nothing held yet
         time.sleep(0.3)  # the SUB socket joins
         script.send(0, [_stored(KEYS[:2])])
         _until("batch 0", lambda: index.holders(KEYS) == {"s": 2})
@@ -296,3 +296,28 @@ def test_attached_nodes_take_in_process_batches_under_the_same_rules(index) -> N
     index.forget("sim0")
     with pytest.raises(ValueError):
         index.ingest("sim0", KVEventBatch(ts=4.0, events=[_stored(KEYS)]))
+
+
+def test_a_late_subscriber_is_whole_from_the_snapshot_past_the_ring_buffer(tmp_path) -> None:
+    """A router (re)started after 16 publishers ran past their ring buffers: each one's snapshot gives the index what
+    the publisher holds now, removals included, and the live stream goes on from there."""
+    pubs = [_publisher(tmp_path, f"n{i}", buffer_steps=4) for i in range(16)]
+    keys = [block_keys(root_key(NS, f"node-{i}"), list(range(4 * 40)), 4) for i in range(16)]
+    index = KVIndex(replay_timeout_s=2.0)
+    try:
+        for pub, mine in zip(pubs, keys, strict=True):
+            for j in range(0, 40, 2):  # 20 batches, far past the 4 the ring keeps
+                pub.publish([_stored(mine[j : j + 2])])
+            pub.publish([BlockRemoved(block_hashes=list[bytes | int](mine[:2]), medium="GPU")])
+        _until("every batch sent", lambda: all(pub.published == 21 for pub in pubs))
+        for i, pub in enumerate(pubs):
+            index.track(f"n{i}", "a", _announce(pub))
+        for i in range(16):
+            _until(f"n{i}'s snapshot", lambda i=i: index.blocks(f"n{i}") == frozenset(keys[i][2:]))
+        pubs[0].publish([_stored([KEYS[0]])])  # live from the snapshot's sequence on
+        _until("the next live batch", lambda: KEYS[0] in index.blocks("n0"))
+        assert index.resets == 0
+    finally:
+        index.close()
+        for pub in pubs:
+            pub.close()
