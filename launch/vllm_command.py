@@ -58,8 +58,12 @@ class VllmCommand:
     max_model_len: int | None = 4096
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: vLLM-CPU's KV cache, in GiB
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-1"; None: every core
-    # vLLM-CPU's own CI switch: Dynamo with the eager backend instead of Inductor, which takes minutes to compile on
-    # 2 cores.
+    # --enforce-eager: no compilation (Inductor takes minutes to compile on 2 cores). Not vLLM-CPU's CI switch
+    # (VLLM_CPU_CI_ENV=1: Dynamo traced once, eager backend), which traces on the first real forward: a
+    # consumer whose first forward computes one token (a prompt loaded whole from the store, its last token
+    # recomputed) then corrupted its heap on the next batches of several requests ("free(): invalid size",
+    # "munmap_chunk(): invalid pointer", SIGBUS; 4 of 4 fresh bf16 consumers here), where --enforce-eager
+    # served the same sequence and 17 more full-hit loads in batches of 3 and 8 (docs/vllm.md).
     eager: bool = True
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags (e.g. --enable-prompt-tokens-details)
 
@@ -75,6 +79,8 @@ class VllmCommand:
             argv += ["--max-model-len", str(self.max_model_len)]
         if self.transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(self.transfer_config)]
+        if self.eager:
+            argv.append("--enforce-eager")
         return [*argv, *self.extra_args]
 
     def env(self) -> dict[str, str]:
@@ -90,6 +96,4 @@ class VllmCommand:
         }
         if preload:
             env["LD_PRELOAD"] = ":".join(preload)
-        if self.eager:
-            env["VLLM_CPU_CI_ENV"] = "1"
         return env

