@@ -44,7 +44,10 @@ class VllmCluster(Cluster):
     def urls(self, kind: str) -> list[str]:
         return [f"http://127.0.0.1:{port}" for name, port in self.ports.items() if name.startswith(kind + "-")]
 
-    def start(self, timeout: float = 900.0) -> Cluster:
+    def __enter__(self) -> VllmCluster:
+        return self.start()
+
+    def start(self, timeout: float = 900.0) -> VllmCluster:
         try:
             self._prepare_model()
             if self.spec.secure:
