@@ -150,3 +150,37 @@ def test_a_failed_decode_job_is_a_500_and_no_decode_node_a_503() -> None:
         assert none.value.status == 503
 
     _run(run)
+
+
+def test_cost_pairing_prices_the_store_and_counts_the_queue_ahead() -> None:
+    """With the store's tiers indexed, a prompt whose blocks the store holds is priced as loads: the node is charged
+    only the tokens left to compute (its queued tokens while the job is out), and they are given back after."""
+    from common.kv_events.events import MEDIUM_CPU, KVEventBatch, block_stored
+    from router.kv_index import STORE_SOURCE, KVIndex
+
+    async def run() -> None:
+        reg, client, dispatcher = setup(decode_nodes=1)
+        register(reg, client, "prefill-1", P.NodeRole.PREFILL)
+        index = KVIndex()
+        try:
+            dispatcher.prefix_index = index
+            prompt = list(range(100, 140))  # 10 full blocks of 4
+            keys = reg.prompt_keys(prompt, None)
+            for node_id in ("prefill-0", "prefill-1"):
+                index.attach(node_id, "a")
+            index.attach(STORE_SOURCE, "store")
+            index.ingest(STORE_SOURCE, KVEventBatch(ts=0.0, events=[block_stored(keys[:8], None, [], 4, MEDIUM_CPU)]))
+            reg.nodes["prefill-0"].queued_tokens = 30  # another prompt's tokens ahead there
+            req = SeqRequest("req", prompt, P.SamplingSpec(max_tokens=1, temperature=0.0))
+            task = asyncio.create_task(dispatcher._prefill(req, SeqTrace()))
+            await until(lambda: jobs(client, P.PrefillJob), "the prefill job")
+            node, _ = jobs(client, P.PrefillJob)[0]
+            assert node == "prefill-1"
+            assert reg.nodes["prefill-1"].queued_tokens == 40 - 8 * 4  # what is left after the store's 8 blocks
+            client.reply(P.PrefillDone("req", 7, False))
+            assert (await task) is not None
+            assert reg.nodes["prefill-1"].queued_tokens == 0 and reg.nodes["prefill-0"].queued_tokens == 30
+        finally:
+            index.close()
+
+    _run(run)
