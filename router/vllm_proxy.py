@@ -37,6 +37,7 @@ from router.admission import AdmissionQueue, Rejected
 from router.openai_schema import ApiError
 from router.vllm_backend import BackendRole, VllmBackend
 from router.vllm_pool import VllmPool
+from router.vllm_resume import ResumableStream, resumable
 
 log = logging.getLogger("router.vllm")
 T = TypeVar("T")
@@ -80,6 +81,7 @@ class ProxyStats:
     prefills_skipped: int = 0  # no producer alive: the consumer computed the prompt itself
     decode_retries: int = 0  # a consumer failed before its response started and another one took the request
     streams_broken: int = 0  # a consumer died mid-stream
+    streams_resumed: int = 0  # ... and another one continued the stream where it stopped
 
 
 def prefill_body(body: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
@@ -133,7 +135,9 @@ class VllmProxy:
             if refusal is not None:
                 return refusal
             if body.get("stream"):
-                response, backend = await self._until_disconnected(request, self._open_decode(endpoint, body, True))
+                resume = ResumableStream(body) if endpoint is Endpoint.COMPLETIONS and resumable(body) else None
+                upstream = resume.upstream_body() if resume is not None else body
+                response, backend = await self._until_disconnected(request, self._open_decode(endpoint, upstream, True))
                 if response.status_code != 200:
                     content = await response.aread()
                     await response.aclose()
@@ -141,7 +145,9 @@ class VllmProxy:
                     return _relayed(response, content)
                 streaming = True
                 return StreamingResponse(
-                    self._relay(response, backend, ticket, tokens),
+                    self._relay(response, backend, ticket, tokens)
+                    if resume is None
+                    else self._relay_resumable(endpoint, resume, response, backend, ticket, tokens),
                     media_type=response.headers.get("content-type", "text/event-stream"),
                 )
             return await self._until_disconnected(request, self._decode(endpoint, body))
@@ -268,4 +274,50 @@ class VllmProxy:
         finally:
             await response.aclose()
             backend.in_flight -= 1
+            self.admission.release(ticket, tokens)
+
+    async def _relay_resumable(
+        self,
+        endpoint: Endpoint,
+        resume: ResumableStream,
+        response: httpx.Response,
+        backend: VllmBackend,
+        ticket: Any,
+        tokens: int,
+    ) -> AsyncIterator[bytes]:
+        """The consumer's SSE events, token ids stripped unless asked for; a consumer that dies mid-stream is
+        replaced by another that continues from the tokens already sent (router/vllm_resume.py)."""
+        held: tuple[httpx.Response, VllmBackend] | None = (response, backend)
+        try:
+            while held is not None:
+                response, backend = held
+                try:
+                    async for line in response.aiter_lines():
+                        out = resume.absorb(line)
+                        if out is not None:
+                            yield out
+                    return
+                except httpx.TransportError as e:
+                    self.pool.mark_down(backend, f"stream broken: {type(e).__name__}: {e}")
+                    self.stats.streams_broken += 1
+                    again = resume.resume_body()
+                if again is None:
+                    yield _sse_error("the vLLM decode instance failed mid-stream")
+                    return
+                held = None
+                await response.aclose()
+                backend.in_flight -= 1
+                try:
+                    held = await self._open_decode(endpoint, again, True)
+                except ApiError as e:
+                    yield _sse_error(f"the vLLM decode instance failed mid-stream and none took over: {e}")
+                    return
+                if held[0].status_code != 200:
+                    yield _sse_error(f"resuming the stream failed: HTTP {held[0].status_code}")
+                    return
+                self.stats.streams_resumed += 1
+        finally:
+            if held is not None:
+                await held[0].aclose()
+                held[1].in_flight -= 1
             self.admission.release(ticket, tokens)

@@ -186,6 +186,94 @@ def test_a_failing_decode_instance_hands_over_and_no_prefill_instance_means_the_
         assert "ucm_vllm_prefills_skipped_total 1" in metrics and "ucm_vllm_decode_retries_total 1" in metrics
 
 
+@dataclass
+class CountingVllm:
+    """A stand-in decode instance whose greedy answer is deterministic from its prompt's token ids: each new token is
+    the previous one + 1, text " t<id>". `die_after`: the stream breaks (connection lost, no end) after that many
+    tokens, as when vLLM is killed mid-stream."""
+
+    die_after: int | None = None
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            body = json.loads(await request.body())
+            self.bodies.append(body)
+            prompt = body["prompt"] if isinstance(body["prompt"], list) else [100, 101, 102]
+            ids = body.get("return_token_ids")
+
+            async def events() -> Any:
+                last = prompt[-1]
+                for k in range(body["max_tokens"]):
+                    if self.die_after is not None and k == self.die_after:
+                        raise ConnectionError("killed")  # uvicorn drops the connection mid-body
+                    last += 1
+                    choice: dict[str, Any] = {"index": 0, "text": f" t{last}", "finish_reason": None}
+                    if ids:
+                        choice["token_ids"] = [last]
+                        if k == 0:
+                            choice["prompt_token_ids"] = prompt
+                    if k == body["max_tokens"] - 1:
+                        choice["finish_reason"] = "length"
+                    yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": body["max_tokens"]}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        return app
+
+
+def stream_text(client: httpx.Client, body: dict[str, Any]) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    text, usage, chunks = "", dict[str, Any](), list[dict[str, Any]]()
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                chunks.append(chunk)
+                text += "".join(c.get("text", "") for c in chunk.get("choices", []))
+                usage = chunk.get("usage") or usage
+    return text, usage, chunks
+
+
+def test_a_decode_instance_dying_mid_stream_is_resumed_on_another() -> None:
+    p, dying_d, d = FakeVllm("p"), CountingVllm(die_after=2), CountingVllm()
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 6, "stream": True, "min_tokens": 4}
+    body["stream_options"] = {"include_usage": True}
+    with (
+        serving(p.app()) as p_url,
+        serving(dying_d.app()) as dying_url,
+        serving(d.app()) as d_url,
+        router([p_url], [dying_url, d_url]) as client,
+    ):
+        text, usage, chunks = stream_text(client, body)
+        assert text == " t8 t9 t10 t11 t12 t13", "the answer continues where the dead instance stopped"
+        assert usage == {"prompt_tokens": 3, "completion_tokens": 6}, "usage counts the whole answer"
+        assert all(
+            c.get("token_ids") is None and c.get("prompt_token_ids") is None for ch in chunks for c in ch["choices"]
+        )
+        [first] = dying_d.bodies
+        assert first["return_token_ids"] is True and first["prompt"] == [5, 6, 7]
+        [resumed] = d.bodies
+        assert resumed["prompt"] == [5, 6, 7, 8, 9] and resumed["max_tokens"] == 4 and resumed["min_tokens"] == 2
+        metrics = client.get("/metrics").text
+        assert "ucm_vllm_streams_broken_total 1" in metrics and "ucm_vllm_streams_resumed_total 1" in metrics
+
+        # Asked for by the client, the ids stay (whichever instance serves it: the dying one may be back by now).
+        text, _, chunks = stream_text(client, {**body, "return_token_ids": True})
+        assert text == " t8 t9 t10 t11 t12 t13"
+        assert chunks[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+        assert [i for ch in chunks for c in ch["choices"] for i in c.get("token_ids", [])] == list(range(8, 14))
+
+
 def test_client_errors() -> None:
     p, d = FakeVllm("p", status=400), FakeVllm("d")
     with serving(p.app()) as p_url, serving(d.app()) as d_url, router([p_url], [d_url], api_key="k") as client:
