@@ -36,6 +36,7 @@ class VllmBackend:
     alive: bool = True  # until a request or a health probe finds it down
     in_flight: int = 0  # the router's requests on it now: pairing picks the least loaded
     failures: int = 0  # requests that failed on it (connection lost, 5xx): the router's /metrics and /health
+    slow_probes: int = 0  # health probes in a row that timed out (router/vllm_pool.py)
 
     def __post_init__(self) -> None:
         self.url = normalize_url(self.url)

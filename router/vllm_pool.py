@@ -19,6 +19,11 @@ import httpx
 from router.vllm_backend import BackendRole, VllmBackend
 
 log = logging.getLogger("router.vllm")
+_PROBE_TIMEOUT_S = 2.0
+# A probe that times out may be a busy instance rather than a dead one (its API server shares the host's cores with
+# the engine and everything else): down after this many in a row. A refused or reset connection (no process) and a
+# failed request mark it down at once.
+_SLOW_PROBES_TO_DOWN = 3
 
 
 class VllmPool:
@@ -62,12 +67,16 @@ class VllmPool:
     async def probe_once(self, client: httpx.AsyncClient) -> None:
         async def one(backend: VllmBackend) -> None:
             try:
-                ok = (await client.get(backend.url + "/health", timeout=2.0)).status_code == 200
+                ok = (await client.get(backend.url + "/health", timeout=_PROBE_TIMEOUT_S)).status_code == 200
+                slow = False
+            except httpx.TimeoutException:
+                ok, slow = False, True
             except httpx.HTTPError:
-                ok = False
+                ok, slow = False, False
+            backend.slow_probes = backend.slow_probes + 1 if slow else 0
             if ok:
                 self._mark_up(backend)
-            elif backend.alive:
+            elif backend.alive and (not slow or backend.slow_probes >= _SLOW_PROBES_TO_DOWN):
                 backend.alive = False
                 log.warning("vLLM %s instance %s fails its health check", backend.role.value, backend.url)
 

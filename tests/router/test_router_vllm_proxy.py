@@ -292,3 +292,28 @@ def test_client_errors() -> None:
 def test_config_refuses_prefill_without_decode() -> None:
     with pytest.raises(ValueError, match="decode"):
         RouterConfig(vllm_prefill=("http://127.0.0.1:1",))
+
+
+def test_a_slow_health_check_is_not_a_dead_instance() -> None:
+    """Probe timeouts mark an instance down only after three in a row; a refused connection at once."""
+    from router.vllm_backend import BackendRole, VllmBackend
+    from router.vllm_pool import VllmPool
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("busy", request=request)
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    async def probes(handler: Any, rounds: int) -> list[bool]:
+        backend = VllmBackend("http://127.0.0.1:1", BackendRole.DECODE)
+        pool = VllmPool([backend], max_num_seqs=4)
+        seen = []
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            for _ in range(rounds):
+                await pool.probe_once(client)
+                seen.append(backend.alive)
+        return seen
+
+    assert asyncio.run(probes(slow, 4)) == [True, True, False, False]
+    assert asyncio.run(probes(refused, 1)) == [False]
