@@ -135,7 +135,8 @@ class VllmProxy:
             if refusal is not None:
                 return refusal
             if body.get("stream"):
-                resume = ResumableStream(body) if endpoint is Endpoint.COMPLETIONS and resumable(body) else None
+                chat = endpoint is Endpoint.CHAT
+                resume = ResumableStream(body, chat) if resumable(body, chat) else None
                 upstream = resume.upstream_body() if resume is not None else body
                 response, backend = await self._until_disconnected(request, self._open_decode(endpoint, upstream, True))
                 if response.status_code != 200:
@@ -300,15 +301,15 @@ class VllmProxy:
                 except httpx.TransportError as e:
                     self.pool.mark_down(backend, f"stream broken: {type(e).__name__}: {e}")
                     self.stats.streams_broken += 1
-                    again = resume.resume_body()
+                    again = resume.resume_body(await self._model_len() if resume.needs_model_len() else None)
                 if again is None:
                     yield _sse_error("the vLLM decode instance failed mid-stream")
                     return
                 held = None
                 await response.aclose()
                 backend.in_flight -= 1
-                try:
-                    held = await self._open_decode(endpoint, again, True)
+                try:  # always a completion: a chat resumes on /v1/completions (router/vllm_resume.py)
+                    held = await self._open_decode(Endpoint.COMPLETIONS, again, True)
                 except ApiError as e:
                     yield _sse_error(f"the vLLM decode instance failed mid-stream and none took over: {e}")
                     return
@@ -321,3 +322,14 @@ class VllmProxy:
                 await held[0].aclose()
                 held[1].in_flight -= 1
             self.admission.release(ticket, tokens)
+
+    async def _model_len(self) -> int | None:
+        """The context length an alive decode instance serves (vLLM's /v1/models), None if none answers."""
+        backend = self.pool.pick(BackendRole.DECODE)
+        if backend is None:
+            return None
+        try:
+            models = (await self.client.get(backend.url + "/v1/models", timeout=10.0)).json()
+            return int(models["data"][0]["max_model_len"])
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            return None

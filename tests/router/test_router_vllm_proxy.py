@@ -144,7 +144,8 @@ def test_prefill_then_decode_relays_the_consumer_answer() -> None:
         assert '"from": "d"' in text and '"cached_tokens": 128' in text and text.endswith("data: [DONE]\n\n")
         pre = p.bodies[-1]
         assert "stream_options" not in pre and "n" not in pre and pre["stream"] is False and pre["max_tokens"] == 1
-        assert d.bodies[-1] == chat(stream=True)
+        # A resumable stream: the router asks for token ids (router/vllm_resume.py), nothing else changes.
+        assert d.bodies[-1] == {**chat(stream=True), "return_token_ids": True}
 
         health = client.get("/health").json()
         assert health["engine"] == "vllm" and all(b["alive"] for b in health["backends"].values())
@@ -228,7 +229,74 @@ class CountingVllm:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            body = json.loads(await request.body())
+            self.bodies.append(body)
+            prompt = CHAT_PROMPT_IDS  # the chat template applied
+            ids = body.get("return_token_ids")
+            head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
+
+            async def events() -> Any:
+                first: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+                if ids:
+                    first["prompt_token_ids"] = prompt
+                yield f"data: {json.dumps(first)}\n\n"
+                last = prompt[-1]
+                for k in range(body.get("max_tokens") or CHAT_DEFAULT_TOKENS):
+                    if self.die_after is not None and k == self.die_after:
+                        raise ConnectionError("killed")
+                    last += 1
+                    choice = {"index": 0, "delta": {"content": f" t{last}"}, "finish_reason": None}
+                    if ids:
+                        choice["token_ids"] = [last]
+                    yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            return JSONResponse({"data": [{"id": MODEL, "max_model_len": 64}]})
+
         return app
+
+
+CHAT_PROMPT_IDS = [100, 101, 102]
+CHAT_DEFAULT_TOKENS = 6
+
+
+def test_a_chat_stream_whose_decode_instance_dies_resumes_as_a_completion() -> None:
+    p, dying_d, d = FakeVllm("p"), CountingVllm(die_after=2), CountingVllm()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "temperature": 0}
+    with (
+        serving(p.app()) as p_url,
+        serving(dying_d.app()) as dying_url,
+        serving(d.app()) as d_url,
+        router([p_url], [dying_url, d_url]) as client,
+    ):
+        for limit, resumed_max in (({"max_tokens": 6}, 4), ({}, 64 - 5)):
+            text, chunks = "", []
+            with client.stream("POST", "/v1/chat/completions", json={**body, **limit}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        chunks.append(chunk)
+                        text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+            resumed = d.bodies[-1]
+            assert resumed["prompt"] == [100, 101, 102, 103, 104] and resumed["max_tokens"] == resumed_max
+            assert resumed["temperature"] == 0 and "messages" not in resumed
+            assert text.startswith(" t103 t104 t105 t106"), text
+            assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and {c["id"] for c in chunks} == {
+                "chatcmpl-1"
+            }
+            assert all(c.get("prompt_token_ids") is None for c in chunks), "ids only when the client asks"
+            # The dying instance is back (its /health answers) before the next round: it dies again.
+            wait_until(
+                "the dying instance to be back",
+                lambda: all(b["alive"] for b in client.get("/health").json()["backends"].values()),
+                10,
+            )
 
 
 def stream_text(client: httpx.Client, body: dict[str, Any]) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
