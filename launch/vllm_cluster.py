@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from pathlib import Path
 from typing import TextIO
 
@@ -125,30 +124,19 @@ class VllmCluster(Cluster):
         self._spawn("router", _cmd(*args)).wait_for(r"fronting vLLM instances", 120)
         self.log(f"[up] router fronting {len(self.ports)} vLLM instance(s) at {self.url}")
 
-    def wait_healthy(self, timeout: float, expect: set[str] | None = None) -> None:
-        """Until the router reports every vLLM instance (or `expect`'s) alive; a child that exits fails it."""
-        want = expect if expect is not None else set(self.ports)
-        deadline = time.monotonic() + timeout
-        last = None
-        while True:
-            for name, child in self._snapshot().items():
-                if not child.alive and (name in want or name in ("store", "router")):
-                    raise RuntimeError(f"{name} exited ({child.proc.returncode}):\n{child.output()[-3000:]}")
-            try:
-                backends = httpx.get(f"{self.url}/health", timeout=2).json().get("backends", {})
-            except (httpx.HTTPError, ValueError):
-                backends = {}
-            up = {name for name in want if backends.get(self._backend_name(name), {}).get("alive")}
-            if up == want:
-                self.log(f"[up] all {len(want)} vLLM instances healthy")
-                return
-            status = f"{len(up)}/{len(want)} vLLM instances healthy"
-            if status != last:
-                self.log(f"[up] waiting: {status}")
-                last = status
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM instances not healthy within {timeout:.0f}s ({status})")
-            time.sleep(1.0)
+    READY_WORDS = "vLLM instances healthy"
+    READY_POLL_S = 1.0
+
+    def expected_ready(self) -> set[str]:
+        return set(self.ports)
+
+    def ready(self) -> set[str]:
+        """The instances the router's health probes find alive."""
+        try:
+            backends = httpx.get(f"{self.url}/health", timeout=2).json().get("backends", {})
+        except (httpx.HTTPError, ValueError):
+            return set()
+        return {name for name in self.ports if backends.get(self._backend_name(name), {}).get("alive")}
 
     def _backend_name(self, name: str) -> str:
         kind = name.split("-", 1)[0]
