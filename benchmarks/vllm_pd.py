@@ -17,14 +17,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.vllm_harness import DEFAULT_VENV, VllmServer
-from benchmarks.vs_vllm_workloads import VLLM_CLIENT_ARGS
+from benchmarks.vs_vllm_workloads import vllm_bench_serve
 from engine.model_source import resolve_model_dir
 from launch.cluster import ClusterSpec
 from launch.vllm_cluster import VllmCluster
@@ -35,54 +34,9 @@ SETUPS = ("single", "pd")
 
 
 def bench(url: str, model_dir: Path, name: str, workload: str, out_dir: Path, seed: int) -> dict:
-    """One `vllm bench serve` run against `url`; its result in a few numbers."""
-    result = out_dir / f"{name}__{workload}.json"
-    argv = [
-        str(DEFAULT_VENV / "bin" / "vllm"),
-        "bench",
-        "serve",
-        "--backend",
-        "openai",
-        "--base-url",
-        url,
-        "--model",
-        defaults.MODEL,
-        "--served-model-name",
-        defaults.MODEL,
-        "--tokenizer",
-        str(model_dir),
-        "--ignore-eos",
-        "--seed",
-        str(seed),
-        "--request-rate",
-        "inf",
-        "--disable-tqdm",
-        "--percentile-metrics",
-        "ttft,tpot,e2el",
-        "--metric-percentiles",
-        "50,99",
-        "--save-result",
-        "--result-dir",
-        str(out_dir),
-        "--result-filename",
-        result.name,
-        *VLLM_CLIENT_ARGS[workload],
-    ]
-    log = out_dir / f"{name}__{workload}.txt"
-    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
-    proc = subprocess.run(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, check=False)
-    if proc.returncode != 0 or not result.exists():
-        return {"error": log.read_text()[-800:]}
-    d = json.loads(result.read_text())
-    return {
-        "completed": d["completed"],
-        "failed": d.get("failed", 0),
-        "duration_s": round(d["duration"], 2),
-        "output_tok_per_s": round(d["output_throughput"], 1),
-        "ttft_mean_ms": round(d["mean_ttft_ms"]),
-        "ttft_p99_ms": round(d["p99_ttft_ms"]),
-        "tpot_mean_ms": round(d["mean_tpot_ms"], 1),
-    }
+    """One `vllm bench serve` run against `url` (the client vs_vllm uses), its result rounded for the table."""
+    row = vllm_bench_serve(DEFAULT_VENV, url, defaults.MODEL, model_dir, workload, seed, out_dir, name)
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
 
 
 def external_tokens(url: str) -> float:

@@ -90,10 +90,27 @@ OWN_CLIENT = {  # the same shapes for our generator: (requests, concurrency)
 def run_vllm_client(
     args: argparse.Namespace, srv: Server, url: str, model_dir: Path, workload: str, seed: int, out_dir: Path
 ) -> dict:
-    """`vllm bench serve` (vLLM's own client); its result JSON in our summary's shape."""
-    result = out_dir / f"{srv.name}__{workload}_{seed}.json"
+    """`vllm bench serve` (vLLM's own client) against one of the compared servers."""
+    venv = Path(args.vllm_venv)
+    return vllm_bench_serve(venv, url, srv.served_name, model_dir, workload, seed, out_dir, srv.name, srv.env)
+
+
+def vllm_bench_serve(
+    venv: Path,
+    url: str,
+    served_name: str,
+    model_dir: Path,
+    workload: str,
+    seed: int,
+    out_dir: Path,
+    tag: str,
+    env: dict[str, str] | None = None,
+) -> dict:
+    """`vllm bench serve` from `venv` on one workload of VLLM_CLIENT_ARGS; its result JSON in our summary's shape
+    (`error` with the log's tail when the client failed). `tag` names its files in `out_dir`."""
+    result = out_dir / f"{tag}__{workload}_{seed}.json"
     argv = [
-        str(Path(args.vllm_venv) / "bin" / "vllm"),
+        str(venv / "bin" / "vllm"),
         "bench",
         "serve",
         "--backend",
@@ -103,11 +120,11 @@ def run_vllm_client(
         # --model is also what the client's /tokenize check sends as `model`: each server's own served name
         # (a model path there made ours answer 404 and the client skip that check for ucm-serve only).
         "--model",
-        srv.served_name,
+        served_name,
         "--tokenizer",
         str(model_dir),
         "--served-model-name",
-        srv.served_name,
+        served_name,
         "--ignore-eos",
         "--seed",
         str(seed),
@@ -125,8 +142,9 @@ def run_vllm_client(
         result.name,
         *VLLM_CLIENT_ARGS[workload],
     ]
-    log = out_dir / f"{srv.name}__{workload}_{seed}.txt"
-    proc = subprocess.run(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **srv.env})
+    log = out_dir / f"{tag}__{workload}_{seed}.txt"
+    full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "VIRTUAL_ENV"}
+    proc = subprocess.run(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=full_env, check=False)
     if proc.returncode != 0 or not result.exists():
         return {"completed": 0, "failed": -1, "error": log.read_text()[-500:]}
     d = json.loads(result.read_text())
