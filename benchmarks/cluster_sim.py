@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, default_trace_path
+from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, default_trace_path, read_mooncake
 from common.kv_events.events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, KVEvent, KVEventBatch, block_stored
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.kv_event_log import KVEventLog
@@ -118,17 +118,9 @@ class Request:
 
 
 def load_trace(path: Path, sample: int, max_requests: int | None) -> list[tuple[float, list[int], int, int]]:
-    rows = []
-    with path.open() as f:
-        for i, line in enumerate(f):
-            if max_requests is not None and i >= max_requests:
-                break
-            row = json.loads(line)
-            ids = [int(h) for h in row["hash_ids"][: int(row["input_length"]) // MOONCAKE_BLOCK_TOKENS]]
-            if sample > 1 and len(ids) > 1 and ids[1] % sample:
-                continue
-            rows.append((row["timestamp"] / 1000.0, ids, int(row["input_length"]), int(row["output_length"])))
-    return rows
+    """(arrival s, full blocks, prompt tokens, output tokens) per request (benchmarks/traces.py reads the trace)."""
+    rows = read_mooncake(path, max_requests, sample)
+    return [(r.timestamp_ms / 1000.0, r.blocks, r.input_length, r.output_length) for r in rows]
 
 
 def key(block_id: int) -> bytes:
@@ -494,7 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", type=Path, default=default_trace_path())
     p.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 128])
     p.add_argument("--policies", nargs="+", type=PairingPolicy, default=list(POLICIES), metavar="POLICY")
-    p.add_argument("--sample", type=int, default=1, help="keep ~1/k of the conversations (by their second block)")
+    p.add_argument(
+        "--sample", type=int, default=1, help="keep ~1/k of the conversations (whole, by traces.conversation_hash)"
+    )
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--load", type=float, default=1.0, help="the cluster's busy fraction if every prompt were computed")
     p.add_argument("--nodes-per-host", type=int, default=8)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Hashable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,13 +52,24 @@ def conversation_hash(ids: list[int]) -> int | None:
     return xxhash.xxh3_64_intdigest(ids[1].to_bytes(8, "little")) if len(ids) > 1 else None
 
 
-def load_mooncake(path: Path, max_requests: int | None = None, sample: int = 1) -> list[Request]:
-    """Full-block hash ids per request; `max_requests` reads the first N lines, `sample` keeps ~1/k conversations."""
+@dataclass(frozen=True)
+class MooncakeRow:
+    """One request of a Mooncake-format trace: its arrival, lengths and full blocks' hash ids."""
+
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    blocks: list[int]  # the full blocks (the trailing partial block is not keyed)
+
+
+def read_mooncake(path: Path, max_requests: int | None = None, sample: int = 1) -> list[MooncakeRow]:
+    """The trace's rows; `max_requests` reads the first N lines, `sample` keeps ~1/k conversations (whole, by
+    `conversation_hash`)."""
     if not path.is_file():
         raise ValueError(f"trace not found: {path} (pass --trace)")
     if sample < 1:
         raise ValueError(f"sample must be >= 1, got {sample}")
-    requests: list[Request] = []
+    rows: list[MooncakeRow] = []
     short = 0
     with path.open() as f:
         for i, line in enumerate(f):
@@ -71,8 +83,15 @@ def load_mooncake(path: Path, max_requests: int | None = None, sample: int = 1) 
             else:  # nothing to share beyond the system prompt: keep the same fraction of them
                 keep, short = short % sample == 0, short + 1
             if keep:
-                requests.append(ids)
-    return requests
+                rows.append(
+                    MooncakeRow(int(row["timestamp"]), int(row["input_length"]), int(row["output_length"]), ids)
+                )
+    return rows
+
+
+def load_mooncake(path: Path, max_requests: int | None = None, sample: int = 1) -> list[Request]:
+    """Full-block hash ids per request (`read_mooncake`'s rows without their times and lengths)."""
+    return [row.blocks for row in read_mooncake(path, max_requests, sample)]
 
 
 class Chainer:
