@@ -25,6 +25,7 @@ from typing import TextIO
 import httpx
 
 from common.auth import KeyPaths, generate_keys
+from common.kv_events import endpoints
 from common.kv_events.config import KVEventsConfig
 from common.save_policy import KVSavePolicy
 from launch.child import Child
@@ -124,6 +125,7 @@ class Cluster:
         self.model_dir: str | None = None  # the model folder, once `start` has prepared it
         self.nodes_addr = f"tcp://127.0.0.1:{free_port()}"
         self.store_addr: str | None = f"tcp://127.0.0.1:{free_port()}" if spec.store is StoreMode.DAEMON else None
+        self.store_events_addr: str | None = None  # the router's --store-kv-events, once the store publishes
         self._tmp: str | None = None
         self.keys: KeyPaths | None = None
         self.supervisor: Supervisor | None = None
@@ -198,6 +200,8 @@ class Cluster:
             path, writes = self._tmp, DiskWrites.REUSED
         writes = self.spec.disk_writes or writes
         assert self.store_addr is not None, "start_store needs StoreMode.DAEMON"
+        events = self.store_kv_events()
+        events_args = ["--kv-events-config", events.to_json()] if events is not None else []
         store = self._spawn(
             "store",
             _cmd(
@@ -212,13 +216,28 @@ class Cluster:
                 self.spec.disk,
                 "--disk-writes",
                 writes.value,
+                *events_args,
                 *self._auth_args(),
             ),
             nice=self.spec.store_nice,
         )
         ready = store.wait_for(r"ucm-store ready (\S+)", 60).group(1)
         assert ready == self.store_addr, f"store bound {ready}, asked for {self.store_addr}"
+        if events is not None:
+            bound = store.wait_for(r"KV events of the tiers on (\S+) \(replay (\S+)\)", 60)
+            pub = endpoints.reachable(bound.group(1), self.nodes_addr)
+            replay = endpoints.reachable(bound.group(2), self.nodes_addr) if bound.group(2) != "None" else None
+            self.store_events_addr = pub if replay is None else f"{pub},{replay}"
         self.log(f"[up] store ready at {self.store_addr}")
+
+    def store_kv_events(self) -> KVEventsConfig | None:
+        """The store daemon's `--kv-events-config` when the nodes publish KV events: the same config at the offset
+        after the last node's, so the router indexes what the store's DRAM and disk hold too (cost pairing prices
+        those blocks as loads)."""
+        events = self.spec.kv_events
+        if events is None or not events.enabled or self.spec.store is not StoreMode.DAEMON:
+            return None
+        return events.for_node(len(self.spec.node_names()))
 
     def _start_router(self) -> None:
         args = [
@@ -242,6 +261,8 @@ class Cluster:
             args += ["--api-key", self.spec.api_key]
         if self.spec.max_model_len is not None:
             args += ["--max-model-len", str(self.spec.max_model_len)]
+        if self.store_events_addr is not None:
+            args += ["--store-kv-events", self.store_events_addr]
         self._spawn("router", _cmd(*args)).wait_for(r"nodes connect to", 120)
         self.log(f"[up] router listening for nodes at {self.nodes_addr}")
 

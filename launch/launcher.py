@@ -155,8 +155,9 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
             args.topology, args.prefill, args.decode = Topology.DISAGG, args.prefill or 1, args.decode or 1
         choice = choose_topology(args.topology, args.prefill, args.decode, cuda=cuda)
         kv_events = parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None
-        if kv_events is not None:
-            check_node_offsets(kv_events, choice.prefill + choice.decode + choice.colocated)
+        if kv_events is not None:  # the store daemon publishes at the offset after the last node's
+            store = 0 if args.no_store else 1
+            check_node_offsets(kv_events, choice.prefill + choice.decode + choice.colocated + store)
     except ValueError as e:
         print(f"ucm-serve {command}: error: {e}", file=sys.stderr, flush=True)
         return 2

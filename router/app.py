@@ -57,6 +57,7 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 server_key = Path(auth.secret_file).parent / "server.key" if auth is not None else None
                 index.track(STORE_SOURCE, "store", config.store_events, server_key)
         app.state.kv_index = index
+        metrics.index = index
         await client.start()
         ctx.serving = OpenAIServing(
             Dispatcher(client, config.decode_wait_s, index, Pairing(config.pairing)),

@@ -233,6 +233,11 @@ class KVIndex:
 
         return node_event
 
+    def sizes(self) -> dict[tuple[str, str], int]:
+        """Blocks indexed per (node or the store's source, medium): what the router's /metrics shows."""
+        with self._lock:
+            return {(n, m): len(keys) for n, node in self._nodes.items() for m, keys in node.media.items()}
+
     def blocks(self, node_id: str, medium: str = MEDIUM_GPU) -> frozenset[BlockHash]:
         with self._lock:
             node = self._nodes.get(node_id)

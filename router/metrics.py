@@ -50,6 +50,10 @@ MAX_EVENT_NODES = 64
 _MAX_LABEL_CHARS = 128
 
 
+class IndexSizes(Protocol):
+    def sizes(self) -> dict[tuple[str, str], int]: ...
+
+
 class _Observer(Protocol):
     def observe(self, amount: float) -> None: ...
 
@@ -129,6 +133,13 @@ class RouterMetrics:
         self.rejected = Counter(
             "ucm_requests_rejected", "requests refused with 429: the admission queue was full", registry=r
         )
+        self.index_blocks = Gauge(
+            "ucm_kv_index_blocks",
+            "block keys the router's KV event index holds per source (a node, or <store>) and medium",
+            ["source", "medium"],
+            registry=r,
+        )
+        self.index: IndexSizes | None = None  # router/kv_index.py's KVIndex when the router indexes KV events
         self.queue_depth = Gauge(
             "ucm_queue_depth_requests", "requests waiting in the router for room on the nodes", registry=r
         )
@@ -193,6 +204,10 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         self._refresh_nodes()
+        if self.index is not None:
+            self.index_blocks.clear()  # a forgotten source leaves no stale series
+            for (source, medium), n in self.index.sizes().items():
+                self.index_blocks.labels(source, medium).set(n)
         self.queue_depth.set(self._admission.depth)
         self.queue_tokens.set(self._admission.queued_tokens)
         self.queue_bound_tokens.set(self._admission.bound_tokens())

@@ -1,6 +1,7 @@
 """Issue 51 on real processes: three prefill nodes and a decode node publishing KV events, the router pairing by
 cost on its index of them. A shared-prefix follow-up goes to the node holding the prefix; once that node is killed
-and dropped, the next follow-up goes to a live node (the index forgot the dead one at once), and is served."""
+and dropped, the next follow-up goes to a live node (the index forgot the dead one at once), and is served. The
+store daemon `Cluster` starts publishes its tiers' events too, and the router indexes them (`ucm_kv_index_blocks`)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ def test_follow_ups_go_where_the_kv_is_and_never_to_a_dropped_holder(tmp_path) -
     try:
         cluster.start(timeout=900)  # four engines warming up on a shared 2-core host
         holder = _ask(cluster, PREFIX)
+        assert cluster.store_events_addr is not None, "the store publishes when the nodes do"
+        # The prefill node saved the prompt's 10 full blocks; the store's DRAM tier (medium CPU) announced them.
+        stored = lambda: metric(cluster.url, "ucm_kv_index_blocks", source="<store>", medium="CPU")  # noqa: E731
+        wait_until("the store's DRAM blocks in the router's index", lambda: stored() >= len(PREFIX) // 16, 60)
         for turn in range(2):  # each follow-up shares the prefix: the holder computes only its new blocks
             assert _ask(cluster, PREFIX + [2000 + 16 * turn + i for i in range(16)]) == holder
         cluster.children[holder].kill()
