@@ -19,6 +19,10 @@ match when it covers over half the prompt, else the node caching least).
 
 What a node holds comes from the KV event index where the node publishes events (`hits`, router/kv_index.py), else
 from the recent keys in its heartbeats. `pick_prefill` / `pick_decode` are the PREFIX_SLACK and least-loaded rules.
+
+A candidate is anything with a node's load, size and measured costs (`Candidate`): our nodes (`NodeState`, fed by
+heartbeats) and `vllm serve` instances (router/vllm_backend.py, fed by vLLM's /metrics and KV events) are priced
+by the same rules.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ import itertools
 import statistics
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from common.keys import BlockKey
 from router.pairing_policy import PairingPolicy
-from router.registry import NodeState
 
 # A prefix holder is preferred while its load is at most this much above the least-loaded node's.
 PREFIX_LOAD_SLACK = 0.5
@@ -45,29 +49,79 @@ SGLANG_REL_THRESHOLD = 1.0001
 SGLANG_CACHE_THRESHOLD = 0.5
 
 
+class Size(Protocol):
+    """A candidate's fixed size (a node's `Register`)."""
+
+    @property
+    def capacity(self) -> int: ...  # sequences it runs at once: its admission bound
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+
+
+class Costs(Protocol):
+    """A candidate's measured seconds (router/step_cost.py's `StepCost`); None: not measured yet."""
+
+    @property
+    def prefill_token_s(self) -> float | None: ...
+    @property
+    def step_s(self) -> float | None: ...
+    @property
+    def block_load_s(self) -> float | None: ...
+
+
+class Candidate(Protocol):
+    """What pairing reads of a prefill or decode node."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def info(self) -> Size: ...
+    @property
+    def load(self) -> float: ...  # busy / capacity
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def in_flight(self) -> int: ...  # the router's requests on it now (covers its reports' lag)
+    @property
+    def free_blocks(self) -> int: ...
+    @property
+    def queued_tokens(self) -> int: ...  # prompt tokens of the router's prefills on it not answered yet
+    @property
+    def cost(self) -> Costs: ...
+
+    def prefix_hit_blocks(self, keys: list[BlockKey]) -> int: ...
+
+
+N = TypeVar("N", bound=Candidate)
+
+
 @dataclass(frozen=True)
-class PrefillChoice:
-    node: NodeState
+class PrefillChoice(Generic[N]):
+    node: N
     prefix_hit_blocks: int  # how many of the prompt's blocks the chosen node reported holding
     compute_tokens: int = 0  # prompt tokens it is expected to compute (after device and store hits)
     seconds: float = 0.0  # COST's price (queue ahead included); 0 for the other policies
 
 
-def _held(node: NodeState, keys: Sequence[BlockKey], hits: Mapping[str, int] | None) -> int:
+def _held(node: Candidate, keys: Sequence[BlockKey], hits: Mapping[str, int] | None) -> int:
     if hits is not None and node.node_id in hits:
         return hits[node.node_id]
     return node.prefix_hit_blocks(list(keys))
 
 
-def _least_loaded(nodes: Sequence[NodeState]) -> NodeState:
+def _least_loaded(nodes: Sequence[N]) -> N:
     return min(nodes, key=lambda n: (n.load, -n.free_blocks, n.node_id))
 
 
-def _busy(node: NodeState) -> int:
-    return max(node.running + node.waiting, len(node.inflight))
+def _busy(node: Candidate) -> int:
+    return max(node.running + node.waiting, node.in_flight)
 
 
-def _within_bound(nodes: list[NodeState]) -> list[NodeState]:
+def _within_bound(nodes: list[N]) -> list[N]:
     """The nodes below their admission bound; all of them when none is (the router's queue admitted the request)."""
     room = [n for n in nodes if _busy(n) < n.info.capacity]
     return room or nodes
@@ -82,7 +136,7 @@ class _Rates:
     load_s: dict[str, float]
 
     @classmethod
-    def of(cls, nodes: Sequence[NodeState]) -> _Rates:
+    def of(cls, nodes: Sequence[Candidate]) -> _Rates:
         def fill(measured: dict[str, float | None], default: float) -> dict[str, float]:
             known = [v for v in measured.values() if v is not None]
             middle = statistics.median(known) if known else default
@@ -111,13 +165,13 @@ class Pairing:
 
     def prefill(
         self,
-        nodes: list[NodeState],
+        nodes: Sequence[N],
         prompt_keys: Sequence[BlockKey],
         exclude: Collection[str] = (),
         hits: Mapping[str, int] | None = None,
         store_hits: Mapping[str, int] | None = None,
         prompt_tokens: int | None = None,
-    ) -> PrefillChoice | None:
+    ) -> PrefillChoice[N] | None:
         """`hits`: node id -> leading prompt blocks in its device cache (the KV event index; nodes missing answer
         from heartbeats); `store_hits`: node id -> leading blocks its store holds (loadable, not computed);
         `prompt_tokens`: the prompt's length (default: its full blocks')."""
@@ -148,14 +202,14 @@ class Pairing:
 
     def decode(
         self,
-        nodes: list[NodeState],
+        nodes: Sequence[N],
         exclude: Collection[str] = (),
         prompt_keys: Sequence[BlockKey] = (),
         hits: Mapping[str, int] | None = None,
         max_tokens: int = 1,
         prefills_here: bool = False,
         prompt_tokens: int | None = None,
-    ) -> NodeState | None:
+    ) -> N | None:
         """`hits`: node id -> leading prompt blocks in its device cache; `prefills_here`: no prefill node ran, the
         decode node computes the prompt too (COST then prices that as well)."""
         candidates = [n for n in nodes if n.node_id not in exclude]
@@ -170,7 +224,7 @@ class Pairing:
         candidates = _within_bound(candidates)
         rates = _Rates.of(candidates)
 
-        def price(node: NodeState) -> float:
+        def price(node: N) -> float:
             nid = node.node_id
             held = _held(node, prompt_keys, hits) if prompt_keys else 0
             if prefills_here:
@@ -186,17 +240,17 @@ class Pairing:
 
     def _prefill_cost(
         self,
-        candidates: list[NodeState],
+        candidates: list[N],
         keys: Sequence[BlockKey],
         hits: Mapping[str, int] | None,
         store_hits: Mapping[str, int] | None,
         prompt_tokens: int | None,
-    ) -> PrefillChoice:
+    ) -> PrefillChoice[N]:
         candidates = _within_bound(candidates)
         rates = _Rates.of(candidates)
         turn = self._rotation(candidates)
         best: tuple[float, float, int] | None = None
-        choice: PrefillChoice | None = None
+        choice: PrefillChoice[N] | None = None
         for node in candidates:
             device = _held(node, keys, hits)
             store = store_hits.get(node.node_id, 0) if store_hits is not None else 0
@@ -207,7 +261,7 @@ class Pairing:
         assert choice is not None, "no candidate priced"
         return choice
 
-    def _rotation(self, candidates: Sequence[NodeState]) -> dict[str, int]:
+    def _rotation(self, candidates: Sequence[Candidate]) -> dict[str, int]:
         """Each candidate's place in a turn that moves on every request: equal prices (idle nodes, prompts nobody
         holds) go round the nodes instead of always to the first id, which would pile new conversations and their
         follow-ups on it."""
@@ -217,7 +271,7 @@ class Pairing:
 
     @staticmethod
     def _prefill_seconds(
-        node: NodeState, rates: _Rates, blocks: int, device: int, store: int, prompt_tokens: int | None
+        node: Candidate, rates: _Rates, blocks: int, device: int, store: int, prompt_tokens: int | None
     ) -> tuple[float, int]:
         """(price in seconds, tokens to compute) of `node` prefilling a prompt of `blocks` full blocks."""
         block = node.info.block_size
@@ -230,7 +284,7 @@ class Pairing:
         return seconds, compute
 
     @staticmethod
-    def _dynamo(node: NodeState, keys: Sequence[BlockKey], hits: Mapping[str, int] | None) -> float:
+    def _dynamo(node: Candidate, keys: Sequence[BlockKey], hits: Mapping[str, int] | None) -> float:
         """Dynamo's worker logit: blocks to prefill (this prompt's new ones + those queued there) weighted by
         overlap_weight, plus the KV blocks its active sequences hold."""
         block = node.info.block_size
@@ -239,7 +293,7 @@ class Pairing:
         return DYNAMO_OVERLAP_WEIGHT * prefill_blocks + decode_blocks
 
     @staticmethod
-    def _sglang(candidates: list[NodeState], keys: Sequence[BlockKey], hits: Mapping[str, int] | None) -> NodeState:
+    def _sglang(candidates: list[N], keys: Sequence[BlockKey], hits: Mapping[str, int] | None) -> N:
         loads = {n.node_id: _busy(n) for n in candidates}
         low, high = min(loads.values()), max(loads.values())
         if high - low > SGLANG_ABS_THRESHOLD and high > low * SGLANG_REL_THRESHOLD:
@@ -252,16 +306,16 @@ class Pairing:
 
 
 def pick_prefill(
-    nodes: list[NodeState],
+    nodes: list[N],
     prompt_keys: list[BlockKey],
     exclude: Collection[str] = (),
     hits: Mapping[str, int] | None = None,
-) -> PrefillChoice | None:
+) -> PrefillChoice[N] | None:
     """PREFIX_SLACK's prefill node. `hits`: node id -> leading prompt blocks it holds, for the nodes whose KV events
     are indexed; the others answer from their heartbeat summaries."""
     return Pairing(PairingPolicy.PREFIX_SLACK).prefill(nodes, prompt_keys, exclude, hits)
 
 
-def pick_decode(nodes: list[NodeState], exclude: Collection[str] = ()) -> NodeState | None:
+def pick_decode(nodes: list[N], exclude: Collection[str] = ()) -> N | None:
     """The least-loaded decode node (fewest running + waiting per capacity), ties broken by free KV blocks."""
     return Pairing(PairingPolicy.LEAST_LOADED).decode(nodes, exclude)

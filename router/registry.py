@@ -49,6 +49,10 @@ class NodeState:
         return KeyNamespace(self.info.model_fingerprint, self.info.dtype, self.info.block_size)
 
     @property
+    def in_flight(self) -> int:
+        return len(self.inflight)
+
+    @property
     def load(self) -> float:
         """Fraction of capacity in use; the router's own in-flight count covers heartbeat lag."""
         busy = max(self.running + self.waiting, len(self.inflight))
