@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vllm = p.add_argument_group(
         "fronting vLLM (docs/vllm.md): vLLM instances with UCMConnector on one store daemon instead of ucm-serve "
-        "nodes; --model is then only the default served name"
+        "nodes; --model is then the default served name, and a model folder's tokenizer lets the router look "
+        "prompts up in the instances' KV events; --curve-keys only subscribes to the store's KV events"
     )
     vllm.add_argument(
         "--vllm-prefill",
@@ -125,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="URL",
         help="a vLLM instance running UCMConnector as kv_consumer (http://HOST:PORT); repeat for more",
+    )
+    vllm.add_argument(
+        "--vllm-kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT[,REPLAY]",
+        help="the KV event publisher of the instance at URL (its --kv-events-config endpoint, and replay endpoint, "
+        "as the router reaches them): the router indexes what its device cache holds and cost pairing prices it; "
+        "repeat per instance",
     )
     p.add_argument(
         "--pairing",
@@ -193,6 +203,20 @@ def store_events_endpoint(text: str | None) -> P.KVEventsEndpoint | None:
     return P.KVEventsEndpoint(endpoint.strip(), replay.strip() or None, "")
 
 
+def vllm_events_endpoints(texts: list[str]) -> tuple[tuple[str, P.KVEventsEndpoint], ...]:
+    """`--vllm-kv-events URL=ENDPOINT[,REPLAY]`, each -> (the instance's normalized URL, its publisher)."""
+    from router.vllm_backend import normalize_url
+
+    out = []
+    for text in texts:
+        url, sep, events = text.partition("=")
+        endpoint = store_events_endpoint(events)
+        if not sep or endpoint is None:
+            raise ValueError(f"--vllm-kv-events takes URL=ENDPOINT[,REPLAY], got {text!r}")
+        out.append((normalize_url(url), endpoint))
+    return tuple(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -235,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _front_vllm(args: argparse.Namespace) -> int:
-    """The router in front of vLLM instances: no node socket, no tokenizer (vLLM tokenizes)."""
-    from router.vllm_backend import BadBackendUrl, normalize_url
+    """The router in front of vLLM instances: no node socket; vLLM tokenizes, the router only to look prompts up in
+    the KV events (with a model folder's tokenizer)."""
+    from router.vllm_backend import normalize_url
 
     try:
         config = RouterConfig(
@@ -247,20 +272,30 @@ def _front_vllm(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             vllm_prefill=tuple(normalize_url(u) for u in args.vllm_prefill),
             vllm_decode=tuple(normalize_url(u) for u in args.vllm_decode),
+            vllm_kv_events=vllm_events_endpoints(args.vllm_kv_events),
+            pairing=args.pairing,
+            store_events=store_events_endpoint(args.store_kv_events),
+            node_auth=KeyPaths.of(args.curve_keys).router_auth() if args.curve_keys else None,
             **{flag.kwargs["dest"]: getattr(args, flag.kwargs["dest"]) for flag in TUNABLES},
         )
-    except (ValueError, BadBackendUrl) as e:
+    except ValueError as e:
         print(f"ucm-serve router: {e}", file=sys.stderr)
         return 2
     import uvicorn
 
     from router.vllm_app import create_vllm_app
 
+    tokenizer = None
+    if args.model and (Path(args.model).expanduser() / "tokenizer.json").is_file():
+        from engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(model_folder(args.model))
+
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call otherwise
 
     server = uvicorn.Server(
         uvicorn.Config(
-            create_vllm_app(config),
+            create_vllm_app(config, tokenizer),
             host=config.host,
             port=config.port,
             log_level=args.log_level,

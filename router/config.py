@@ -58,6 +58,9 @@ class RouterConfig:
     # run UCMConnector as kv_producer, decode instances as kv_consumer, on one store daemon (docs/vllm.md).
     vllm_prefill: tuple[str, ...] = ()
     vllm_decode: tuple[str, ...] = ()
+    # The KV event publishers of vLLM instances started with --kv-events-config: (instance URL, its endpoints). The
+    # router indexes what each one's device cache holds and prices it when it chooses instances (router/vllm_pool.py).
+    vllm_kv_events: tuple[tuple[str, P.KVEventsEndpoint], ...] = ()
     # Sequences each vLLM decode instance runs at once (its --max-num-seqs): admission's capacity per instance.
     vllm_max_num_seqs: int = 64
     # How router/pairing.py picks each request's prefill and decode node (COST: by measured seconds).
@@ -81,6 +84,10 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.vllm_prefill and not self.vllm_decode:
             raise ValueError("vLLM prefill instances need at least one vLLM decode instance (--vllm-decode URL)")
+        instances = set(self.vllm_prefill) | set(self.vllm_decode)
+        for url, _ in self.vllm_kv_events:
+            if url not in instances:
+                raise ValueError(f"--vllm-kv-events names {url}, which is not a --vllm-prefill or --vllm-decode URL")
         if self.vllm_max_num_seqs < 1:
             raise ValueError(f"vllm_max_num_seqs must be >= 1, got {self.vllm_max_num_seqs}")
         if self.api_key is not None and not self.api_key:

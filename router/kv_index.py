@@ -12,6 +12,11 @@ SUB and replay socket), `forget` drops a node. Nothing is routed on a stale entr
     - batches lost for good (gap beyond the replay buffer, publisher restart, unreadable batch) forget the node too
       and it is rebuilt from what follows (subscriber.py: a suffix of the events gives a subset of the truth).
 A generation number per subscription keeps a batch that was in flight when its node was forgotten from landing.
+
+A publisher whose hashes the router cannot compute from a prompt (a `vllm serve` instance; the store daemon behind
+vLLM instances) is tracked with `rechain=True`: its blocks are re-keyed from their token ids as they arrive
+(router/vllm_block_keys.py), and `holders` / `depth` then answer for `vllm_block_keys.prompt_keys`. Such a stream
+starts from the publisher's replay ring, not its snapshot (which names blocks without their tokens).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from common.kv_events.events import (
 from common.kv_events.subscriber import REPLAY_TIMEOUT_S, EventStream, StreamPoller
 from protocol import messages as P
 from router.registry import Registry
+from router.vllm_block_keys import Rechain
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,7 @@ class _Node:
     endpoints: P.KVEventsEndpoint | None  # None: events handed over in process (`attach` / `ingest`)
     generation: int
     media: dict[str, set[BlockHash]] = field(default_factory=dict)  # medium -> keys held there
+    rechain: Rechain | None = None  # the publisher's hashes -> the router's keys (None: its hashes are ours)
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class _Subscribe:
     generation: int
     endpoints: P.KVEventsEndpoint
     keys: CurveClientKeys | None
+    snapshot: bool  # start from the publisher's snapshot (it names blocks without their tokens: not to re-key)
 
 
 @dataclass(frozen=True)
@@ -123,11 +131,16 @@ class KVIndex:
     # ------------------------------------------------------------------ the event loop's side
 
     def track(
-        self, node_id: str, instance: str, endpoints: P.KVEventsEndpoint | None, server_key: Path | None = None
+        self,
+        node_id: str,
+        instance: str,
+        endpoints: P.KVEventsEndpoint | None,
+        server_key: Path | None = None,
+        rechain: bool = False,
     ) -> None:
         """A node registered: index its events (a new incarnation or new endpoints start from nothing). A node
         without events is forgotten. `server_key`: the publisher's public key file, where it is not the node's
-        authorized key (the store daemon's server.key)."""
+        authorized key (the store daemon's server.key). `rechain`: re-key its blocks from their token ids."""
         if endpoints is None:
             self.forget(node_id)
             return
@@ -148,18 +161,18 @@ class KVIndex:
                 return  # the same process registering again: its stream goes on
             self._drop_locked(node_id)
             self._generations += 1
-            self._nodes[node_id] = _Node(instance, endpoints, self._generations)
-            command = _Subscribe(node_id, self._generations, endpoints, keys)
+            self._nodes[node_id] = _Node(instance, endpoints, self._generations, rechain=Rechain() if rechain else None)
+            command = _Subscribe(node_id, self._generations, endpoints, keys, snapshot=not rechain)
         log.info("node %s: indexing KV events from %s", node_id, endpoints.endpoint)
         self._send(command)
 
-    def attach(self, node_id: str, instance: str) -> None:
+    def attach(self, node_id: str, instance: str, rechain: bool = False) -> None:
         """Index a node whose events reach the router in process (`ingest`), not over a socket: a simulated
         cluster (benchmarks/cluster_sim.py) feeds the same state, under the same rules, as the nodes' streams."""
         with self._lock:
             self._drop_locked(node_id)
             self._generations += 1
-            self._nodes[node_id] = _Node(instance, None, self._generations)
+            self._nodes[node_id] = _Node(instance, None, self._generations, rechain=Rechain() if rechain else None)
 
     def ingest(self, node_id: str, batch: KVEventBatch) -> None:
         """One batch of an `attach`ed node's events, applied now."""
@@ -285,7 +298,10 @@ class KVIndex:
             if node is None:
                 return  # forgotten (or re-subscribed) while this batch was on its way
             self.batches += 1
-            for event in batch.events:
+            for theirs in batch.events:
+                event = node.rechain.event(theirs) if node.rechain is not None else theirs
+                if event is None:
+                    continue
                 if isinstance(event, AllBlocksCleared):
                     self._clear_locked(node_id, node)
                     continue
@@ -315,6 +331,8 @@ class KVIndex:
             if node is not None:
                 self.resets += 1
                 self._clear_locked(node_id, node)
+                if node.rechain is not None:
+                    node.rechain = Rechain()
 
     # ------------------------------------------------------------------ the index thread
 
@@ -363,5 +381,7 @@ class KVIndex:
             topic=command.endpoints.topic,
             keys=command.keys,
             replay_timeout_s=self._replay_timeout_s,
-            snapshot=True,  # whole at once from the publisher's snapshot, not from however much its ring still holds
+            # whole at once from the publisher's snapshot, not from however much its ring still holds; a re-keyed
+            # publisher replays its ring instead (vLLM's answers a snapshot request that way anyway)
+            snapshot=command.snapshot,
         )

@@ -10,6 +10,9 @@
    (`vllm serve --enable-prompt-tokens-details`). No handshake: the store is content-addressed, any producer's saves
    serve any consumer.
 
+Which producer and which consumer: router/vllm_pool.py (by cost, from the instances' /metrics and KV events, with
+the prompt's token ids where the router has the model's tokenizer; `--pairing least-loaded` for the least loaded).
+
 Faults: a producer that cannot be reached or answers 5xx is marked down and the prefill goes to another one; with
 none left the consumer computes the prompt itself (like a ucm-serve decode node prefilling locally). A consumer
 that fails before its response started is marked down and the request goes to another one, waiting up to
@@ -25,7 +28,7 @@ import enum
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,7 +39,7 @@ from fastapi.responses import Response, StreamingResponse
 from router.admission import AdmissionQueue, Rejected
 from router.openai_schema import ApiError
 from router.vllm_backend import BackendRole, VllmBackend
-from router.vllm_pool import VllmPool
+from router.vllm_pool import PromptView, VllmPool
 from router.vllm_resume import ResumableStream, resumable
 
 log = logging.getLogger("router.vllm")
@@ -72,6 +75,14 @@ class Upstream5xx(Exception):
     """A vLLM instance answered 5xx: it is treated as down for this request (its engine may have died)."""
 
 
+@dataclass(frozen=True)
+class _Decode:
+    """What the choice of a consumer reads: the prompt, and whether the consumer computes it (no producer did)."""
+
+    prompt: PromptView
+    prefills_here: bool
+
+
 @dataclass
 class ProxyStats:
     """Counters the router's /metrics shows."""
@@ -98,9 +109,27 @@ def admission_size(body: dict[str, Any], raw_len: int) -> tuple[int, int]:
     """(sequences, tokens) for admission: n choices; the body's size stands in for its prompt tokens."""
     n = body.get("n", 1)
     seqs = n if isinstance(n, int) and n >= 1 else 1
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or _DEFAULT_MAX_TOKENS
-    max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else _DEFAULT_MAX_TOKENS
-    return seqs, raw_len // _BYTES_PER_TOKEN + seqs * max_tokens
+    return seqs, raw_len // _BYTES_PER_TOKEN + seqs * max_tokens_of(body)
+
+
+def max_tokens_of(body: dict[str, Any]) -> int:
+    value = body.get("max_completion_tokens") or body.get("max_tokens") or _DEFAULT_MAX_TOKENS
+    return value if isinstance(value, int) and value > 0 else _DEFAULT_MAX_TOKENS
+
+
+# A request's prompt token ids (None: not tokenizable here; vLLM decides whether it is valid).
+PromptTokenizer = Callable[[Endpoint, dict[str, Any]], list[int] | None]
+
+
+async def prompt_view(
+    body: dict[str, Any], endpoint: Endpoint, raw_len: int, tokenize: PromptTokenizer | None
+) -> PromptView:
+    """What the choice of instances reads of the prompt: its token ids when `tokenize` gives them (on a worker
+    thread: a long prompt must not stall the event loop), else its length estimated from the body's bytes."""
+    ids = await asyncio.to_thread(tokenize, endpoint, body) if tokenize is not None else None
+    if ids is None:
+        return PromptView(max(1, raw_len // _BYTES_PER_TOKEN), None, max_tokens_of(body))
+    return PromptView(max(1, len(ids)), tuple(ids), max_tokens_of(body))
 
 
 def _relayed(response: httpx.Response, content: bytes) -> Response:
@@ -114,12 +143,18 @@ def _sse_error(message: str) -> bytes:
 
 class VllmProxy:
     def __init__(
-        self, pool: VllmPool, admission: AdmissionQueue, client: httpx.AsyncClient, decode_wait_s: float
+        self,
+        pool: VllmPool,
+        admission: AdmissionQueue,
+        client: httpx.AsyncClient,
+        decode_wait_s: float,
+        tokenize: PromptTokenizer | None = None,
     ) -> None:
         self.pool = pool
         self.admission = admission
         self.client = client
         self.decode_wait_s = decode_wait_s
+        self.tokenize = tokenize
         self.stats = ProxyStats()
 
     async def serve(self, endpoint: Endpoint, body: dict[str, Any], raw_len: int, request: Request) -> Response:
@@ -131,14 +166,18 @@ class VllmProxy:
         streaming = False
         try:
             await self._until_disconnected(request, self.admission.wait(ticket))
-            refusal = await self._until_disconnected(request, self._prefill(endpoint, body))
+            prompt = await prompt_view(body, endpoint, raw_len, self.tokenize)
+            refusal, prefilled = await self._until_disconnected(request, self._prefill(endpoint, body, prompt))
             if refusal is not None:
                 return refusal
+            decode = _Decode(prompt, prefills_here=not prefilled)
             if body.get("stream"):
                 chat = endpoint is Endpoint.CHAT
                 resume = ResumableStream(body, chat) if resumable(body, chat) else None
                 upstream = resume.upstream_body() if resume is not None else body
-                response, backend = await self._until_disconnected(request, self._open_decode(endpoint, upstream, True))
+                response, backend = await self._until_disconnected(
+                    request, self._open_decode(endpoint, upstream, decode)
+                )
                 if response.status_code != 200:
                     content = await response.aread()
                     await response.aclose()
@@ -148,10 +187,10 @@ class VllmProxy:
                 return StreamingResponse(
                     self._relay(response, backend, ticket, tokens)
                     if resume is None
-                    else self._relay_resumable(endpoint, resume, response, backend, ticket, tokens),
+                    else self._relay_resumable(resume, response, backend, ticket, tokens, decode),
                     media_type=response.headers.get("content-type", "text/event-stream"),
                 )
-            return await self._until_disconnected(request, self._decode(endpoint, body))
+            return await self._until_disconnected(request, self._decode(endpoint, body, decode))
         except ClientGone:
             return Response(status_code=499)
         finally:
@@ -174,13 +213,18 @@ class VllmProxy:
                 with contextlib.suppress(BaseException):
                     await task
 
-    async def _prefill(self, endpoint: Endpoint, body: dict[str, Any]) -> Response | None:
-        """Prefill on a producer; a Response to return instead of decoding when vLLM refused the request (4xx)."""
+    async def _prefill(
+        self, endpoint: Endpoint, body: dict[str, Any], prompt: PromptView
+    ) -> tuple[Response | None, bool]:
+        """Prefill on a producer: (a Response to return instead of decoding when vLLM refused the request (4xx),
+        whether a producer prefilled it)."""
         tried: list[VllmBackend] = []
         payload = prefill_body(body, endpoint)
-        while (backend := self.pool.pick(BackendRole.PREFILL, tried)) is not None:
+        while (choice := self.pool.pick_prefill(prompt, tried)) is not None:
+            backend = choice.node
             tried.append(backend)
             backend.in_flight += 1
+            backend.sent_tokens += choice.compute_tokens  # the queue ahead of the next prompt priced here
             try:
                 response = await self.client.post(backend.url + endpoint.value, json=payload)
             except httpx.TransportError as e:
@@ -189,22 +233,23 @@ class VllmProxy:
                 continue
             finally:
                 backend.in_flight -= 1
+                backend.sent_tokens -= choice.compute_tokens
             if response.status_code >= 500:
                 self.pool.mark_down(backend, f"HTTP {response.status_code}")
                 self.stats.prefill_retries += 1
                 continue
             if response.status_code != 200:
-                return _relayed(response, response.content)
+                return _relayed(response, response.content), False
             self.stats.prefills += 1
-            return None
+            return None, True
         # No producer: the consumer loads what the store has and computes the rest itself.
         self.stats.prefills_skipped += 1
-        return None
+        return None, False
 
-    async def _next_decode(self, tried: list[VllmBackend]) -> VllmBackend:
+    async def _next_decode(self, tried: list[VllmBackend], decode: _Decode) -> VllmBackend:
         """An alive consumer not tried yet; waits up to decode_wait_s for one to come back, else ApiError(503)."""
         deadline = time.monotonic() + self.decode_wait_s
-        while (backend := self.pool.pick(BackendRole.DECODE, tried)) is None:
+        while (backend := self.pool.pick_decode(decode.prompt, tried, decode.prefills_here)) is None:
             if not any(b.alive for b in self.pool.of(BackendRole.DECODE)):
                 tried.clear()  # an instance that comes back may be one that failed this request before
             left = deadline - time.monotonic()
@@ -219,10 +264,10 @@ class VllmProxy:
                 self.pool.on_alive.remove(event)
         return backend
 
-    async def _decode(self, endpoint: Endpoint, body: dict[str, Any]) -> Response:
+    async def _decode(self, endpoint: Endpoint, body: dict[str, Any], decode: _Decode) -> Response:
         tried: list[VllmBackend] = []
         while True:
-            backend = await self._next_decode(tried)
+            backend = await self._next_decode(tried, decode)
             tried.append(backend)
             backend.in_flight += 1
             try:
@@ -237,17 +282,17 @@ class VllmProxy:
                 backend.in_flight -= 1
 
     async def _open_decode(
-        self, endpoint: Endpoint, body: dict[str, Any], stream: bool
+        self, endpoint: Endpoint, body: dict[str, Any], decode: _Decode
     ) -> tuple[httpx.Response, VllmBackend]:
         """A consumer's streamed response, headers received; the caller owns it and the backend's in_flight."""
         tried: list[VllmBackend] = []
         while True:
-            backend = await self._next_decode(tried)
+            backend = await self._next_decode(tried, decode)
             tried.append(backend)
             backend.in_flight += 1
             request = self.client.build_request("POST", backend.url + endpoint.value, json=body)
             try:
-                response = await self.client.send(request, stream=stream)
+                response = await self.client.send(request, stream=True)
             except httpx.TransportError as e:
                 backend.in_flight -= 1
                 self.pool.mark_down(backend, f"{type(e).__name__}: {e}")
@@ -279,12 +324,12 @@ class VllmProxy:
 
     async def _relay_resumable(
         self,
-        endpoint: Endpoint,
         resume: ResumableStream,
         response: httpx.Response,
         backend: VllmBackend,
         ticket: Any,
         tokens: int,
+        decode: _Decode,
     ) -> AsyncIterator[bytes]:
         """The consumer's SSE events, token ids stripped unless asked for; a consumer that dies mid-stream is
         replaced by another that continues from the tokens already sent (router/vllm_resume.py)."""
@@ -309,7 +354,7 @@ class VllmProxy:
                 await response.aclose()
                 backend.in_flight -= 1
                 try:  # always a completion: a chat resumes on /v1/completions (router/vllm_resume.py)
-                    held = await self._open_decode(Endpoint.COMPLETIONS, again, True)
+                    held = await self._open_decode(Endpoint.COMPLETIONS, again, decode)
                 except ApiError as e:
                     yield _sse_error(f"the vLLM decode instance failed mid-stream and none took over: {e}")
                     return
@@ -325,7 +370,7 @@ class VllmProxy:
 
     async def _model_len(self) -> int | None:
         """The context length an alive decode instance serves (vLLM's /v1/models), None if none answers."""
-        backend = self.pool.pick(BackendRole.DECODE)
+        backend = self.pool.any_alive(BackendRole.DECODE)
         if backend is None:
             return None
         try:
