@@ -149,8 +149,6 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
     cuda = args.device == "cuda" or (args.device is None and _cuda_available())
     try:
         if args.engine is ServingEngine.VLLM:
-            if args.kv_events_config:
-                raise ValueError("--kv-events-config is not supported with --engine vllm yet")
             # vLLM instances are always split: the point is prefill on producers, decode on consumers.
             args.topology, args.prefill, args.decode = Topology.DISAGG, args.prefill or 1, args.decode or 1
         choice = choose_topology(args.topology, args.prefill, args.decode, cuda=cuda)

@@ -7,24 +7,27 @@ The same `Cluster` life as with our own nodes (launch/cluster.py): the model pre
 child that exits restarted on the same address (a restarted vLLM instance answers `/health` again and the router
 takes it back). vLLM comes from its own venv (launch/vllm_command.py); a missing one is `VllmMissing`, before
 anything starts.
+
+With `--kv-events-config` each instance publishes its KV events (vLLM's own publisher, the config offset per
+instance as for our nodes) and the store daemon its tiers' at the next offset; the router subscribes to all of them
+(`--vllm-kv-events`, `--store-kv-events`) and tokenizes prompts with the model folder's tokenizer to look them up, so
+it chooses instances by what they and the store hold (router/vllm_pool.py).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import TextIO
 
 import httpx
 
-from common.size import parse_size
+from common.kv_events import endpoints
+from common.kv_events.config import KVEventsConfig
 from launch.child import Child
 from launch.cluster import Cluster, ClusterSpec, StoreMode, _cmd, free_port
 from launch.supervisor import Supervisor
-from launch.vllm_command import VllmCommand, default_vllm_venv, ucm_transfer_config, vllm_executable
-
-_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+from launch.vllm_command import PdSettings, VllmCommand, core_slice, default_vllm_venv, pd_instance, vllm_executable
 
 
 class VllmCluster(Cluster):
@@ -72,31 +75,18 @@ class VllmCluster(Cluster):
         store = self.store_addr
         if self.keys is not None:
             store += f"?curve_keys={self.keys.dir}&curve_client={name}"
-        instances = len(self.ports)
-        cores = os.cpu_count() or 1
-        # Split the cores between the instances as `up` does for its nodes: oversubscribed OpenMP threads spin
-        # against each other. Instance i gets its own slice; with fewer cores than instances they share core 0.
-        per = max(1, cores // instances)
-        first = (list(self.ports).index(name) * per) % cores
-        cpus = f"{first}-{first + per - 1}" if per > 1 else str(first)
-        extra: tuple[str, ...] = ("--enable-prompt-tokens-details",) if kind == "decode" else ()
-        extra += ("--max-num-seqs", str(self.spec.max_num_seqs))
-        if self.spec.max_num_batched_tokens is not None:
-            extra += ("--max-num-batched-tokens", str(self.spec.max_num_batched_tokens))
-        if not self.spec.enable_prefix_caching:
-            extra += ("--no-enable-prefix-caching",)
-        return VllmCommand(
-            self.venv,
-            Path(self.model_dir),
-            self.ports[name],
-            ucm_transfer_config(store, _ROLE[kind]),
+        cpus = core_slice(list(self.ports).index(name), len(self.ports), os.cpu_count() or 1)
+        settings = PdSettings(
             served_model_name=self.spec.model_name,
             dtype=self.spec.dtype,
+            kv_cache_memory=self.spec.kv_cache_memory,
+            max_num_seqs=self.spec.max_num_seqs,
+            max_num_batched_tokens=self.spec.max_num_batched_tokens,
             max_model_len=self.spec.max_model_len,
-            kv_cache_gib=max(1, math.ceil(parse_size(self.spec.kv_cache_memory) / 2**30)),
-            cpus=cpus,
-            extra_args=extra,
+            enable_prefix_caching=self.spec.enable_prefix_caching,
         )
+        model = Path(self.model_dir)
+        return pd_instance(settings, kind, self.venv, model, self.ports[name], store, cpus, self.kv_events_of(name))
 
     def start_node(self, kind: str, index: int) -> Child:
         name = f"{kind}-{index}"
@@ -111,18 +101,45 @@ class VllmCluster(Cluster):
             self.children[name] = child
         return child
 
+    def kv_events_of(self, name: str) -> KVEventsConfig | None:
+        """Instance `name`'s --kv-events-config (the launcher's, offset as for our nodes); None without events."""
+        events = self.spec.kv_events
+        if events is None or not events.enabled:
+            return None
+        return events.for_node(self.spec.node_names().index(name))
+
     def _start_router(self) -> None:
+        self._spawn("router", _cmd(*self.router_args())).wait_for(r"fronting vLLM instances", 120)
+        self.log(f"[up] router fronting {len(self.ports)} vLLM instance(s) at {self.url}")
+
+    def router_args(self) -> list[str]:
+        """`ucm-serve router`'s arguments in front of the instances."""
         args = ["router", "--host", self.spec.host, "--port", str(self.port)]
         args += ["--served-model-name", self.spec.model_name, "--vllm-max-num-seqs", str(self.spec.max_num_seqs)]
         for url in self.urls("prefill"):
             args += ["--vllm-prefill", url]
         for url in self.urls("decode"):
             args += ["--vllm-decode", url]
+        for name, port in self.ports.items():
+            events = self.kv_events_of(name)
+            if events is not None:  # vLLM binds its wildcard endpoints on this host
+                pub = endpoints.reachable(events.endpoint, "tcp://127.0.0.1:1")
+                replay = (
+                    endpoints.reachable(events.replay_endpoint, "tcp://127.0.0.1:1") if events.replay_endpoint else None
+                )
+                args += [
+                    "--vllm-kv-events",
+                    f"http://127.0.0.1:{port}=" + (pub if replay is None else f"{pub},{replay}"),
+                ]
+        if self.store_events_addr is not None:
+            args += ["--store-kv-events", self.store_events_addr]
+            if self.keys is not None:  # the store's publisher takes the router's CURVE pair
+                args += ["--curve-keys", str(self.keys.dir)]
+        if self.store_events_addr is not None or self.spec.kv_events is not None:
+            args += ["--model", str(self.model_dir)]  # its tokenizer: prompts looked up in the events
         if self.spec.api_key:
             args += ["--api-key", self.spec.api_key]
-        args += list(self.spec.router_args)
-        self._spawn("router", _cmd(*args)).wait_for(r"fronting vLLM instances", 120)
-        self.log(f"[up] router fronting {len(self.ports)} vLLM instance(s) at {self.url}")
+        return args + list(self.spec.router_args)
 
     READY_WORDS = "vLLM instances healthy"
     READY_POLL_S = 1.0

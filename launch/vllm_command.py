@@ -9,10 +9,16 @@ this checkout there): `$UCM_VLLM_VENV`, else `~/.cache/ucm-peers/vllm-venv` (und
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
+
+from common.kv_events.config import KVEventsConfig
+from common.size import parse_size
 
 INSTALL_HINT = "bash benchmarks/peers/install_ucm_vllm_plugin.sh (make test runs it)"
 _PRELOADS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",)  # vLLM-CPU's recommended allocator
@@ -45,6 +51,13 @@ def ucm_transfer_config(store: str, role: str = "kv_both") -> dict[str, Any]:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": store},
     }
+
+
+def vllm_kv_events_config(config: KVEventsConfig) -> str:
+    """`vllm serve --kv-events-config` for `config`: vLLM's own fields (ours are the same), unset ones left out (vLLM
+    types `publisher` as a non-optional Literal, so an explicit null would not validate)."""
+    fields = msgspec.to_builtins(config)
+    return json.dumps({k: v for k, v in fields.items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -97,3 +110,63 @@ class VllmCommand:
         if preload:
             env["LD_PRELOAD"] = ":".join(preload)
         return env
+
+
+# A P/D instance's UCMConnector role by the kind of node it stands for.
+PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@dataclass(frozen=True)
+class PdSettings:
+    """What every vLLM instance of a prefill/decode deployment shares (`up --engine vllm`, with or without --ray)."""
+
+    served_model_name: str
+    dtype: str
+    kv_cache_memory: str  # VLLM_CPU_KVCACHE_SPACE, rounded up to whole GiB
+    max_num_seqs: int
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+
+def core_slice(position: int, instances: int, cores: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND of the `position`-th of `instances` instances on a host of `cores` cores: each its
+    own slice, as `up` splits the cores between its nodes (oversubscribed OpenMP threads spin against each other);
+    with fewer cores than instances they share core 0."""
+    per = max(1, cores // max(1, instances))
+    first = (position * per) % cores
+    return f"{first}-{first + per - 1}" if per > 1 else str(first)
+
+
+def pd_instance(
+    settings: PdSettings,
+    kind: str,
+    venv: Path,
+    model_dir: Path,
+    port: int,
+    store: str,
+    cpus: str,
+    events: KVEventsConfig | None = None,
+) -> VllmCommand:
+    """A prefill (`kv_producer`) or decode (`kv_consumer`, counting what it loaded in `cached_tokens`) instance on
+    the store at `store` (connector/store_spec.py syntax, with its CURVE client)."""
+    extra: tuple[str, ...] = ("--enable-prompt-tokens-details",) if kind == "decode" else ()
+    extra += ("--max-num-seqs", str(settings.max_num_seqs))
+    if settings.max_num_batched_tokens is not None:
+        extra += ("--max-num-batched-tokens", str(settings.max_num_batched_tokens))
+    if not settings.enable_prefix_caching:
+        extra += ("--no-enable-prefix-caching",)
+    if events is not None:
+        extra += ("--kv-events-config", vllm_kv_events_config(events))
+    return VllmCommand(
+        venv,
+        model_dir,
+        port,
+        ucm_transfer_config(store, PD_ROLES[kind]),
+        served_model_name=settings.served_model_name,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        kv_cache_gib=max(1, math.ceil(parse_size(settings.kv_cache_memory) / 2**30)),
+        cpus=cpus,
+        extra_args=extra,
+    )

@@ -157,7 +157,7 @@ def create_vllm_app(config: RouterConfig, tokenizer: Tokenizer | None = None) ->
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(_metrics_text(pool, state.get("proxy"), requests, admission))
+        return PlainTextResponse(_metrics_text(pool, state.get("proxy"), requests, admission, index))
 
     app.add_middleware(
         HttpGate,
@@ -172,7 +172,11 @@ def create_vllm_app(config: RouterConfig, tokenizer: Tokenizer | None = None) ->
 
 
 def _metrics_text(
-    pool: VllmPool, proxy: VllmProxy | None, requests: Counter[tuple[str, int]], admission: AdmissionQueue
+    pool: VllmPool,
+    proxy: VllmProxy | None,
+    requests: Counter[tuple[str, int]],
+    admission: AdmissionQueue,
+    index: KVIndex | None,
 ) -> str:
     lines = ["# TYPE ucm_vllm_backend_up gauge"]
     lines += [f'ucm_vllm_backend_up{{role="{b.role.value}",url="{b.url}"}} {int(b.alive)}' for b in pool.backends]
@@ -187,6 +191,12 @@ def _metrics_text(
         lines.append(f"# TYPE ucm_vllm_backend_{name} gauge")
         lines += [
             f'ucm_vllm_backend_{name}{{role="{b.role.value}",url="{b.url}"}} {getattr(b, name)}' for b in pool.backends
+        ]
+    if index is not None:  # the same family as in front of our nodes (router/metrics.py)
+        lines.append("# TYPE ucm_kv_index_blocks gauge")
+        lines += [
+            f'ucm_kv_index_blocks{{source="{source}",medium="{medium}"}} {n}'
+            for (source, medium), n in sorted(index.sizes().items())
         ]
     if proxy is not None:
         for name, value in vars(proxy.stats).items():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from common.kv_events.config import KVEventsConfig
 from launch.cluster import ClusterSpec, StoreMode
 from launch.vllm_cluster import VllmCluster
 from launch.vllm_command import VllmMissing
@@ -36,13 +37,9 @@ def test_missing_vllm_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert f"no vLLM at {tmp_path / 'none'}" in errors[0] and "install_ucm_vllm_plugin.sh" in errors[0]
 
 
-@pytest.mark.parametrize(
-    ("args", "says"),
-    [(("--ray",), "--ray is not supported"), (("--kv-events-config", "{}"), "--kv-events-config is not supported")],
-)
-def test_unsupported_combinations(args: tuple[str, ...], says: str) -> None:
-    out = _up(*args)
-    assert out.returncode == 2 and says in out.stderr, out
+def test_unsupported_combinations() -> None:
+    out = _up("--ray")
+    assert out.returncode == 2 and "--ray is not supported" in out.stderr, out
 
 
 @pytest.fixture
@@ -80,3 +77,34 @@ def test_refused_specs(fake_venv: Path, tmp_path: Path) -> None:
         VllmCluster(ClusterSpec(store=StoreMode.NONE), venv=fake_venv)
     with pytest.raises(VllmMissing):
         VllmCluster(ClusterSpec(), venv=tmp_path / "none")
+
+
+def test_kv_events_per_instance_and_the_router_subscribed(fake_venv: Path) -> None:
+    """`up --engine vllm --kv-events-config`: each instance publishes at its own offset (vLLM's config, no null
+    fields), the store at the next one, and the router is told every publisher and given the tokenizer's folder."""
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:7100", replay_endpoint="tcp://*:7200")
+    spec = ClusterSpec(prefill=1, decode=1, kv_events=config)
+    cluster = VllmCluster(spec, venv=fake_venv)
+    cluster.model_dir = "/models/smol"
+    for kind, nth in (("prefill", 0), ("decode", 1)):
+        argv = cluster.command(kind, 0).argv()
+        events = json.loads(argv[argv.index("--kv-events-config") + 1])
+        assert events["endpoint"] == f"tcp://*:{7100 + nth}" and events["replay_endpoint"] == f"tcp://*:{7200 + nth}"
+        assert None not in events.values() and events["enable_kv_cache_events"] is True
+    assert cluster.store_kv_events() == config.for_node(2)
+    cluster.store_events_addr = "tcp://127.0.0.1:7102,tcp://127.0.0.1:7202"  # what start_store reads back
+    args = cluster.router_args()
+    published = [args[i + 1] for i, a in enumerate(args) if a == "--vllm-kv-events"]
+    assert published == [
+        f"{cluster.urls('prefill')[0]}=tcp://127.0.0.1:7100,tcp://127.0.0.1:7200",
+        f"{cluster.urls('decode')[0]}=tcp://127.0.0.1:7101,tcp://127.0.0.1:7201",
+    ]
+    assert args[args.index("--store-kv-events") + 1] == cluster.store_events_addr
+    assert args[args.index("--model") + 1] == "/models/smol"
+    # The router's own parser takes them.
+    from router.cli import build_parser, vllm_events_endpoints
+
+    parsed = build_parser().parse_args(args[1:])
+    assert [url for url, _ in vllm_events_endpoints(parsed.vllm_kv_events)] == cluster.urls("prefill") + cluster.urls(
+        "decode"
+    )
