@@ -137,15 +137,17 @@ class KVIndex:
         endpoints: P.KVEventsEndpoint | None,
         server_key: Path | None = None,
         rechain: bool = False,
+        plain: bool = False,
     ) -> None:
         """A node registered: index its events (a new incarnation or new endpoints start from nothing). A node
         without events is forgotten. `server_key`: the publisher's public key file, where it is not the node's
-        authorized key (the store daemon's server.key). `rechain`: re-key its blocks from their token ids."""
+        authorized key (the store daemon's server.key). `rechain`: re-key its blocks from their token ids. `plain`:
+        the publisher has no CURVE keys (vLLM's own), whatever the router's auth."""
         if endpoints is None:
             self.forget(node_id)
             return
         keys = None
-        if self._auth is not None:
+        if self._auth is not None and not plain:
             try:
                 if server_key is not None:
                     keys = self._auth.client_keys_with(server_key)

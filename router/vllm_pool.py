@@ -166,7 +166,7 @@ class VllmPool:
 
     def _track(self, backend: VllmBackend) -> None:
         if self.index is not None and backend.events is not None:
-            self.index.track(backend.node_id, backend.url, backend.events, rechain=True)
+            self.index.track(backend.node_id, backend.url, backend.events, rechain=True, plain=True)  # vLLM's: no CURVE
 
     def mark_down(self, backend: VllmBackend, why: str) -> None:
         backend.failures += 1

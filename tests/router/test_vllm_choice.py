@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from common.auth import generate_keys
 from common.kv_events.config import KVEventsConfig
 from common.kv_events.events import (
     MEDIUM_CPU,
@@ -253,7 +254,9 @@ def test_the_store_s_blocks_are_priced_as_loads(tmp_path) -> None:
 def test_the_consumer_holding_the_prompt_decodes_it(tmp_path) -> None:
     p, d1, d2 = FakeVllm("p"), FakeVllm("d1"), FakeVllm("d2")
     roles = {"p": BackendRole.PREFILL, "d1": BackendRole.DECODE, "d2": BackendRole.DECODE}
-    with cluster(tmp_path, {"p": p, "d1": d1, "d2": d2}, roles) as (client, urls, pubs, index):
+    # With CURVE keys (`up` gives them for the store's events) vLLM's own publishers are still read plain.
+    auth = generate_keys(tmp_path / "keys").router_auth()
+    with cluster(tmp_path, {"p": p, "d1": d1, "d2": d2}, roles, node_auth=auth) as (client, urls, pubs, index):
         keys = prompt_keys(PROMPT, BS)
         pubs["d2"].pub.publish([vllm_stored(PROMPT, 3, 1, medium=MEDIUM_CPU)])  # vLLM-CPU may say CPU: its own
         wait_until(
