@@ -133,8 +133,6 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
         if args.model and args.model_flag and args.model != args.model_flag:
             parser.error(f"two models: {args.model!r} and --model {args.model_flag!r}")
         args.model = args.model or args.model_flag or defaults.MODEL
-    if args.ray is not None and args.engine is ServingEngine.VLLM:
-        parser.error("--engine vllm runs on one host for now; --ray is not supported with it")
     if args.ray is not None:
         if args.kv_events_config:
             parser.error("--kv-events-config is not supported with --ray yet")

@@ -79,13 +79,14 @@ class VllmCommand:
     # served the same sequence and 17 more full-hit loads in batches of 3 and 8 (docs/vllm.md).
     eager: bool = True
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags (e.g. --enable-prompt-tokens-details)
+    host: str = "127.0.0.1"  # the address it binds (a Ray host's IP when the router runs elsewhere)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
-        argv = [str(vllm_executable(self.venv)), "serve", str(self.model_dir), "--host", "127.0.0.1"]
+        argv = [str(vllm_executable(self.venv)), "serve", str(self.model_dir), "--host", self.host]
         argv += ["--port", str(self.port), "--dtype", self.dtype, "--enable-prefix-caching"]
         argv += ["--served-model-name", self.served_model_name]
         if self.max_model_len is not None:
@@ -103,7 +104,7 @@ class VllmCommand:
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": cpus,
-            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_HOST_IP": self.host,
             "HF_HUB_OFFLINE": "1",  # nothing is fetched from a hub: the model is a local folder
             "TRANSFORMERS_OFFLINE": "1",
         }
@@ -147,6 +148,7 @@ def pd_instance(
     store: str,
     cpus: str,
     events: KVEventsConfig | None = None,
+    host: str = "127.0.0.1",
 ) -> VllmCommand:
     """A prefill (`kv_producer`) or decode (`kv_consumer`, counting what it loaded in `cached_tokens`) instance on
     the store at `store` (connector/store_spec.py syntax, with its CURVE client)."""
@@ -169,4 +171,5 @@ def pd_instance(
         kv_cache_gib=max(1, math.ceil(parse_size(settings.kv_cache_memory) / 2**30)),
         cpus=cpus,
         extra_args=extra,
+        host=host,
     )

@@ -2,6 +2,9 @@
 handles of the store, router and node actors. `ucm-serve up --ray` creates it; `scale`, `status` and `down` find it
 by name from any driver of the same Ray cluster.
 
+With `engine=VLLM` the nodes are `vllm serve` instances and the router fronts them (launch/ray/vllm_actors.py): the
+store comes first, then the instances (each picks its port), then the router with their URLs; scaling is refused.
+
 It owns the other actors (they die with it). Deploying and scaling hold one lock; status reads run beside them
 (a threaded actor). Every call to another actor has a timeout, so a dead or restarting actor is reported, never
 waited on.
@@ -21,6 +24,9 @@ from launch.ray.keys import KeyBundle
 from launch.ray.placement import alive_nodes, bind_host, node_options, router_options, store_options
 from launch.ray.spec import ActorRole, DeploymentSpec, NodeKind, parse_kind
 from launch.ray.status import ActorState, ActorStatus, DeploymentStatus, Placement
+from launch.ray.vllm_actors import VllmActor, VllmLaunch, VllmRouterActor, VllmRouterLaunch
+from launch.serving_engine import ServingEngine
+from launch.vllm_command import PdSettings
 from router.drain import NodeView
 
 _CALL_S = 10.0  # a control call to a live actor answers well within this
@@ -70,6 +76,9 @@ class Controller:
                 )
                 self.store = ray.remote(StoreActor).options(**options).remote(launch)
                 self.store_address = ray.get(self.store.address.remote(), timeout=timeout_s)
+            if spec.engine is ServingEngine.VLLM:
+                self._deploy_vllm(timeout_s)
+                return self.status()
             router = RouterLaunch(
                 self.host,
                 spec.port,
@@ -83,6 +92,38 @@ class Controller:
             names = [self._start_node(kind, i) for kind in NodeKind for i in range(spec.count(kind))]
             self._wait_registered(names, timeout_s)
         return self.status()
+
+    def _deploy_vllm(self, timeout_s: float) -> None:
+        """The vLLM instances (each picks its port), then the router with their URLs; returns once the router finds
+        every instance alive (vLLM takes minutes to start on a small CPU host)."""
+        spec = self.spec
+        assert self.store_address is not None, "vLLM instances pass KV through the store"
+        settings = PdSettings(
+            spec.model, spec.dtype, spec.kv_cache_memory, spec.max_num_seqs, spec.max_num_batched_tokens
+        )
+        positions = {NodeKind.PREFILL: 0, NodeKind.DECODE: spec.prefill}
+        options = {**node_options(spec), "max_restarts": 0}  # the actor restarts its vLLM in place, on its port
+        for kind in (NodeKind.PREFILL, NodeKind.DECODE):
+            for i in range(spec.count(kind)):
+                node_id = kind.node_id(i)
+                launch = VllmLaunch(
+                    kind,
+                    i,
+                    positions[kind] + i,
+                    self.host,
+                    self.store_address,
+                    spec.model,
+                    settings,
+                    spec.node_cpus,
+                    self.keys.for_node(node_id) if self.keys else None,
+                )
+                self.nodes[node_id] = ray.remote(VllmActor).options(**options).remote(launch)
+        urls = ray.get([h.url.remote() for h in self.nodes.values()], timeout=timeout_s)
+        instances = tuple((name, parse_kind(name)[0], url) for name, url in zip(self.nodes, urls, strict=True))
+        router = VllmRouterLaunch(self.host, spec.port, spec.model, spec.api_key, spec.max_num_seqs, instances)
+        self.router = ray.remote(VllmRouterActor).options(**router_options(spec)).remote(router)
+        self.url, self.nodes_address = ray.get(self.router.addresses.remote(), timeout=timeout_s)
+        self._wait_registered(list(self.nodes), timeout_s)
 
     def _start_node(self, kind: NodeKind, index: int) -> str:
         spec = self.spec
@@ -132,6 +173,8 @@ class Controller:
 
     def scale(self, kind: NodeKind, delta: int, timeout_s: float) -> list[str]:
         """Add `delta` nodes of `kind` (registered when this returns), or drain and remove `-delta`; their ids."""
+        if self.spec.engine is ServingEngine.VLLM:
+            raise ValueError("scaling vLLM instances is not supported yet: the router's instances are fixed at start")
         with self._lock:
             if delta > 0:
                 return self._add(kind, delta, timeout_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from launch.ray.spec import DEFAULT_NAME, STORE_RESOURCE, DeploymentSpec
+from launch.serving_engine import ServingEngine
 from launch.topology import Topology
 from protocol import defaults
 
@@ -69,6 +70,9 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
     ]
     if unsupported:
         raise ValueError(f"not supported with --ray yet: {', '.join(unsupported)}")
+    engine = args.engine
+    if engine is ServingEngine.VLLM and args.topology is Topology.COLOCATED:
+        raise ValueError("--engine vllm runs prefill and decode instances, not colocated")
     if args.topology is Topology.COLOCATED and args.prefill is None and args.decode is None:
         prefill, decode, colocated = 0, 0, 1
     else:
@@ -102,4 +106,5 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
         max_nodes_per_kind=args.max_nodes,
         host=args.ray_host,
         detached=args.detach,
+        engine=engine,
     )

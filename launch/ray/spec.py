@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from common.save_policy import KVSavePolicy
 from launch.cluster import ClusterSpec
+from launch.serving_engine import ServingEngine
 from ucm.store_config import DiskWrites
 
 NAMESPACE = "ucm-serve"  # the Ray namespace of every deployment's controller (found by name from any driver)
@@ -90,6 +91,9 @@ class DeploymentSpec:
     host: str | None = None  # bind address; None: 127.0.0.1 when every Ray node shares one IP, else the node's IP
     detached: bool = False  # the controller outlives the driver that deployed it (stop it with `ucm-serve down`)
     node_env: dict[str, dict[str, str]] = field(default_factory=dict)  # extra environment by node id (test hooks)
+    # VLLM: `vllm serve` instances (kv_producer for prefill, kv_consumer for decode) instead of our nodes, the router
+    # fronting them (launch/ray/vllm_actors.py)
+    engine: ServingEngine = ServingEngine.UCM
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -104,6 +108,8 @@ class DeploymentSpec:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.name or "/" in self.name:
             raise ValueError(f"bad deployment name {self.name!r}")
+        if self.engine is ServingEngine.VLLM and (self.colocated or not self.store):
+            raise ValueError("--engine vllm runs prefill and decode instances that pass KV through the store")
 
     def count(self, kind: NodeKind) -> int:
         return {NodeKind.PREFILL: self.prefill, NodeKind.DECODE: self.decode, NodeKind.COLOCATED: self.colocated}[kind]

@@ -12,6 +12,7 @@ from launch.ray.actors import NodeLaunch
 from launch.ray.keys import KeyBundle
 from launch.ray.options import LOCAL, spec_from_args
 from launch.ray.spec import STATUS_CLIENT, DeploymentSpec, NodeKind, parse_kind
+from launch.serving_engine import ServingEngine
 from ucm.store_config import DiskWrites
 
 
@@ -110,3 +111,14 @@ def test_up_and_the_cli_do_not_import_ray() -> None:
         "assert 'ray' not in sys.modules, 'ray imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_up_ray_engine_vllm_builds_a_pd_spec() -> None:
+    """`up --ray --engine vllm`: prefill and decode instances (1 + 1 by default) on the store; colocated or
+    store-less refused."""
+    spec = spec_from_args(build_parser().parse_args(["--ray", "--engine", "vllm"]))
+    assert spec.engine is ServingEngine.VLLM and (spec.prefill, spec.decode, spec.colocated) == (1, 1, 0)
+    with pytest.raises(ValueError, match="colocated"):
+        spec_from_args(build_parser().parse_args(["--ray", "--engine", "vllm", "--topology", "colocated"]))
+    with pytest.raises(ValueError, match="store"):
+        DeploymentSpec(engine=ServingEngine.VLLM, store=False)
