@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -62,6 +62,7 @@ class VllmServer:
     served_model_name: str = "m"
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags (e.g. --enable-prompt-tokens-details)
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND; None: every core
+    env: dict[str, str] = field(default_factory=dict)  # more environment (e.g. NIXL's PYTHONPATH and side channel)
     proc: subprocess.Popen | None = None
     startup_s: float = 0.0
 
@@ -83,7 +84,7 @@ class VllmServer:
             extra_args=self.extra_args,
         )
         argv = command.argv()  # RuntimeError (VllmMissing) naming the install script when vLLM is absent
-        env = {**os.environ, **command.env()}
+        env = {**os.environ, **command.env(), **self.env}
         env.pop("VIRTUAL_ENV", None)
         t0 = time.perf_counter()
         # Its own session, so stop() ends vLLM's engine-core child too; cwd outside the repo so vLLM imports
