@@ -95,15 +95,6 @@ class VllmPool:
 
     # ------------------------------------------------------------------ the choice
 
-    def pick(
-        self, role: BackendRole, exclude: Collection[VllmBackend] = (), prompt: PromptView | None = None
-    ) -> VllmBackend | None:
-        """The instance of `role` that serves `prompt` next (its prefill or its decode), None if none is alive."""
-        if role is BackendRole.PREFILL:
-            choice = self.pick_prefill(prompt or PromptView(1), exclude)
-            return choice.node if choice is not None else None
-        return self.pick_decode(prompt or PromptView(1), exclude)
-
     def pick_prefill(
         self, prompt: PromptView, exclude: Collection[VllmBackend] = ()
     ) -> PrefillChoice[VllmBackend] | None:
