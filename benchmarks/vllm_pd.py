@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -129,11 +130,28 @@ def run_vllm_own(setup: str, model_dir: Path, dtype: str, out_dir: Path, seed: i
     with prefill, decode, ExampleProxy(free_port(), [prefill.url], [decode.url], proxy_log) as proxy:
         row: dict = {}
         for workload in WORKLOADS:
+            for server in (prefill, decode):
+                if server.proc is not None and server.proc.poll() is not None:  # vLLM's connectors can crash it
+                    row[workload] = {"error": f"{server.log_path.name}: exited: {crash_line(server.log_path)}"}
+            if workload in row:
+                print(f"{setup} {workload}: {row[workload]}", flush=True)
+                continue
             before = external_tokens(decode.url)
             row[workload] = bench(proxy.url, model_dir, setup, workload, out_dir, seed)
-            row[workload]["external_kv_tokens"] = int(external_tokens(decode.url) - before)
+            if decode.proc is not None and decode.proc.poll() is None:
+                row[workload]["external_kv_tokens"] = int(external_tokens(decode.url) - before)
+            else:
+                row[workload]["error"] = f"{decode.log_path.name}: exited: {crash_line(decode.log_path)}"
             print(f"{setup} {workload}: {row[workload]}", flush=True)
     return row
+
+
+def crash_line(log: Path) -> str:
+    """The first exception line vLLM wrote (`...Error: ...`: the root cause, before EngineDeadError), or its log's
+    last line."""
+    lines = log.read_text(errors="replace").splitlines()
+    errors = [ln for ln in lines if re.search(r"\b\w+Error: ", ln) and " WARNING " not in ln]
+    return (errors[:1] or lines[-1:] or [""])[0][-240:]
 
 
 def main(argv: list[str] | None = None) -> int:
