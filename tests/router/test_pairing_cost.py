@@ -168,3 +168,18 @@ def test_cost_spreads_equal_prices_round_the_nodes() -> None:
     assert sorted(c.node.node_id for c in picks if c is not None) == ["p0", "p1", "p2"]
     decodes = [pairing.decode(nodes, prompt_keys=_keys(4)) for _ in range(3)]
     assert sorted(n.node_id for n in decodes if n is not None) == ["p0", "p1", "p2"]
+
+
+def test_cost_treats_prices_within_the_fit_noise_as_equal() -> None:
+    """Identical nodes measure rates a few tenths of a percent apart: prompts nobody holds still go round them all,
+    while a node cheaper by more than `PRICE_TIE` (a block it holds) still wins."""
+    reg = _cluster("p0", "p1", "p2")
+    nodes = list(reg.nodes.values())
+    for node, token_s in zip(nodes, (0.002, 0.002006, 0.002003), strict=True):
+        _measure(node, token_s=token_s, step_s=0.01)
+    pairing = Pairing(PairingPolicy.COST)
+    picks = [pairing.prefill(nodes, _keys(40)) for _ in range(3)]
+    assert sorted(c.node.node_id for c in picks if c is not None) == ["p0", "p1", "p2"]
+    for _ in range(3):  # 1 of 40 blocks held: 2.5% cheaper there, past the tie
+        choice = pairing.prefill(nodes, _keys(40), hits={"p0": 0, "p1": 0, "p2": 1})
+        assert choice is not None and choice.node.node_id == "p2"
