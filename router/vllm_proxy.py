@@ -93,6 +93,10 @@ class ProxyStats:
     decode_retries: int = 0  # a consumer failed before its response started and another one took the request
     streams_broken: int = 0  # a consumer died mid-stream
     streams_resumed: int = 0  # ... and another one continued the stream where it stopped
+    # The prompts prefilled, and how much of them the choice found in the chosen producer's device cache or in the
+    # store (the KV events, re-keyed: a router whose tokenizer disagreed with vLLM's would find nothing)
+    prefill_prompt_tokens: int = 0
+    prefill_reused_tokens: int = 0
 
 
 def prefill_body(body: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
@@ -241,6 +245,9 @@ class VllmProxy:
             if response.status_code != 200:
                 return _relayed(response, response.content), False
             self.stats.prefills += 1
+            self.stats.prefill_prompt_tokens += prompt.tokens
+            if choice.compute_tokens:  # priced (COST); the comparison rules leave it 0
+                self.stats.prefill_reused_tokens += max(0, prompt.tokens - choice.compute_tokens)
             return None, True
         # No producer: the consumer loads what the store has and computes the rest itself.
         self.stats.prefills_skipped += 1

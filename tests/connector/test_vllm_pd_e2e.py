@@ -159,6 +159,10 @@ def test_pd_through_the_store_equals_one_vllm(cluster: VllmCluster) -> None:
         lambda: indexed(producer_id) >= full // BLOCK and indexed("<store>") >= full // BLOCK,
         60,
     )
+    # The router's own tokenizing of the chat finds those blocks: its token ids are vLLM's.
+    chat(cluster.url)
+    reused = re.search(r"ucm_vllm_prefill_reused_tokens_total (\d+)", httpx.get(cluster.url + "/metrics").text)
+    assert reused is not None and int(reused.group(1)) >= full, "the router's prompt keys miss what vLLM announced"
 
     text, usage = streamed_chat(cluster.url)
     assert text == reference

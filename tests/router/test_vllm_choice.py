@@ -196,6 +196,11 @@ def test_the_producer_holding_the_prompt_prefills_it_until_its_queue_outweighs_t
         for _ in range(3):
             complete(client, PROMPT)
         assert (len(p1.bodies), len(p2.bodies)) == (0, 3)
+        metrics = client.get("/metrics").text
+        assert (
+            "ucm_vllm_prefill_prompt_tokens_total 150" in metrics
+            and "ucm_vllm_prefill_reused_tokens_total 96" in metrics
+        )
         # A prompt nobody holds goes round them.
         for _ in range(2):
             complete(client, OTHER)
