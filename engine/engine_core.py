@@ -236,6 +236,14 @@ class EngineCore:
             side.close()
         self.kv_connector = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every block of the device prefix cache (an AllBlocksCleared event), as vLLM's `reset_prefix_cache`;
+        False, and nothing dropped, while a request is unfinished (its blocks are in use)."""
+        if self.has_unfinished_requests():
+            return False
+        self.kv_manager.pool.reset_prefix_cache()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
 

@@ -27,6 +27,11 @@ class RecentKeys:
             while len(self._keys) > self._capacity:
                 self._keys.popitem(last=False)
 
+    def clear(self) -> None:
+        """Forget every key (the device prefix cache was reset)."""
+        with self._lock:
+            self._keys.clear()
+
     def snapshot(self) -> list[bytes]:
         """Oldest first, newest last."""
         with self._lock:

@@ -85,6 +85,7 @@ class NodeServer:
         )
         self._stop = threading.Event()
         self.bad_messages = 0  # messages from the router that could not be decoded or handled (heartbeat stat)
+        self.reset_pending = False  # the router asked for ResetPrefixCache: done once no request holds blocks
         self._store_stats: StoreStatsPoller | None = None
 
     def stop(self) -> None:
@@ -127,6 +128,10 @@ class NodeServer:
                 frames = [frame for msg in self.runner.step() if (frame := self._encode(msg)) is not None]
                 for frame in P.step_replies(frames):  # one frame a step, not one a request
                     sock.send(frame)
+                if self.reset_pending and self.engine.reset_prefix_cache():
+                    self.reset_pending = False
+                    self.recent_keys.clear()  # the heartbeat summary forgets them too
+                    log.info("device prefix cache reset")
                 if events is not None:
                     events.after_step()  # one batch per step, as vLLM's scheduler publishes
                 heartbeat.update_load(self._load())
@@ -170,6 +175,8 @@ class NodeServer:
                 self._send(sock, reply)
         elif isinstance(msg, P.Abort):
             self.runner.abort(msg.request_ids)
+        elif isinstance(msg, P.ResetPrefixCache):
+            self.reset_pending = True
         else:
             _bad.warning("unexpected %s from the router", type(msg).__name__)
 

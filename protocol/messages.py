@@ -261,8 +261,23 @@ class Abort(_Msg, tag="abort"):
     request_ids: list[str]
 
 
+class ResetPrefixCache(_Msg, tag="reset_prefix_cache"):
+    """Drop the device prefix cache (vLLM's `POST /reset_prefix_cache`), once no request holds blocks; the node then
+    publishes AllBlocksCleared."""
+
+
 Message = (
-    Register | Heartbeat | PrefillDone | TokenBatch | JobFailed | StepReplies | Welcome | PrefillJob | DecodeJob | Abort
+    Register
+    | Heartbeat
+    | PrefillDone
+    | TokenBatch
+    | JobFailed
+    | StepReplies
+    | Welcome
+    | PrefillJob
+    | DecodeJob
+    | Abort
+    | ResetPrefixCache
 )
 
 _encoder = msgspec.msgpack.Encoder()

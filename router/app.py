@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from router.admission import AdmissionQueue
+from router.cache_routes import cache_routes
 from router.config import PrefixSource, RouterConfig
 from router.context import RouterContext
 from router.dispatcher import Dispatcher
@@ -93,6 +94,7 @@ def create_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     app.include_router(generation_routes(ctx))
     app.include_router(info_routes(ctx))
     app.include_router(tokenize_routes(ctx))
+    app.include_router(cache_routes(ctx))
     _declare_request_schemas(app)
     app.add_middleware(
         HttpGate,

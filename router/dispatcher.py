@@ -80,6 +80,15 @@ class SeqTrace:
     local_prefill: bool = False
     decode_resumes: int = 0  # decode jobs sent again after a decode node was lost
     caches: list[tuple[P.NodeRole, P.CacheInfo]] = field(default_factory=list)
+    # prompt tokens the KV event index said the prefill node held in its device cache (the part it can reuse)
+    indexed_device_tokens: int = 0
+
+    def stale_route(self) -> bool:
+        """The prefill node reused fewer device-cached tokens than the index said it held: routed on a stale entry."""
+        for role, info in self.caches:
+            if role is P.NodeRole.PREFILL:
+                return info.cached_tokens - (info.store_hit_tokens or 0) < self.indexed_device_tokens
+        return False
 
 
 @dataclass
@@ -190,6 +199,10 @@ class Dispatcher:
             tried.add(node.node_id)
             trace.prefill_attempts += 1
             trace.prefill_node = node.node_id
+            if hits is not None and node.node_id in hits:  # the index's word (heartbeat summaries are a hint)
+                block = node.info.block_size
+                reusable = (len(req.prompt_token_ids) - 1) // block * block  # the last token is always computed
+                trace.indexed_device_tokens = min(choice.prefix_hit_blocks * block, reusable)
             job = P.PrefillJob(req.request_id, req.prompt_token_ids, req.params, req.cache_salt)
             node.queued_tokens += choice.compute_tokens  # the queue ahead of the next prompt priced on this node
             try:

@@ -122,6 +122,11 @@ class RouterMetrics:
             registry=r,
         )
         self.prefill_retries = Counter("ucm_prefill_retries", "prefill jobs retried on another node", registry=r)
+        self.stale_routes = Counter(
+            "ucm_prefill_stale_routes",
+            "prefills sent to a node for device-cached blocks (by the KV event index) it no longer held",
+            registry=r,
+        )
         self.local_prefills = Counter(
             "ucm_local_prefills", "sequences prefilled on the decode node (no prefill node)", registry=r
         )

@@ -254,6 +254,8 @@ class OpenAIServing:
                 self.metrics.vllm.record_prompt(choice.cache)
             self.metrics.vllm.record_finish(choice.finish_reason)
             self.metrics.prefill_retries.inc(max(0, trace.prefill_attempts - 1))
+            if trace.stale_route():
+                self.metrics.stale_routes.inc()
             if trace.local_prefill:
                 self.metrics.local_prefills.inc()
             self.metrics.decode_resumes.inc(trace.decode_resumes)

@@ -1,7 +1,9 @@
 """Issue 51 on real processes: three prefill nodes and a decode node publishing KV events, the router pairing by
-cost on its index of them. A shared-prefix follow-up goes to the node holding the prefix; once that node is killed
-and dropped, the next follow-up goes to a live node (the index forgot the dead one at once), and is served. The
-store daemon `Cluster` starts publishes its tiers' events too, and the router indexes them (`ucm_kv_index_blocks`)."""
+cost on its index of them. A shared-prefix follow-up goes to the node holding the prefix; after `POST
+/reset_prefix_cache` on the holder (AllBlocksCleared) the index forgets its blocks and no prefill is routed on them;
+once that node is killed and dropped, the next follow-up goes to a live node (the index forgot the dead one at once),
+and is served. The store daemon `Cluster` starts publishes its tiers' events too, and the router indexes them
+(`ucm_kv_index_blocks`)."""
 
 from __future__ import annotations
 
@@ -67,6 +69,17 @@ def test_follow_ups_go_where_the_kv_is_and_never_to_a_dropped_holder(tmp_path) -
         wait_until("the store's DRAM blocks in the router's index", lambda: stored() >= len(PREFIX) // 16, 60)
         for turn in range(2):  # each follow-up shares the prefix: the holder computes only its new blocks
             assert _ask(cluster, PREFIX + [2000 + 16 * turn + i for i in range(16)]) == holder
+        # AllBlocksCleared: the holder drops its device prefix cache (vLLM's route), publishes it, the index forgets
+        # its blocks; the next follow-up goes wherever loading from the store is cheapest, and no prefill is sent
+        # anywhere for device blocks the node no longer holds (the router checks each against the node's report).
+        device = lambda: metric(cluster.url, "ucm_kv_index_blocks", source=holder, medium="GPU")  # noqa: E731
+        assert device() >= len(PREFIX) // 16
+        r = httpx.post(cluster.url + "/reset_prefix_cache", params={"node": holder}, timeout=30)
+        assert r.status_code == 200 and r.json() == {"nodes": [holder]}, r.text
+        wait_until(f"{holder}'s AllBlocksCleared indexed", lambda: device() == 0, 60)
+        _ask(cluster, PREFIX + [2500 + i for i in range(16)])
+        assert metric(cluster.url, "ucm_prefill_stale_routes_total") == 0
+        assert httpx.post(cluster.url + "/reset_prefix_cache", params={"node": "nope"}).status_code == 404
         cluster.children[holder].kill()
         wait_until(f"{holder} dropped", lambda: holder not in health_nodes(cluster.url), 60)
         others = tuple(n for n in PREFILL if n != holder)

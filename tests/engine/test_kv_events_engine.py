@@ -135,7 +135,14 @@ def test_a_real_engine_feeds_the_router_index(engine, tmp_path) -> None:
         ]
         _until("the index learns b's", lambda: index.holders(keys_b) == {"node-0": 7})
         assert index.holders(keys_a) == {"node-0": 1} and index.blocks("node-0") == {keys_a[0], *keys_b}
-        engine.kv_manager.pool.reset_prefix_cache()
+        engine.add_request("c", prompt_a, SamplingParams(max_tokens=2, temperature=0.0))
+        assert not engine.reset_prefix_cache()  # a request holds blocks: refused, as vLLM's, nothing dropped
+        assert engine.take_kv_events() == []
+        engine.abort_request("c")
+        while engine.has_unfinished_requests():  # the abort's output is taken by the next step
+            engine.step()
+        assert engine.take_kv_events() == []  # never computed: nothing cached
+        assert engine.reset_prefix_cache()  # what a node does on the router's ResetPrefixCache
         pub.publish(engine.take_kv_events())
         _until("AllBlocksCleared forgets the node's blocks", lambda: index.holders(keys_b) == {})
         assert index.blocks("node-0") == frozenset() and index.indexed("node-0")
