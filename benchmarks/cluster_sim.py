@@ -16,12 +16,20 @@ A node prefills one prompt at a time (FIFO; a continuous-batching engine compute
 step-cost model measured on this host: seconds per prompt token = the Llama-3.2-1B shape's linear FLOPs per token
 at the bf16 matmul rate of the engine's dtype calibration (ucm_kernels/cpu/calibration.py); a decode step = reading
 its bf16 weights at the copy bandwidth measured here; a block loaded from the store = copying its KV (512 tokens x
-16 layers x 8 KV heads x 64 x K and V, bf16) at that bandwidth. The nodes are prefill nodes (P/D disaggregation): a
-prompt's KV stays referenced while it is computed, then goes to a decode node and is only cached (evictable) here.
+16 layers x 8 KV heads x 64 x K and V, bf16) at that bandwidth. Prefill nodes (P/D disaggregation): a prompt's KV
+stays referenced while it is computed, then goes to a decode node and is only cached (evictable) there.
+
+Each host also runs `--decode-per-host` decode nodes (`SimDecode`: continuous batching, a step costing step_s +
+token_s x its batch, a real `BlockPool` that keeps each finished sequence's prompt blocks cached and publishes KV
+events). The router's `Pairing.decode` picks one per prefilled prompt from the index's device hits (COST: the
+blocks it must bring x its measured load cost + max_tokens x its step cost with one more sequence); the missing
+blocks come from the host's store when the prefill ran on that host, else over the network (`NET_BYTES_S`).
 
 Reported per policy and cluster size: hit ratio (blocks reused from the chosen node's device or its host's store,
 over prompt blocks) against the oracle (the longest prefix any node's device or any store held at arrival), max/mean
-load (busy seconds per node), TTFT p50/p90/p99.
+load (busy seconds per node), TTFT p50/p90/p99, its floor (p90 with the oracle's reuse and no queue: one prompt on
+one node at this host's rate) and the wait p90 (TTFT minus the request's own floor: what routing adds); for decode,
+the prompt blocks found on the decode node's device, max/mean load and TPOT p90.
 
     .venv/bin/python -m benchmarks.cluster_sim [--nodes 8 32 128] [--sample 1] [--json F] [--png F]
 """
@@ -66,6 +74,7 @@ BLOCK_KV_BYTES = MOONCAKE_BLOCK_TOKENS * LAYERS * KV_HEADS * HEAD_DIM * 2 * 2  #
 STEP_BUDGET = 2048  # tokens per engine step (engine/step_budget.py's fast-host budget)
 CAPACITY = 16  # sequences per node (max_num_seqs)
 HEARTBEAT_S = 1.0
+NET_BYTES_S = 12.5e9  # a 100 Gb/s link between hosts: an assumption (one host here), stated as one
 ROOT = b"\0" * 16
 
 POLICIES = (
@@ -91,6 +100,7 @@ class StepModel:
     token_s: float  # seconds per computed prompt token
     step_s: float  # seconds per engine step beyond its tokens (a decode step)
     block_load_s: float  # seconds to load one block's KV from the host's store
+    block_net_s: float  # seconds to bring one block's KV from another host (NET_BYTES_S, not measured here)
 
     @classmethod
     def measured(cls) -> StepModel:
@@ -106,7 +116,12 @@ class StepModel:
             np.copyto(dst, src)
             best = min(best, time.perf_counter() - t0)
         bytes_per_s = BLOCK_KV_BYTES / best
-        return cls(LINEAR_FLOPS_PER_TOKEN / flops_per_s, WEIGHT_BYTES / bytes_per_s, BLOCK_KV_BYTES / bytes_per_s)
+        return cls(
+            LINEAR_FLOPS_PER_TOKEN / flops_per_s,
+            WEIGHT_BYTES / bytes_per_s,
+            BLOCK_KV_BYTES / bytes_per_s,
+            BLOCK_KV_BYTES / NET_BYTES_S,
+        )
 
 
 @dataclass(frozen=True)
@@ -192,7 +207,9 @@ class Job:
     blocks: list[KVCacheBlock] = field(default_factory=list)
 
 
-class SimNode:
+class DevicePool:
+    """A simulated node's device cache: the engine's `BlockPool`, its KV events ingested by the router's index."""
+
     def __init__(self, node_id: str, state: NodeState, store: HostStore, num_blocks: int, index: KVIndex) -> None:
         self.node_id = node_id
         self.state = state
@@ -200,16 +217,7 @@ class SimNode:
         self.pool = BlockPool(num_blocks, events=KVEventLog(1))
         self.index = index
         index.attach(node_id, "sim")
-        self.queue: deque[Job] = deque()
-        self.current: Job | None = None
-        self.busy_s = 0.0  # every prefill's seconds, from its start (the load figure)
-        self.busy_done = 0.0  # the finished prefills' seconds (the heartbeat's busy counter)
-        self.recent = RecentKeys(4096)  # the heartbeat summary PREFIX_SLACK reads (node/key_cache.py)
-        # counters as the engine reports them, completed work only; the running prefill's share added at heartbeat
-        self.tokens = 0.0
-        self.steps = 0.0
-        self.load_wait = 0.0
-        self.loaded = 0.0
+        self.busy_s = 0.0  # every step's or prefill's seconds, from its start (the load figure)
         self.last_hb = -math.inf
 
     def publish(self, now: float) -> None:
@@ -227,6 +235,20 @@ class SimNode:
             out.append(block)
             parent = k
         return out
+
+
+class SimNode(DevicePool):
+    def __init__(self, node_id: str, state: NodeState, store: HostStore, num_blocks: int, index: KVIndex) -> None:
+        super().__init__(node_id, state, store, num_blocks, index)
+        self.queue: deque[Job] = deque()
+        self.current: Job | None = None
+        self.busy_done = 0.0  # the finished prefills' seconds (the heartbeat's busy counter)
+        self.recent = RecentKeys(4096)  # the heartbeat summary PREFIX_SLACK reads (node/key_cache.py)
+        # counters as the engine reports them, completed work only; the running prefill's share added at heartbeat
+        self.tokens = 0.0
+        self.steps = 0.0
+        self.load_wait = 0.0
+        self.loaded = 0.0
 
     def sync(self) -> None:
         s = self.state
@@ -259,6 +281,53 @@ class SimNode:
 
 
 @dataclass
+class Seq:
+    req: Request
+    prefill_node: str
+    prefill_end: float  # when its prompt's KV was ready on the prefill node
+    device: int = 0  # prompt blocks the decode node held on device
+    ready: float = 0.0  # its KV brought: it joins the steps
+    left: int = 0  # tokens still to generate (the first came from the prefill)
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+
+
+class SimDecode(DevicePool):
+    """A decode node: continuous batching (every step one token for each sequence whose KV is in, priced step_s +
+    token_s x batch), its device cache a real `BlockPool` whose prompt blocks stay cached (evictable) after a
+    sequence ends, so a conversation's next turn finds its earlier prompt here. A sequence's missing prompt blocks are
+    brought before it joins: from the host's store when its prefill ran on this host, else over the network."""
+
+    def __init__(self, node_id: str, state: NodeState, store: HostStore, num_blocks: int, index: KVIndex) -> None:
+        super().__init__(node_id, state, store, num_blocks, index)
+        self.queue: deque[Seq] = deque()
+        self.batch: list[Seq] = []
+        self.stepping = False  # a step is scheduled or running
+        self.tokens = 0.0  # sequences stepped (the decode tokens the engine computed)
+        self.steps = 0.0
+        self.load_wait = 0.0  # seconds bringing prompt blocks, and how many (the connector's counters)
+        self.loaded = 0.0
+
+    def sync(self) -> None:
+        self.state.running = len(self.batch)
+        self.state.waiting = len(self.queue)
+        self.state.free_blocks = self.pool.num_free_blocks
+
+    def heartbeat(self, registry: Registry, now: float) -> None:
+        stats = {
+            "computed_tokens": self.tokens,
+            "steps": self.steps,
+            "connector_load_wait_seconds": self.load_wait,
+            "connector_blocks_loaded": self.loaded,
+            BUSY_KEY: self.busy_s,
+        }
+        registry.heartbeat(
+            P.Heartbeat(self.node_id, self.state.running, self.state.waiting, self.state.free_blocks, 0, None, stats),
+            now=now,
+        )
+        self.last_hb = now
+
+
+@dataclass
 class Result:
     policy: str
     nodes: int
@@ -272,6 +341,10 @@ class Result:
     ttft_p90: float
     ttft_p99: float
     floor_p90: float  # TTFT p90 with the oracle's reuse and no queue: what no routing can go under
+    wait_p90: float  # p90 of TTFT minus that request's floor: the queueing and recompute routing added
+    decode_device_ratio: float  # prompt blocks the decode node already held on device, over prompt blocks
+    decode_max_mean_load: float
+    tpot_p90: float  # seconds per output token after the first (bringing the KV included)
 
 
 def simulate(
@@ -283,6 +356,7 @@ def simulate(
     nodes_per_host: int,
     device_blocks: int,
     store_blocks: int,
+    decode_per_host: int,
 ) -> Result:
     total_work = sum(tokens * model.token_s for _, _, tokens, _ in rows)
     span = max(r[0] for r in rows) - min(r[0] for r in rows) or 1.0
@@ -315,12 +389,37 @@ def simulate(
         )
         nodes[nid] = SimNode(nid, registry.nodes[nid], stores[i // nodes_per_host], device_blocks, index)
     store_of = {nid: n.store.store_id for nid, n in nodes.items()}
+    decoders: dict[str, SimDecode] = {}
+    for h, store in enumerate(stores):
+        for j in range(decode_per_host):
+            nid = f"d{h:02d}.{j}"
+            registry.register(
+                P.Register(
+                    nid,
+                    P.NodeRole.DECODE,
+                    "sim",
+                    "fp",
+                    "bfloat16",
+                    MOONCAKE_BLOCK_TOKENS,
+                    1 << 20,
+                    CAPACITY,
+                    device_blocks,
+                    True,
+                    instance="sim",
+                ),
+                now=0.0,
+            )
+            decoders[nid] = SimDecode(nid, registry.nodes[nid], store, device_blocks, index)
 
     seq = itertools.count()
     heap: list[tuple[float, int, str, object]] = [(r.arrival, next(seq), "arrive", r) for r in requests]
     heapq.heapify(heap)
     ttft: list[float] = []
-    floor: list[float] = []
+    floor: dict[int, float] = {}  # id(request) -> its floor, until it is prefilled
+    floors: list[float] = []
+    waits: list[float] = []
+    tpot: list[float] = []
+    decode_device = 0
     reused = device_hit = oracle = total = 0
 
     def start(node: SimNode, now: float) -> None:
@@ -348,6 +447,46 @@ def simulate(
         node.sync()
         heapq.heappush(heap, (job.end, next(seq), "prefilled", (node, job)))
 
+    def admit(d: SimDecode, now: float) -> None:
+        """Sequences from the queue into the batch while it has room and the pool has their blocks."""
+        while d.queue and len(d.batch) < CAPACITY:
+            q = d.queue[0]
+            keys = q.req.blocks
+            hit = d.device_prefix(keys)
+            need = math.ceil((q.req.tokens + q.req.output) / MOONCAKE_BLOCK_TOKENS) - len(hit)
+            if need > d.pool.num_free_blocks - sum(1 for b in hit if b.ref_cnt == 0):
+                break  # its KV does not fit yet: it waits for sequences to end
+            d.queue.popleft()
+            d.pool.touch(hit)
+            q.blocks = hit + d.pool.get_new_blocks(need)
+            d.publish(now)
+            q.device = len(hit)
+            bring = len(keys) - len(hit)
+            local = nodes[q.prefill_node].store is d.store
+            q.ready = now + bring * (model.block_load_s if local else model.block_net_s)
+            d.load_wait += q.ready - now
+            d.loaded += bring
+            q.left = max(0, q.req.output - 1)
+            d.batch.append(q)
+        d.sync()
+        if not d.stepping and d.batch:
+            d.stepping = True
+            ready = [q for q in d.batch if q.ready <= now]
+            at = now if ready else min(q.ready for q in d.batch)
+            heapq.heappush(heap, (at, next(seq), "dstep", d))
+
+    def finish(d: SimDecode, seq: Seq, now: float) -> None:
+        nonlocal decode_device
+        keys = seq.req.blocks
+        parent = keys[seq.device - 1] if seq.device else ROOT
+        for i in range(seq.device, len(keys)):  # its prompt's blocks join the decode node's prefix cache
+            d.pool.cache_block(seq.blocks[i], keys[i], parent, (0,), first=i == 0)
+            parent = keys[i]
+        d.pool.free_blocks(list(reversed(seq.blocks)))
+        d.publish(now)
+        decode_device += seq.device
+        tpot.append((now - seq.prefill_end) / max(1, seq.req.output - 1))
+
     while heap:
         now, _, kind, payload = heapq.heappop(heap)
         if kind == "arrive":
@@ -356,14 +495,15 @@ def simulate(
             for n in nodes.values():
                 if now - n.last_hb >= HEARTBEAT_S:
                     n.heartbeat(registry, now, policy is PairingPolicy.PREFIX_SLACK)
-            alive = list(registry.nodes.values())
+            alive = registry.alive(P.NodeRole.PREFILL)
             keys = req.blocks
             gpu = index.holders(keys, MEDIUM_GPU)
             cpu = index.holders(keys, MEDIUM_CPU)
             best = max([0, *gpu.values(), *cpu.values()])
             oracle += best
             least = max(1, req.tokens - best * MOONCAKE_BLOCK_TOKENS)
-            floor.append(least * model.token_s + math.ceil(least / STEP_BUDGET) * model.step_s)
+            floor[id(req)] = least * model.token_s + math.ceil(least / STEP_BUDGET) * model.step_s
+            floors.append(floor[id(req)])
             hits = None if policy is PairingPolicy.PREFIX_SLACK else {nid: gpu.get(nid, 0) for nid in nodes}
             store_hits = {nid: cpu.get(store_of[nid], 0) for nid in nodes}
             choice = pairing.prefill(alive, keys, hits=hits, store_hits=store_hits, prompt_tokens=req.tokens)
@@ -393,6 +533,7 @@ def simulate(
             node.loaded += job.reused - job.device
             node.state.queued_tokens -= job.compute_tokens
             ttft.append(now - job.req.arrival)
+            waits.append(ttft[-1] - floor.pop(id(job.req)))
             reused += job.reused
             device_hit += job.device
             total += len(keys)
@@ -402,9 +543,45 @@ def simulate(
             if node.queue:
                 start(node, now)
             node.sync()
+            for d in decoders.values():
+                if now - d.last_hb >= HEARTBEAT_S:
+                    d.heartbeat(registry, now)
+            dgpu = index.holders(keys, MEDIUM_GPU)
+            dhits = None if policy is PairingPolicy.PREFIX_SLACK else {nid: dgpu.get(nid, 0) for nid in decoders}
+            pick = pairing.decode(
+                list(registry.alive(P.NodeRole.DECODE)), prompt_keys=keys, hits=dhits, max_tokens=job.req.output
+            )
+            assert pick is not None, "no decode node chosen"
+            d = decoders[pick.node_id]
+            d.queue.append(Seq(job.req, node.node_id, now))
+            admit(d, now)
+        elif kind == "dstep":
+            assert isinstance(payload, SimDecode)
+            d = payload
+            ready = [q for q in d.batch if q.ready <= now]
+            if not ready:  # every sequence still waits for its KV
+                d.stepping = False
+                admit(d, now)
+                continue
+            seconds = model.step_s + model.token_s * len(ready)
+            d.busy_s += seconds
+            d.tokens += len(ready)
+            d.steps += 1
+            heapq.heappush(heap, (now + seconds, next(seq), "dstepped", (d, ready)))
+        elif kind == "dstepped":
+            d, ready = payload  # type: ignore[misc]
+            for q in ready:
+                q.left -= 1
+            for q in [q for q in ready if q.left <= 0]:
+                d.batch.remove(q)
+                finish(d, q, now)
+            d.stepping = False
+            admit(d, now)
     index.close()
     busy = np.array([n.busy_s for n in nodes.values()])
+    dbusy = np.array([d.busy_s for d in decoders.values()])
     p50, p90, p99 = (float(v) for v in np.percentile(ttft, [50, 90, 99]))
+    floor_p90 = float(np.percentile(floors, 90))
     hit_ratio, oracle_ratio = reused / max(1, total), oracle / max(1, total)
     return Result(
         LABELS[policy],
@@ -418,20 +595,26 @@ def simulate(
         p50,
         p90,
         p99,
-        float(np.percentile(floor, 90)),
+        floor_p90,
+        float(np.percentile(waits, 90)),
+        decode_device / max(1, total),
+        float(dbusy.max() / dbusy.mean()) if dbusy.mean() > 0 else 1.0,
+        float(np.percentile(tpot, 90)),
     )
 
 
 def print_table(results: list[Result]) -> None:
     print(
         "| nodes | policy | hit ratio | oracle | hit/oracle | device hits | max/mean load | TTFT p50 / p90 / p99 s "
-        "| p90 floor s |"
+        "| p90 floor s | wait p90 s | decode: KV on device · max/mean load · TPOT p90 ms |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(
             f"| {r.nodes} | {r.policy} | {r.hit_ratio:.3f} | {r.oracle_ratio:.3f} | {r.hit_vs_oracle:.3f} | "
-            f"{r.device_hit_ratio:.3f} | {r.max_mean_load:.2f} | {r.ttft_p50:.1f} / {r.ttft_p90:.1f} / {r.ttft_p99:.1f} | {r.floor_p90:.1f} |"
+            f"{r.device_hit_ratio:.3f} | {r.max_mean_load:.2f} | {r.ttft_p50:.1f} / {r.ttft_p90:.1f} / "
+            f"{r.ttft_p99:.1f} | {r.floor_p90:.1f} | {r.wait_p90:.1f} | {r.decode_device_ratio:.3f} · "
+            f"{r.decode_max_mean_load:.2f} · {r.tpot_p90 * 1e3:.0f} |"
         )
 
 
@@ -492,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--load", type=float, default=1.0, help="the cluster's busy fraction if every prompt were computed")
     p.add_argument("--nodes-per-host", type=int, default=8)
+    p.add_argument("--decode-per-host", type=int, default=2, help="decode nodes beside each host's prefill nodes")
     p.add_argument("--device-blocks", type=int, default=1024, help="each node's device cache, in 512-token blocks")
     p.add_argument("--store-blocks", type=int, default=16384, help="each host's store tier, in 512-token blocks")
     p.add_argument("--json", type=Path, default=None)
@@ -511,7 +695,17 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.nodes:
         for policy in args.policies:
             t0 = time.perf_counter()
-            r = simulate(rows, policy, n, model, args.load, args.nodes_per_host, args.device_blocks, args.store_blocks)
+            r = simulate(
+                rows,
+                policy,
+                n,
+                model,
+                args.load,
+                args.nodes_per_host,
+                args.device_blocks,
+                args.store_blocks,
+                args.decode_per_host,
+            )
             results.append(r)
             print(f"  {n} nodes {r.policy}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print_table(results)

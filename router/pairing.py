@@ -148,8 +148,13 @@ class _Rates:
             middle = statistics.median(known) if known else default
             return {k: v if v is not None else middle for k, v in measured.items()}
 
-        token_s = fill({n.node_id: n.cost.prefill_token_s for n in nodes}, 1.0)
-        step_s = fill({n.node_id: n.cost.step_s for n in nodes}, 0.0)
+        # A node whose steps were all alike (a decode node only ever at batch 1) fits one weight and reads the other
+        # as None: its whole step cost lands on one term (0.1 s a token) and it looked 50 times dearer than the
+        # rest. While some node measured both, such a node counts as unmeasured.
+        split = {n.node_id for n in nodes if n.cost.prefill_token_s is not None and n.cost.step_s is not None}
+        whole = [n for n in nodes if not split or n.node_id in split]
+        token_s = fill({n.node_id: n.cost.prefill_token_s if n in whole else None for n in nodes}, 1.0)
+        step_s = fill({n.node_id: n.cost.step_s if n in whole else None for n in nodes}, 0.0)
         prior = {n.node_id: LOAD_PRIOR * n.info.block_size * token_s[n.node_id] for n in nodes}
         measured_load = {n.node_id: n.cost.block_load_s for n in nodes}
         known = [v for v in measured_load.values() if v is not None]

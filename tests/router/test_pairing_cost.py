@@ -183,3 +183,18 @@ def test_cost_treats_prices_within_the_fit_noise_as_equal() -> None:
     for _ in range(3):  # 1 of 40 blocks held: 2.5% cheaper there, past the tie
         choice = pairing.prefill(nodes, _keys(40), hits={"p0": 0, "p1": 0, "p2": 1})
         assert choice is not None and choice.node.node_id == "p2"
+
+
+def test_a_node_whose_steps_were_all_alike_is_priced_like_the_measured_ones() -> None:
+    """A decode node that only ever ran one sequence a step fits its whole step cost to tokens (0.1 s a token): it
+    counts as unmeasured while others measured both weights, so it is not priced 50 times dearer than it is."""
+    reg = _cluster("d0", "d1", capacity=16)
+    d0, d1 = reg.nodes["d0"], reg.nodes["d1"]
+    t = 0.0
+    for i in range(40):  # one token a step: tokens and steps move together
+        d0.cost.observe({"computed_tokens": float(3 * i), "steps": float(3 * i)}, t)
+        t += 3 * (0.1 + 0.002)
+    assert d0.cost.step_s is None and d0.cost.prefill_token_s == pytest.approx(0.102)
+    _measure(d1, token_s=0.002, step_s=0.1)
+    d1.running = 3
+    assert Pairing(PairingPolicy.COST).decode([d0, d1], prompt_keys=_keys(4), max_tokens=64) is d0  # the idle one
