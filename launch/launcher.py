@@ -134,8 +134,6 @@ def main(argv: list[str] | None = None, command: str = "up") -> int:
             parser.error(f"two models: {args.model!r} and --model {args.model_flag!r}")
         args.model = args.model or args.model_flag or defaults.MODEL
     if args.ray is not None:
-        if args.kv_events_config:
-            parser.error("--kv-events-config is not supported with --ray yet")
         from launch.ray.cli import up_main
 
         return up_main(args)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from common.kv_events.config import KVEventsConfig
 from common.save_policy import KVSavePolicy
 from launch.child import Child
 from launch.ray.keys import KeyFiles
@@ -76,6 +77,7 @@ class NodeLaunch:
     threads: int
     keys: KeyFiles | None  # None: --insecure
     env: dict[str, str] = field(default_factory=dict)
+    kv_events: KVEventsConfig | None = None  # this node's (DeploymentSpec.kv_events_for)
 
     @property
     def node_id(self) -> str:
@@ -95,6 +97,8 @@ class NodeLaunch:
             args.append("--colocated")
             if self.store_addr is not None and self.kv_save_policy is not None:
                 args += ["--kv-save-policy", self.kv_save_policy.value]
+        if self.kv_events is not None:
+            args += ["--kv-events-config", self.kv_events.to_json()]
         return _cmd(*args)
 
 

@@ -145,6 +145,7 @@ class Controller:
             threads=spec.node_cpus,
             keys=self.keys.for_node(node_id) if self.keys else None,
             env=spec.node_env.get(node_id, {}),
+            kv_events=spec.kv_events_for(node_id),
         )
         self.nodes[node_id] = ray.remote(NodeActor).options(**node_options(spec)).remote(launch)
         return node_id

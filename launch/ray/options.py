@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from common.kv_events.config import parse_kv_events_config
 from launch.ray.spec import DEFAULT_NAME, STORE_RESOURCE, DeploymentSpec
 from launch.serving_engine import ServingEngine
 from launch.topology import Topology
@@ -100,6 +101,7 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_save_policy=args.kv_save_policy,
         secure=not args.insecure,
+        kv_events=parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None,
         node_cpus=args.node_cpus,
         node_gpus=1.0 if cuda else 0.0,
         store_node=args.store_node,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from common.kv_events.config import KVEventsConfig, check_node_offsets
 from common.save_policy import KVSavePolicy
 from launch.cluster import ClusterSpec
 from launch.serving_engine import ServingEngine
@@ -94,6 +95,9 @@ class DeploymentSpec:
     # VLLM: `vllm serve` instances (kv_producer for prefill, kv_consumer for decode) instead of our nodes, the router
     # fronting them (launch/ray/vllm_actors.py)
     engine: ServingEngine = ServingEngine.UCM
+    # vLLM's --kv-events-config for every node, each at its own port offset (`kv_events_for`): the router indexes
+    # what they announce, wherever Ray placed them (a wildcard endpoint is announced at the node's own address)
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -110,9 +114,21 @@ class DeploymentSpec:
             raise ValueError(f"bad deployment name {self.name!r}")
         if self.engine is ServingEngine.VLLM and (self.colocated or not self.store):
             raise ValueError("--engine vllm runs prefill and decode instances that pass KV through the store")
+        if self.kv_events is not None:
+            if self.engine is ServingEngine.VLLM:
+                raise ValueError("--kv-events-config is not supported with --ray --engine vllm yet")
+            check_node_offsets(self.kv_events, len(NodeKind) * self.max_nodes_per_kind)
 
     def count(self, kind: NodeKind) -> int:
         return {NodeKind.PREFILL: self.prefill, NodeKind.DECODE: self.decode, NodeKind.COLOCATED: self.colocated}[kind]
+
+    def kv_events_for(self, node_id: str) -> KVEventsConfig | None:
+        """`node_id`'s KV events config: offset by its place among every node id the deployment may run, so two
+        nodes Ray puts on one host (or a node scaled in later) never bind the same port."""
+        if self.kv_events is None:
+            return None
+        kind, index = parse_kind(node_id)
+        return self.kv_events.for_node(list(NodeKind).index(kind) * self.max_nodes_per_kind + index)
 
     def key_names(self) -> tuple[str, ...]:
         """Every node id this deployment may run (one CURVE pair each)."""

@@ -1,6 +1,7 @@
 """`ucm-serve up --ray` on a real local Ray cluster of two simulated hosts (ray.cluster_utils.Cluster): placement,
 greedy output equal to the offline engine's through the official `openai` client, a prompt loaded from the store,
-a killed node actor restarted by Ray, and scaling (a prefill node added, a decode node drained).
+a killed node actor restarted by Ray, every node's KV events indexed by the router (its restarted incarnation's too),
+and scaling (a prefill node added, a decode node drained).
 
 One Ray cluster and one deployment for the module (order matters: the kill comes before the scaling).
 """
@@ -18,6 +19,7 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 # needs ray: imported after the skip
+from common.kv_events.config import KVEventsConfig
 from launch.ray.deploy import deploy
 from launch.ray.spec import ActorRole, DeploymentSpec, NodeKind
 from launch.ray.status import ActorState, format_status
@@ -61,7 +63,8 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_cluster):
+def deployment(ray_cluster, tmp_path_factory):
+    events = tmp_path_factory.mktemp("kv-events")
     spec = DeploymentSpec(
         name="ucm-test",
         port=0,
@@ -71,6 +74,10 @@ def deployment(ray_cluster):
         disk="1GiB",
         max_num_seqs=16,
         max_nodes_per_kind=2,
+        # every node publishes KV events (each at its own offset: `_dp<n>` on an ipc path), the router indexes them
+        kv_events=KVEventsConfig(
+            enable_kv_cache_events=True, endpoint=f"ipc://{events}/ev", replay_endpoint=f"ipc://{events}/replay"
+        ),
     )
     dep = deploy(spec, timeout_s=300)
     try:
@@ -136,6 +143,9 @@ def test_places_store_router_nodes_and_serves_like_offline(deployment, url, clie
     before = metric(url, "ucm_prefix_cache_hit_tokens_total", role="decode", source="store")
     assert _ask(client, LONG, 8) == offline(LONG, 8)
     assert metric(url, "ucm_prefix_cache_hit_tokens_total", role="decode", source="store") - before >= 16 * 4
+    # Nodes under Ray publish KV events; the router indexes the prefill node's device blocks of that prompt.
+    indexed = lambda: metric(url, "ucm_kv_index_blocks", source="prefill-0", medium="GPU")  # noqa: E731
+    wait_until("prefill-0's device blocks in the router's index", lambda: indexed() >= 4, 60)
 
 
 def test_killed_node_actor_is_restarted_and_registers_again(deployment, url, client, offline) -> None:
@@ -161,6 +171,9 @@ def test_killed_node_actor_is_restarted_and_registers_again(deployment, url, cli
     before_hits = metric(url, "ucm_prefix_cache_hit_tokens_total", role="prefill", source="store")
     assert _ask(client, LONG, 8) == offline(LONG, 8)
     assert metric(url, "ucm_prefix_cache_hit_tokens_total", role="prefill", source="store") - before_hits >= 16 * 4
+    # The new incarnation's events are followed: its device blocks of the prompt are indexed again.
+    indexed = lambda: metric(url, "ucm_kv_index_blocks", source=victim, medium="GPU")  # noqa: E731
+    wait_until(f"{victim}'s new blocks in the router's index", lambda: indexed() >= 4, 60)
 
 
 def test_scale_prefill_up_gets_jobs(deployment, url, client, offline) -> None:

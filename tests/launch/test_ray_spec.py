@@ -6,6 +6,7 @@ import stat
 
 import pytest
 
+from common.kv_events.config import parse_kv_events_config
 from common.save_policy import KVSavePolicy
 from launch.launcher import build_parser
 from launch.ray.actors import NodeLaunch
@@ -122,3 +123,28 @@ def test_up_ray_engine_vllm_builds_a_pd_spec() -> None:
         spec_from_args(build_parser().parse_args(["--ray", "--engine", "vllm", "--topology", "colocated"]))
     with pytest.raises(ValueError, match="store"):
         DeploymentSpec(engine=ServingEngine.VLLM, store=False)
+
+
+def test_up_ray_kv_events_config_reaches_every_node_at_its_own_offset() -> None:
+    config = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5657"}'
+    spec = spec_from_args(build_parser().parse_args(["--ray", "--prefill", "2", "--kv-events-config", config]))
+    assert spec.kv_events is not None and spec.kv_events.endpoint == "tcp://*:5557"
+    ports = {}
+    for node_id in spec.key_names():  # every node the deployment may ever run (scaled in later too): its own ports
+        events = spec.kv_events_for(node_id)
+        assert events is not None
+        ports[node_id] = (events.endpoint, events.replay_endpoint)
+    assert ports["prefill-0"] == ("tcp://*:5557", "tcp://*:5657")
+    assert ports["decode-1"] == ("tcp://*:5574", "tcp://*:5674")  # after the 16 prefill ids
+    assert len({p for pair in ports.values() for p in pair}) == 2 * len(ports)
+    launch = dict(index=1, router_addr="tcp://127.0.0.1:1", store_addr=None, model="m", dtype="float32", device=None,
+                  kv_cache_memory="1GiB", max_num_seqs=5, max_num_batched_tokens=None, kv_save_policy=None,
+                  heartbeat_interval_s=1.0, threads=1, keys=None)  # fmt: skip
+    argv = NodeLaunch(kind=NodeKind.DECODE, kv_events=spec.kv_events_for("decode-1"), **launch).argv(None)
+    assert parse_kv_events_config(_flag(argv, "--kv-events-config")).endpoint == "tcp://*:5574"
+    assert "--kv-events-config" not in NodeLaunch(kind=NodeKind.DECODE, **launch).argv(None)
+    close = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
+    with pytest.raises(ValueError, match="apart"):  # 48 node ids' ports would collide
+        spec_from_args(build_parser().parse_args(["--ray", "--kv-events-config", close]))
+    with pytest.raises(ValueError, match="--engine vllm"):
+        spec_from_args(build_parser().parse_args(["--ray", "--engine", "vllm", "--kv-events-config", config]))
