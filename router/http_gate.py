@@ -41,6 +41,10 @@ async def send_error(send: Send, error: ApiError, close: bool = False) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+# Routes outside /v1/ that change the nodes' state: they need the API key too (vLLM serves its reset only in dev mode).
+KEYED_ADMIN_ROUTES = frozenset({"/reset_prefix_cache"})
+
+
 class HttpGate:
     def __init__(
         self,
@@ -66,6 +70,7 @@ class HttpGate:
             return
         path: str = scope["path"]
         counted = path.startswith("/v1/")
+        keyed = counted or path in KEYED_ADMIN_ROUTES
         status = 500  # what the server sends if the app raises before answering
 
         async def send_counting(message: Message) -> None:
@@ -75,7 +80,7 @@ class HttpGate:
             await send(message)
 
         try:
-            if counted and self.api_key is not None and not authorized(scope["headers"], self.api_key):
+            if keyed and self.api_key is not None and not authorized(scope["headers"], self.api_key):
                 await send_error(
                     send_counting,
                     ApiError(401, "Incorrect or missing API key.", "authentication_error", None, "invalid_api_key"),

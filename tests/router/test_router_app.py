@@ -36,6 +36,8 @@ SCRIPT = textwrap.dedent("""
                      c.post("/v1/chat/completions", json={"model": "smollm2-135m",
                             "messages": [{"role": "user", "content": "hi"}]}).status_code],
         "metrics": "ucm_requests_total" in c.get("/metrics").text,
+        "reset": [httpx.post(f"http://127.0.0.1:{port}/reset_prefix_cache").status_code,
+                  c.post("/reset_prefix_cache").json(), c.post("/reset_prefix_cache?node=p9").status_code],
         "torch": "torch" in sys.modules,
     }
     server.should_exit = True
@@ -56,3 +58,4 @@ def test_router_alone_is_torch_free_and_answers_errors() -> None:
     assert set(out["bad_json"]["error"]) == {"message", "type", "param", "code"}
     assert out["no_nodes"] == [503, 503]
     assert out["metrics"]
+    assert out["reset"] == [401, {"nodes": []}, 404]  # it changes the nodes' state: keyed; no node, none asked
