@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from common.keys import BlockKey
 from protocol import messages as P
+from router.config import RouterConfig
 from router.step_cost import StepCost
 from router.vllm_scrape import VllmLoad
 
@@ -55,7 +56,7 @@ class BackendSize:
 class VllmBackend:
     url: str
     role: BackendRole
-    max_num_seqs: int = 64
+    max_num_seqs: int = RouterConfig.vllm_max_num_seqs
     events: P.KVEventsEndpoint | None = None  # its --kv-events-config publisher, where it has one
     alive: bool = True  # until a request or a health probe finds it down
     in_flight: int = 0  # the router's requests on it now
