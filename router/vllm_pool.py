@@ -7,15 +7,18 @@ the retry goes elsewhere; a background probe of every instance's `/health` bring
 
 Choice: router/pairing.py's rules, on the instances as `Candidate`s, with the pool's `PairingPolicy` (the router's
 `--pairing`, COST by default):
-    producer: least (queued prompt tokens + prompt tokens left after its device prefix hits and the store's hits)
-              x its measured seconds per token + blocks loaded from the store x seconds per loaded block;
+    producer: least (queued prompt tokens + prompt tokens left after its device prefix hits) x its measured
+              seconds per token. Not the store's blocks: a `kv_producer` saves, it never loads (measured: 0 tokens
+              of `external_kv_transfer` on producers whose prompts the store held);
     consumer: blocks of the prompt its device cache lacks x seconds per loaded block (the prompt's KV is in the
               store: every consumer can load it, one that holds it already does not need to) + max_tokens x its
               step cost at its batch with this sequence;
 never an instance at its admission bound (running + waiting >= --max-num-seqs) while another has room. What an
 instance's device cache and the store hold comes from their KV events (router/kv_index.py, re-keyed from token ids:
 router/vllm_block_keys.py) where the instances were started with `--kv-events-config` and the router was told
-(`--vllm-kv-events`, `--store-kv-events`); without them the choice prices the queue and the prompt alone.
+(`--vllm-kv-events`); without them the choice prices the queue and the prompt alone. The store's own events
+(`--store-kv-events`) are indexed (the router's /metrics) but price nothing yet: every consumer loads from the same
+store, and producers do not load.
 `least-loaded` picks the instance with the fewest requests (its metrics' running + waiting, or the router's own
 in flight when more) per --max-num-seqs.
 """
@@ -34,7 +37,7 @@ import httpx
 from common.keys import BlockKey
 from common.kv_events.events import MEDIUM_CPU, MEDIUM_GPU
 from common.log_limit import LogLimiter
-from router.kv_index import STORE_MEDIA, STORE_SOURCE, KVIndex
+from router.kv_index import KVIndex
 from router.pairing import Pairing, PrefillChoice
 from router.pairing_policy import PairingPolicy
 from router.vllm_backend import BackendRole, VllmBackend
@@ -102,13 +105,8 @@ class VllmPool:
         if not candidates:
             return None
         keys = self._keys(prompt)
-        store = self._store_depth(keys)
         return self._prefill_pairing.prefill(
-            candidates,
-            keys,
-            hits=self._device_hits(candidates, keys),
-            store_hits={b.node_id: store for b in candidates} if store else None,
-            prompt_tokens=prompt.tokens,
+            candidates, keys, hits=self._device_hits(candidates, keys), prompt_tokens=prompt.tokens
         )
 
     def pick_decode(
@@ -143,11 +141,6 @@ class VllmPool:
             for b in candidates
             if self.index.indexed(b.node_id)
         }
-
-    def _store_depth(self, keys: list[BlockKey]) -> int:
-        if self.index is None or not keys or not self.index.indexed(STORE_SOURCE):
-            return 0
-        return self.index.depth(STORE_SOURCE, keys, STORE_MEDIA)
 
     def capacity(self) -> int:
         """Sequences the decode instances run at once (admission's bound, router/admission.py)."""

@@ -222,27 +222,21 @@ def test_the_producer_holding_the_prompt_prefills_it_until_its_queue_outweighs_t
         assert (len(p1.bodies), len(p2.bodies)) == (3, 4)
 
 
-def test_the_store_s_blocks_are_priced_as_loads(tmp_path) -> None:
-    # p1 holds 2 blocks and has 20 tokens queued; p2 holds nothing. Without the store p1 computes 18 (+20 ahead)
-    # against p2's 50; with the store holding all 3 blocks both compute 2, and p2 has no queue.
+def test_a_producer_is_not_priced_with_the_store_s_blocks(tmp_path) -> None:
+    """A kv_producer saves and never loads: the store holding the whole prompt makes no producer cheaper. p1 holds 2
+    blocks and has 20 tokens queued (18 + 20 to compute), p2 nothing (50): p1, with the store's blocks indexed too
+    (priced as loads, p2 would compute 2 tokens and win)."""
     p1, p2, d = FakeVllm("p1", waiting=1, prefills=1, prefill_tokens=20), FakeVllm("p2"), FakeVllm("d")
     roles = {"p1": BackendRole.PREFILL, "p2": BackendRole.PREFILL, "d": BackendRole.DECODE}
     with cluster(tmp_path, {"p1": p1, "p2": p2, "d": d}, roles, store=True) as (client, urls, pubs, index):
         keys = prompt_keys(PROMPT, BS)
         pubs["p1"].pub.publish([vllm_stored(PROMPT, 2, 1)])
-        wait_until(
-            "p1's blocks indexed", lambda: index.depth(node_id(BackendRole.PREFILL, urls["p1"]), keys, DEVICE) == 2, 10
-        )
-        complete(client, PROMPT)
-        assert (len(p1.bodies), len(p2.bodies)) == (1, 0)
-
         # The store daemon's tiers, as ucm/tier_events.py announces them: its keys, the plugin's root as parent.
-        root = b"r" * 16
         pubs["store"].pub.publish(
             [
                 BlockStored(
                     block_hashes=[bytes([i]) * 16 for i in range(1, 4)],
-                    parent_block_hash=root,
+                    parent_block_hash=b"r" * 16,
                     token_ids=PROMPT[: 3 * BS],
                     block_size=BS,
                     lora_id=None,
@@ -251,9 +245,14 @@ def test_the_store_s_blocks_are_priced_as_loads(tmp_path) -> None:
                 )
             ]
         )
+        p1_id = node_id(BackendRole.PREFILL, urls["p1"])
+        wait_until("p1's blocks indexed", lambda: index.depth(p1_id, keys, DEVICE) == 2, 10)
         wait_until("the store's blocks indexed", lambda: index.depth(STORE_SOURCE, keys, STORE_MEDIA) == 3, 10)
-        complete(client, PROMPT)
-        assert (len(p1.bodies), len(p2.bodies)) == (1, 1)
+        wait_until("p1's queue scraped", lambda: scraped(client, p1_id, waiting=1), 10)
+        for _ in range(2):
+            complete(client, PROMPT)
+        assert (len(p1.bodies), len(p2.bodies)) == (2, 0)
+        assert 'ucm_kv_index_blocks{source="<store>",medium="STORAGE"} 3' in client.get("/metrics").text
 
 
 def test_the_consumer_holding_the_prompt_decodes_it(tmp_path) -> None:
