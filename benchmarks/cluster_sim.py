@@ -368,47 +368,27 @@ def simulate(
     registry = Registry("sim", timeout_s=1e12, stall_timeout_s=1e12)
     pairing = Pairing(policy)
     stores = [HostStore(f"store-{h}", store_blocks, index) for h in range(math.ceil(num_nodes / nodes_per_host))]
-    nodes: dict[str, SimNode] = {}
-    for i in range(num_nodes):
-        nid = f"n{i:03d}"
+
+    def register(nid: str, role: P.NodeRole) -> None:
         registry.register(
             P.Register(
-                nid,
-                P.NodeRole.PREFILL,
-                "sim",
-                "fp",
-                "bfloat16",
-                MOONCAKE_BLOCK_TOKENS,
-                1 << 20,
-                CAPACITY,
-                device_blocks,
-                True,
+                nid, role, "sim", "fp", "bfloat16", MOONCAKE_BLOCK_TOKENS, 1 << 20, CAPACITY, device_blocks, True,
                 instance="sim",
             ),
             now=0.0,
-        )
+        )  # fmt: skip
+
+    nodes: dict[str, SimNode] = {}
+    for i in range(num_nodes):
+        nid = f"n{i:03d}"
+        register(nid, P.NodeRole.PREFILL)
         nodes[nid] = SimNode(nid, registry.nodes[nid], stores[i // nodes_per_host], device_blocks, index)
     store_of = {nid: n.store.store_id for nid, n in nodes.items()}
     decoders: dict[str, SimDecode] = {}
     for h, store in enumerate(stores):
         for j in range(decode_per_host):
             nid = f"d{h:02d}.{j}"
-            registry.register(
-                P.Register(
-                    nid,
-                    P.NodeRole.DECODE,
-                    "sim",
-                    "fp",
-                    "bfloat16",
-                    MOONCAKE_BLOCK_TOKENS,
-                    1 << 20,
-                    CAPACITY,
-                    device_blocks,
-                    True,
-                    instance="sim",
-                ),
-                now=0.0,
-            )
+            register(nid, P.NodeRole.DECODE)
             decoders[nid] = SimDecode(nid, registry.nodes[nid], store, device_blocks, index)
 
     seq = itertools.count()

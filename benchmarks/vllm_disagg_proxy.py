@@ -33,16 +33,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from router.vllm_proxy import PREFILL_TRANSFER_PARAMS
+
 REPO = Path(__file__).resolve().parents[1]
-# What the toy proxy sends a prefill instance: "decode elsewhere", no remote side known yet.
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+# What the toy proxy sends a prefill instance ("decode elsewhere", no remote side known yet): what our router sends.
+PREFILL_KV_PARAMS = PREFILL_TRANSFER_PARAMS
 _PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")  # not for a one-token prefill
 
 

@@ -14,29 +14,26 @@ there is no admin route on the public HTTP port.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import sys
 import tempfile
 import threading
-import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from common.kv_events.config import KVEventsConfig
 from common.save_policy import KVSavePolicy
 from launch.child import Child
+from launch.ray.app_thread import AppThread
 from launch.ray.keys import KeyFiles
 from launch.ray.spec import STATUS_CLIENT, NodeKind
 from launch.ray.status import NodeView, Placement
 from launch.supervisor import RestartPolicy, Supervisor
 from ucm.store_config import DiskWrites
 
-T = TypeVar("T")
 _STORE_READY = r"ucm-store ready (\S+)"
 
 
@@ -219,8 +216,6 @@ class RouterActor:
     """The OpenAI router, in this actor's process: uvicorn serves on its own thread and event loop."""
 
     def __init__(self, launch: RouterLaunch, startup_timeout_s: float = 120.0) -> None:
-        import uvicorn
-
         from common.auth import KeyPaths
         from engine.tokenizer import Tokenizer
         from launch.model_prep import model_folder
@@ -239,34 +234,9 @@ class RouterActor:
             node_auth=KeyPaths.of(self._keys).router_auth() if self._keys is not None else None,
         )
         self.app = create_app(config, Tokenizer(model_folder(config.model)))
-        self._server = uvicorn.Server(
-            uvicorn.Config(self.app, host=config.host, port=config.port, log_level="warning", access_log=False)
-        )
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._serve, name="ucm-router", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + startup_timeout_s
-        while not self._server.started:  # uvicorn offers no event to wait on
-            if not self._thread.is_alive():
-                raise RuntimeError(f"the router did not start on {config.host}:{config.port} (port in use?)")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not start within {startup_timeout_s:.0f}s")
-            time.sleep(0.05)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://{config.host}:{port}"
+        self._serving = AppThread(self.app, config.host, config.port, startup_timeout_s)
+        self.url = self._serving.url
         self.nodes_address: str = self.app.state.nodes_address
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._server.serve())
-
-    def _on_loop(self, fn: Callable[[], T], timeout_s: float = 10.0) -> T:
-        """Run `fn` on the router's event loop: the registry is only ever touched from there."""
-
-        async def call() -> T:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(timeout_s)
 
     def addresses(self) -> tuple[str, str]:
         """(HTTP URL, nodes' ZeroMQ address)."""
@@ -278,16 +248,15 @@ class RouterActor:
     def nodes(self) -> list[NodeView]:
         from router.drain import node_views
 
-        return self._on_loop(lambda: node_views(self.app.state.registry))
+        return self._serving.on_loop(lambda: node_views(self.app.state.registry))
 
     def drain(self, node_id: str) -> NodeView | None:
         """Stop sending `node_id` new jobs; its view (None if it is not registered)."""
         from router.drain import drain
 
-        return self._on_loop(lambda: drain(self.app.state.registry, node_id))
+        return self._serving.on_loop(lambda: drain(self.app.state.registry, node_id))
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=15)
+        self._serving.stop()
         if self._keys is not None:
             shutil.rmtree(self._keys, ignore_errors=True)

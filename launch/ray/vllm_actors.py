@@ -11,17 +11,16 @@ shows each instance the router finds alive as a node, which is what the controll
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from launch.child import Child
 from launch.ray.actors import _host, _placement
+from launch.ray.app_thread import AppThread
 from launch.ray.keys import KeyFiles
 from launch.ray.spec import NodeKind
 from launch.ray.status import NodeView, Placement
@@ -108,8 +107,6 @@ class VllmRouterActor:
     """The router fronting the instances, in this actor's process: uvicorn on its own thread and event loop."""
 
     def __init__(self, launch: VllmRouterLaunch, startup_timeout_s: float = 120.0) -> None:
-        import uvicorn
-
         from engine.tokenizer import Tokenizer
         from launch.model_prep import model_folder
         from router.config import RouterConfig
@@ -128,25 +125,8 @@ class VllmRouterActor:
         )
         self._names = {url: (name, _ROLES[kind]) for name, kind, url in launch.instances}
         self.app = create_vllm_app(config, Tokenizer(model_folder(launch.model)))
-        self._server = uvicorn.Server(
-            uvicorn.Config(self.app, host=config.host, port=config.port, log_level="warning", access_log=False)
-        )
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._serve, name="ucm-router", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + startup_timeout_s
-        while not self._server.started:  # uvicorn offers no event to wait on
-            if not self._thread.is_alive():
-                raise RuntimeError(f"the router did not start on {config.host}:{config.port} (port in use?)")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not start within {startup_timeout_s:.0f}s")
-            time.sleep(0.05)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://{config.host}:{port}"
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._server.serve())
+        self._serving = AppThread(self.app, config.host, config.port, startup_timeout_s)
+        self.url = self._serving.url
 
     def addresses(self) -> tuple[str, str]:
         """(HTTP URL, "": no node socket in front of vLLM)."""
@@ -170,5 +150,4 @@ class VllmRouterActor:
         raise ValueError("draining a vLLM instance is not supported (the router's instances are fixed at start)")
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=15)
+        self._serving.stop()
