@@ -35,6 +35,7 @@ from launch.supervisor import RestartPolicy, Supervisor
 from ucm.store_config import DiskWrites
 
 _STORE_READY = r"ucm-store ready (\S+)"
+_STORE_EVENTS = r"KV events of the tiers on (\S+) \(replay (\S+)\)"
 
 
 def _cmd(*args: str) -> list[str]:
@@ -149,6 +150,7 @@ class StoreLaunch:
     disk_writes: DiskWrites | None
     nice: int
     keys: KeyFiles | None
+    kv_events: KVEventsConfig | None = None  # its tiers' (DeploymentSpec.store_kv_events)
 
 
 class StoreActor:
@@ -163,10 +165,20 @@ class StoreActor:
         args = ["--dram", launch.dram, "--disk-path", str(path), "--disk", launch.disk, *auth]
         if launch.disk_writes is not None:
             args += ["--disk-writes", launch.disk_writes.value]
+        if launch.kv_events is not None:
+            args += ["--kv-events-config", launch.kv_events.to_json()]
         self._nice = launch.nice
-        bind = f"tcp://{_host(launch.host)}:0"
-        first = Child("store", _cmd("store", "--bind", bind, *args), sys.stdout, nice=self._nice)
+        host = _host(launch.host)
+        first = Child("store", _cmd("store", "--bind", f"tcp://{host}:0", *args), sys.stdout, nice=self._nice)
         self._address = first.wait_for(_STORE_READY, startup_timeout_s).group(1)
+        self._events: str | None = None  # where the router subscribes: ENDPOINT[,REPLAY] (`--store-kv-events`)
+        if launch.kv_events is not None:
+            from common.kv_events import endpoints
+
+            bound = first.wait_for(_STORE_EVENTS, startup_timeout_s)
+            pub = endpoints.reachable(bound.group(1), self._address)
+            replay = endpoints.reachable(bound.group(2), self._address) if bound.group(2) != "None" else None
+            self._events = pub if replay is None else f"{pub},{replay}"
         # Restarts bind the address the first one got: every node was given it.
         self._argv = _cmd("store", "--bind", self._address, *args)
         self.child = first
@@ -179,6 +191,9 @@ class StoreActor:
 
     def address(self) -> str:
         return self._address
+
+    def events_address(self) -> str | None:
+        return self._events
 
     def info(self) -> Placement:
         return _placement(self.child)
@@ -210,6 +225,7 @@ class RouterLaunch:
     api_key: str | None
     node_timeout_s: float
     keys: KeyFiles | None
+    store_kv_events: str | None = None  # the store's tiers' events, ENDPOINT[,REPLAY] (StoreActor.events_address)
 
 
 class RouterActor:
@@ -220,6 +236,7 @@ class RouterActor:
         from engine.tokenizer import Tokenizer
         from launch.model_prep import model_folder
         from router.app import create_app
+        from router.cli import store_events_endpoint
         from router.config import RouterConfig
 
         self._keys = launch.keys.write() if launch.keys is not None else None
@@ -232,6 +249,7 @@ class RouterActor:
             api_key=launch.api_key,
             node_timeout_s=launch.node_timeout_s,
             node_auth=KeyPaths.of(self._keys).router_auth() if self._keys is not None else None,
+            store_events=store_events_endpoint(launch.store_kv_events),
         )
         self.app = create_app(config, Tokenizer(model_folder(config.model)))
         self._serving = AppThread(self.app, config.host, config.port, startup_timeout_s)

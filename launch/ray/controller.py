@@ -44,6 +44,7 @@ class Controller:
         self.host: str | None = None
         self.store: Any = None
         self.store_address: str | None = None
+        self.store_events: str | None = None  # the store's tiers' KV events, for the router
         self.router: Any = None
         self.url = ""
         self.nodes_address = ""
@@ -73,9 +74,11 @@ class Controller:
                     spec.disk_writes,
                     spec.store_nice,
                     self.keys.for_store() if self.keys else None,
+                    spec.store_kv_events(),
                 )
                 self.store = ray.remote(StoreActor).options(**options).remote(launch)
                 self.store_address = ray.get(self.store.address.remote(), timeout=timeout_s)
+                self.store_events = ray.get(self.store.events_address.remote(), timeout=timeout_s)
             if spec.engine is ServingEngine.VLLM:
                 self._deploy_vllm(timeout_s)
                 return self.status()
@@ -86,6 +89,7 @@ class Controller:
                 spec.api_key,
                 spec.node_timeout_s,
                 self.keys.for_router() if self.keys else None,
+                self.store_events,
             )
             self.router = ray.remote(RouterActor).options(**router_options(spec)).remote(router)
             self.url, self.nodes_address = ray.get(self.router.addresses.remote(), timeout=timeout_s)

@@ -3,8 +3,8 @@ constructor arguments (Ray's control plane), and written by the actor into a pri
 
 Each actor gets only what it needs (common/auth.py lays the files out):
 
-    router      router.key_secret + authorized/<node>.key           (no store secret, no node secrets)
-    store       server.key_secret + authorized/<node>.key + the status client's pair (its own stats reads)
+    router      router.key_secret + authorized/<node>.key + server.key  (no store secret, no node secrets)
+    store       server.key_secret + authorized/<node>.key + the status client's pair (its own stats reads) + router.key
     node NAME   NAME.key_secret + router.key + server.key            (its own pair and the servers' public keys)
 
 The status client is authorized by the store only: the router's folder never holds it, so it cannot register as a
@@ -68,7 +68,10 @@ class KeyBundle:
         return tuple(f"{AUTHORIZED}/{n}.key" for n in names)
 
     def for_router(self) -> KeyFiles:
-        return KeyFiles(self._pick(f"{ROUTER}.key", f"{ROUTER}.key_secret", *self._authorized(self.nodes)))
+        # server.key: the store's public key, to subscribe to its tiers' KV events
+        return KeyFiles(
+            self._pick(f"{ROUTER}.key", f"{ROUTER}.key_secret", f"{SERVER}.key", *self._authorized(self.nodes))
+        )
 
     def for_store(self) -> KeyFiles:
         return KeyFiles(
@@ -77,6 +80,7 @@ class KeyBundle:
                 f"{SERVER}.key_secret",
                 f"{STATUS_CLIENT}.key",
                 f"{STATUS_CLIENT}.key_secret",
+                f"{ROUTER}.key",  # the tiers' KV events publisher lets the router subscribe
                 *self._authorized((*self.nodes, STATUS_CLIENT)),
             )
         )

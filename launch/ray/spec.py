@@ -117,7 +117,7 @@ class DeploymentSpec:
         if self.kv_events is not None:
             if self.engine is ServingEngine.VLLM:
                 raise ValueError("--kv-events-config is not supported with --ray --engine vllm yet")
-            check_node_offsets(self.kv_events, len(NodeKind) * self.max_nodes_per_kind)
+            check_node_offsets(self.kv_events, len(NodeKind) * self.max_nodes_per_kind + int(self.store))
 
     def count(self, kind: NodeKind) -> int:
         return {NodeKind.PREFILL: self.prefill, NodeKind.DECODE: self.decode, NodeKind.COLOCATED: self.colocated}[kind]
@@ -129,6 +129,13 @@ class DeploymentSpec:
             return None
         kind, index = parse_kind(node_id)
         return self.kv_events.for_node(list(NodeKind).index(kind) * self.max_nodes_per_kind + index)
+
+    def store_kv_events(self) -> KVEventsConfig | None:
+        """The store daemon's `--kv-events-config` when the nodes publish: the offset after every node id's, so the
+        router indexes what the store's DRAM and disk hold too (as `up` does: launch/cluster.py)."""
+        if self.kv_events is None or not self.kv_events.enabled or not self.store:
+            return None
+        return self.kv_events.for_node(len(NodeKind) * self.max_nodes_per_kind)
 
     def key_names(self) -> tuple[str, ...]:
         """Every node id this deployment may run (one CURVE pair each)."""

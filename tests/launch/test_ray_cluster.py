@@ -1,6 +1,7 @@
 """`ucm-serve up --ray` on a real local Ray cluster of two simulated hosts (ray.cluster_utils.Cluster): placement,
 greedy output equal to the offline engine's through the official `openai` client, a prompt loaded from the store,
-a killed node actor restarted by Ray, every node's KV events indexed by the router (its restarted incarnation's too),
+a killed node actor restarted by Ray, every node's KV events indexed by the router (its restarted incarnation's too)
+and the store daemon's tiers',
 and scaling (a prefill node added, a decode node drained).
 
 One Ray cluster and one deployment for the module (order matters: the kill comes before the scaling).
@@ -146,6 +147,9 @@ def test_places_store_router_nodes_and_serves_like_offline(deployment, url, clie
     # Nodes under Ray publish KV events; the router indexes the prefill node's device blocks of that prompt.
     indexed = lambda: metric(url, "ucm_kv_index_blocks", source="prefill-0", medium="GPU")  # noqa: E731
     wait_until("prefill-0's device blocks in the router's index", lambda: indexed() >= 4, 60)
+    # The store daemon under Ray publishes its tiers too: the prompt's blocks in its DRAM are indexed.
+    stored = lambda: metric(url, "ucm_kv_index_blocks", source="<store>", medium="CPU")  # noqa: E731
+    wait_until("the store's DRAM blocks in the router's index", lambda: stored() >= 4, 60)
 
 
 def test_killed_node_actor_is_restarted_and_registers_again(deployment, url, client, offline) -> None:

@@ -78,10 +78,14 @@ def test_spec_validation_and_node_ids() -> None:
 def test_each_actor_gets_only_its_keys() -> None:
     bundle = KeyBundle.generate(("prefill-0", "decode-0"))
     router = set(bundle.for_router().files)
-    assert router == {"router.key", "router.key_secret", "authorized/prefill-0.key", "authorized/decode-0.key"}
+    # server.key: the store's public key (the router subscribes to its tiers' KV events)
+    assert router == {
+        "router.key", "router.key_secret", "server.key", "authorized/prefill-0.key", "authorized/decode-0.key"
+    }  # fmt: skip
     store = set(bundle.for_store().files)
     assert {f for f in store if f.endswith(".key_secret")} == {"server.key_secret", f"{STATUS_CLIENT}.key_secret"}
     assert f"authorized/{STATUS_CLIENT}.key" in store and "authorized/decode-0.key" in store
+    assert "router.key" in store  # its tiers' KV events publisher lets the router subscribe
     node = bundle.for_node("decode-0")
     assert set(node.files) == {"decode-0.key", "decode-0.key_secret", "router.key", "server.key"}
     with pytest.raises(ValueError, match="no key"):
@@ -142,6 +146,11 @@ def test_up_ray_kv_events_config_reaches_every_node_at_its_own_offset() -> None:
                   heartbeat_interval_s=1.0, threads=1, keys=None)  # fmt: skip
     argv = NodeLaunch(kind=NodeKind.DECODE, kv_events=spec.kv_events_for("decode-1"), **launch).argv(None)
     assert parse_kv_events_config(_flag(argv, "--kv-events-config")).endpoint == "tcp://*:5574"
+    # The store's tiers publish at the offset after every node id's.
+    store = spec.store_kv_events()
+    assert store is not None and store.endpoint == f"tcp://*:{5557 + len(spec.key_names())}"
+    assert store.endpoint not in {p for pair in ports.values() for p in pair}
+    assert DeploymentSpec(kv_events=spec.kv_events, store=False).store_kv_events() is None
     assert "--kv-events-config" not in NodeLaunch(kind=NodeKind.DECODE, **launch).argv(None)
     close = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
     with pytest.raises(ValueError, match="apart"):  # 48 node ids' ports would collide
