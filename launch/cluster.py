@@ -224,10 +224,8 @@ class Cluster:
         ready = store.wait_for(r"ucm-store ready (\S+)", 60).group(1)
         assert ready == self.store_addr, f"store bound {ready}, asked for {self.store_addr}"
         if events is not None:
-            bound = store.wait_for(r"KV events of the tiers on (\S+) \(replay (\S+)\)", 60)
-            pub = endpoints.reachable(bound.group(1), self.nodes_addr)
-            replay = endpoints.reachable(bound.group(2), self.nodes_addr) if bound.group(2) != "None" else None
-            self.store_events_addr = pub if replay is None else f"{pub},{replay}"
+            bound = store.wait_for(endpoints.BOUND_PATTERN, 60)
+            self.store_events_addr = endpoints.subscription(bound, self.nodes_addr)
         self.log(f"[up] store ready at {self.store_addr}")
 
     def store_kv_events(self) -> KVEventsConfig | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 
 from common.auth import ClientAuth, KeyPaths, PublisherAuth, ServerAuth, generate_keys
+from common.kv_events import endpoints
 from common.kv_events.config import parse_kv_events_config
 from common.size import format_size, parse_size
 from protocol import defaults, flags
@@ -210,9 +211,7 @@ def main(argv: list[str]) -> int:
     )
     logging.getLogger("ucm.daemon").info("DRAM %s, %s, policy %s", format_size(config.dram_bytes), disk, args.policy)
     if daemon.events_endpoint is not None:
-        logging.getLogger("ucm.daemon").info(
-            "KV events of the tiers on %s (replay %s)", daemon.events_endpoint, daemon.events_replay_endpoint
-        )
+        logging.getLogger("ucm.daemon").info(endpoints.BOUND_LOG, daemon.events_endpoint, daemon.events_replay_endpoint)
     print(f"{READY_PREFIX}{daemon.address}", flush=True)
     daemon.serve_forever()
     print("ucm-store stopped", flush=True)

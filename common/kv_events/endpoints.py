@@ -9,9 +9,13 @@ The replay endpoint is always bound.
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 
 SCHEMES = ("tcp://", "ipc://", "inproc://")
+# The line a publisher process (the store daemon) logs once bound, and how its launcher reads it back.
+BOUND_LOG = "KV events of the tiers on %s (replay %s)"
+BOUND_PATTERN = r"KV events of the tiers on (\S+) \(replay (\S+)\)"
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]", "")
 
 
@@ -73,6 +77,13 @@ def reachable(bound: str, toward: str) -> str:
         return bound
     local = _local_address(toward)
     return f"tcp://[{local}]:{port}" if ":" in local else f"tcp://{local}:{port}"
+
+
+def subscription(bound: re.Match[str], toward: str) -> str:
+    """`ENDPOINT[,REPLAY]` a subscriber (`--store-kv-events`) is given, from BOUND_PATTERN's match of the log line."""
+    pub = reachable(bound.group(1), toward)
+    replay = bound.group(2)
+    return pub if replay == "None" else f"{pub},{reachable(replay, toward)}"
 
 
 def _local_address(toward: str) -> str:

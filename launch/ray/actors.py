@@ -35,7 +35,6 @@ from launch.supervisor import RestartPolicy, Supervisor
 from ucm.store_config import DiskWrites
 
 _STORE_READY = r"ucm-store ready (\S+)"
-_STORE_EVENTS = r"KV events of the tiers on (\S+) \(replay (\S+)\)"
 
 
 def _cmd(*args: str) -> list[str]:
@@ -175,10 +174,9 @@ class StoreActor:
         if launch.kv_events is not None:
             from common.kv_events import endpoints
 
-            bound = first.wait_for(_STORE_EVENTS, startup_timeout_s)
-            pub = endpoints.reachable(bound.group(1), self._address)
-            replay = endpoints.reachable(bound.group(2), self._address) if bound.group(2) != "None" else None
-            self._events = pub if replay is None else f"{pub},{replay}"
+            self._events = endpoints.subscription(
+                first.wait_for(endpoints.BOUND_PATTERN, startup_timeout_s), self._address
+            )
         # Restarts bind the address the first one got: every node was given it.
         self._argv = _cmd("store", "--bind", self._address, *args)
         self.child = first
