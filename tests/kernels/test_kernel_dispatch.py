@@ -333,7 +333,11 @@ def test_rounds_that_disagree_are_used_but_not_stored(lib, auto, tmp_path, monke
     g = Geometry("float32", 9, 3, 64, 16)
     picked = calibration.plan(lib, g)
     assert picked[ShapeClass.DECODE] == calibration.Pick("torch", 1.0, 0.5)
-    assert not list((tmp_path / "cache").rglob("calibration-*.json")), "a disputed plan must not be stored"
+    stored = [
+        calibration_store.read_entries(f, json.loads(f.read_text())["key"])
+        for f in (tmp_path / "cache").rglob("calibration-*.json")
+    ]
+    assert not any(stored), "a disputed plan must not be stored, only kept as provisional"
     assert calibration.plan(lib, g) is picked, "memoised for the process all the same"
 
 
@@ -366,10 +370,26 @@ def test_a_measurement_while_another_process_runs_is_used_but_not_stored(lib, tm
         hog.wait()
     assert value == "kernel" and source.measured
     assert source.not_stored and "other processes took" in source.not_stored[0], source
-    assert not list(tmp_path.rglob("linear-*.json")), "a measurement under other load must not be stored"
+    (file,) = tmp_path.rglob("linear-*.json")
+    key = json.loads(file.read_text())["key"]
+    assert not calibration_store.read_entries(file, key), "a measurement under other load must not be stored"
+    assert calibration_store.read_entries(file, key, "provisional") == {"probe": "kernel"}, "only kept aside"
     value, source = _stored(lib, tmp_path, lambda: ("oneDNN", []))
     assert value == "oneDNN" and source.measured and not source.not_stored, "measured again, and stored this time"
     assert _stored(lib, tmp_path, lambda: ("never", []))[0] == "oneDNN", "read back from the file"
+    assert not calibration_store.read_entries(file, key, "provisional"), "the stored choice replaces the provisional"
+
+
+def test_processes_measuring_under_load_all_take_the_first_ones_choice(lib, tmp_path):
+    """Kernels differ in their order of operations: two processes that start on a loaded host must not each run
+    what their own noisy timing picked, or a served node's greedy text could differ from an in-process engine's."""
+    value, source = _stored(lib, tmp_path, lambda: ("kernel", ["rounds"]))  # rounds that disagree: a loaded host
+    assert value == "kernel" and source.not_stored and not source.provisional, source
+    value, source = _stored(lib, tmp_path, lambda: ("oneDNN", ["rounds"]))
+    assert value == "kernel" and source.measured and source.provisional, "the first process's choice, not its own"
+    assert "provisional choice in the file taken" in str(source)
+    assert _stored(lib, tmp_path, lambda: ("oneDNN", []))[0] == "oneDNN", "a clean measurement decides"
+    assert _stored(lib, tmp_path, lambda: ("never", []))[0] == "oneDNN", "and is stored"
 
 
 def test_processes_measure_one_at_a_time_and_the_next_reads_the_result(lib, tmp_path, monkeypatch):

@@ -4,7 +4,10 @@ One JSON file per kind and key (`calibration_key`: the CPU model and flags, the 
 version and ISA caps, the thread count), under `<cache dir>/kernels/`. When any part of the key changes the hash
 names another file, so a stale choice is never read. `stored_or_measured` reads an entry or measures it: one process
 at a time (a lock file beside the cache file, so nodes that start together do not time each other's load), and
-stores the result only when its rounds agreed and no other process took cores meanwhile (`CpuClock`).
+stores the result only when its rounds agreed and no other process took cores meanwhile (`CpuClock`). A result
+measured under load is kept aside as provisional instead: later processes measure again, and until one measures
+cleanly each takes the provisional choice, so every process on the host runs the same kernel, and the same bits
+(kernels differ in their order of operations: a served node's greedy text equals an in-process engine's).
 """
 
 from __future__ import annotations
@@ -50,27 +53,33 @@ def key_file(kind: str, key: dict[str, object], root: Path | None) -> Path:
     return (root if root is not None else cache_dir()) / "kernels" / f"{kind}-{digest}.json"
 
 
-def read_entries(path: Path, key: dict[str, object]) -> dict[str, dict]:
-    """The file's entries if it is ours (same version and key); else none (absent, stale or damaged)."""
+def read_entries(path: Path, key: dict[str, object], section: str = "entries") -> dict[str, dict]:
+    """The file's entries (section "provisional": those measured under load) if it is ours (same version and key);
+    else none (absent, stale or damaged)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     if not isinstance(data, dict) or data.get("version") != FILE_VERSION or data.get("key") != key:
         return {}
-    entries = data.get("entries")
+    entries = data.get(section)
     return entries if isinstance(entries, dict) else {}
 
 
-def write_entry(path: Path, key: dict[str, object], name: str, entry: dict) -> None:
-    """Add one entry; written to a temporary file and renamed, so concurrent readers see an old or a new file."""
-    entries = read_entries(path, key)
-    entries[name] = entry
+def write_entry(path: Path, key: dict[str, object], name: str, entry: dict, provisional: bool = False) -> None:
+    """Add one entry (provisional: to the entries measured under load); written to a temporary file and renamed, so
+    concurrent readers see an old or a new file. A stored entry drops the provisional one of its name."""
+    entries, aside = read_entries(path, key), read_entries(path, key, "provisional")
+    if provisional:
+        aside[name] = entry
+    else:
+        entries[name] = entry
+        aside.pop(name, None)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".json", dir=path.parent)
         with os.fdopen(fd, "w") as f:
-            json.dump({"version": FILE_VERSION, "key": key, "entries": entries}, f, indent=1)
+            json.dump({"version": FILE_VERSION, "key": key, "entries": entries, "provisional": aside}, f, indent=1)
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache costs a measurement per process, nothing else
         log.warning("could not store the CPU calibration in %s: %s", path, e)
@@ -84,13 +93,15 @@ class Source:
     measured: bool
     seconds: float = 0.0
     not_stored: tuple[str, ...] = ()  # why the measurement was not stored (its rounds disagreed, other load)
+    provisional: bool = False  # not stored: an earlier process's provisional choice taken instead of this one's
 
     def __str__(self) -> str:
         if not self.measured:
             return f"from {self.path}"
         if not self.not_stored:
             return f"measured in {self.seconds:.2f} s; stored in {self.path}"
-        return f"measured in {self.seconds:.2f} s; not stored: {'; '.join(self.not_stored)}"
+        taken = "; the provisional choice in the file taken" if self.provisional else "; kept as provisional"
+        return f"measured in {self.seconds:.2f} s; not stored: {'; '.join(self.not_stored)}{taken}"
 
 
 @contextlib.contextmanager
@@ -169,8 +180,9 @@ def stored_or_measured(
 ) -> tuple[T, Source]:
     """Entry `name` of this machine's `file_kind` cache file where `parse` accepts it, else `measure_fn()`'s
     (value, what its rounds disagreed on), measured by one process at a time and stored only when the rounds agreed
-    on everything and no other process took cores meanwhile: a loaded machine's answer is used now and measured
-    again by the next process. The caller memoises and logs."""
+    on everything and no other process took cores meanwhile. A loaded machine's answer is kept as provisional, and
+    measured again by the next process, which takes the provisional answer unless it measures cleanly itself. The
+    caller memoises and logs."""
     pin = pinned(file_kind, threads, name)
     if pin is not None and (found := parse(pin[0])) is not None:
         return found, Source(pin[1], measured=False)
@@ -190,6 +202,11 @@ def stored_or_measured(
         not_stored = [f"rounds disagreed on {', '.join(disagreed)} (other load on the CPU?)"] if disagreed else []
         if others is not None and others > OTHERS_MAX_CORES:
             not_stored.append(f"other processes took {others:.2f} cores meanwhile")
+        earlier = None
         if not not_stored:
             write_entry(path, key, name, encode(value))
-    return value, Source(path, measured=True, seconds=end.wall_s - start.wall_s, not_stored=tuple(not_stored))
+        elif (earlier := parse(read_entries(path, key, "provisional").get(name))) is None:
+            write_entry(path, key, name, encode(value), provisional=True)
+    seconds = end.wall_s - start.wall_s
+    source = Source(path, measured=True, seconds=seconds, not_stored=tuple(not_stored), provisional=earlier is not None)
+    return (value if earlier is None else earlier), source
