@@ -65,6 +65,13 @@
  * of Llama-1B's 16 layers (1.95 GB, past L3) at 1 and 4 rows, builds alternated in one process on the 2-core Xeon with
  * AMX: 76.0 -> 71.7 and 76.4 -> 71.2 ms (25.5 -> 27.2 GB/s); 2 and 8 blocks ahead did no better. */
 #define PF_KB 4
+/* A slice of at most 16 rows (a decode step's) skips the second row tile: its two products and tile loads, the
+ * zeroing and storing of its sums, all of padding rows. A call of at most 16 rows also configures its tiles with the
+ * call's row count (sums and x: `load_config_rows`), so each product computes those rows alone, and reads x in place
+ * instead of a padded copy. The same products of the same values for every real row: the same bits. Llama-1B's 16
+ * layers' matmuls (1.95 GB) at 1 and 8 rows, builds alternated on the 2-core Xeon with AMX: 77.7-78.4 -> 72.3-72.9 ms
+ * (25.0 -> 26.9 GB/s, a streaming read 31-33 GB/s in the same runs); the row tile skip alone 74 ms. A further
+ * prefetch 16 k blocks ahead into L2 lost (75.5 -> 77.8 ms). */
 #define KCB 32 /* k blocks (of 32) a chunk of a long K: a block's W (NC x 1024) and x (MC x 1024) share L2 */
 #define BLOCK_SLICES ((MC / 32) * (NC / SLICE)) /* row slices of a block: each its own sums between chunks */
 
@@ -92,14 +99,16 @@ int32_t ucm_amx_available(void) {
  * when kb0 is 0, else on top of the earlier k blocks' sums in c (exact: fp32 tiles stored and loaded, so the same
  * additions in the same order as one pass over every k block). */
 static inline void block_32x32(const uint16_t *x, int64_t k, const uint16_t *wp, int64_t nb, float *c, int64_t kb0,
-                               int64_t kb1) {
+                               int64_t kb1, int half) {
     const int64_t kb_count = k / 32;
     const uint16_t *b0 = wp + nb * kb_count * 512, *b1 = b0 + kb_count * 512;
     if (kb0 == 0) {
         _tile_zero(0);
         _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        if (!half) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
     } else {
         _tile_loadd(0, c, 128);
         _tile_loadd(1, c + 16, 128);
@@ -116,18 +125,34 @@ static inline void block_32x32(const uint16_t *x, int64_t k, const uint16_t *wp,
             }
         }
         _tile_loadd(4, x + kb * 32, k * 2);
-        _tile_loadd(5, x + 16 * k + kb * 32, k * 2);
         _tile_loadd(6, b0 + kb * 512, 64);
         _tile_loadd(7, b1 + kb * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        if (!half) {
+            _tile_loadd(5, x + 16 * k + kb * 32, k * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
     }
     _tile_stored(0, c, 128);
     _tile_stored(1, c + 16, 128);
-    _tile_stored(2, c + 16 * 32, 128);
-    _tile_stored(3, c + 16 * 32 + 16, 128);
+    if (!half) {
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
+    }
+}
+
+/* amx_load_config, but the sums' tiles (0, 1) and x's first (4) of `rows` rows: a call of at most 16 rows. */
+static inline void load_config_rows(int rows) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t == 0 || t == 1 || t == 4 ? (uint8_t)rows : 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
 }
 
 /* A block's c[rows][32] (panels o0 / 16 and o0 / 16 + 1) into y through `epilogue`, rounded to bf16 as torch
@@ -194,13 +219,17 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
     const int64_t kbs = k / 32, kbc = m > SPLIT_ROWS ? KBC : kbs; /* k blocks, and those a pass over a slice takes */
     const int64_t kcb = m > SPLIT_ROWS && kbs > KCB ? KCB : kbs; /* k blocks a chunk takes (all: one chunk) */
     const int mid = m <= MID_ROWS;
+    const int few = m <= 16;
     const int chunked = !mid && kcb < kbs;
     const int64_t block_floats = 32 * SLICE * BLOCK_SLICES;
     float *block_scratch = chunked ? aligned_alloc(64, sizeof(float) * (size_t)(block_floats * num_threads)) : NULL;
     if (chunked && block_scratch == NULL) return 3;
 #pragma omp parallel num_threads(num_threads)
     {
-        amx_load_config();
+        if (few)
+            load_config_rows((int)m);
+        else
+            amx_load_config();
         float c[2][32 * SLICE] __attribute__((aligned(64))); /* this slice's sums and the pending one's */
         Pending pending = {c[1], 0, 0, 0, 0};
 #ifdef _OPENMP
@@ -211,7 +240,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
         /* chunked: every slice of a block has its own sums (a block's slices are all open until its last chunk) */
         float *block_c = chunked ? block_scratch + tid * block_floats : NULL;
         uint16_t *mypad = pad + (int64_t)tid * 32 * k;
-        if (mid && m % 32) { /* the call's last rows, zeros below them: every thread pads the same slice once */
+        if (mid && !few && m % 32) { /* the call's last rows, zeros below them: every thread pads the same slice once */
             memcpy(mypad, x + m / 32 * 32 * k, (size_t)(m % 32 * k) * 2);
             memset(mypad + m % 32 * k, 0, (size_t)((32 - m % 32) * k) * 2);
         }
@@ -225,7 +254,8 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                         for (int64_t o0 = n_begin; o0 < n_end; o0 += 32)
                             for (int64_t r0 = m_begin; r0 < m_end; r0 += 32) {
                                 const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
-                                block_32x32(rows < 32 ? mypad : x + r0 * k, k, wp, o0 / 16, c[0], 0, kbs);
+                                block_32x32(rows < 32 && !few ? mypad : x + r0 * k, k, wp, o0 / 16, c[0], 0, kbs,
+                                            rows <= 16);
                                 store_block(c[0], rows, y, n, r0, o0, epilogue);
                             }
                         continue;
@@ -255,7 +285,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                                 for (int64_t kb0 = kc0; kb0 < kc1; kb0 += kbc)
                                     for (int64_t o0 = s0; o0 < s_end; o0 += 32, pass++) {
                                         block_32x32(xs, k, wp, o0 / 16, sums + (o0 - s0) * 32, kb0,
-                                                    kb0 + kbc < kc1 ? kb0 + kbc : kc1);
+                                                    kb0 + kbc < kc1 ? kb0 + kbc : kc1, 0);
                                         store_rows(&pending, pass * pending.rows / passes,
                                                    (pass + 1) * pending.rows / passes, y, n, epilogue);
                                     }
