@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_server import VLLM
+from benchmarks.vs_vllm_workloads import Burst
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model_dir
 from engine.step_budget import linear_flops_per_token
@@ -39,18 +40,6 @@ from ucm_kernels.cpu.timing import alternating_best_ms
 
 MODEL = "smollm2-135m"
 TARGET = 0.5  # issue 10: mean TTFT <= 0.5x vLLM-CPU's
-
-
-@dataclass(frozen=True)
-class Burst:
-    prefixes: int = 4
-    per_prefix: int = 8
-    prefix_len: int = 1024
-    suffix_len: int = 128
-
-    @property
-    def tokens(self) -> int:
-        return self.prefixes * (self.prefix_len + self.per_prefix * self.suffix_len)
 
 
 def attention_flops(mc: ModelConfig, start: int, end: int) -> int:

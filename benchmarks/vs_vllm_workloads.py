@@ -9,6 +9,7 @@ import json
 import os
 import random
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,63 +28,76 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
 
 
-def random_reqs(seed: int, n: int = 32, prompt_len: int = 512, out_len: int = 64) -> list[Req]:
+@dataclass(frozen=True)
+class RandomShape:
+    """The random workload: `prompts` prompts of `prompt_len` random tokens, `out_len` tokens each (EOS ignored),
+    `concurrency` at a time."""
+
+    prompts: int = 32
+    prompt_len: int = 512
+    out_len: int = 64
+    concurrency: int = 8
+
+
+@dataclass(frozen=True)
+class Burst:
+    """vLLM's prefix_repetition dataset: `prefixes` shared prefixes of `prefix_len` tokens, `per_prefix` requests on
+    each with a `suffix_len`-token suffix of their own, `out_len` tokens each, every request at once."""
+
+    prefixes: int = 4
+    per_prefix: int = 8
+    prefix_len: int = 1024
+    suffix_len: int = 128
+    out_len: int = 64
+
+    @property
+    def requests(self) -> int:
+        return self.prefixes * self.per_prefix
+
+    @property
+    def tokens(self) -> int:
+        """The prompt tokens a server with perfect prefix caching computes."""
+        return self.prefixes * (self.prefix_len + self.per_prefix * self.suffix_len)
+
+
+RANDOM, BURST, WARM = RandomShape(), Burst(), RandomShape(prompts=8, prompt_len=256, out_len=16, concurrency=4)
+PROBE_TOKENS = 2048  # the cold / repeated TTFT probe's prompt
+
+
+def random_reqs(
+    seed: int, n: int = RANDOM.prompts, prompt_len: int = RANDOM.prompt_len, out_len: int = RANDOM.out_len
+) -> list[Req]:
     rng = random.Random(seed)
     return [Req(_ids(rng, prompt_len), out_len) for _ in range(n)]
 
 
-def prefix_rep_reqs(
-    seed: int, n: int = 32, prefixes: int = 4, prefix_len: int = 1024, suffix_len: int = 128, out_len: int = 64
-) -> list[Req]:
+def prefix_rep_reqs(seed: int, n: int = BURST.requests, out_len: int = BURST.out_len) -> list[Req]:
     rng = random.Random(seed)
-    heads = [_ids(rng, prefix_len) for _ in range(prefixes)]
-    return [Req(heads[rng.randrange(prefixes)] + _ids(rng, suffix_len), out_len) for _ in range(n)]
+    heads = [_ids(rng, BURST.prefix_len) for _ in range(BURST.prefixes)]
+    return [Req(heads[rng.randrange(BURST.prefixes)] + _ids(rng, BURST.suffix_len), out_len) for _ in range(n)]
 
 
-VLLM_CLIENT_ARGS = {
-    "random": [
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        "512",
-        "--random-output-len",
-        "64",
-        "--num-prompts",
-        "32",
-        "--max-concurrency",
-        "8",
-    ],
-    "prefix-rep": [
-        "--dataset-name",
-        "prefix_repetition",
-        "--prefix-repetition-prefix-len",
-        "1024",
-        "--prefix-repetition-suffix-len",
-        "128",
-        "--prefix-repetition-num-prefixes",
-        "4",
-        "--prefix-repetition-output-len",
-        "64",
-        "--num-prompts",
-        "32",
-    ],
-    "warm": [
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        "256",
-        "--random-output-len",
-        "16",
-        "--num-prompts",
-        "8",
-        "--max-concurrency",
-        "4",
-    ],
-}
+def _random_args(shape: RandomShape) -> list[str]:
+    return [
+        "--dataset-name", "random", "--random-input-len", str(shape.prompt_len), "--random-output-len",
+        str(shape.out_len), "--num-prompts", str(shape.prompts), "--max-concurrency", str(shape.concurrency),
+    ]  # fmt: skip
+
+
+def _prefix_args(burst: Burst) -> list[str]:
+    return [
+        "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(burst.prefix_len),
+        "--prefix-repetition-suffix-len", str(burst.suffix_len), "--prefix-repetition-num-prefixes",
+        str(burst.prefixes), "--prefix-repetition-output-len", str(burst.out_len), "--num-prompts",
+        str(burst.requests),
+    ]  # fmt: skip
+
+
+VLLM_CLIENT_ARGS = {"random": _random_args(RANDOM), "prefix-rep": _prefix_args(BURST), "warm": _random_args(WARM)}
 OWN_CLIENT = {  # the same shapes for our generator: (requests, concurrency)
-    "random": (lambda seed: random_reqs(seed), 8),
-    "prefix-rep": (lambda seed: prefix_rep_reqs(seed), 32),
-    "warm": (lambda seed: random_reqs(seed, 8, 256, 16), 4),
+    "random": (lambda seed: random_reqs(seed), RANDOM.concurrency),
+    "prefix-rep": (lambda seed: prefix_rep_reqs(seed), BURST.requests),
+    "warm": (lambda seed: random_reqs(seed, WARM.prompts, WARM.prompt_len, WARM.out_len), WARM.concurrency),
 }
 
 
@@ -176,7 +190,7 @@ def run_own_client(srv: Server, url: str, workload: str, seed: int) -> dict:
     }
 
 
-async def ttft_probe(url: str, model: str, seed: int, tokens: int = 2048, repeats: int = 3) -> list[float]:
+async def ttft_probe(url: str, model: str, seed: int, tokens: int = PROBE_TOKENS, repeats: int = 3) -> list[float]:
     """The same prompt sent `repeats` times, one after another: [cold TTFT, repeated TTFTs...] in ms."""
     prompt = _ids(random.Random(seed), tokens)
     out = []

@@ -39,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.model_config import ModelConfig
 from ucm_kernels.cache_dir import cache_dir
 
 RECIPE = 1  # bump when the weights a (shape, layers, seed) gives change: cached folders are then rebuilt
@@ -195,6 +196,14 @@ def _write(out: Path, shape_name: str, layers: int, seed: int, tokenizer_dir: Pa
     _say(f"{shape_name}: writing model.safetensors")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / RECIPE_FILE).write_text(json.dumps(_recipe(shape_name, layers, seed, vocab), indent=2) + "\n")
+
+
+def model_config(shape: str) -> ModelConfig:
+    """`shape`'s ModelConfig at its own depth, without writing its weights."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown yardstick shape {shape!r}; known: {', '.join(SHAPES)}")
+    vocab = int(json.loads((_tokenizer_source() / "config.json").read_text())["vocab_size"])
+    return ModelConfig.from_hf_dict(hf_config(SHAPES[shape], SHAPES[shape].num_layers, vocab, None, None))
 
 
 def ensure_model(

@@ -6,12 +6,12 @@ from __future__ import annotations
 import itertools
 
 from benchmarks.prefix_floor import (
-    Burst,
     attention_flops,
     batched_order_mean_flops,
     best_order_mean_flops,
     prefix_and_suffix_flops,
 )
+from benchmarks.vs_vllm_workloads import Burst
 from engine.model_config import ModelConfig
 from engine.step_budget import linear_flops_per_token
 
