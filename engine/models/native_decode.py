@@ -9,7 +9,8 @@ all layers, and calls each kernel's C entry point as its Python wrapper in ucm_k
 (tests/engine/test_native_decode.py).
 
 Where every matmul of every layer is one of our kernels (the embedded model's 4-bit layers: q4_bf16.c in bf16, the
-skinny GEMM's panels in fp32 up to their calibrated rows), the layer loop itself runs in C (ucm_kernels/cpu/
+skinny GEMM's panels in fp32 up to their calibrated rows, a bf16 model's AMX tiles where AMX replaces oneDNN), the
+layer loop itself runs in C (ucm_kernels/cpu/
 decode_layers.c: the same entry points in the same order, one call a step): from Python its ~330 calls a step cost
 ~4 ms of one thread's time on the 2-core Xeon with AMX while the other thread waited, and a decode step of 8 rows
 went from 27-31 to 22-25 ms. Other steps run the same calls from the Python loop below.
@@ -17,7 +18,7 @@ went from 27-31 to 22-25 ms. Other steps run the same calls from the Python loop
 It takes only the steps where that equality is plain to keep: every row a generated token (a decode; a one-token
 prompt chunk is a prompt row and goes generic), no connector hooks bound, and the CPU path running its native
 kernels for the step's ops (`ucm_kernels.api.native_ops_lib`, `native_decode_lib`). Anything else runs the generic
-forward. A matmul without 4-bit panels for generated rows (oneDNN, fp32's packed copies, a bias) goes through
+forward. A matmul without such a kernel for generated rows (oneDNN, fp32's oneDNN copies, a bias) goes through
 `dense` as the generic path does.
 """
 
@@ -32,7 +33,7 @@ import torch
 from engine.attention import current_forward_context
 from engine.models.dense import BF16Packed, F32Packed, Packed, dense
 from ucm_kernels.api import native_decode_lib, native_ops_lib
-from ucm_kernels.cpu import decode_layers, elementwise, q4_bf16
+from ucm_kernels.cpu import amx_gemm, decode_layers, elementwise, q4_bf16
 from ucm_kernels.cpu import write_kv as native_write
 from ucm_kernels.cpu.native import NativeLib
 from ucm_kernels.cpu.paged_attention import DTYPE_CODES, attention_error
@@ -173,12 +174,14 @@ class NativeDecode:
         assert cos.is_contiguous() and sin.is_contiguous(), "RoPE tables as the rope kernel reads them"
         if self.native_layers is not None and tokens <= self.native_rows:
             out = torch.empty_like(x)
+            pad = amx_gemm.scratch(threads, max(hidden, inter, q_size))  # alive until the call returns
             args = decode_layers.CStep(
                 tokens, hidden, inter, hq, hkv, d, DTYPE_CODES[dtype], h.data_ptr(), x.data_ptr(), qkv_out.data_ptr(),
                 att.data_ptr(), o_out.data_ptr(), gate_up_out.data_ptr(), act.data_ptr(), down_out.data_ptr(),
                 out.data_ptr(), cos.data_ptr(), sin.data_ptr(), model.norm.weight.data_ptr(), model.norm.eps,
                 slots.data_ptr(), attention.seq_lens.data_ptr(), attention.block_tables.data_ptr(), num_slots,
                 attention.block_tables.stride(0), attention.block_tables.shape[1], num_blocks, block_size, threads,
+                pad.data_ptr(),
             )  # fmt: skip
             self._layer_table(lib, kv_caches).run(args, slots)
             self.steps += 1
@@ -261,6 +264,12 @@ def _native_linear(packed: Packed) -> tuple[decode_layers.Linear, int] | None:
     if isinstance(packed, BF16Packed) and packed.decode is not None and isinstance(packed.decode.panels, Q4BF16Panels):
         p = packed.decode.panels
         return decode_layers.Linear(p.qp, p.dm, p.n, p.k, fmt.Q4_BF16, p), ANY_ROWS
+    if isinstance(packed, BF16Packed) and packed.decode is None and packed.amx is not None:
+        amx = packed.amx
+        n, k = amx.packed.shape[0] * amx_gemm.TILE_N, amx.packed.shape[1] * amx_gemm.TILE_K
+        return decode_layers.Linear(
+            amx.packed, None, n, k, fmt.AMX_BF16_PAIRS if amx.paired else fmt.AMX_BF16
+        ), ANY_ROWS
     if isinstance(packed, F32Packed) and packed.panels is not None:
         pw = packed.panels
         if isinstance(pw.panels, Q4Panels):

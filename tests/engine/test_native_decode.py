@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.yardstick_models import ensure_model
 from engine import LLM, SamplingParams
 from engine.attention import set_forward_context
 from engine.generated_rows import GeneratedRows
@@ -16,7 +17,7 @@ from engine.models.dense import F32Packed, dense, pack_weight
 from engine.models.native_decode import DecodeStep, decode_linear
 from ucm_kernels.attention_metadata import AttentionMetadata
 from ucm_kernels.backend import CPU_ENV_VAR
-from ucm_kernels.cpu import linear_mode, skinny_gemm
+from ucm_kernels.cpu import amx_gemm, decode_layers, linear_mode, skinny_gemm
 from ucm_kernels.cpu.q4_panels import Q4Panels, random_q4_weight
 
 
@@ -53,7 +54,15 @@ def test_decode_steps_through_the_native_path_give_the_generic_bits(dtype, linea
     assert linear == "auto" or in_c, "UCM_CPU_LINEAR=native puts every matmul on the skinny kernel's panels"
     want = f"{'all' if in_c else 'none'} of the 23 decode steps in one native call"
     assert (native.native_steps >= 23) if in_c else native.native_steps == 0, f"{want}: {native.native_steps} were"
-    # The same kernels called one by one from Python, as a step whose matmuls are not all ours runs them.
+    _python_loop_and_generic_agree(llm, prompts, fast)
+    skinny_gemm.forget()
+
+
+def _python_loop_and_generic_agree(llm: LLM, prompts: list[list[int]], fast: list[tuple]) -> None:
+    """`fast` (the prompts' greedy tokens and logprobs as the engine ran them) equals the same kernels called one by
+    one from Python (as a step whose matmuls are not all ours runs them) and the generic forward, bit for bit."""
+    model = llm.engine.runner.model
+    native = model.native_decode
     layers, native.native_layers = native.native_layers, None
     before = native.steps
     python_loop = _greedy_with_logprobs(llm, prompts)
@@ -61,11 +70,32 @@ def test_decode_steps_through_the_native_path_give_the_generic_bits(dtype, linea
     native.native_layers = layers
     model.native_decode = None
     generic = _greedy_with_logprobs(llm, prompts)
+    model.native_decode = native
     llm.close()
-    skinny_gemm.forget()
     for name, got in (("native layers", fast), ("Python loop", python_loop)):
         assert [t for t, _ in got] == [t for t, _ in generic], name
         assert [lp for _, lp in got] == [lp for _, lp in generic], f"{name}: logprobs differ: some row's bits changed"
+
+
+def test_a_bf16_model_on_amx_runs_its_layers_in_c(native_lib, tmp_path) -> None:
+    """Where the AMX kernel stands in for oneDNN (whose bf16 rows vary with the call here), a bf16 model without
+    quantized weights (a Llama-3.2-1B shape, 2 layers, random weights) runs its decode steps' layers in one native
+    call, with the bits of the Python loop and of the generic forward."""
+    if amx_gemm.needed_and_available() is None:
+        pytest.skip("this host's bf16 matmuls do not take the AMX kernel (oneDNN's rows are invariant, or no AMX)")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(30 + 17 * i)] for i in range(3)]
+    folder = ensure_model("llama-1b", 2, root=tmp_path)
+    llm = LLM(model=str(folder), dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory="128MiB")
+    native = llm.engine.runner.model.native_decode
+    assert native is not None and native.native_layers is not None, "every layer matmul on the AMX kernel"
+    assert {lin.format for layer in native.native_layers for lin in layer.linears} == {
+        decode_layers.LinearFormat.AMX_BF16,
+        decode_layers.LinearFormat.AMX_BF16_PAIRS,
+    }
+    fast = _greedy_with_logprobs(llm, prompts)
+    assert native.native_steps >= 23, f"the decode steps' layers in one native call: {native.native_steps} were"
+    _python_loop_and_generic_agree(llm, prompts, fast)
 
 
 @pytest.mark.parametrize("layers_in_c", [True, False])

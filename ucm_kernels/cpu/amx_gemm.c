@@ -40,6 +40,7 @@
 #include <string.h>
 
 #include "amx_tiles.h"
+#include "entry_points.h"
 #include "silu_bf16.h"
 #ifdef _OPENMP
 #include <omp.h>

@@ -58,15 +58,25 @@ def linear(lib: NativeLib, x: torch.Tensor, packed: torch.Tensor, epilogue: Epil
     m = x.shape[0]
     y = torch.empty(m, n // 2 if epilogue == Epilogue.SILU else n, dtype=torch.bfloat16)
     threads = torch.get_num_threads()
-    pad = torch.empty(threads * 32 * k, dtype=torch.bfloat16)
+    pad = scratch(threads, k)
     status = lib.amx_gemm(
         x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), pad.data_ptr(), threads, int(epilogue)
     )
     if status != 0:
-        raise RuntimeError(
-            f"ucm_amx_gemm returned {status} (1: no AMX in this build or process, 2: shape or epilogue, 3: out of memory)"
-        )
+        raise status_error(status)
     return y
+
+
+def status_error(status: int) -> RuntimeError:
+    """What a non-zero return of ucm_amx_gemm means."""
+    return RuntimeError(
+        f"ucm_amx_gemm returned {status} (1: no AMX in this build or process, 2: shape or epilogue, 3: out of memory)"
+    )
+
+
+def scratch(threads: int, k: int) -> torch.Tensor:
+    """The kernel's scratch for calls of up to `k` in-features on `threads` threads (a last slice's padded rows)."""
+    return torch.empty(threads * 32 * k, dtype=torch.bfloat16)
 
 
 @dataclass(frozen=True)

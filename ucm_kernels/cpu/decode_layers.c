@@ -16,13 +16,14 @@
 #include "entry_points.h"
 
 /* Which kernel a matmul takes (ucm_kernels/cpu/decode_layers.py: LinearFormat). */
-enum { DL_Q4_BF16 = 0, DL_F32_PANELS = 1, DL_Q4_F32 = 2, DL_Q8_F32 = 3 };
+enum { DL_Q4_BF16 = 0, DL_F32_PANELS = 1, DL_Q4_F32 = 2, DL_Q8_F32 = 3, DL_AMX_BF16 = 4, DL_AMX_BF16_PAIRS = 5 };
 
 /* Where a step stopped (ucm_kernels/cpu/decode_layers.py: Failure). */
 enum { DL_OK = 0, DL_LINEAR = 1, DL_WRITE_KV = 2, DL_ATTENTION = 3 };
 
-/* One matmul y [T, n] = x [T, k] @ W^T, W packed as `format` says: q its 4/8-bit bytes or fp32 panels, scales the
- * Q4_1 d|m or the Q8_0 d (NULL for fp32 panels). */
+/* One matmul y [T, n] = x [T, k] @ W^T, W packed as `format` says: q its 4/8-bit bytes, fp32 panels or AMX tiles
+ * (amx_gemm.c; PAIRS: a gate_up weight with its gate and up panels paired, y as [gate | up]), scales the Q4_1 d|m
+ * or the Q8_0 d (NULL for fp32 panels and AMX tiles). */
 typedef struct {
     const void *q;
     const float *scales;
@@ -47,6 +48,7 @@ typedef struct {
     const int64_t *slots;
     const int32_t *seq_lens, *block_tables;
     int64_t num_slots, block_table_stride, max_blocks, num_blocks, block_size, threads;
+    void *pad; /* the AMX kernel's scratch: 32 rows of the widest k per thread */
 } DecodeStepArgs;
 
 typedef struct {
@@ -54,8 +56,11 @@ typedef struct {
     int32_t detail, pad;       /* the attention's sequence, or which matmul of the layer (0-3: qkv, o, gate_up, down) */
 } DecodeFailure;
 
-static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *y, int32_t threads) {
+static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *y, int32_t threads, void *pad) {
     switch (w->format) {
+    case DL_AMX_BF16:
+    case DL_AMX_BF16_PAIRS:
+        return ucm_amx_gemm(x, rows, w->k, w->q, w->n, y, pad, threads, w->format == DL_AMX_BF16_PAIRS);
     case DL_Q4_BF16:
         return ucm_q4_bf16(x, rows, w->k, w->q, w->scales, w->n, y, threads);
     case DL_F32_PANELS:
@@ -102,7 +107,7 @@ int32_t ucm_decode_layers(const DecodeStepArgs *s, const DecodeLayer *layers, in
         int64_t rc;
         if (i) /* the previous MLP's output joins the residual here */
             add_norm(s, s->down_out, l->input_norm, l->input_eps, s->x);
-        if ((rc = linear(&l->qkv, s->x, t, qkv, threads))) return fail(failure, DL_LINEAR, i, rc, 0);
+        if ((rc = linear(&l->qkv, s->x, t, qkv, threads, s->pad))) return fail(failure, DL_LINEAR, i, rc, 0);
         if (bf16) /* q and k, in place */
             ucm_rotary_embedding((uint16_t *)qkv, stride, t, (int32_t)(hq + hkv), (int32_t)d, s->cos, s->sin, threads);
         else
@@ -116,14 +121,14 @@ int32_t ucm_decode_layers(const DecodeStepArgs *s, const DecodeLayer *layers, in
                                  (int32_t)hq, (int32_t)hkv, (int32_t)d, (int32_t)s->block_size, (int32_t)s->dtype,
                                  (float)l->scale, 0, NULL, threads, &err_seq, &skipped);
         if (rc) return fail(failure, DL_ATTENTION, i, rc, err_seq);
-        if ((rc = linear(&l->o, s->att, t, s->o_out, threads))) return fail(failure, DL_LINEAR, i, rc, 1);
+        if ((rc = linear(&l->o, s->att, t, s->o_out, threads, s->pad))) return fail(failure, DL_LINEAR, i, rc, 1);
         add_norm(s, s->o_out, l->post_attn_norm, l->post_attn_eps, s->x);
-        if ((rc = linear(&l->gate_up, s->x, t, s->gate_up, threads))) return fail(failure, DL_LINEAR, i, rc, 2);
+        if ((rc = linear(&l->gate_up, s->x, t, s->gate_up, threads, s->pad))) return fail(failure, DL_LINEAR, i, rc, 2);
         if (bf16)
             ucm_silu_and_mul(s->gate_up, s->act, t, s->inter, threads);
         else
             ucm_silu_and_mul_f32(s->gate_up, s->act, t, s->inter, threads);
-        if ((rc = linear(&l->down, s->act, t, s->down_out, threads))) return fail(failure, DL_LINEAR, i, rc, 3);
+        if ((rc = linear(&l->down, s->act, t, s->down_out, threads, s->pad))) return fail(failure, DL_LINEAR, i, rc, 3);
     }
     add_norm(s, s->down_out, s->final_norm, s->final_eps, s->out);
     return DL_OK;

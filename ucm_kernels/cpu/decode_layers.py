@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ucm_kernels.cpu import q4_bf16
+from ucm_kernels.cpu import amx_gemm, q4_bf16
 from ucm_kernels.cpu import write_kv as native_write
 from ucm_kernels.cpu.native import NativeLib
 from ucm_kernels.cpu.paged_attention import attention_error
@@ -29,6 +29,8 @@ class LinearFormat(enum.IntEnum):
     F32_PANELS = 1  # skinny_gemm.c on fp32 panels
     Q4_F32 = 2  # skinny_gemm.c on 4-bit panels
     Q8_F32 = 3  # skinny_gemm.c on 8-bit panels
+    AMX_BF16 = 4  # amx_gemm.c (a bf16 weight that no quantized panels stand for, where AMX replaces oneDNN)
+    AMX_BF16_PAIRS = 5  # amx_gemm.c on a gate_up weight packed paired: y as [gate | up]
 
 
 class _Failure(enum.IntEnum):
@@ -71,6 +73,7 @@ class CStep(ctypes.Structure):
         ("block_tables", _ptr),
         *((name, _i64) for name in ("num_slots", "block_table_stride", "max_blocks", "num_blocks", "block_size")),
         ("threads", _i64),
+        ("pad", _ptr),  # AMX_BF16's scratch: threads x 32 x the widest k, bf16
     ]
 
 
@@ -136,6 +139,8 @@ class NativeLayers:
             raise native_write.slot_error(slots, status, step.num_slots)
         if op is _Failure.ATTENTION:
             raise attention_error(status, failure.detail)
-        panels = self.layers[failure.layer].linears[failure.detail].panels
-        assert panels is not None, f"only q4_bf16 fails, got status {status} from a {op.name} call"
-        raise q4_bf16.status_error(self.lib, status, step.tokens, panels)
+        linear = self.layers[failure.layer].linears[failure.detail]
+        if linear.format in (LinearFormat.AMX_BF16, LinearFormat.AMX_BF16_PAIRS):
+            raise amx_gemm.status_error(status)
+        assert linear.panels is not None, f"only q4_bf16 and the AMX kernel fail, got status {status} from {op.name}"
+        raise q4_bf16.status_error(self.lib, status, step.tokens, linear.panels)

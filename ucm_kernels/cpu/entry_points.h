@@ -40,6 +40,8 @@ int32_t ucm_skinny_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *
                            const float *bias, float *y, int32_t num_threads);
 int32_t ucm_skinny_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *qp, const float *d, int64_t n,
                            const float *bias, float *y, int32_t num_threads);
+int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y,
+                     uint16_t *pad, int32_t num_threads, int32_t epilogue);
 int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
                     uint16_t *y, int32_t num_threads);
 
