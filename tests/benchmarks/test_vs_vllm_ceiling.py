@@ -12,20 +12,9 @@ import pytest
 from benchmarks import vs_vllm_ceiling as ceiling
 from benchmarks.roofline import kv_bytes, prefill_flops, weight_bytes
 from benchmarks.vs_vllm_workloads import RandomShape
-from engine.model_config import ModelConfig
 from engine.step_budget import linear_flops_per_token
+from tests.benchmarks.test_prefix_floor import MC  # the same tiny Llama shape
 
-MC = ModelConfig.from_hf_dict(
-    {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 100,
-    }
-)
 SHAPE = RandomShape(prompts=6, prompt_len=8, out_len=3, concurrency=4)  # 2 waves (the second not full), 2 decodes
 
 
