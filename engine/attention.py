@@ -11,7 +11,7 @@ signatures.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -39,6 +39,9 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     layer_hooks: LayerHooks | None = None  # None: no connector, or none bound in this step
     generated_rows: GeneratedRows | None = None  # None: every row a prompt row (engine/models/dense.py)
+    # Called before each decoder layer after the first: a long prompt step's thread count follows the thread governor
+    # within the step (engine/engine_core.py), not only at its start.
+    between_layers: Callable[[], None] | None = None
 
 
 # A ContextVar rather than a module global: engines in different threads each see their own step.
@@ -50,9 +53,10 @@ def set_forward_context(
     attn_metadata: AttentionMetadata,
     layer_hooks: LayerHooks | None = None,
     generated_rows: GeneratedRows | None = None,
+    between_layers: Callable[[], None] | None = None,
 ) -> Iterator[ForwardContext]:
     """The context of one forward pass; restored to the enclosing one (normally none) on exit."""
-    context = ForwardContext(attn_metadata, layer_hooks, generated_rows)
+    context = ForwardContext(attn_metadata, layer_hooks, generated_rows, between_layers)
     token = _forward_context.set(context)
     try:
         yield context

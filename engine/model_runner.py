@@ -3,6 +3,7 @@ copy-on-write copies, drives the worker-side connector around the forward, sampl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ class ModelRunner:
         self.connector = connector
         self.sampler = Sampler()
         self.final_states = FinalStates()  # whole prompt hits sample without a forward (engine/final_states.py)
+        self.between_layers: Callable[[], None] | None = None  # ForwardContext.between_layers (the engine's governor)
         if connector is not None:
             connector.register_kv_caches(kv_caches)
 
@@ -111,7 +113,7 @@ class ModelRunner:
                 if plan.unique == list(range(len(input_ids)))
                 else torch.tensor(plan.unique, dtype=torch.long, device=self.device)
             )
-            with set_forward_context(meta, hooks, generated):
+            with set_forward_context(meta, hooks, generated, self.between_layers):
                 hidden = self.model.forward(input_ids, positions, self.kv_caches, keep)
             self._remember_final_states(out, plan, hidden)
         if conn is not None and out.kv_connector_metadata is not None:

@@ -100,6 +100,7 @@ class JobRunner:
         """One engine step's messages. If the step raises, the requests it ran get JobFailed (and are aborted,
         freeing their blocks); the others stay queued and the node keeps serving."""
         if not self.engine.has_unfinished_requests():
+            self.engine.idle()
             return []
         if self._step_delay_s:
             time.sleep(self._step_delay_s)  # test hook only (NodeConfig.step_delay_s): a slow but live node

@@ -90,6 +90,9 @@ class FakeEngine:
                 self.aborted.append(seq.request_id)
             self._pending.append(self._output(seq, [], "abort"))
 
+    def idle(self) -> None:
+        """EngineCore.idle: the thread governor's idle decisions; this engine has none."""
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or self._pending)
 

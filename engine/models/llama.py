@@ -100,7 +100,10 @@ class LlamaForCausalLM(nn.Module):
         context = current_forward_context()
         subset = None if keep is None else RowSubset.of(keep, context.generated_rows if context else None)
         residual: torch.Tensor | None = None
+        between = context.between_layers if context is not None else None
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            if i and between is not None:
+                between()
             h, residual = layer(h, residual, cos, sin, kv_cache, subset if i == len(layers) - 1 else None)
         assert residual is not None, "a layer returns the residual stream"
         return self.norm(h, residual) if h.shape[0] else h

@@ -12,8 +12,11 @@ import sys
 import time
 
 import pytest
+import torch
 
+from engine import SamplingParams
 from engine.thread_governor import WINDOW_S, ThreadGovernor, engine_cpus
+from tests.engine_helpers import make_llm
 from ucm_kernels.cpu.host import busy_cpu_s
 
 
@@ -22,6 +25,11 @@ class Host:
 
     def __init__(self) -> None:
         self.wall = self.busy = self.own = 0.0
+        self.tick = 0.0  # wall seconds each clock read adds (a layer's time, for steps the test runs)
+
+    def clock(self) -> float:
+        self.wall += self.tick
+        return self.wall
 
     def run(self, seconds: float, own_cores: float, other_cores: float) -> None:
         self.wall += seconds
@@ -29,7 +37,7 @@ class Host:
         self.busy += (own_cores + other_cores) * seconds
 
     def governor(self, cores: int = 2) -> ThreadGovernor:
-        return ThreadGovernor(cores, frozenset(range(cores)), lambda _: self.busy, lambda: self.wall, lambda: self.own)
+        return ThreadGovernor(cores, frozenset(range(cores)), lambda _: self.busy, self.clock, lambda: self.own)
 
 
 def test_a_busy_neighbour_takes_a_thread_and_gives_it_back() -> None:
@@ -124,3 +132,67 @@ def test_a_real_busy_process_is_seen() -> None:
     finally:
         spin.kill()
         spin.wait()
+
+
+def test_an_idle_engine_judges_the_window_before_its_next_burst(smollm2_fp32) -> None:
+    """A serving loop calls EngineCore.idle() while nothing is queued: a neighbour busy during the idle stretch that
+    stopped before the burst leaves the burst's first step every thread. Without the idle decisions, the first
+    step judges the whole stretch and runs on one."""
+    llm = make_llm(smollm2_fp32)
+    engine = llm.engine
+    threads_before = torch.get_num_threads()
+    params = SamplingParams(max_tokens=2, temperature=0)
+    try:
+        for with_idle in (False, True):
+            host = Host()
+            engine.governor = host.governor()
+            torch.set_num_threads(2)
+            for _ in range(20):  # 10 s: the neighbour (a benchmark client preparing its prompts) takes a core
+                host.run(0.5, own_cores=0.0, other_cores=1.0)
+                if with_idle:
+                    engine.idle()
+            for _ in range(2):  # it stopped: 1 s before the burst arrives
+                host.run(0.5, own_cores=0.0, other_cores=0.0)
+                if with_idle:
+                    engine.idle()
+            engine.add_request(f"burst-{with_idle}", list(range(100, 140)), params)
+            engine.step()
+            want = 2 if with_idle else 1
+            assert engine.stats_counters.threads == want, f"idle decisions {with_idle}: the first step's threads"
+            assert torch.get_num_threads() == want, "the count the kernels read follows the decision"
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert engine.governor.changes == 2, "while idle: dropped for the neighbour, back once it stopped"
+    finally:
+        llm.close()
+        torch.set_num_threads(threads_before)
+
+
+def test_a_long_prompt_step_takes_a_freed_core_back_between_its_layers(smollm2_fp32) -> None:
+    """A step's thread count is re-decided before each decoder layer once the window has passed: a prompt step that
+    began on one thread beside a neighbour that then stopped runs its later layers on both cores. Without the
+    between-layers decisions the whole step keeps one thread."""
+    llm = make_llm(smollm2_fp32)
+    engine = llm.engine
+    threads_before = torch.get_num_threads()
+    params = SamplingParams(max_tokens=1, temperature=0)
+    try:
+        for between in (False, True):
+            host = Host()
+            engine.governor = host.governor()
+            torch.set_num_threads(2)
+            host.run(0.5, own_cores=0.0, other_cores=1.0)  # the neighbour took a core, then stopped
+            engine.idle()
+            assert engine.governor.current == 1 and torch.get_num_threads() == 1
+            host.tick = 0.1
+            engine.runner.between_layers = engine._between_layers if between else None
+            engine.add_request(f"long-{between}", list(range(100, 400)), params)
+            while engine.has_unfinished_requests():
+                engine.step()
+            want = 2 if between else 1
+            assert engine.governor.current == want and torch.get_num_threads() == want, f"between layers: {between}"
+            assert engine.stats_counters.threads == want
+    finally:
+        engine.runner.between_layers = engine._between_layers
+        llm.close()
+        torch.set_num_threads(threads_before)
