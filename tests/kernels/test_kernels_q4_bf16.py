@@ -105,7 +105,7 @@ def test_the_choice_follows_the_measurement_and_is_cached(bf16_lib, forced) -> N
     rounds[:] = [(1.0, 2.0), (2.0, 1.0)]
     assert not kernel_wins(bf16_lib, 64, 32), "rounds disagreed: oneDNN for now"
     q4_bf16.forget()
-    assert not kernel_wins(bf16_lib, 64, 32) and measured[-2:] == [(64, 32), (64, 32)], "... and measured again"
+    assert not kernel_wins(bf16_lib, 64, 32) and measured.count((64, 32)) == 1, "... stored as provisional, taken"
 
 
 def test_the_environment_forces_either_way(bf16_lib, forced, monkeypatch) -> None:

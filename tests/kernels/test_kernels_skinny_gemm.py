@@ -143,14 +143,16 @@ def test_greedy_text_is_the_same_either_way(monkeypatch, tmp_path) -> None:
     assert outs["native"] == outs["torch"]
 
 
-def test_disagreeing_rounds_are_not_stored_and_say_where(native_lib, forced, monkeypatch, caplog) -> None:
+def test_disagreeing_rounds_are_stored_as_provisional_and_say_where(native_lib, forced, monkeypatch, caplog) -> None:
     forced(16)
     rounds = [{r: (1.0, 2.0) if r <= up_to else (2.0, 1.0) for r in ROW_LADDER} for up_to in (8, 16)]
     monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: rounds)
     with caplog.at_level("INFO", logger="ucm_kernels.cpu.skinny_gemm"):
-        assert dense_mod.pack_weight(torch.randn(48, 32)).panels.max_rows == 8, "the smaller answer until one is stored"
-    assert "rounds disagreed on rows 8 vs 16" in caplog.text
-    assert not list((Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json"))
+        assert dense_mod.pack_weight(torch.randn(48, 32)).panels.max_rows == 8, "the smaller answer of the two"
+    assert "rounds disagreed on rows 8 vs 16" in caplog.text and "stored as provisional" in caplog.text
+    (path,) = (Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json")
+    data = json.loads(path.read_text())
+    assert not data["entries"] and [e["max_rows"] for e in data["provisional"].values()] == [8], data
 
 
 @pytest.mark.parametrize(("kernel_ms", "won"), [(1.0, ROW_LADDER[-1]), (2.0, 0)])

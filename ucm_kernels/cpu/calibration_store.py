@@ -4,10 +4,11 @@ One JSON file per kind and key (`calibration_key`: the CPU model and flags, the 
 version and ISA caps, the thread count), under `<cache dir>/kernels/`. When any part of the key changes the hash
 names another file, so a stale choice is never read. `stored_or_measured` reads an entry or measures it: one process
 at a time (a lock file beside the cache file, so nodes that start together do not time each other's load), and
-stores the result only when its rounds agreed and no other process took cores meanwhile (`CpuClock`). A result
-measured under load is kept aside as provisional instead: later processes measure again, and until one measures
-cleanly each takes the provisional choice, so every process on the host runs the same kernel, and the same bits
-(kernels differ in their order of operations: a served node's greedy text equals an in-process engine's).
+stores the result as measured only when its rounds agreed and no other process took cores meanwhile (`CpuClock`).
+A result measured under load is stored as provisional, and every later process takes it as it is: kernels differ in
+their order of operations, and a process that measured again could pick another kernel than one already serving (a
+served node's greedy text must equal an in-process engine's; CI saw them differ when a clean measurement replaced a
+provisional choice one of them had taken). Deleting the file (or a new library build, another key) measures again.
 """
 
 from __future__ import annotations
@@ -92,16 +93,18 @@ class Source:
     path: Path
     measured: bool
     seconds: float = 0.0
-    not_stored: tuple[str, ...] = ()  # why the measurement was not stored (its rounds disagreed, other load)
-    provisional: bool = False  # not stored: an earlier process's provisional choice taken instead of this one's
+    not_stored: tuple[str, ...] = ()  # why it was stored as provisional (its rounds disagreed, other load)
+    provisional: bool = False  # measured under load (this process or an earlier one): delete the file to measure again
 
     def __str__(self) -> str:
+        again = f"; delete {self.path} to measure again"
         if not self.measured:
-            return f"from {self.path}"
+            return f"from {self.path}" + (f", provisional (measured under load){again}" if self.provisional else "")
         if not self.not_stored:
             return f"measured in {self.seconds:.2f} s; stored in {self.path}"
-        taken = "; the provisional choice in the file taken" if self.provisional else "; kept as provisional"
-        return f"measured in {self.seconds:.2f} s; not stored: {'; '.join(self.not_stored)}{taken}"
+        return (
+            f"measured in {self.seconds:.2f} s under load: {'; '.join(self.not_stored)}; stored as provisional{again}"
+        )
 
 
 @contextlib.contextmanager
@@ -178,35 +181,40 @@ def stored_or_measured(
     measure_fn: Callable[[], tuple[T, list[str]]],
     encode: Callable[[T], dict[str, object]],
 ) -> tuple[T, Source]:
-    """Entry `name` of this machine's `file_kind` cache file where `parse` accepts it, else `measure_fn()`'s
-    (value, what its rounds disagreed on), measured by one process at a time and stored only when the rounds agreed
-    on everything and no other process took cores meanwhile. A loaded machine's answer is kept as provisional, and
-    measured again by the next process, which takes the provisional answer unless it measures cleanly itself. The
-    caller memoises and logs."""
+    """Entry `name` of this machine's `file_kind` cache file where `parse` accepts it (a provisional one too), else
+    `measure_fn()`'s (value, what its rounds disagreed on), measured by one process at a time and stored as measured
+    when the rounds agreed on everything and no other process took cores meanwhile, else as provisional (module
+    doc). The caller memoises and logs."""
     pin = pinned(file_kind, threads, name)
     if pin is not None and (found := parse(pin[0])) is not None:
         return found, Source(pin[1], measured=False)
     key = calibration_key(lib, threads)
     path = key_file(file_kind, key, root)
-    found = parse(read_entries(path, key).get(name))
-    if found is not None:
-        return found, Source(path, measured=False)
+    stored = _stored(path, key, name, parse)
+    if stored is not None:
+        return stored
     with file_lock(path):
-        found = parse(read_entries(path, key).get(name))  # stored by the process that held the lock before us
-        if found is not None:
-            return found, Source(path, measured=False)
+        stored = _stored(path, key, name, parse)  # stored by the process that held the lock before us
+        if stored is not None:
+            return stored
         start = CpuClock.now()
         value, disagreed = measure_fn()
         end = CpuClock.now()
         others = end.others_cores_since(start)
-        not_stored = [f"rounds disagreed on {', '.join(disagreed)} (other load on the CPU?)"] if disagreed else []
+        under_load = [f"rounds disagreed on {', '.join(disagreed)} (other load on the CPU?)"] if disagreed else []
         if others is not None and others > OTHERS_MAX_CORES:
-            not_stored.append(f"other processes took {others:.2f} cores meanwhile")
-        earlier = None
-        if not not_stored:
-            write_entry(path, key, name, encode(value))
-        elif (earlier := parse(read_entries(path, key, "provisional").get(name))) is None:
-            write_entry(path, key, name, encode(value), provisional=True)
+            under_load.append(f"other processes took {others:.2f} cores meanwhile")
+        write_entry(path, key, name, encode(value), provisional=bool(under_load))
     seconds = end.wall_s - start.wall_s
-    source = Source(path, measured=True, seconds=seconds, not_stored=tuple(not_stored), provisional=earlier is not None)
-    return (value if earlier is None else earlier), source
+    return value, Source(path, True, seconds, tuple(under_load), provisional=bool(under_load))
+
+
+def _stored(
+    path: Path, key: dict[str, object], name: str, parse: Callable[[object], T | None]
+) -> tuple[T, Source] | None:
+    """The file's entry `name` where `parse` accepts it, measured or else provisional, with its source."""
+    for provisional in (False, True):
+        found = parse(read_entries(path, key, "provisional" if provisional else "entries").get(name))
+        if found is not None:
+            return found, Source(path, measured=False, provisional=provisional)
+    return None
