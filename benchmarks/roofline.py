@@ -48,6 +48,8 @@ from ucm_kernels.cpu.host import cpu_info, last_level_cache_bytes, vector_flags
 from ucm_kernels.cpu.timing import alternating_best_ms
 
 TARGETS = {"prefill": 0.85, "decode": 0.75}
+PREFILL_TOKENS = 1536  # the prompt step timed: each matmul's rows
+ROUNDS = 5  # matmul and read timings: the best counts
 DECODE_PROMPT, DECODE_STEPS = 256, 16
 
 
@@ -208,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--dtype", default="auto", help="the engine's: auto (as served), bfloat16 or float32")
-    ap.add_argument("--prefill-tokens", type=int, default=1536)
+    ap.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--repeats", type=int, default=3, help="prefill steps timed (the best counts)")
-    ap.add_argument("--rounds", type=int, default=5, help="matmul and read timings (the best counts)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="matmul and read timings (the best counts)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)

@@ -36,7 +36,15 @@ import torch
 
 from benchmarks.bench_server import VLLM
 from benchmarks.prefix_floor import best_order_mean_flops
-from benchmarks.roofline import kv_bytes, measure_rates, prefill_flops, read_bandwidth_gbs, weight_bytes
+from benchmarks.roofline import (
+    PREFILL_TOKENS,
+    ROUNDS,
+    kv_bytes,
+    measure_rates,
+    prefill_flops,
+    read_bandwidth_gbs,
+    weight_bytes,
+)
 from benchmarks.vs_vllm_workloads import BURST, PROBE_TOKENS, RANDOM, Burst, RandomShape
 from benchmarks.yardstick_models import model_config
 from engine.model_config import ModelConfig
@@ -137,8 +145,8 @@ def rows(mc: ModelConfig, limits: Limits, engine: Limits | None, itemsize: int, 
 def limits_from(roofline: dict[str, Any] | None, model: str, mc: ModelConfig) -> tuple[Limits, Limits | None]:
     """(the host's limits, the same at the engine's fractions) from benchmarks.roofline's JSON, else measured now."""
     if roofline is None:
-        rates = measure_rates(mc, model, argparse.Namespace(prefill_tokens=1536, rounds=5))
-        read, _ = read_bandwidth_gbs(5)
+        rates = measure_rates(mc, model, argparse.Namespace(prefill_tokens=PREFILL_TOKENS, rounds=ROUNDS))
+        read, _ = read_bandwidth_gbs(ROUNDS)
         return Limits(max(rates.values()) * 1e9, read * 1e9), None
     dtype = roofline["dtype"]
     mine = [r for r in roofline["rows"] if r["model"] == model]

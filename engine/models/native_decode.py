@@ -266,9 +266,8 @@ def _native_linear(packed: Packed) -> tuple[decode_layers.Linear, int] | None:
         return decode_layers.Linear(p.qp, p.dm, p.n, p.k, fmt.Q4_BF16, p), ANY_ROWS
     if isinstance(packed, BF16Packed) and packed.decode is None and packed.amx is not None:
         amx = packed.amx
-        n, k = amx.packed.shape[0] * amx_gemm.TILE_N, amx.packed.shape[1] * amx_gemm.TILE_K
         return decode_layers.Linear(
-            amx.packed, None, n, k, fmt.AMX_BF16_PAIRS if amx.paired else fmt.AMX_BF16
+            amx.packed, None, amx.out_features, amx.in_features, fmt.AMX_BF16_PAIRS if amx.paired else fmt.AMX_BF16
         ), ANY_ROWS
     if isinstance(packed, F32Packed) and packed.panels is not None:
         pw = packed.panels

@@ -334,7 +334,7 @@ def test_rounds_that_disagree_are_used_but_not_stored(lib, auto, tmp_path, monke
     picked = calibration.plan(lib, g)
     assert picked[ShapeClass.DECODE] == calibration.Pick("torch", 1.0, 0.5)
     stored = [
-        calibration_store.read_entries(f, json.loads(f.read_text())["key"])
+        calibration_store.read_sections(f, json.loads(f.read_text())["key"]).entries
         for f in (tmp_path / "cache").rglob("calibration-*.json")
     ]
     assert not any(stored), "a disputed plan must not be stored, only kept as provisional"
@@ -370,11 +370,11 @@ def test_a_measurement_while_another_process_runs_is_stored_as_provisional(lib, 
         hog.kill()
         hog.wait()
     assert value == "kernel" and source.measured and source.provisional
-    assert source.not_stored and "other processes took" in source.not_stored[0], source
+    assert source.under_load and "other processes took" in source.under_load[0], source
     (file,) = tmp_path.rglob("linear-*.json")
     key = json.loads(file.read_text())["key"]
-    assert not calibration_store.read_entries(file, key), "not stored as measured"
-    assert calibration_store.read_entries(file, key, "provisional") == {"probe": "kernel"}
+    assert not calibration_store.read_sections(file, key).entries, "not stored as measured"
+    assert calibration_store.read_sections(file, key).provisional == {"probe": "kernel"}
     value, source = _stored(lib, tmp_path, lambda: pytest.fail("a provisional choice is taken, not measured again"))
     assert value == "kernel" and not source.measured and source.provisional
     assert f"delete {file} to measure again" in str(source)

@@ -48,10 +48,14 @@ def pack(weight: torch.Tensor, paired: bool = False) -> torch.Tensor:
     return pairs.permute(0, 2, 3, 1).contiguous().view(torch.bfloat16).view(n // TILE_N, k // TILE_K, 16, 16, 2)
 
 
+def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of the weight `pack` turned into `packed`."""
+    return packed.shape[0] * TILE_N, packed.shape[1] * TILE_K
+
+
 def linear(lib: NativeLib, x: torch.Tensor, packed: torch.Tensor, epilogue: Epilogue = Epilogue.PLAIN) -> torch.Tensor:
     """x [M, K] bf16 @ W^T -> [M, N] bf16 (Epilogue.SILU: [M, N / 2]), W as `pack` left it."""
-    n = packed.shape[0] * TILE_N
-    k = packed.shape[1] * TILE_K
+    n, k = packed_shape(packed)
     if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be [M, {k}] bf16, got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
@@ -87,18 +91,26 @@ class AmxWeight:
     packed: torch.Tensor
     paired: bool = False  # a gate_up weight packed with paired=True: silu_and_mul is there too
 
+    @property
+    def out_features(self) -> int:
+        return packed_shape(self.packed)[0]
+
+    @property
+    def in_features(self) -> int:
+        return packed_shape(self.packed)[1]
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
         flat = x.reshape(-1, x.shape[-1])
         epilogue = Epilogue.PAIRS if self.paired else Epilogue.PLAIN
-        return linear(self.lib, flat, self.packed, epilogue).view(*x.shape[:-1], self.packed.shape[0] * TILE_N)
+        return linear(self.lib, flat, self.packed, epilogue).view(*x.shape[:-1], self.out_features)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """ucm_kernels.api.silu_and_mul(self.linear(x)) [..., N / 2], bit for bit, with no [..., N] intermediate."""
         assert self.paired, "the SiLU epilogue needs the gate and up panels paired"
         flat = x.reshape(-1, x.shape[-1])
         y = linear(self.lib, flat, self.packed, Epilogue.SILU)
-        return y.view(*x.shape[:-1], self.packed.shape[0] * TILE_N // 2)
+        return y.view(*x.shape[:-1], self.out_features // 2)
 
 
 def needed_and_available() -> NativeLib | None:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ucm_kernels.choice_memo import ChoiceMemo
-from ucm_kernels.cpu.calibration_store import key_file, pinned, read_entries, stored_or_measured, write_entry
+from ucm_kernels.cpu.calibration_store import key_file, pinned, read_sections, stored_or_measured, write_entry
 from ucm_kernels.cpu.host import cpu_info, torch_isa, vector_flags
 from ucm_kernels.cpu.native import NativeLib
 from ucm_kernels.cpu.paged_attention import paged_attention_native
@@ -240,7 +240,7 @@ def matmul_times(root: Path | None = None) -> dict[str, float]:
            "torch_isa": torch_isa(), "threads": torch.get_num_threads()}  # fmt: skip
     path = key_file("dtype", key, root)
     pin = pinned("dtype", torch.get_num_threads(), "matmul")
-    times = pin[0] if pin is not None else read_entries(path, key).get("matmul")
+    times = pin[0] if pin is not None else read_sections(path, key).entries.get("matmul")
     if not (isinstance(times, dict) and set(times) == {"bfloat16", "float32"}):
         times = measure_matmul()
         write_entry(path, key, "matmul", times)

@@ -54,23 +54,30 @@ def key_file(kind: str, key: dict[str, object], root: Path | None) -> Path:
     return (root if root is not None else cache_dir()) / "kernels" / f"{kind}-{digest}.json"
 
 
-def read_entries(path: Path, key: dict[str, object], section: str = "entries") -> dict[str, dict]:
-    """The file's entries (section "provisional": those measured under load) if it is ours (same version and key);
-    else none (absent, stale or damaged)."""
+@dataclass(frozen=True)
+class Sections:
+    """A cache file's two sections, when the file is ours (same version and key); else both empty."""
+
+    entries: dict[str, dict]  # measured on a quiet CPU
+    provisional: dict[str, dict]  # measured under load, taken as they are (module doc)
+
+
+def read_sections(path: Path, key: dict[str, object]) -> Sections:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
+        return Sections({}, {})
     if not isinstance(data, dict) or data.get("version") != FILE_VERSION or data.get("key") != key:
-        return {}
-    entries = data.get(section)
-    return entries if isinstance(entries, dict) else {}
+        return Sections({}, {})
+    entries, provisional = data.get("entries"), data.get("provisional")
+    return Sections(entries if isinstance(entries, dict) else {}, provisional if isinstance(provisional, dict) else {})
 
 
 def write_entry(path: Path, key: dict[str, object], name: str, entry: dict, provisional: bool = False) -> None:
     """Add one entry (provisional: to the entries measured under load); written to a temporary file and renamed, so
     concurrent readers see an old or a new file. A stored entry drops the provisional one of its name."""
-    entries, aside = read_entries(path, key), read_entries(path, key, "provisional")
+    found = read_sections(path, key)
+    entries, aside = found.entries, found.provisional
     if provisional:
         aside[name] = entry
     else:
@@ -93,17 +100,22 @@ class Source:
     path: Path
     measured: bool
     seconds: float = 0.0
-    not_stored: tuple[str, ...] = ()  # why it was stored as provisional (its rounds disagreed, other load)
-    provisional: bool = False  # measured under load (this process or an earlier one): delete the file to measure again
+    under_load: tuple[str, ...] = ()  # measured here: why it was stored as provisional (rounds disagreed, other load)
+    read_provisional: bool = False  # read from the file's provisional section
+
+    @property
+    def provisional(self) -> bool:
+        """Measured under load, here or by an earlier process: delete the file to measure again."""
+        return self.read_provisional or bool(self.under_load)
 
     def __str__(self) -> str:
         again = f"; delete {self.path} to measure again"
         if not self.measured:
             return f"from {self.path}" + (f", provisional (measured under load){again}" if self.provisional else "")
-        if not self.not_stored:
+        if not self.under_load:
             return f"measured in {self.seconds:.2f} s; stored in {self.path}"
         return (
-            f"measured in {self.seconds:.2f} s under load: {'; '.join(self.not_stored)}; stored as provisional{again}"
+            f"measured in {self.seconds:.2f} s under load: {'; '.join(self.under_load)}; stored as provisional{again}"
         )
 
 
@@ -206,15 +218,16 @@ def stored_or_measured(
             under_load.append(f"other processes took {others:.2f} cores meanwhile")
         write_entry(path, key, name, encode(value), provisional=bool(under_load))
     seconds = end.wall_s - start.wall_s
-    return value, Source(path, True, seconds, tuple(under_load), provisional=bool(under_load))
+    return value, Source(path, True, seconds, tuple(under_load))
 
 
 def _stored(
     path: Path, key: dict[str, object], name: str, parse: Callable[[object], T | None]
 ) -> tuple[T, Source] | None:
     """The file's entry `name` where `parse` accepts it, measured or else provisional, with its source."""
-    for provisional in (False, True):
-        found = parse(read_entries(path, key, "provisional" if provisional else "entries").get(name))
+    sections = read_sections(path, key)
+    for provisional, entries in ((False, sections.entries), (True, sections.provisional)):
+        found = parse(entries.get(name))
         if found is not None:
-            return found, Source(path, measured=False, provisional=provisional)
+            return found, Source(path, measured=False, read_provisional=provisional)
     return None
