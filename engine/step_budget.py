@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engine.model_config import ModelConfig
+from ucm_kernels.cpu.choice_threads import choice_threads
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def step_matmul_gflops(mc: ModelConfig, dtype: torch.dtype, root: Path | None = 
         return 2 * t * k * n / (ms * 1e-3) / 1e9
     shapes = " ".join(f"{m.n}x{m.k}{' silu' if m.gate_up else ''}" for m in layer_matmuls(mc))
     name = f"{str(dtype).removeprefix('torch.')} {FAST_BUDGET} rows: {shapes}"
-    threads = torch.get_num_threads()
+    threads = choice_threads()
     gflops, where = stored_or_measured(
         "step", name, lib, threads, root, _parse_rate, lambda: measure_layer_gflops(mc, dtype), lambda g: {"gflops": g}
     )

@@ -50,19 +50,20 @@ def _requests(llm):
 
 
 def test_after_the_warm_up_the_first_requests_measure_nothing(smollm2_fp32, made_choices, tmp_path) -> None:
-    # At every thread count the governor may switch to: a choice keyed by the count would otherwise be measured
-    # mid-serving, on a host busy enough to have made the governor switch.
+    # At every thread count the governor may switch to (the choices are the host's, ucm_kernels/cpu/choice_threads.py,
+    # but oneDNN builds its primitives per thread count): mid-serving, on a host busy enough to have made the
+    # governor switch, nothing is measured or built.
     cold = make_llm(smollm2_fp32, kv_store=f"embedded?disk_path={tmp_path / 'a'}")
     try:
         expected = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in _requests(cold)]
     finally:
         cold.close()
-    forget_every_choice()
-    before, widest = torch.get_num_threads(), 2  # a 2-core machine's count: the warm-up then adds the 1-thread choices
+    before, widest = torch.get_num_threads(), 2  # a 2-core machine's count
     torch.set_num_threads(widest)
     llm = make_llm(smollm2_fp32, kv_store=f"embedded?disk_path={tmp_path / 'b'}")
     try:
         engine = llm.engine
+        forget_every_choice()  # what the engine's construction chose: the warm-up's steps must choose it again
         made_choices.clear()
         report = warm_up(engine)
         assert made_choices, "the warm-up made the choices this process had forgotten"

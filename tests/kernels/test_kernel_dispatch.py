@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from ucm_kernels import api
 from ucm_kernels.cpu import calibration, calibration_store, host, native
 from ucm_kernels.cpu import paged_attention as native_attention
 from ucm_kernels.cpu.calibration import Geometry, ShapeClass
+from ucm_kernels.cpu.choice_threads import choice_threads
 from ucm_kernels.cpu.paged_attention import paged_attention_native
 from ucm_kernels.reference import decode_attention_torch, prefill_attention_torch
 from ucm_kernels.testing import make_paged_case, naive_attention
@@ -190,19 +192,24 @@ def test_cache_file_round_trip_and_key(lib, auto, tmp_path, caplog, monkeypatch)
     files = list((tmp_path / "cache" / "kernels").glob("calibration-*.json"))
     assert len(files) == 1, files
     data = json.loads(files[0].read_text())
-    assert data["key"] == calibration_store.calibration_key(lib, torch.get_num_threads())
+    assert data["key"] == calibration_store.calibration_key(lib, choice_threads())
     assert data["entries"][g.label()]["chunk"]["impl"] == "torch"
 
     measured = auto({}, keep_files=True)  # forget the memo: the next plan must come from the file
     assert calibration.plan(lib, g) == first and not measured, "the stored plan is read back, not measured"
-    # Each part of the key invalidates: another thread count, library, torch version or CPU names another file.
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(threads + 1)
-        calibration.plan(lib, g)
+        torch.set_num_threads(1)  # a process (or a step) on fewer threads than the host has takes the host's plan
+        auto({}, keep_files=True)
+        assert calibration.plan(lib, g) == first and not measured, "one plan per host, whatever the thread count"
     finally:
         torch.set_num_threads(threads)
-    assert len(measured) == 3, "another thread count must measure again"
+    # Each part of the key invalidates: another host thread count, library, torch version or CPU names another file.
+    cpus = choice_threads()
+    with monkeypatch.context() as m:
+        m.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus + 1)))
+        calibration.plan(lib, g)
+    assert len(measured) == 3, "another host thread count must measure again"
     for patch in (
         lambda: calibration.plan(dataclasses.replace(lib, path=Path("/x/ucm_kernels-other.so")), g),
         lambda: (monkeypatch.setattr(torch, "__version__", "0.0-test"), calibration.plan(lib, g)),

@@ -2,12 +2,12 @@
 
 Neither path wins everywhere: the C kernel's speed depends on the vector path the build got (AVX-512, AVX2,
 NEON or scalar) and the torch path's on its GEMMs and thread count. So on the first CPU attention call for a new
-(dtype, head geometry, block size) at the current torch thread count, `plan()` times the native kernel and the
+(dtype, head geometry, block size), `plan()` times the native kernel and the
 torch path on one small problem per shape class (`PROBLEMS`: a decode batch, a prefill chunk over a cached
 prefix, a whole prompt), picks the faster of each and logs the numbers once. The result goes to a cache file
-keyed by the CPU, the native library, torch and the thread count (ucm_kernels/cpu/calibration_store.py: measured one
-process at a time, stored only when its two rounds agree and no other process took cores meanwhile; otherwise
-used now and measured again next time). A later process with the same key reads the file instead of measuring.
+keyed by the CPU, the native library, torch and the host's thread count (ucm_kernels/cpu/choice_threads.py: one
+path per host, whatever a process or step runs on; ucm_kernels/cpu/calibration_store.py: measured one process at a
+time at that count, and stored as provisional when its rounds disagree or other processes took cores meanwhile). A later process with the same key reads the file instead of measuring.
 `plan()` runs at most once per key and geometry per process (engine start-up calls it through
 `ucm_kernels.calibrate_cpu_attention`, so no request waits on it); calls after that are a dict lookup.
 
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ucm_kernels.choice_memo import ChoiceMemo
 from ucm_kernels.cpu.calibration_store import key_file, pinned, read_sections, stored_or_measured, write_entry
+from ucm_kernels.cpu.choice_threads import choice_threads, measuring_at
 from ucm_kernels.cpu.host import cpu_info, torch_isa, vector_flags
 from ucm_kernels.cpu.native import NativeLib
 from ucm_kernels.cpu.paged_attention import paged_attention_native
@@ -176,7 +177,7 @@ def _encode_plan(result: Plan) -> dict[str, object]:
 def plan(lib: NativeLib, g: Geometry, root: Path | None = None) -> Plan:
     """The path per shape class for this geometry on this machine: memoised, else read from the cache file,
     else measured (and stored). `root` overrides the cache dir (tests)."""
-    threads = torch.get_num_threads()
+    threads = choice_threads()
     # The memo's key stands for the file's (same CPU and torch within a process): no hashing per call.
     memo_key = (str(root), lib.path.name, threads, g)
 
@@ -237,12 +238,13 @@ def matmul_times(root: Path | None = None) -> dict[str, float]:
     stored (engine/step_budget.py reads the rate off them where the native library is missing)."""
     model, flags = cpu_info()
     key = {"cpu": model, "flags": flags, "machine": platform.machine(), "torch": torch.__version__,
-           "torch_isa": torch_isa(), "threads": torch.get_num_threads()}  # fmt: skip
+           "torch_isa": torch_isa(), "threads": choice_threads()}  # fmt: skip
     path = key_file("dtype", key, root)
-    pin = pinned("dtype", torch.get_num_threads(), "matmul")
+    pin = pinned("dtype", choice_threads(), "matmul")
     times = pin[0] if pin is not None else read_sections(path, key).entries.get("matmul")
     if not (isinstance(times, dict) and set(times) == {"bfloat16", "float32"}):
-        times = measure_matmul()
+        with measuring_at(choice_threads()):
+            times = measure_matmul()
         write_entry(path, key, "matmul", times)
     return times
 

@@ -1,8 +1,8 @@
 """Where the CPU calibrations live, and when a measurement may be stored there.
 
 One JSON file per kind and key (`calibration_key`: the CPU model and flags, the native library's file name, torch's
-version and ISA caps, the thread count), under `<cache dir>/kernels/`. When any part of the key changes the hash
-names another file, so a stale choice is never read. `stored_or_measured` reads an entry or measures it: one process
+version and ISA caps, the host's thread count: choice_threads.py), under `<cache dir>/kernels/`. When any part of the
+key changes the hash names another file, so a stale choice is never read. `stored_or_measured` reads an entry or measures it: one process
 at a time (a lock file beside the cache file, so nodes that start together do not time each other's load), and
 stores the result as measured only when its rounds agreed and no other process took cores meanwhile (`CpuClock`).
 A result measured under load is stored as provisional, and every later process takes it as it is: kernels differ in
@@ -30,6 +30,7 @@ from typing import TypeVar
 import torch
 
 from ucm_kernels.cache_dir import cache_dir
+from ucm_kernels.cpu.choice_threads import measuring_at
 from ucm_kernels.cpu.host import CpuClock, cpu_info, torch_isa
 from ucm_kernels.cpu.native import NativeLib
 
@@ -210,7 +211,8 @@ def stored_or_measured(
         if stored is not None:
             return stored
         start = CpuClock.now()
-        value, disagreed = measure_fn()
+        with measuring_at(threads):
+            value, disagreed = measure_fn()
         end = CpuClock.now()
         others = end.others_cores_since(start)
         under_load = [f"rounds disagreed on {', '.join(disagreed)} (other load on the CPU?)"] if disagreed else []

@@ -8,10 +8,9 @@ import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
-
 from ucm_kernels.choice_memo import ChoiceMemo
 from ucm_kernels.cpu.calibration_store import stored_or_measured
+from ucm_kernels.cpu.choice_threads import choice_threads
 from ucm_kernels.cpu.host import cpu_info, vector_flags
 from ucm_kernels.cpu.native import NativeLib
 
@@ -34,7 +33,7 @@ def measured_win(
     linear-layer choice `name` on this machine: memoised, else read from the `linear` cache file under `field`, else
     measured. Rounds that disagree give the second path now, unstored, so the next process measures again. Logged
     once per process: `calls` names the calls the choice is for, `setting` what was measured (e.g. "8 rows")."""
-    threads = torch.get_num_threads()
+    threads = choice_threads()
     memo_key = (str(root), lib.path.name, threads, name)
 
     def make() -> bool:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from ucm_kernels.choice_memo import ChoiceMemo
 from ucm_kernels.cpu.calibration_store import stored_or_measured
+from ucm_kernels.cpu.choice_threads import choice_threads
 from ucm_kernels.cpu.host import cpu_info, last_level_cache_bytes, vector_flags
 from ucm_kernels.cpu.linear_choice import WinMemo, measured_win
 from ucm_kernels.cpu.linear_mode import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
@@ -187,7 +188,7 @@ def _layer_pick(
     candidates = [own, (True,) * len(own), (False,) * len(own)]
     labels = ("as each shape chose", "all oneDNN", "all F.linear")
     name = "onednn fp32 layer " + " ".join(f"{n}x{k}" for n, k in shapes) + suffix
-    threads = torch.get_num_threads()
+    threads = choice_threads()
 
     def make() -> LayerChoice:
         tables: list[str] = []
@@ -286,7 +287,7 @@ def few_rows_won(lib: NativeLib, k: int, n: int, root: Path | None = None) -> fr
         return frozenset(FEW_ROWS)
     if 4 * k * n < MIN_PACK_BYTES:
         return frozenset()
-    threads = torch.get_num_threads()
+    threads = choice_threads()
     memo_key = (str(root), lib.path.name, threads, k, n)
 
     def make() -> frozenset[int]:

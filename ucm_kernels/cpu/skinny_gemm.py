@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ucm_kernels.choice_memo import ChoiceMemo
 from ucm_kernels.cpu import onednn_linear
 from ucm_kernels.cpu.calibration_store import stored_or_measured
+from ucm_kernels.cpu.choice_threads import choice_threads
 from ucm_kernels.cpu.host import cpu_info, vector_flags
 from ucm_kernels.cpu.linear_mode import MIN_PACK_BYTES, STACK_BYTES, CpuLinear, cpu_linear_mode
 from ucm_kernels.cpu.native import NativeLib
@@ -215,7 +216,7 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, fmt: Pane
         return 0
     if mode is CpuLinear.NATIVE:
         return ROW_LADDER[-1]
-    threads = torch.get_num_threads()
+    threads = choice_threads()
     memo_key = (str(root), lib.path.name, threads, k, n, fmt)
 
     def make() -> int:
