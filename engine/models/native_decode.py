@@ -190,11 +190,11 @@ class NativeDecode:
         residual = h  # the residual stream, updated in place by every fused add-norm; h names each layer's output
         rp, xp = residual.data_ptr(), x.data_ptr()
         first = self.layers[0].input_norm
-        norm(h.data_ptr(), first.weight.data_ptr(), xp, tokens, hidden, first.eps, threads)
+        norm(h.data_ptr(), first.weight.data_ptr(), xp, tokens, hidden, hidden, first.eps, threads)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i:  # the previous MLP's output joins the residual here
                 pre = layer.input_norm
-                add_norm(h.data_ptr(), rp, pre.weight.data_ptr(), xp, tokens, hidden, pre.eps, threads)
+                add_norm(h.data_ptr(), rp, pre.weight.data_ptr(), xp, tokens, hidden, hidden, pre.eps, threads)
             attn = layer.attn
             qkv = decode_linear(x, attn.qkv_weight, attn.qkv_bias, attn.qkv_packed, qkv_out, threads)
             qkvp, stride = qkv.data_ptr(), qkv.stride(0)
@@ -210,15 +210,14 @@ class NativeDecode:
             attention.run(qkvp, stride, k_cache, v_cache, att, attn.scale, threads)
             o = decode_linear(att.view(tokens, q_size), attn.o_weight, attn.o_bias, attn.o_packed, o_out, threads)
             post = layer.post_attn_norm
-            add_norm(o.data_ptr(), rp, post.weight.data_ptr(), xp, tokens, hidden, post.eps, threads)
+            add_norm(o.data_ptr(), rp, post.weight.data_ptr(), xp, tokens, hidden, hidden, post.eps, threads)
             mlp = layer.mlp
             gate_up = decode_linear(x, mlp.gate_up_weight, mlp.gate_up_bias, mlp.gate_up_packed, gate_up_out, threads)
             silu(gate_up.data_ptr(), act.data_ptr(), tokens, inter, threads)
             h = decode_linear(act, mlp.down_weight, mlp.down_bias, mlp.down_packed, down_out, threads)
         out = torch.empty_like(x)
-        add_norm(
-            h.data_ptr(), rp, model.norm.weight.data_ptr(), out.data_ptr(), tokens, hidden, model.norm.eps, threads
-        )
+        final = model.norm
+        add_norm(h.data_ptr(), rp, final.weight.data_ptr(), out.data_ptr(), tokens, hidden, hidden, final.eps, threads)
         self.steps += 1
         return out
 

@@ -206,3 +206,35 @@ def test_with_a_store_the_saving_steps_keep_their_hooks_and_the_idle_decodes_go_
     assert out == cold
     assert saved >= 12, f"the prompt's 12 full blocks were saved through the layer hooks, got {saved}"
     assert native.steps - before >= 15, f"most of the 19 decode steps ran natively, got {native.steps - before}"
+
+
+def test_a_llama_shapes_padded_activations_keep_its_bits(native_lib, tmp_path, monkeypatch) -> None:
+    """Llama-1B's 2048- and 8192-wide activations (norm outputs, the SiLU's) come with rows off 4 KB strides where
+    the AMX kernel takes them (amx_gemm.padded_rows): prompts long enough to be padded give the greedy tokens and
+    logprobs of the same engine with every activation contiguous, and a prompt continued after a prefix-cache hit
+    (its tail too short to pad) those of its cold run."""
+    if amx_gemm.needed_and_available() is None:
+        pytest.skip("this host's bf16 matmuls do not take the AMX kernel: nothing is padded")
+    rng = random.Random(6)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(100 + 37 * i)] for i in range(3)]
+    llm = LLM(model=str(ensure_model("llama-1b", 2, root=tmp_path)), dtype="bfloat16", kv_cache_memory="128MiB")
+    strides = []
+    monkeypatch.setattr(amx_gemm, "padded_rows", _recording(amx_gemm.padded_rows, strides))
+    padded = _greedy_with_logprobs(llm, prompts)
+    assert any(s[0] > s[1] for s in strides), f"some activation padded: {strides}"
+    hit = _greedy_with_logprobs(llm, prompts)  # the prefix cache holds their whole blocks: only a tail is computed
+    llm.engine.kv_manager.pool.reset_prefix_cache()
+    monkeypatch.setattr(amx_gemm, "PAD_MIN_ROWS", 10**9)
+    contiguous = _greedy_with_logprobs(llm, prompts)
+    llm.close()
+    assert padded == contiguous, "padding an activation changed some row's bits"
+    assert hit == padded, "after a prefix-cache hit"
+
+
+def _recording(fn, seen: list):
+    def padded_rows(m: int, width: int) -> torch.Tensor:
+        out = fn(m, width)
+        seen.append((out.stride(0), width))
+        return out
+
+    return padded_rows

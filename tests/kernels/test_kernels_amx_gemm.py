@@ -92,6 +92,25 @@ def test_a_paired_gate_up_gives_the_plain_product_and_its_silu(amx_lib, n, k):
         amx_gemm.AmxWeight(amx_lib, amx_gemm.pack(w)).silu_and_mul(x)
 
 
+def test_rows_4k_apart_are_padded_and_taken_with_any_stride(amx_lib):
+    """A SiLU output whose rows would be a multiple of 4 KB apart comes with its rows 64 bytes further apart
+    (`padded_rows`), and x of any row stride gives the bits of its contiguous copy: the down projection takes the
+    gate_up's output as it is."""
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(4096, 64, generator=gen) * 0.1).bfloat16()  # SiLU output: 2048 wide, 4 KB a row
+    down = (torch.randn(96, 2048, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(300, 64, generator=gen).bfloat16()
+    h = amx_gemm.AmxWeight(amx_lib, amx_gemm.pack(gate_up, paired=True), paired=True).silu_and_mul(x)
+    assert h.shape == (300, 2048) and h.stride() == (2048 + 32, 1), "rows 64 bytes apart past 4 KB"
+    assert torch.equal(h, api.silu_and_mul(amx_gemm.linear(amx_lib, x, amx_gemm.pack(gate_up))))
+    packed = amx_gemm.pack(down)
+    want = amx_gemm.linear(amx_lib, h.contiguous(), packed)
+    for rows in (slice(None), slice(0, 16), slice(3, 40), slice(5, 205)):  # few, mid and padded-slice paths
+        assert torch.equal(amx_gemm.linear(amx_lib, h[rows], packed), want[rows]), f"rows {rows}"
+    assert amx_gemm.padded_rows(8, 2048).is_contiguous(), "a decode's few rows are not padded"
+    assert amx_gemm.padded_rows(300, 576).is_contiguous(), "nor rows that are not 4 KB apart"
+
+
 def test_the_engines_gate_up_takes_the_silu_epilogue_by_row_class(amx_lib):
     """An MLP's gate_up: prompt rows through the AMX kernel with SiLU in its epilogue, generated rows through the
     4-bit panels and then silu_and_mul; each row's bits are what the unfused path gives it, however a step mixes

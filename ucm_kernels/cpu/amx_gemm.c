@@ -99,8 +99,8 @@ int32_t ucm_amx_available(void) {
 /* 32 rows of x (stride K) x 32 outputs (panels nb, nb + 1), k blocks kb0 .. kb1 - 1 -> c[32][32] fp32: from zero
  * when kb0 is 0, else on top of the earlier k blocks' sums in c (exact: fp32 tiles stored and loaded, so the same
  * additions in the same order as one pass over every k block). */
-static inline void block_32x32(const uint16_t *x, int64_t k, const uint16_t *wp, int64_t nb, float *c, int64_t kb0,
-                               int64_t kb1, int half) {
+static inline void block_32x32(const uint16_t *x, int64_t ldx, int64_t k, const uint16_t *wp, int64_t nb, float *c,
+                               int64_t kb0, int64_t kb1, int half) {
     const int64_t kb_count = k / 32;
     const uint16_t *b0 = wp + nb * kb_count * 512, *b1 = b0 + kb_count * 512;
     if (kb0 == 0) {
@@ -125,13 +125,13 @@ static inline void block_32x32(const uint16_t *x, int64_t k, const uint16_t *wp,
                 _mm_prefetch(p1 + i, _MM_HINT_T0);
             }
         }
-        _tile_loadd(4, x + kb * 32, k * 2);
+        _tile_loadd(4, x + kb * 32, ldx * 2);
         _tile_loadd(6, b0 + kb * 512, 64);
         _tile_loadd(7, b1 + kb * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (!half) {
-            _tile_loadd(5, x + 16 * k + kb * 32, k * 2);
+            _tile_loadd(5, x + 16 * ldx + kb * 32, ldx * 2);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
@@ -158,12 +158,12 @@ static inline void load_config_rows(int rows) {
 
 /* A block's c[rows][32] (panels o0 / 16 and o0 / 16 + 1) into y through `epilogue`, rounded to bf16 as torch
  * rounds (nearest even). */
-static inline void store_block(const float *c, int64_t rows, uint16_t *y, int64_t n, int64_t r0, int64_t o0,
-                               int32_t epilogue) {
+static inline void store_block(const float *c, int64_t rows, uint16_t *y, int64_t ldy, int64_t n, int64_t r0,
+                               int64_t o0, int32_t epilogue) {
     for (int64_t r = 0; r < rows; r++) {
         const __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-        uint16_t *row = y + (r0 + r) * (epilogue == EPI_SILU ? n / 2 : n);
+        uint16_t *row = y + (r0 + r) * ldy;
         if (epilogue == EPI_PLAIN) {
             _mm512_storeu_si512((void *)(row + o0), both);
             continue;
@@ -187,9 +187,10 @@ typedef struct {
 } Pending;
 
 /* The epilogue of the pending slice's rows lo .. hi - 1, every block of it. */
-static inline void store_rows(const Pending *p, int64_t lo, int64_t hi, uint16_t *y, int64_t n, int32_t epilogue) {
+static inline void store_rows(const Pending *p, int64_t lo, int64_t hi, uint16_t *y, int64_t ldy, int64_t n,
+                              int32_t epilogue) {
     for (int64_t o0 = p->s0; o0 < p->s_end && hi > lo; o0 += 32)
-        store_block(p->c + (o0 - p->s0) * 32 + lo * 32, hi - lo, y, n, p->r0 + lo, o0, epilogue);
+        store_block(p->c + (o0 - p->s0) * 32 + lo * 32, hi - lo, y, ldy, n, p->r0 + lo, o0, epilogue);
 }
 #endif
 
@@ -197,14 +198,16 @@ static inline void store_rows(const Pending *p, int64_t lo, int64_t hi, uint16_t
  * (EPI_*). pad: a scratch of 32 * k bf16 per thread for a last block of fewer than 32 rows. Returns 0, or 1 where
  * this build or the OS has no AMX, 2 for a shape or epilogue it does not take (k or n not a multiple of 32), 3 where
  * the scratch of a long K could not be allocated. */
-int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y,
-                     uint16_t *pad, int32_t num_threads, int32_t epilogue) {
+int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const uint16_t *wp, int64_t n, uint16_t *y,
+                     int64_t ldy, uint16_t *pad, int32_t num_threads, int32_t epilogue) {
 #if !defined(UCM_HAS_AMX) || !defined(UCM_HAS_SILU16)
-    (void)x, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)pad, (void)num_threads, (void)epilogue;
+    (void)x, (void)m, (void)k, (void)lda, (void)wp, (void)n, (void)y, (void)ldy, (void)pad, (void)num_threads;
+    (void)epilogue;
     return 1;
 #else
     if (!amx_permitted()) return 1;
     if (k % 32 || n % 32 || k <= 0 || n <= 0 || epilogue < EPI_PLAIN || epilogue > EPI_SILU) return 2;
+    if (lda < k || ldy < (epilogue == EPI_SILU ? n / 2 : n)) return 2;
     if (m <= 0) return 0;
     if (num_threads < 1) num_threads = 1;
     /* Row groups of RG rows, one after another: a group's x stays in L2 while every output block passes over it. */
@@ -242,7 +245,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
         float *block_c = chunked ? block_scratch + tid * block_floats : NULL;
         uint16_t *mypad = pad + (int64_t)tid * 32 * k;
         if (mid && !few && m % 32) { /* the call's last rows, zeros below them: every thread pads the same slice once */
-            memcpy(mypad, x + m / 32 * 32 * k, (size_t)(m % 32 * k) * 2);
+            for (int64_t r = 0; r < m % 32; r++) memcpy(mypad + r * k, x + (m / 32 * 32 + r) * lda, (size_t)k * 2);
             memset(mypad + m % 32 * k, 0, (size_t)((32 - m % 32) * k) * 2);
         }
         for (int64_t g0 = 0; g0 < m; g0 += RG) {
@@ -255,14 +258,15 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                         for (int64_t o0 = n_begin; o0 < n_end; o0 += 32)
                             for (int64_t r0 = m_begin; r0 < m_end; r0 += 32) {
                                 const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
-                                block_32x32(rows < 32 && !few ? mypad : x + r0 * k, k, wp, o0 / 16, c[0], 0, kbs,
-                                            rows <= 16);
-                                store_block(c[0], rows, y, n, r0, o0, epilogue);
+                                const int padded = rows < 32 && !few;
+                                block_32x32(padded ? mypad : x + r0 * lda, padded ? k : lda, k, wp, o0 / 16, c[0], 0,
+                                            kbs, rows <= 16);
+                                store_block(c[0], rows, y, ldy, n, r0, o0, epilogue);
                             }
                         continue;
                     }
                     if (chunked) { /* the block's slots are all written before its last chunk: nothing may wait */
-                        store_rows(&pending, 0, pending.rows, y, n, epilogue);
+                        store_rows(&pending, 0, pending.rows, y, ldy, n, epilogue);
                         pending.rows = 0;
                     }
                     for (int64_t kc0 = 0; kc0 < kbs; kc0 += kcb) {
@@ -270,11 +274,13 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                         const int last_chunk = kc1 == kbs;
                         for (int64_t r0 = m_begin; r0 < m_end; r0 += 32) {
                             const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
-                            const uint16_t *xs = x + r0 * k;
+                            const uint16_t *xs = x + r0 * lda;
+                            int64_t ldx = lda;
                             if (rows < 32) { /* the call's last rows: zeros below them, the same arithmetic per row */
-                                memcpy(mypad, xs, (size_t)(rows * k) * 2);
+                                for (int64_t r = 0; r < rows; r++) memcpy(mypad + r * k, xs + r * lda, (size_t)k * 2);
                                 memset(mypad + rows * k, 0, (size_t)((32 - rows) * k) * 2);
                                 xs = mypad;
+                                ldx = k;
                             }
                             for (int64_t s0 = n_begin; s0 < n_end; s0 += SLICE) {
                                 const int64_t s_end = s0 + SLICE < n_end ? s0 + SLICE : n_end;
@@ -285,10 +291,10 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                                 int64_t pass = 0;
                                 for (int64_t kb0 = kc0; kb0 < kc1; kb0 += kbc)
                                     for (int64_t o0 = s0; o0 < s_end; o0 += 32, pass++) {
-                                        block_32x32(xs, k, wp, o0 / 16, sums + (o0 - s0) * 32, kb0,
+                                        block_32x32(xs, ldx, k, wp, o0 / 16, sums + (o0 - s0) * 32, kb0,
                                                     kb0 + kbc < kc1 ? kb0 + kbc : kc1, 0);
                                         store_rows(&pending, pass * pending.rows / passes,
-                                                   (pass + 1) * pending.rows / passes, y, n, epilogue);
+                                                   (pass + 1) * pending.rows / passes, y, ldy, n, epilogue);
                                     }
                                 if (last_chunk) pending = (Pending){sums, rows, r0, s0, s_end};
                             }
@@ -297,7 +303,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                 }
             }
         }
-        store_rows(&pending, 0, pending.rows, y, n, epilogue);
+        store_rows(&pending, 0, pending.rows, y, ldy, n, epilogue);
         _tile_release();
     }
     free(block_scratch);

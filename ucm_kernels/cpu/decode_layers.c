@@ -60,7 +60,7 @@ static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *
     switch (w->format) {
     case DL_AMX_BF16:
     case DL_AMX_BF16_PAIRS:
-        return ucm_amx_gemm(x, rows, w->k, w->q, w->n, y, pad, threads, w->format == DL_AMX_BF16_PAIRS);
+        return ucm_amx_gemm(x, rows, w->k, w->k, w->q, w->n, y, w->n, pad, threads, w->format == DL_AMX_BF16_PAIRS);
     case DL_Q4_BF16:
         return ucm_q4_bf16(x, rows, w->k, w->q, w->scales, w->n, y, threads);
     case DL_F32_PANELS:
@@ -78,9 +78,9 @@ static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *
 static void add_norm(const DecodeStepArgs *s, const void *x, const void *weight, double eps, void *out) {
     const int32_t threads = (int32_t)s->threads;
     if (s->dtype == UCM_DTYPE_BF16)
-        ucm_fused_add_rms_norm(x, s->residual, weight, out, s->tokens, s->hidden, (float)eps, threads);
+        ucm_fused_add_rms_norm(x, s->residual, weight, out, s->tokens, s->hidden, s->hidden, (float)eps, threads);
     else
-        ucm_fused_add_rms_norm_f32(x, s->residual, weight, out, s->tokens, s->hidden, (float)eps, threads);
+        ucm_fused_add_rms_norm_f32(x, s->residual, weight, out, s->tokens, s->hidden, s->hidden, (float)eps, threads);
 }
 
 static int32_t fail(DecodeFailure *f, int64_t op, int64_t layer, int64_t status, int32_t detail) {
@@ -99,9 +99,11 @@ int32_t ucm_decode_layers(const DecodeStepArgs *s, const DecodeLayer *layers, in
     char *const qkv = s->qkv, *const k = qkv + q_size * esize, *const v = k + kv_size * esize;
     fail(failure, DL_OK, -1, 0, -1);
     if (bf16)
-        ucm_rms_norm(s->residual, layers[0].input_norm, s->x, t, s->hidden, (float)layers[0].input_eps, threads);
+        ucm_rms_norm(s->residual, layers[0].input_norm, s->x, t, s->hidden, s->hidden, (float)layers[0].input_eps,
+                     threads);
     else
-        ucm_rms_norm_f32(s->residual, layers[0].input_norm, s->x, t, s->hidden, (float)layers[0].input_eps, threads);
+        ucm_rms_norm_f32(s->residual, layers[0].input_norm, s->x, t, s->hidden, s->hidden,
+                         (float)layers[0].input_eps, threads);
     for (int64_t i = 0; i < num_layers; i++) {
         const DecodeLayer *l = &layers[i];
         int64_t rc;

@@ -204,14 +204,14 @@ typedef struct {
 
 static void norm_one(const void *args, int64_t r) {
     const Rows *a = args;
-    rms_norm_row(a->x + r * a->width, a->weight, a->out + r * a->width, a->width, a->eps);
+    rms_norm_row(a->x + r * a->width, a->weight, a->out + r * a->stride, a->width, a->eps);
 }
 
 static void add_norm_one(const void *args, int64_t r) {
     const Rows *a = args;
     uint16_t *res = a->residual + r * a->width;
     add_row(a->x + r * a->width, res, a->width);
-    rms_norm_row(res, a->weight, a->out + r * a->width, a->width, a->eps);
+    rms_norm_row(res, a->weight, a->out + r * a->stride, a->width, a->eps);
 }
 
 static void silu_one(const void *args, int64_t r) {
@@ -227,17 +227,20 @@ static void rope_one(const void *args, int64_t r) {
     for (int32_t h = 0; h < a->heads; h++) rope_head(tok + h * d, a->cos + r * d, a->sin + r * d, a->head_dim);
 }
 
-/* out[r] = rms_norm(x[r]) * weight for rows r < rows, each `hidden` wide. */
-void ucm_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t hidden, float eps,
-                  int32_t num_threads) {
-    const Rows a = {.x = x, .weight = weight, .out = out, .width = hidden, .eps = eps};
+/* out[r] = rms_norm(x[r]) * weight for rows r < rows, each `hidden` wide; out's rows `out_stride` apart (padded
+ * where they would be a multiple of 4 KB apart: ucm_kernels/cpu/amx_gemm.py's padded_rows). */
+void ucm_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t hidden,
+                  int64_t out_stride, float eps, int32_t num_threads) {
+    const Rows a = {.x = x, .weight = weight, .out = out, .width = hidden, .stride = out_stride, .eps = eps};
     for_rows(norm_one, &a, rows, num_threads, rows * hidden);
 }
 
-/* vLLM's fused_add_rms_norm: residual[r] = bf16(residual[r] + x[r]) in place, out[r] = rms_norm(residual[r]). */
+/* vLLM's fused_add_rms_norm: residual[r] = bf16(residual[r] + x[r]) in place, out[r] = rms_norm(residual[r]) (out's
+ * rows `out_stride` apart). */
 void ucm_fused_add_rms_norm(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
-                            int64_t rows, int64_t hidden, float eps, int32_t num_threads) {
-    const Rows a = {.x = x, .weight = weight, .residual = residual, .out = out, .width = hidden, .eps = eps};
+                            int64_t rows, int64_t hidden, int64_t out_stride, float eps, int32_t num_threads) {
+    const Rows a = {.x = x, .weight = weight, .residual = residual, .out = out, .width = hidden, .stride = out_stride,
+                    .eps = eps};
     for_rows(add_norm_one, &a, rows, num_threads, rows * hidden);
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ucm_kernels.cpu import amx_gemm
 from ucm_kernels.cpu.native import CFunction, NativeLib
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)
@@ -51,12 +52,25 @@ def _rows(x: torch.Tensor) -> tuple[int, int]:
     return (x.numel() // width if width else 0), width
 
 
+def _norm_output(x: torch.Tensor) -> torch.Tensor:
+    """An empty like x for a norm's output, the next matmul's x: where the AMX kernel takes that matmul, its rows
+    padded off 4 KB strides (amx_gemm.padded_rows: Llama-1B's qkv and gate_up); every kernel takes rows any stride
+    apart or copies them."""
+    if x.dim() == 2 and x.dtype == torch.bfloat16 and amx_gemm.needed_and_available() is not None:
+        return amx_gemm.padded_rows(x.shape[0], x.shape[1])
+    return torch.empty_like(x)
+
+
+def _row_stride(out: torch.Tensor) -> int:
+    return out.stride(0) if out.dim() == 2 else out.shape[-1]
+
+
 def rms_norm_native(lib: NativeLib, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`ucm_kernels.rms_norm`'s contract; the caller checked `supports_rows` and the weight's shape."""
-    out = torch.empty_like(x)
+    out = _norm_output(x)
     rows, hidden = _rows(x)
     entry(lib, "rms_norm", x.dtype)(
-        x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, eps, torch.get_num_threads()
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, _row_stride(out), eps, torch.get_num_threads()
     )
     return out
 
@@ -65,10 +79,10 @@ def fused_add_rms_norm_native(
     lib: NativeLib, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """`ucm_kernels.fused_add_rms_norm`'s contract (residual updated in place); the caller checked the layout."""
-    out = torch.empty_like(x)
+    out = _norm_output(x)
     rows, hidden = _rows(x)
     entry(lib, "fused_add_rms_norm", x.dtype)(
-        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden, _row_stride(out), eps,
         torch.get_num_threads(),
     )  # fmt: skip
     return out

@@ -160,14 +160,14 @@ typedef struct {
 
 static void norm_one(const void *args, int64_t r) {
     const RowsF32 *a = args;
-    rms_norm_row_f32(a->x + r * a->width, a->weight, a->out + r * a->width, a->width, a->eps);
+    rms_norm_row_f32(a->x + r * a->width, a->weight, a->out + r * a->stride, a->width, a->eps);
 }
 
 static void add_norm_one(const void *args, int64_t r) {
     const RowsF32 *a = args;
     float *res = a->residual + r * a->width;
     add_row_f32(a->x + r * a->width, res, a->width);
-    rms_norm_row_f32(res, a->weight, a->out + r * a->width, a->width, a->eps);
+    rms_norm_row_f32(res, a->weight, a->out + r * a->stride, a->width, a->eps);
 }
 
 static void silu_one(const void *args, int64_t r) {
@@ -184,15 +184,16 @@ static void rope_one(const void *args, int64_t r) {
 }
 
 /* The fp32 twins of elementwise.c's entry points: same arguments, float data, strides in elements. */
-void ucm_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t hidden, float eps,
-                      int32_t num_threads) {
-    const RowsF32 a = {.x = x, .weight = weight, .out = out, .width = hidden, .eps = eps};
+void ucm_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t hidden,
+                      int64_t out_stride, float eps, int32_t num_threads) {
+    const RowsF32 a = {.x = x, .weight = weight, .out = out, .width = hidden, .stride = out_stride, .eps = eps};
     for_rows(norm_one, &a, rows, num_threads, rows * hidden);
 }
 
 void ucm_fused_add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
-                                int64_t hidden, float eps, int32_t num_threads) {
-    const RowsF32 a = {.x = x, .weight = weight, .residual = residual, .out = out, .width = hidden, .eps = eps};
+                                int64_t hidden, int64_t out_stride, float eps, int32_t num_threads) {
+    const RowsF32 a = {.x = x, .weight = weight, .residual = residual, .out = out, .width = hidden,
+                       .stride = out_stride, .eps = eps};
     for_rows(add_norm_one, &a, rows, num_threads, rows * hidden);
 }
 

@@ -20,17 +20,17 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
 int64_t ucm_write_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
                      void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_slots,
                      int64_t row_bytes, int32_t num_threads);
-void ucm_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t hidden, float eps,
-                  int32_t num_threads);
+void ucm_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t hidden,
+                  int64_t out_stride, float eps, int32_t num_threads);
 void ucm_fused_add_rms_norm(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
-                            int64_t rows, int64_t hidden, float eps, int32_t num_threads);
+                            int64_t rows, int64_t hidden, int64_t out_stride, float eps, int32_t num_threads);
 void ucm_silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int32_t num_threads);
 void ucm_rotary_embedding(uint16_t *qk, int64_t token_stride, int64_t rows, int32_t heads, int32_t head_dim,
                           const uint16_t *cos, const uint16_t *sin, int32_t num_threads);
-void ucm_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t hidden, float eps,
-                      int32_t num_threads);
+void ucm_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t hidden,
+                      int64_t out_stride, float eps, int32_t num_threads);
 void ucm_fused_add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
-                                int64_t hidden, float eps, int32_t num_threads);
+                                int64_t hidden, int64_t out_stride, float eps, int32_t num_threads);
 void ucm_silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter, int32_t num_threads);
 void ucm_rotary_embedding_f32(float *qk, int64_t token_stride, int64_t rows, int32_t heads, int32_t head_dim,
                               const float *cos, const float *sin, int32_t num_threads);
@@ -40,8 +40,8 @@ int32_t ucm_skinny_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *
                            const float *bias, float *y, int32_t num_threads);
 int32_t ucm_skinny_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *qp, const float *d, int64_t n,
                            const float *bias, float *y, int32_t num_threads);
-int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y,
-                     uint16_t *pad, int32_t num_threads, int32_t epilogue);
+int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const uint16_t *wp, int64_t n, uint16_t *y,
+                     int64_t ldy, uint16_t *pad, int32_t num_threads, int32_t epilogue);
 int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
                     uint16_t *y, int32_t num_threads);
 

@@ -265,8 +265,9 @@ def _bind(path: Path) -> NativeLib:
     write.restype = i64
     f32 = ctypes.c_float
     elementwise = {
-        "rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32],  # x, weight, out, rows, hidden, eps, num_threads
-        "fused_add_rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, i32],  # x, residual, weight, out, rows, ...
+        # x, weight, out, rows, hidden, out's row stride, eps, num_threads
+        "rms_norm": [ptr, ptr, ptr, i64, i64, i64, f32, i32],
+        "fused_add_rms_norm": [ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32],  # x, residual, weight, out, rows, ...
         "silu_and_mul": [ptr, ptr, i64, i64, i32],  # gate_up, out, rows, intermediate, num_threads
         "rotary_embedding": [ptr, i64, i64, i32, i32, ptr, ptr, i32],  # qk, token stride, rows, heads, head_dim, ..
     }
@@ -296,7 +297,8 @@ def _bind(path: Path) -> NativeLib:
     q8_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]  # x, M, K, q panels, d, N, y, threads
     q8_bf16.restype = i32
     amx = cdll.ucm_amx_gemm
-    amx.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32, i32]  # x, M, K, packed W, N, y, pad, threads, epilogue
+    # x, M, K, x's row stride, packed W, N, y, y's row stride, pad, threads, epilogue
+    amx.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, i32, i32]
     amx.restype = i32
     cdll.ucm_amx_available.restype = i32
     cdll.ucm_amx_attention_available.restype = i32
