@@ -165,6 +165,13 @@ def adaptive_threads_default() -> bool:
     return os.environ.get(ADAPTIVE_THREADS_ENV, "1").strip() != "0"
 
 
+RETAIN_FREED_ENV = "UCM_RETAIN_FREED_MEMORY"
+
+
+def retain_freed_default() -> bool:
+    return os.environ.get(RETAIN_FREED_ENV, "1").strip() != "0"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = defaults.MODEL
@@ -189,6 +196,9 @@ class EngineConfig:
     # On CPU, run each step with as many threads as cores other processes leave free (engine/thread_governor.py);
     # False (or UCM_ADAPTIVE_THREADS=0 in the environment, which reaches every node `up` starts): torch's count.
     adaptive_threads: bool = field(default_factory=adaptive_threads_default)
+    # On CPU, keep freed memory in the process for the next step's activations (engine/heap.py); False (or
+    # UCM_RETAIN_FREED_MEMORY=0): the C library's default, memory returned to the OS as it is freed.
+    retain_freed_memory: bool = field(default_factory=retain_freed_default)
 
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(str(self.dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))

@@ -35,6 +35,7 @@ from common.kv_events.events import KVEvent
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided.backend import GuidedBackend
+from engine.heap import retain_freed_memory
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -114,6 +115,8 @@ class EngineCore:
         self.governor = (
             ThreadGovernor(torch.get_num_threads()) if config.device == "cpu" and config.adaptive_threads else None
         )
+        if config.device == "cpu" and config.retain_freed_memory:  # the model and KV cache are in place
+            retain_freed_memory()
         self.namespace = KeyNamespace(loaded_model.fingerprint, self.dtype_name, bs)
         if kv_connector is None and config.kv_store is not None:
             from connector.base import KVConnectorRole

@@ -24,11 +24,11 @@ from typing import Any
 from launch.lock_file import LOCKS, differences
 
 VERSIONS = ("ucm-serve", "torch", "transformers", "triton", "numpy", "xgrammar", "kernels", "pyzmq", "lmdb", "msgspec")
-# Every variable that changes which path runs or how many threads it gets.
+# Every variable that changes which path runs, how many threads it gets or how its memory is kept.
 OVERRIDES = (
-    "UCM_CPU_ATTENTION", "UCM_ATTENTION_BACKEND", "UCM_CPU_LINEAR", "UCM_ADAPTIVE_THREADS", "UCM_PIN", "UCM_CFLAGS",
-    "UCM_CC", "UCM_CACHE_DIR", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "ATEN_CPU_CAPABILITY",
-    "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+    "UCM_CPU_ATTENTION", "UCM_ATTENTION_BACKEND", "UCM_CPU_LINEAR", "UCM_ADAPTIVE_THREADS", "UCM_RETAIN_FREED_MEMORY",
+    "UCM_PIN", "UCM_CFLAGS", "UCM_CC", "UCM_CACHE_DIR", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+    "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
 )  # fmt: skip
 
 
