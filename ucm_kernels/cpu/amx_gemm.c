@@ -96,7 +96,7 @@ int32_t ucm_amx_available(void) {
 }
 
 #ifdef UCM_HAS_AMX
-/* 32 rows of x (stride K) x 32 outputs (panels nb, nb + 1), k blocks kb0 .. kb1 - 1 -> c[32][32] fp32: from zero
+/* 32 rows of x (ldx apart) x 32 outputs (panels nb, nb + 1), k blocks kb0 .. kb1 - 1 -> c[32][32] fp32: from zero
  * when kb0 is 0, else on top of the earlier k blocks' sums in c (exact: fp32 tiles stored and loaded, so the same
  * additions in the same order as one pass over every k block). */
 static inline void block_32x32(const uint16_t *x, int64_t ldx, int64_t k, const uint16_t *wp, int64_t nb, float *c,
@@ -194,10 +194,11 @@ static inline void store_rows(const Pending *p, int64_t lo, int64_t hi, uint16_t
 }
 #endif
 
-/* y[m][n] (bf16) = x[m][k] (bf16, row-major) @ W^T, W packed by ucm_kernels/cpu/amx_gemm.py, through `epilogue`
- * (EPI_*). pad: a scratch of 32 * k bf16 per thread for a last block of fewer than 32 rows. Returns 0, or 1 where
- * this build or the OS has no AMX, 2 for a shape or epilogue it does not take (k or n not a multiple of 32), 3 where
- * the scratch of a long K could not be allocated. */
+/* y[m][n] (bf16) = x[m][k] (bf16, rows lda apart) @ W^T, W packed by ucm_kernels/cpu/amx_gemm.py, through `epilogue`
+ * (EPI_*), y's rows ldy apart (amx_gemm.py pads both off 4 KB strides, where a tile's 16 rows would share an L1 set).
+ * pad: a scratch of 32 * k bf16 per thread for a last block of fewer than 32 rows. Returns 0, or 1 where this build
+ * or the OS has no AMX, 2 for a shape, strides or epilogue it does not take (k or n not a multiple of 32, a row
+ * stride shorter than its row), 3 where the scratch of a long K could not be allocated. */
 int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const uint16_t *wp, int64_t n, uint16_t *y,
                      int64_t ldy, uint16_t *pad, int32_t num_threads, int32_t epilogue) {
 #if !defined(UCM_HAS_AMX) || !defined(UCM_HAS_SILU16)
