@@ -2,12 +2,13 @@
 
 Neither path wins everywhere: the C kernel's speed depends on the vector path the build got (AVX-512, AVX2,
 NEON or scalar) and the torch path's on its GEMMs and thread count. So on the first CPU attention call for a new
-(dtype, head geometry, block size), `plan()` times the native kernel and the
-torch path on one small problem per shape class (`PROBLEMS`: a decode batch, a prefill chunk over a cached
-prefix, a whole prompt), picks the faster of each and logs the numbers once. The result goes to a cache file
-keyed by the CPU, the native library, torch and the host's thread count (ucm_kernels/cpu/choice_threads.py: one
-path per host, whatever a process or step runs on; ucm_kernels/cpu/calibration_store.py: measured one process at a
-time at that count, and stored as provisional when its rounds disagree or other processes took cores meanwhile). A later process with the same key reads the file instead of measuring.
+(dtype, head geometry, block size), `plan()` times the native kernel and the torch path on one small problem per
+shape class (`PROBLEMS`: a decode batch, a prefill chunk over a cached prefix, a whole prompt), picks the faster of
+each and logs the numbers once. The result goes to a cache file keyed by the CPU, the native library, torch and the
+host's thread count (ucm_kernels/cpu/choice_threads.py: one path per host, whatever a process or step runs on;
+ucm_kernels/cpu/calibration_store.py: measured one process at a time at that count, and stored as provisional when
+its rounds disagree or other processes took cores meanwhile). A later process with the same key reads the file
+instead of measuring.
 `plan()` runs at most once per key and geometry per process (engine start-up calls it through
 `ucm_kernels.calibrate_cpu_attention`, so no request waits on it); calls after that are a dict lookup.
 

@@ -2,9 +2,10 @@
 
 One JSON file per kind and key (`calibration_key`: the CPU model and flags, the native library's file name, torch's
 version and ISA caps, the host's thread count: choice_threads.py), under `<cache dir>/kernels/`. When any part of the
-key changes the hash names another file, so a stale choice is never read. `stored_or_measured` reads an entry or measures it: one process
-at a time (a lock file beside the cache file, so nodes that start together do not time each other's load), and
-stores the result as measured only when its rounds agreed and no other process took cores meanwhile (`CpuClock`).
+key changes the hash names another file, so a stale choice is never read. `stored_or_measured` reads an entry or
+measures it: one process at a time (a lock file beside the cache file, so nodes that start together do not time each
+other's load), at the host's thread count, and stores the result as measured only when its rounds agreed and no
+other process took cores meanwhile (`CpuClock`).
 A result measured under load is stored as provisional, and every later process takes it as it is: kernels differ in
 their order of operations, and a process that measured again could pick another kernel than one already serving (a
 served node's greedy text must equal an in-process engine's; CI saw them differ when a clean measurement replaced a
