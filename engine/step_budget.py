@@ -40,7 +40,7 @@ FAST_BUDGET = 2048  # vLLM's CPU default for its OpenAI server
 SLOW_BUDGET = 1024
 FAST_STEP_S = 1.0  # ... where a FAST_BUDGET step's matmuls take at most this long
 RATE_ROUNDS = 3  # timed calls of a layer's matmuls, the best counts
-RATE_SPREAD = 1.5  # slowest over fastest past which other load decided them: used, not stored (measured again)
+RATE_SPREAD = 1.5  # slowest over fastest past which other load decided them: stored as provisional
 
 
 @dataclass(frozen=True)

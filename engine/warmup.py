@@ -3,11 +3,11 @@
 Several choices are made on first use and memoised per process (ucm_kernels/cpu/: the attention path per shape
 class, the linear path per row class, for the host's thread count; the sampler's paths; xgrammar's tokenizer
 info), oneDNN builds its primitives per thread count, and a fresh process's first steps also fault in the weights and
-the KV cache. A client whose first wave
-arrives the moment /health answers would wait for all of that. So a node runs a few real steps of every shape class
-first — whole prompts, a chunk over a cached prefix, decodes, greedy and sampled and guided — at every thread count the
-thread governor may pick (engine/thread_governor.py), with the KV connector detached (nothing reaches the store) and a
-salt of its own (no block it leaves in the device cache can match a user's), then zeroes the engine's counters.
+the KV cache. A client whose first wave arrives the moment /health answers would wait for all of that. So a node
+runs a few real steps of every shape class first — whole prompts, a chunk over a cached prefix, decodes, greedy and
+sampled and guided — at every thread count the thread governor may pick (engine/thread_governor.py), with the KV
+connector detached (nothing reaches the store) and a salt of its own (no block it leaves in the device cache can
+match a user's), then zeroes the engine's counters.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ def measured_win(
 ) -> bool:
     """Whether path `paths[0]` beat `paths[1]` in every round of `rounds()` ((first ms, second ms) each) for the
     linear-layer choice `name` on this machine: memoised, else read from the `linear` cache file under `field`, else
-    measured. Rounds that disagree give the second path now, unstored, so the next process measures again. Logged
-    once per process: `calls` names the calls the choice is for, `setting` what was measured (e.g. "8 rows")."""
+    measured. Rounds that disagree give the second path, stored as provisional (calibration_store). Logged once per
+    process: `calls` names the calls the choice is for, `setting` what was measured (e.g. "8 rows")."""
     threads = choice_threads()
     memo_key = (str(root), lib.path.name, threads, name)
 

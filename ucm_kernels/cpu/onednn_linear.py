@@ -104,7 +104,7 @@ def onednn_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> boo
         return True
     if 4 * k * n < MIN_PACK_BYTES:
         return False  # cache-sized: the tests' tiny models would spend their start-up measuring noise
-    # Disagreeing rounds: F.linear now (no extra copy), measured again by the next process.
+    # Disagreeing rounds: F.linear (no extra copy), stored as provisional.
     return measured_win(
         _memo, lib, root, f"onednn fp32 {n}x{k}", "onednn", lambda: measure(k, n),
         ("oneDNN", "F.linear"), f"calls of more than {FEW_ROWS[-1]} rows", f"{measured_rows(k, n)} rows", log,
@@ -155,7 +155,7 @@ _layer_memo: ChoiceMemo[tuple[str, str, int, str], LayerChoice] = ChoiceMemo()
 def layer_many_rows(lib: NativeLib, shapes: Sequence[tuple[int, int]], root: Path | None = None) -> LayerChoice:
     """Which of a layer's weights ([n, k] shapes in call order) take oneDNN for calls past FEW_ROWS: each shape's
     own choice (`onednn_wins`) where they agree; where they disagree, whichever of that mix, all oneDNN and all
-    F.linear ran the layer fastest in every round (rounds that disagree: the mix, unstored). See the module doc."""
+    F.linear ran the layer fastest in every round (rounds that disagree: the mix, provisional). See the module doc."""
     own = tuple(onednn_wins(lib, k, n, root) for n, k in shapes)
     what = f"calls of more than {FEW_ROWS[-1]} rows"
     return _layer_pick(lib, shapes, own, "", what, LAYER_ROWS, LAYER_STACK, root)
@@ -182,7 +182,7 @@ def _layer_pick(
 ) -> LayerChoice:  # fmt: skip
     """`own` where the shapes agree; else whichever of `own`, all oneDNN and all F.linear ran `layers` layers
     fastest at `row_counts` in every round (stored under the layer's name + `suffix`; rounds that disagree: `own`,
-    unstored). `what`: the calls it is for, in the log."""
+    provisional). `what`: the calls it is for, in the log."""
     if len(set(own)) < 2:
         return own
     candidates = [own, (True,) * len(own), (False,) * len(own)]
@@ -278,8 +278,8 @@ def _parse_classes(stored: object) -> frozenset[int] | None:
 
 def few_rows_won(lib: NativeLib, k: int, n: int, root: Path | None = None) -> frozenset[int]:
     """The `FEW_ROWS` classes whose calls oneDNN runs for a [n, k] weight on this machine: those it won over the
-    rounds. Stored only when every round agreed on every class; otherwise used now and measured again by the next
-    process."""
+    rounds. Stored as measured when every round agreed on every class; otherwise as provisional, taken as it is by
+    every later process (calibration_store)."""
     mode = cpu_linear_mode()
     if mode is CpuLinear.TORCH or not available():
         return frozenset()
@@ -302,7 +302,7 @@ def few_rows_won(lib: NativeLib, k: int, n: int, root: Path | None = None) -> fr
                     for c in FEW_ROWS
                 )
             )
-            # A class the rounds disagree on (a near tie) goes to the path with the smaller total, unstored.
+            # A class the rounds disagree on (a near tie) goes to the path with the smaller total (provisional).
             disagreed = sorted(frozenset.union(*won) - frozenset.intersection(*won))
             total = {c: [sum(t[c][i] for t in rounds) for i in (0, 1)] for c in FEW_ROWS}
             taken = frozenset(c for c in FEW_ROWS if total[c][0] < total[c][1])

@@ -227,7 +227,7 @@ def max_rows(lib: NativeLib, k: int, n: int, root: Path | None = None, fmt: Pane
             rounds = measure(lib, k, n, fmt)
             picks = [_rows_won(t) for t in rounds]
             tables.append(_table(rounds))
-            # Disagreeing rounds: the smaller answer now, measured again by the next process.
+            # Disagreeing rounds: the smaller answer, stored as provisional.
             return min(picks), [] if len(set(picks)) == 1 else [f"rows {' vs '.join(map(str, picks))}"]
 
         rows, where = stored_or_measured(

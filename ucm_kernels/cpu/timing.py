@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-ROUNDS = 2  # independent rounds per choice; a winner they disagree on is used but not stored (calibration_store)
+ROUNDS = 2  # independent rounds per choice; a winner they disagree on is stored as provisional (calibration_store)
 REPS = 3  # timed calls of each path per round, the paths alternating so a burst of other load hits all of them
 
 
