@@ -8,6 +8,7 @@ import enum
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.save_policy import KVSavePolicy
@@ -159,17 +160,12 @@ def resolve_dtype_name(dtype: str, device: str) -> str:
 
 
 ADAPTIVE_THREADS_ENV = "UCM_ADAPTIVE_THREADS"
-
-
-def adaptive_threads_default() -> bool:
-    return os.environ.get(ADAPTIVE_THREADS_ENV, "1").strip() != "0"
-
-
 RETAIN_FREED_ENV = "UCM_RETAIN_FREED_MEMORY"
 
 
-def retain_freed_default() -> bool:
-    return os.environ.get(RETAIN_FREED_ENV, "1").strip() != "0"
+def _on_unless_zero(env: str) -> Callable[[], bool]:
+    """A default read from the environment when a config is made: on unless the variable is "0"."""
+    return lambda: os.environ.get(env, "1").strip() != "0"
 
 
 @dataclass(frozen=True)
@@ -195,10 +191,10 @@ class EngineConfig:
     enable_kv_cache_events: bool = False
     # On CPU, run each step with as many threads as cores other processes leave free (engine/thread_governor.py);
     # False (or UCM_ADAPTIVE_THREADS=0 in the environment, which reaches every node `up` starts): torch's count.
-    adaptive_threads: bool = field(default_factory=adaptive_threads_default)
+    adaptive_threads: bool = field(default_factory=_on_unless_zero(ADAPTIVE_THREADS_ENV))
     # On CPU, keep freed memory in the process for the next step's activations (engine/heap.py); False (or
     # UCM_RETAIN_FREED_MEMORY=0): the C library's default, memory returned to the OS as it is freed.
-    retain_freed_memory: bool = field(default_factory=retain_freed_default)
+    retain_freed_memory: bool = field(default_factory=_on_unless_zero(RETAIN_FREED_ENV))
 
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(str(self.dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
