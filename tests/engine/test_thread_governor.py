@@ -134,65 +134,66 @@ def test_a_real_busy_process_is_seen() -> None:
         spin.wait()
 
 
-def test_an_idle_engine_judges_the_window_before_its_next_burst(smollm2_fp32) -> None:
+@pytest.fixture
+def engine(smollm2_fp32):
+    """A real engine for a test to script its governor (`_scripted`); torch's thread count restored after."""
+    llm = make_llm(smollm2_fp32)
+    threads_before = torch.get_num_threads()
+    try:
+        yield llm.engine
+    finally:
+        llm.close()
+        torch.set_num_threads(threads_before)
+
+
+def _scripted(engine) -> Host:
+    """The engine's governor on a scripted host, from 2 threads."""
+    host = Host()
+    engine.governor = host.governor()
+    torch.set_num_threads(2)
+    return host
+
+
+def test_an_idle_engine_judges_the_window_before_its_next_burst(engine) -> None:
     """A serving loop calls EngineCore.idle() while nothing is queued: a neighbour busy during the idle stretch that
     stopped before the burst leaves the burst's first step every thread. Without the idle decisions, the first
     step judges the whole stretch and runs on one."""
-    llm = make_llm(smollm2_fp32)
-    engine = llm.engine
-    threads_before = torch.get_num_threads()
     params = SamplingParams(max_tokens=2, temperature=0)
-    try:
-        for with_idle in (False, True):
-            host = Host()
-            engine.governor = host.governor()
-            torch.set_num_threads(2)
-            for _ in range(20):  # 10 s: the neighbour (a benchmark client preparing its prompts) takes a core
-                host.run(0.5, own_cores=0.0, other_cores=1.0)
-                if with_idle:
-                    engine.idle()
-            for _ in range(2):  # it stopped: 1 s before the burst arrives
-                host.run(0.5, own_cores=0.0, other_cores=0.0)
-                if with_idle:
-                    engine.idle()
-            engine.add_request(f"burst-{with_idle}", list(range(100, 140)), params)
+    for with_idle in (False, True):
+        host = _scripted(engine)
+        for _ in range(20):  # 10 s: the neighbour (a benchmark client preparing its prompts) takes a core
+            host.run(0.5, own_cores=0.0, other_cores=1.0)
+            if with_idle:
+                engine.idle()
+        for _ in range(2):  # it stopped: 1 s before the burst arrives
+            host.run(0.5, own_cores=0.0, other_cores=0.0)
+            if with_idle:
+                engine.idle()
+        engine.add_request(f"burst-{with_idle}", list(range(100, 140)), params)
+        engine.step()
+        want = 2 if with_idle else 1
+        assert engine.stats_counters.threads == want, f"idle decisions {with_idle}: the first step's threads"
+        assert torch.get_num_threads() == want, "the count the kernels read follows the decision"
+        while engine.has_unfinished_requests():
             engine.step()
-            want = 2 if with_idle else 1
-            assert engine.stats_counters.threads == want, f"idle decisions {with_idle}: the first step's threads"
-            assert torch.get_num_threads() == want, "the count the kernels read follows the decision"
-            while engine.has_unfinished_requests():
-                engine.step()
-        assert engine.governor.changes == 2, "while idle: dropped for the neighbour, back once it stopped"
-    finally:
-        llm.close()
-        torch.set_num_threads(threads_before)
+    assert engine.governor.changes == 2, "while idle: dropped for the neighbour, back once it stopped"
 
 
-def test_a_long_prompt_step_takes_a_freed_core_back_between_its_layers(smollm2_fp32) -> None:
+def test_a_long_prompt_step_takes_a_freed_core_back_between_its_layers(engine) -> None:
     """A step's thread count is re-decided before each decoder layer once the window has passed: a prompt step that
     began on one thread beside a neighbour that then stopped runs its later layers on both cores. Without the
     between-layers decisions the whole step keeps one thread."""
-    llm = make_llm(smollm2_fp32)
-    engine = llm.engine
-    threads_before = torch.get_num_threads()
     params = SamplingParams(max_tokens=1, temperature=0)
-    try:
-        for between in (False, True):
-            host = Host()
-            engine.governor = host.governor()
-            torch.set_num_threads(2)
-            host.run(0.5, own_cores=0.0, other_cores=1.0)  # the neighbour took a core, then stopped
-            engine.idle()
-            assert engine.governor.current == 1 and torch.get_num_threads() == 1
-            host.tick = 0.1
-            engine.runner.between_layers = engine._between_layers if between else None
-            engine.add_request(f"long-{between}", list(range(100, 400)), params)
-            while engine.has_unfinished_requests():
-                engine.step()
-            want = 2 if between else 1
-            assert engine.governor.current == want and torch.get_num_threads() == want, f"between layers: {between}"
-            assert engine.stats_counters.threads == want
-    finally:
-        engine.runner.between_layers = engine._between_layers
-        llm.close()
-        torch.set_num_threads(threads_before)
+    for between in (False, True):
+        host = _scripted(engine)
+        host.run(0.5, own_cores=0.0, other_cores=1.0)  # the neighbour took a core, then stopped
+        engine.idle()
+        assert engine.governor.current == 1 and torch.get_num_threads() == 1
+        host.tick = 0.1
+        engine.runner.between_layers = engine._between_layers if between else None
+        engine.add_request(f"long-{between}", list(range(100, 400)), params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        want = 2 if between else 1
+        assert engine.governor.current == want and torch.get_num_threads() == want, f"between layers: {between}"
+        assert engine.stats_counters.threads == want
