@@ -25,8 +25,10 @@ def amx_lib(native_lib):
     return native_lib
 
 
-# (576, 1536) and (256, 4160): a K of more than one chunk (amx_gemm.c's KCB), the sums kept between chunks
-SHAPES = [(960, 576), (3072, 576), (576, 1536), (256, 4160), (64, 32)]
+# amx_gemm.c's orders: (960, 576) and (3072, 576) in row groups, k in passes past MID_ROWS; (576, 1536) and
+# (256, 4160) a K of LONG_K or more that fits L2: one group, one pass over k at any row count; (64, 6592) a K past
+# that: one pass up to MID_ROWS + SLACK_ROWS rows, then k in chunks (KCB), the sums kept between chunks.
+SHAPES = [(960, 576), (3072, 576), (576, 1536), (256, 4160), (64, 6592), (64, 32)]
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -38,13 +40,14 @@ def test_within_bf16_rounding_of_the_fp32_product(amx_lib, n, k):
     torch.testing.assert_close(got, want, atol=1e-2, rtol=2**-7)  # the output rounded to bf16 (8 bits)
 
 
-@pytest.mark.parametrize("n,k", SHAPES[:4])
+@pytest.mark.parametrize("n,k", SHAPES[:5])
 def test_a_rows_bits_do_not_depend_on_the_call(amx_lib, n, k):
     gen = torch.Generator().manual_seed(k)
     w, x = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(1100, k, generator=gen).bfloat16()
     packed = amx_gemm.pack(w)
     whole = amx_gemm.linear(amx_lib, x, packed)
-    for m in (1, 5, 8, 16, 17, 31, 32, 33, 40, 48, 64, 100, 128, 129, 256, 512, 513, 1024):  # MID_ROWS, few rows
+    # few rows, MID_ROWS and SLACK_ROWS (one group or two), groups of equal size (1100 rows: three of 12, 12, 11 slices)
+    for m in (1, 5, 8, 16, 17, 31, 32, 33, 40, 48, 64, 100, 128, 129, 256, 512, 513, 519, 576, 577, 600, 1024):
         assert torch.equal(amx_gemm.linear(amx_lib, x[:m], packed), whole[:m]), f"{m} rows"
     for start in (1, 7, 33, 500):
         part = slice(start, start + 200)

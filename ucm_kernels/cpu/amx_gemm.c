@@ -10,10 +10,10 @@
  * Tiles (palette 1): C0..C3 = 2 x 2 blocks of 16 rows x 16 outputs (fp32), A0, A1 = 16 rows x 32 k of x,
  * B0, B1 = 32 k x 16 outputs of W in VNNI order (k pairs interleaved): wp [N / 16][K / 32][16 pairs][16 out][2],
  * packed once at load (ucm_kernels/cpu/amx_gemm.py). Work is split over threads by blocks of MC rows x NC outputs
- * (fewer outputs a block when the call has few rows, so that every thread gets a share), RG rows at a time,
- * which keeps a block's x and W in L2 (row groups: SmolLM2's four layer shapes at 2048 rows 7.22 -> 6.75 ms, the
- * builds alternated in one process on the Xeon with AMX). The accumulators go to fp32 scratch and out as bf16 (round to nearest
- * even, as torch rounds).
+ * (fewer outputs a block when the call has few rows, so that every thread gets a share), RG rows at a time (all
+ * rows at once for a long K), which keeps a block's x and W in L2 (row groups: SmolLM2's four layer shapes at 2048
+ * rows 7.22 -> 6.75 ms, the builds alternated in one process on the Xeon with AMX). The accumulators go to fp32
+ * scratch and out as bf16 (round to nearest even, as torch rounds).
  *
  * A row slice (32 rows x SLICE outputs) runs its k blocks KBC at a time over every block of the slice, so that the
  * slice's x and one block's W for those k stay in L1 (36 KB) instead of x being fetched from L2 again for every
@@ -48,7 +48,10 @@
 
 #define MC 128 /* rows per thread block */
 #define NC 256 /* outputs per thread block */
-#define RG 512 /* rows per group (a multiple of MC) */
+#define RG 512 /* rows per group of a short K (a multiple of MC) */
+/* Rows a group may hold past RG rather than leave them to a group of their own: a prompt chunk of RG rows with a
+ * decode batch beside it (a mixed step) read every weight a second time for its few decode rows. */
+#define SLACK_ROWS 64
 #define SLICE 128 /* outputs of a row slice, whose epilogue runs during the next slice's tiles */
 #define KBC 9 /* k blocks (of 32) a pass: a slice's x and a block's W for them fit L1 (2 x 18 KB) */
 #define SPLIT_ROWS 64 /* calls of more rows pass over k in KBC blocks; fewer rows (weights from memory) in one */
@@ -62,6 +65,15 @@
  * next pair's W into L2 during the current pair's slices lost (99 -> 130 ms at 33-64 rows). Same additions in the
  * same order per element: the same bits. */
 #define MID_ROWS 512
+/* Calls of more rows take that order too where a row block's x and a pair's W (MC + 32 rows of K) fit a core's L2
+ * (2 MB on every CPU with AMX so far) and K is at least LONG_K, long enough that a (pair, slice)'s tiles outlast its
+ * epilogue, which the k passes below overlap with the next slice's tiles. 16 distinct weights of a shape (from
+ * memory), builds alternated in one process on the 2-core Xeon with AMX, at 519 and 1543 rows: Llama-1B's three
+ * matmuls of K = 2048 1.54-2.09 -> 1.67-2.13 TFLOP/s (gate_up +8-12%), Qwen2.5-0.5B's down projection (K = 4864)
+ * 1.29-1.73 -> 1.60-1.97; SmolLM2's K of 576 lost 5-10% in that order, its 1536 and Qwen's 896 tied. Past L2
+ * (Llama's K of 8192) the order below won from 768 rows on (1.59-1.67 against 1.35-1.47 TFLOP/s). */
+#define LONG_K 1024
+#define MID_L2_BYTES (2 << 20)
 /* k blocks ahead that a one-pass call (a decode step's few rows) prefetches its two W panels: a decode step's matmuls
  * of Llama-1B's 16 layers (1.95 GB, past L3) at 1 and 4 rows, builds alternated in one process on the 2-core Xeon with
  * AMX: 76.0 -> 71.7 and 76.4 -> 71.2 ms (25.5 -> 27.2 GB/s); 2 and 8 blocks ahead did no better. */
@@ -211,8 +223,18 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     if (lda < k || ldy < (epilogue == EPI_SILU ? n / 2 : n)) return 2;
     if (m <= 0) return 0;
     if (num_threads < 1) num_threads = 1;
-    /* Row groups of RG rows, one after another: a group's x stays in L2 while every output block passes over it. */
-    const int64_t mblocks = ((m < RG ? m : RG) + MC - 1) / MC; /* row blocks of a group */
+    /* Row groups of about RG rows, one after another, of equal size in 32-row slices (up to SLACK_ROWS more rows
+     * join the groups instead of making one of their own): a group's x stays in L2 while every output block passes
+     * over it. A K of LONG_K or more makes one group: its x does not stay in L2 anyway, and each group reads every
+     * weight once more. Llama-1B's shapes at 1543 rows (16 distinct weights each, builds alternated on the 2-core Xeon
+     * with AMX): one group 1.53-1.62 -> 1.68-1.73 TFLOP/s at K = 8192, 1.86-1.96 -> 2.04-2.11 at gate_up; at 1024 and
+     * 2048 rows +2-4%, within the noise; Qwen2.5-0.5B's shapes at 1543 rows as good or better. Row blocks are of equal
+     * size in slices too, at most MC rows. Which rows share a block never changes a row's arithmetic. */
+    const int64_t slices = (m + 31) / 32, group_slices = (k >= LONG_K ? m + 31 : RG) / 32;
+    int64_t groups = (slices - SLACK_ROWS / 32 + group_slices - 1) / group_slices;
+    if (groups < 1) groups = 1;
+    const int64_t widest = (slices + groups - 1) / groups; /* slices of the largest group */
+    const int64_t mblocks = (widest + MC / 32 - 1) / (MC / 32); /* row blocks of a group */
     /* Output blocks of about NC outputs and of equal size, in 32-output panels: 576 outputs cut as 256 + 256 + 64
      * gave one of two threads twice the other's work under the static schedule (a 2048-row prompt: 23% of its
      * samples in this kernel on one thread, 14% on the other). Few rows (a decode step) make one row block: the
@@ -223,7 +245,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     if (nblocks > panels) nblocks = panels;
     const int64_t kbs = k / 32, kbc = m > SPLIT_ROWS ? KBC : kbs; /* k blocks, and those a pass over a slice takes */
     const int64_t kcb = m > SPLIT_ROWS && kbs > KCB ? KCB : kbs; /* k blocks a chunk takes (all: one chunk) */
-    const int mid = m <= MID_ROWS;
+    const int mid = m <= MID_ROWS + SLACK_ROWS || (k >= LONG_K && (MC + 32) * k * 2 <= MID_L2_BYTES);
     const int few = m <= 16;
     const int chunked = !mid && kcb < kbs;
     const int64_t block_floats = 32 * SLICE * BLOCK_SLICES;
@@ -249,12 +271,15 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
             for (int64_t r = 0; r < m % 32; r++) memcpy(mypad + r * k, x + (m / 32 * 32 + r) * lda, (size_t)k * 2);
             memset(mypad + m % 32 * k, 0, (size_t)((32 - m % 32) * k) * 2);
         }
-        for (int64_t g0 = 0; g0 < m; g0 += RG) {
+        for (int64_t g = 0; g < groups; g++) {
 #pragma omp for collapse(2) schedule(static)
             for (int64_t bn = 0; bn < nblocks; bn++) {
                 for (int64_t bm = 0; bm < mblocks; bm++) {
                     const int64_t n_begin = bn * panels / nblocks * 32, n_end = (bn + 1) * panels / nblocks * 32;
-                    const int64_t m_begin = g0 + bm * MC, m_end = m_begin + MC < m ? m_begin + MC : m;
+                    const int64_t gs0 = g * slices / groups, gs = (g + 1) * slices / groups - gs0;
+                    const int64_t m_begin = (gs0 + bm * gs / mblocks) * 32;
+                    const int64_t m_stop = (gs0 + (bm + 1) * gs / mblocks) * 32;
+                    const int64_t m_end = m_stop < m ? m_stop : m;
                     if (mid) { /* one pass over k per (pair, slice), pairs outermost: see MID_ROWS */
                         for (int64_t o0 = n_begin; o0 < n_end; o0 += 32)
                             for (int64_t r0 = m_begin; r0 < m_end; r0 += 32) {
