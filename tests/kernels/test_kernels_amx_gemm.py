@@ -25,10 +25,10 @@ def amx_lib(native_lib):
     return native_lib
 
 
-# amx_gemm.c's orders: (960, 576) and (3072, 576) in row groups, k in passes past MID_ROWS; (576, 1536) and
-# (256, 4160) a K of LONG_K or more that fits L2: one group, one pass over k at any row count; (64, 6592) a K past
-# that: one pass up to MID_ROWS + SLACK_ROWS rows, then k in chunks (KCB), the sums kept between chunks.
-SHAPES = [(960, 576), (3072, 576), (576, 1536), (256, 4160), (64, 6592), (64, 32)]
+# amx_gemm.c's orders past MID_ROWS + SLACK_ROWS rows: (960, 576) and (3072, 576) in row groups, k in passes;
+# (128, 896) one group (ONE_GROUP_K), k in passes; (576, 1536) and (256, 4160) a K of LONG_K or more that fits L2:
+# one pass over k; (64, 6592) a K past that: k in chunks (KCB), the sums kept between chunks.
+SHAPES = [(960, 576), (3072, 576), (128, 896), (576, 1536), (256, 4160), (64, 6592), (64, 32)]
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -40,7 +40,7 @@ def test_within_bf16_rounding_of_the_fp32_product(amx_lib, n, k):
     torch.testing.assert_close(got, want, atol=1e-2, rtol=2**-7)  # the output rounded to bf16 (8 bits)
 
 
-@pytest.mark.parametrize("n,k", SHAPES[:5])
+@pytest.mark.parametrize("n,k", SHAPES[:6])
 def test_a_rows_bits_do_not_depend_on_the_call(amx_lib, n, k):
     gen = torch.Generator().manual_seed(k)
     w, x = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(1100, k, generator=gen).bfloat16()

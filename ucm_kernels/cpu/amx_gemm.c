@@ -74,6 +74,7 @@
  * (Llama's K of 8192) the order below won from 768 rows on (1.59-1.67 against 1.35-1.47 TFLOP/s). */
 #define LONG_K 1024
 #define MID_L2_BYTES (2 << 20)
+#define ONE_GROUP_K 768 /* a K from which all of a call's rows make one row group (see the groups in ucm_amx_gemm) */
 /* k blocks ahead that a one-pass call (a decode step's few rows) prefetches its two W panels: a decode step's matmuls
  * of Llama-1B's 16 layers (1.95 GB, past L3) at 1 and 4 rows, builds alternated in one process on the 2-core Xeon with
  * AMX: 76.0 -> 71.7 and 76.4 -> 71.2 ms (25.5 -> 27.2 GB/s); 2 and 8 blocks ahead did no better. */
@@ -225,12 +226,13 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     if (num_threads < 1) num_threads = 1;
     /* Row groups of about RG rows, one after another, of equal size in 32-row slices (up to SLACK_ROWS more rows
      * join the groups instead of making one of their own): a group's x stays in L2 while every output block passes
-     * over it. A K of LONG_K or more makes one group: its x does not stay in L2 anyway, and each group reads every
-     * weight once more. Llama-1B's shapes at 1543 rows (16 distinct weights each, builds alternated on the 2-core Xeon
-     * with AMX): one group 1.53-1.62 -> 1.68-1.73 TFLOP/s at K = 8192, 1.86-1.96 -> 2.04-2.11 at gate_up; at 1024 and
-     * 2048 rows +2-4%, within the noise; Qwen2.5-0.5B's shapes at 1543 rows as good or better. Row blocks are of equal
-     * size in slices too, at most MC rows. Which rows share a block never changes a row's arithmetic. */
-    const int64_t slices = (m + 31) / 32, group_slices = (k >= LONG_K ? m + 31 : RG) / 32;
+     * over it. A K of ONE_GROUP_K or more makes one group: each group reads every weight once more, which cost more
+     * than x kept in L2 saved. 16 distinct weights of a shape, builds alternated on the 2-core Xeon with AMX, at 1543
+     * rows: Llama-1B's K = 8192 1.53-1.62 -> 1.68-1.73 TFLOP/s, its gate_up 1.86-1.96 -> 2.04-2.11, at 1024 and 2048
+     * rows +2-4%; Qwen2.5-0.5B's K = 896 at 1543 and 2048 rows +3-8% (qkv 1.69-2.21 -> 2.02-2.38); SmolLM2's K = 576
+     * lost up to 8% at 2048 rows. Row blocks are of equal size in slices too, at most MC rows. Which rows share a
+     * block never changes a row's arithmetic. */
+    const int64_t slices = (m + 31) / 32, group_slices = (k >= ONE_GROUP_K ? m + 31 : RG) / 32;
     int64_t groups = (slices - SLACK_ROWS / 32 + group_slices - 1) / group_slices;
     if (groups < 1) groups = 1;
     const int64_t widest = (slices + groups - 1) / groups; /* slices of the largest group */
