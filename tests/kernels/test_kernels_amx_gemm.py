@@ -46,7 +46,7 @@ def test_a_rows_bits_do_not_depend_on_the_call(amx_lib, n, k):
     w, x = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(1100, k, generator=gen).bfloat16()
     packed = amx_gemm.pack(w)
     whole = amx_gemm.linear(amx_lib, x, packed)
-    # few rows, MID_ROWS and SLACK_ROWS (one group or two), groups of equal size (1100 rows: three of 12, 12, 11 slices)
+    # few rows, MID_ROWS and SLACK_ROWS (one group or two), groups of equal size (1100 rows: three of 11, 12, 12 slices)
     for m in (1, 5, 8, 16, 17, 31, 32, 33, 40, 48, 64, 100, 128, 129, 256, 512, 513, 519, 576, 577, 600, 1024):
         assert torch.equal(amx_gemm.linear(amx_lib, x[:m], packed), whole[:m]), f"{m} rows"
     for start in (1, 7, 33, 500):
