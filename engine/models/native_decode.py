@@ -212,9 +212,16 @@ class NativeDecode:
             post = layer.post_attn_norm
             add_norm(o.data_ptr(), rp, post.weight.data_ptr(), xp, tokens, hidden, hidden, post.eps, threads)
             mlp = layer.mlp
-            gate_up = decode_linear(x, mlp.gate_up_weight, mlp.gate_up_bias, mlp.gate_up_packed, gate_up_out, threads)
-            silu(gate_up.data_ptr(), act.data_ptr(), tokens, inter, threads)
-            h = decode_linear(act, mlp.down_weight, mlp.down_bias, mlp.down_packed, down_out, threads)
+            amx = _amx_silu(mlp.gate_up_packed, mlp.gate_up_bias)
+            if amx is not None:  # the SiLU in the GEMM's epilogue, as decode_layers.c's gate_up_act runs it
+                a = amx.silu_and_mul(x)
+            else:
+                gate_up = decode_linear(
+                    x, mlp.gate_up_weight, mlp.gate_up_bias, mlp.gate_up_packed, gate_up_out, threads
+                )
+                silu(gate_up.data_ptr(), act.data_ptr(), tokens, inter, threads)
+                a = act
+            h = decode_linear(a, mlp.down_weight, mlp.down_bias, mlp.down_packed, down_out, threads)
         out = torch.empty_like(x)
         final = model.norm
         add_norm(h.data_ptr(), rp, final.weight.data_ptr(), out.data_ptr(), tokens, hidden, hidden, final.eps, threads)
@@ -234,12 +241,13 @@ class NativeDecode:
 
 def native_layer_operands(layers: list[DecoderLayer]) -> tuple[list[decode_layers.Layer] | None, int]:
     """Each layer's operands for decode_layers.c, and up to how many rows all its matmuls run there; (None, 0) where
-    some matmul does not take a kernel of ours (oneDNN, F.linear, a bias): those steps keep the Python loop."""
+    some matmul does not take a kernel of ours (oneDNN, F.linear) or has a bias the C loop does not add (beside
+    anything but an unpaired AMX weight): those steps keep the Python loop."""
     out, rows = [], ANY_ROWS
     for layer in layers:
         attn, mlp = layer.attn, layer.mlp
         calls = [
-            _native_linear(packed) if bias is None else None
+            _native_linear(packed, bias)
             for bias, packed in (
                 (attn.qkv_bias, attn.qkv_packed),
                 (attn.o_bias, attn.o_packed),
@@ -257,17 +265,23 @@ def native_layer_operands(layers: list[DecoderLayer]) -> tuple[list[decode_layer
     return (out, rows) if out else (None, 0)
 
 
-def _native_linear(packed: Packed) -> tuple[decode_layers.Linear, int] | None:
-    """A matmul's operands for decode_layers.c and up to how many rows `decode_linear` sends it to that kernel."""
+def _native_linear(packed: Packed, bias: torch.Tensor | None) -> tuple[decode_layers.Linear, int] | None:
+    """A matmul's operands for decode_layers.c and up to how many rows `decode_linear` sends it to that kernel. A
+    bias only beside an unpaired AMX weight (Qwen2's qkv), which the Python path runs as the kernel, then `add_`."""
     fmt = decode_layers.LinearFormat
+    if isinstance(packed, BF16Packed) and packed.decode is None and packed.amx is not None:
+        amx = packed.amx
+        if bias is not None and (amx.paired or bias.dtype != torch.bfloat16 or bias.dim() != 1):
+            return None
+        return decode_layers.Linear(
+            amx.packed, None, amx.out_features, amx.in_features, fmt.AMX_BF16_PAIRS if amx.paired else fmt.AMX_BF16,
+            bias=None if bias is None else bias.contiguous(),
+        ), ANY_ROWS  # fmt: skip
+    if bias is not None:
+        return None
     if isinstance(packed, BF16Packed) and packed.decode is not None and isinstance(packed.decode.panels, Q4BF16Panels):
         p = packed.decode.panels
         return decode_layers.Linear(p.qp, p.dm, p.n, p.k, fmt.Q4_BF16, p), ANY_ROWS
-    if isinstance(packed, BF16Packed) and packed.decode is None and packed.amx is not None:
-        amx = packed.amx
-        return decode_layers.Linear(
-            amx.packed, None, amx.out_features, amx.in_features, fmt.AMX_BF16_PAIRS if amx.paired else fmt.AMX_BF16
-        ), ANY_ROWS
     if isinstance(packed, F32Packed) and packed.panels is not None:
         pw = packed.panels
         if isinstance(pw.panels, Q4Panels):
@@ -277,6 +291,14 @@ def _native_linear(packed: Packed) -> tuple[decode_layers.Linear, int] | None:
         else:
             linear = decode_layers.Linear(pw.panels, None, pw.out_features, pw.in_features, fmt.F32_PANELS)
         return linear, pw.max_rows
+    return None
+
+
+def _amx_silu(packed: Packed, bias: torch.Tensor | None) -> amx_gemm.AmxWeight | None:
+    """A gate_up weight whose decode rows take the AMX kernel with the SiLU as its epilogue (paired, no quantized
+    panels, no bias): `dense_silu_and_mul`'s own path for those rows, and decode_layers.c's AMX_BF16_PAIRS."""
+    if isinstance(packed, BF16Packed) and packed.decode is None and packed.amx is not None and bias is None:
+        return packed.amx if packed.amx.paired else None
     return None
 
 

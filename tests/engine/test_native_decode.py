@@ -77,15 +77,17 @@ def _python_loop_and_generic_agree(llm: LLM, prompts: list[list[int]], fast: lis
         assert [lp for _, lp in got] == [lp for _, lp in generic], f"{name}: logprobs differ: some row's bits changed"
 
 
-def test_a_bf16_model_on_amx_runs_its_layers_in_c(native_lib, tmp_path) -> None:
+@pytest.mark.parametrize("shape", ["llama-1b", "qwen-0.5b"])
+def test_a_bf16_model_on_amx_runs_its_layers_in_c(shape, native_lib, tmp_path) -> None:
     """Where the AMX kernel stands in for oneDNN (whose bf16 rows vary with the call here), a bf16 model without
-    quantized weights (a Llama-3.2-1B shape, 2 layers, random weights) runs its decode steps' layers in one native
-    call, with the bits of the Python loop and of the generic forward."""
+    quantized weights (a Llama-3.2-1B shape, and a Qwen2.5-0.5B shape whose qkv has a bias; 2 layers, random
+    weights) runs its decode steps' layers in one native call, with the bits of the Python loop and of the generic
+    forward."""
     if amx_gemm.needed_and_available() is None:
         pytest.skip("this host's bf16 matmuls do not take the AMX kernel (oneDNN's rows are invariant, or no AMX)")
     rng = random.Random(5)
     prompts = [[rng.randrange(1000, 40000) for _ in range(30 + 17 * i)] for i in range(3)]
-    folder = ensure_model("llama-1b", 2, root=tmp_path)
+    folder = ensure_model(shape, 2, root=tmp_path)
     llm = LLM(model=str(folder), dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory="128MiB")
     native = llm.engine.runner.model.native_decode
     assert native is not None and native.native_layers is not None, "every layer matmul on the AMX kernel"
@@ -93,6 +95,8 @@ def test_a_bf16_model_on_amx_runs_its_layers_in_c(native_lib, tmp_path) -> None:
         decode_layers.LinearFormat.AMX_BF16,
         decode_layers.LinearFormat.AMX_BF16_PAIRS,
     }
+    biased = [layer.linears[0].bias is not None for layer in native.native_layers]
+    assert all(biased) if shape == "qwen-0.5b" else not any(biased), "Qwen2's qkv bias, added in C"
     fast = _greedy_with_logprobs(llm, prompts)
     assert native.native_steps >= 23, f"the decode steps' layers in one native call: {native.native_steps} were"
     _python_loop_and_generic_agree(llm, prompts, fast)

@@ -91,16 +91,6 @@
 #define KCB 32 /* k blocks (of 32) a chunk of a long K: a block's W (NC x 1024) and x (MC x 1024) share L2 */
 #define BLOCK_SLICES ((MC / 32) * (NC / SLICE)) /* row slices of a block: each its own sums between chunks */
 
-/* What the kernel does with a block's 32 outputs (two 16-output panels). PAIRS and SILU take a gate_up weight
- * packed with its gate and up panels alternating (amx_gemm.py, pack(paired=True)): panel 2j holds gate outputs
- * 16j .. 16j + 15, panel 2j + 1 the same up outputs, so a block holds both halves of 16 SwiGLU outputs. */
-enum {
-    EPI_PLAIN = 0, /* y [m][n] */
-    EPI_PAIRS = 1, /* y [m][n] as [gate | up]: the unpaired weight's y */
-    EPI_SILU = 2,  /* y [m][n / 2] = silu(gate) * up, each of gate and up rounded to bf16 first: what
-                      elementwise.c's silu_and_mul gives on the PAIRS y, without writing and reading it */
-};
-
 /* Whether this build has the kernel and the OS lets this process use AMX. */
 int32_t ucm_amx_available(void) {
 #ifdef UCM_HAS_AMX

@@ -16,7 +16,7 @@ TILE_K, TILE_N = 32, 16  # k per tile row block, outputs per tile
 
 
 class Epilogue(enum.IntEnum):
-    """What the kernel writes (amx_gemm.c's EPI_*); PAIRS and SILU take a weight packed with paired=True."""
+    """What the kernel writes (entry_points.h's EPI_*); PAIRS and SILU take a weight packed with paired=True."""
 
     PLAIN = 0  # y = x @ W^T
     PAIRS = 1  # the same y, from a gate_up weight packed with its gate and up panels alternating

@@ -4,8 +4,8 @@
  * Why: a decode step of 8 rows on SmolLM2 makes ~330 kernel calls (11 a layer), most of them microseconds long;
  * from Python each cost a few microseconds of interpreter and ctypes on the calling thread while the other OpenMP
  * threads spun waiting for the next parallel region (perf on the 2-core Xeon with AMX: the second thread idle ~40%
- * of a decode step). Only steps whose every matmul is one of our own kernels come here (`DecodeLinear`'s formats);
- * a step with a oneDNN or a biased matmul stays in Python.
+ * of a decode step). Only steps whose every matmul is one of our own kernels come here (`DecodeLinear`'s formats,
+ * a bias only after AMX_BF16); a step with a oneDNN matmul or another bias stays in Python.
  *
  * Each kernel is the library's own entry point (their translation units share no other symbols); each still opens
  * its own parallel region, as it does when Python calls it. */
@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bf16.h"
 #include "entry_points.h"
 
 /* Which kernel a matmul takes (ucm_kernels/cpu/decode_layers.py: LinearFormat). */
@@ -21,12 +22,14 @@ enum { DL_Q4_BF16 = 0, DL_F32_PANELS = 1, DL_Q4_F32 = 2, DL_Q8_F32 = 3, DL_AMX_B
 /* Where a step stopped (ucm_kernels/cpu/decode_layers.py: Failure). */
 enum { DL_OK = 0, DL_LINEAR = 1, DL_WRITE_KV = 2, DL_ATTENTION = 3 };
 
-/* One matmul y [T, n] = x [T, k] @ W^T, W packed as `format` says: q its 4/8-bit bytes, fp32 panels or AMX tiles
- * (amx_gemm.c; PAIRS: a gate_up weight with its gate and up panels paired, y as [gate | up]), scales the Q4_1 d|m
- * or the Q8_0 d (NULL for fp32 panels and AMX tiles). */
+/* One matmul y [T, n] = x [T, k] @ W^T (+ bias), W packed as `format` says: q its 4/8-bit bytes, fp32 panels or
+ * AMX tiles (amx_gemm.c; PAIRS: a gate_up weight with its gate and up panels paired, y as [gate | up]), scales the
+ * Q4_1 d|m or the Q8_0 d (NULL for fp32 panels and AMX tiles); bias [n] bf16 or NULL, AMX_BF16 only (Qwen2's qkv):
+ * added as the Python path adds it after the kernel, y = bf16(y + bias) per element. */
 typedef struct {
     const void *q;
     const float *scales;
+    const uint16_t *bias;
     int64_t n, k, format;
 } DecodeLinear;
 
@@ -56,11 +59,22 @@ typedef struct {
     int32_t detail, pad;       /* the attention's sequence, or which matmul of the layer (0-3: qkv, o, gate_up, down) */
 } DecodeFailure;
 
+/* y[r] = bf16(y[r] + bias) for rows r < rows of n: torch's bf16 add (in fp32, rounded to nearest even). A decode
+ * step's few rows: one thread. */
+static void add_bias_bf16(uint16_t *y, const uint16_t *bias, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < n; c++) y[r * n + c] = f32_to_bf16(bf16_to_f32(y[r * n + c]) + bf16_to_f32(bias[c]));
+}
+
 static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *y, int32_t threads, void *pad) {
+    int64_t rc;
     switch (w->format) {
     case DL_AMX_BF16:
+        rc = ucm_amx_gemm(x, rows, w->k, w->k, w->q, w->n, y, w->n, pad, threads, EPI_PLAIN);
+        if (rc == 0 && w->bias != NULL) add_bias_bf16(y, w->bias, rows, w->n);
+        return rc;
     case DL_AMX_BF16_PAIRS:
-        return ucm_amx_gemm(x, rows, w->k, w->k, w->q, w->n, y, w->n, pad, threads, w->format == DL_AMX_BF16_PAIRS);
+        return ucm_amx_gemm(x, rows, w->k, w->k, w->q, w->n, y, w->n, pad, threads, EPI_PAIRS);
     case DL_Q4_BF16:
         return ucm_q4_bf16(x, rows, w->k, w->q, w->scales, w->n, y, threads);
     case DL_F32_PANELS:
@@ -73,6 +87,21 @@ static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *
     default:
         return -100;
     }
+}
+
+/* The MLP's gate_up and SiLU-and-mul: s->act [T, inter]. A paired AMX weight takes the SiLU as its GEMM's epilogue
+ * (EPI_SILU: the bits silu_and_mul gives on the PAIRS y), which spreads it over the GEMM's threads: a decode step's
+ * few rows are under the elementwise kernels' parallel threshold, and Qwen2.5-0.5B's 8 rows of 4864 took ~50 us a
+ * layer on one thread while the other waited. */
+static int64_t gate_up_act(const DecodeStepArgs *s, const DecodeLinear *w, int32_t threads) {
+    const int64_t t = s->tokens;
+    if (w->format == DL_AMX_BF16_PAIRS)
+        return ucm_amx_gemm(s->x, t, w->k, w->k, w->q, w->n, s->act, w->n / 2, s->pad, threads, EPI_SILU);
+    const int64_t rc = linear(w, s->x, t, s->gate_up, threads, s->pad);
+    if (rc) return rc;
+    if (s->dtype == UCM_DTYPE_BF16) ucm_silu_and_mul(s->gate_up, s->act, t, s->inter, threads);
+    else ucm_silu_and_mul_f32(s->gate_up, s->act, t, s->inter, threads);
+    return 0;
 }
 
 static void add_norm(const DecodeStepArgs *s, const void *x, const void *weight, double eps, void *out) {
@@ -125,11 +154,7 @@ int32_t ucm_decode_layers(const DecodeStepArgs *s, const DecodeLayer *layers, in
         if (rc) return fail(failure, DL_ATTENTION, i, rc, err_seq);
         if ((rc = linear(&l->o, s->att, t, s->o_out, threads, s->pad))) return fail(failure, DL_LINEAR, i, rc, 1);
         add_norm(s, s->o_out, l->post_attn_norm, l->post_attn_eps, s->x);
-        if ((rc = linear(&l->gate_up, s->x, t, s->gate_up, threads, s->pad))) return fail(failure, DL_LINEAR, i, rc, 2);
-        if (bf16)
-            ucm_silu_and_mul(s->gate_up, s->act, t, s->inter, threads);
-        else
-            ucm_silu_and_mul_f32(s->gate_up, s->act, t, s->inter, threads);
+        if ((rc = gate_up_act(s, &l->gate_up, threads))) return fail(failure, DL_LINEAR, i, rc, 2);
         if ((rc = linear(&l->down, s->act, t, s->down_out, threads, s->pad))) return fail(failure, DL_LINEAR, i, rc, 3);
     }
     add_norm(s, s->down_out, s->final_norm, s->final_eps, s->out);

@@ -41,7 +41,7 @@ class _Failure(enum.IntEnum):
 
 
 class CLinear(ctypes.Structure):
-    _fields_ = [("q", _ptr), ("scales", _ptr), ("n", _i64), ("k", _i64), ("format", _i64)]
+    _fields_ = [("q", _ptr), ("scales", _ptr), ("bias", _ptr), ("n", _i64), ("k", _i64), ("format", _i64)]
 
 
 class CLayer(ctypes.Structure):
@@ -91,10 +91,21 @@ class Linear:
     k: int
     format: LinearFormat
     panels: q4_bf16.Q4BF16Panels | None = None  # for the q4_bf16 error message
+    bias: torch.Tensor | None = None  # [n] bf16, AMX_BF16 only: added after the kernel as torch adds it
+
+    def __post_init__(self) -> None:
+        if self.bias is not None:
+            assert self.format is LinearFormat.AMX_BF16, (
+                f"decode_layers.c adds a bias after AMX_BF16 only, not {self.format.name}"
+            )
+            assert self.bias.dtype == torch.bfloat16 and self.bias.shape == (self.n,) and self.bias.is_contiguous(), (
+                "a bias as decode_layers.c reads it: [n] bf16, contiguous"
+            )
 
     def c(self) -> CLinear:
         scales = self.scales.data_ptr() if self.scales is not None else None
-        return CLinear(self.q.data_ptr(), scales, self.n, self.k, int(self.format))
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        return CLinear(self.q.data_ptr(), scales, bias, self.n, self.k, int(self.format))
 
 
 @dataclass(frozen=True)

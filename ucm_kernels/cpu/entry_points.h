@@ -40,6 +40,18 @@ int32_t ucm_skinny_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *
                            const float *bias, float *y, int32_t num_threads);
 int32_t ucm_skinny_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *qp, const float *d, int64_t n,
                            const float *bias, float *y, int32_t num_threads);
+
+/* What ucm_amx_gemm does with a block's 32 outputs (two 16-output panels; amx_gemm.py: Epilogue). PAIRS and SILU
+ * take a gate_up weight packed with its gate and up panels alternating (amx_gemm.py, pack(paired=True)): panel 2j
+ * holds gate outputs 16j .. 16j + 15, panel 2j + 1 the same up outputs, so a block holds both halves of 16 SwiGLU
+ * outputs. */
+enum {
+    EPI_PLAIN = 0, /* y [m][n] */
+    EPI_PAIRS = 1, /* y [m][n] as [gate | up]: the unpaired weight's y */
+    EPI_SILU = 2,  /* y [m][n / 2] = silu(gate) * up, each of gate and up rounded to bf16 first: what
+                      elementwise.c's silu_and_mul gives on the PAIRS y, without writing and reading it */
+};
+
 int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const uint16_t *wp, int64_t n, uint16_t *y,
                      int64_t ldy, uint16_t *pad, int32_t num_threads, int32_t epilogue);
 int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
