@@ -196,6 +196,30 @@ def test_multithreaded_equals_single_thread(lib):
         assert len(gomp) == 1, f"two OpenMP runtimes loaded: {gomp}"
 
 
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (14, 2), (9, 3)])
+def test_a_lone_decode_cut_by_kv_heads_keeps_its_bits(lib, hq, hkv):
+    """A bf16 decode alone in a call is cut by kv heads over the threads (one item per share, not one item for
+    every head on one thread): the bits of one thread, and of the same row computed in its prompt."""
+    length = 300
+    case = make_paged_case([length], [length], hq, hkv, 64, dtype=torch.bfloat16, seed=11)
+    seq_lens = torch.tensor([length], dtype=torch.int32)
+    qsl = torch.tensor([0, length], dtype=torch.int32)
+    whole = paged_attention_native(lib, case.q, case.k_cache, case.v_cache, qsl, seq_lens, case.block_tables, 0.125)
+    threads = torch.get_num_threads()
+    decodes = {}
+    try:
+        for n in (1, 2, 3, 8):
+            torch.set_num_threads(n)
+            q = case.q[length - 1 :]
+            decodes[n] = paged_attention_native(
+                lib, q, case.k_cache, case.v_cache, None, seq_lens, case.block_tables, 0.125
+            )
+    finally:
+        torch.set_num_threads(threads)
+    for n, got in decodes.items():
+        assert torch.equal(got, whole[length - 1 :]), f"{n} threads: the decode row differs from its prompt row"
+
+
 def test_bad_batches_raise(lib):
     case = make_paged_case([4, 20], [1, 1], 2, 2, 64)
     args = (case.k_cache, case.v_cache)

@@ -221,7 +221,7 @@ static inline int32_t rest_items(const Problem *p, int32_t seq, int32_t dtype, i
     const int32_t queries = num_queries(p, seq) - first;
     if (queries == 0) return 0;
 #ifdef UCM_HAS_DPBF16
-    if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, queries)) return 1;
+    if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, queries)) return p->head_parts;
 #endif
     const int32_t lr = lane_rows(p, seq, dtype);
     if (lr) return p->num_kv_heads * ((queries * (p->num_q_heads / p->num_kv_heads) + lr - 1) / lr);
@@ -245,7 +245,7 @@ static inline Item item_at(const Problem *p, int32_t seq, int32_t i, int32_t dty
     i -= amx;
 #ifdef UCM_HAS_DPBF16
     if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, num_queries(p, seq) - first))
-        return (Item){.seq = seq, .row0 = first * group, .kv_head = p->num_kv_heads}; /* every kv head in one item */
+        return (Item){.seq = seq, .row0 = first * group, .kv_head = p->num_kv_heads + i}; /* part i of every kv head */
 #endif
     const int32_t lr = lane_rows(p, seq, dtype);
     if (lr) {
@@ -379,9 +379,14 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim > MAX_D ||
         block_size <= 0 || (dtype != UCM_DTYPE_F32 && dtype != UCM_DTYPE_BF16))
         return UCM_ERR_BAD_SHAPE;
+    /* A lone decode (one sequence: a single user's stream) is one item of every kv head, on one thread while the
+     * others wait; cut by kv heads, each thread takes a share. Each head's rows are computed as in the whole item:
+     * the same bits. */
+    const int32_t head_parts =
+        num_seqs != 1 || num_threads < 2 ? 1 : num_threads < num_kv_heads ? num_threads : num_kv_heads;
     Problem p = {q, q_stride_tok, q_stride_head, k_cache, v_cache, out, query_start_loc, seq_lens,
                  block_tables, block_table_stride, num_q_heads, num_kv_heads, head_dim, block_size,
-                 scale * LOG2E, skip_whole_prompts, prompt_queries, NULL, NULL};
+                 scale * LOG2E, skip_whole_prompts, prompt_queries, NULL, NULL, head_parts > 0 ? head_parts : 1};
     int64_t num_items = 0;
     int rc = validate(&p, dtype, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
     if (rc != UCM_OK) return rc;
@@ -458,7 +463,7 @@ int32_t ucm_shared_prefix_groups(const int32_t *seq_lens, const int32_t *block_t
 #ifdef UCM_HAS_DPBF16
     const Problem p = {.seq_lens = seq_lens, .block_tables = block_tables, .block_table_stride = block_table_stride,
                        .num_q_heads = num_q_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
-                       .block_size = block_size};
+                       .block_size = block_size, .head_parts = 1};
     for (int32_t b = 0; b < num_seqs; b++) group_of[b] = -1;
     uint8_t *grouped = calloc((size_t)num_seqs + 1, 1);
     Item *groups = malloc(((size_t)num_seqs + 1) * sizeof *groups);

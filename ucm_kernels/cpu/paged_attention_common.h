@@ -75,12 +75,14 @@ typedef struct {
                                       (paged_attention_amx.h, amx_build_vt); NULL elsewhere */
     const int32_t *group_seqs; /* the members of shared-prefix decode items, group after group
                                   (paged_attention_shared.h); NULL: none */
+    int32_t head_parts; /* items a bf16 decode's all-kv-heads item is cut into, by kv heads (1: one item) */
 } Problem;
 
 typedef struct {
     int32_t seq, row0; /* row0: first row (token * num_q_heads + query head) of the item */
     int32_t kv_head;   /* -1: the per-ISA body's item; >= 0: a lanes item of this kv head, row0 = token * group +
-                          head in group (paged_attention_lanes.h) */
+                          head in group (paged_attention_lanes.h); num_kv_heads + i: part i of a bf16 decode's item
+                          of every kv head (dpbf16_all_heads, Problem.head_parts) */
     int32_t amx_end;   /* > 0: an AMX prompt item of that kv head, its rows row0 .. min(row0 + 32, amx_end) - 1 */
     int32_t group_at, group_len, group_keys; /* group_len > 0: decodes Problem.group_seqs[group_at ..] sharing
                                                 their first group_keys keys (paged_attention_shared.h) */

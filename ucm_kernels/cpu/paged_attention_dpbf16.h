@@ -55,8 +55,9 @@ static inline int dpbf16_take(const Problem *p, int32_t seq, int32_t dtype) {
     return dtype == UCM_DTYPE_BF16 && p->head_dim % 16 == 0;
 }
 
-/* Whether a bf16 sequence's `queries` (those the AMX prompt body leaves) are one item of every kv head (kv_head ==
- * num_kv_heads marks it): few rows per head, as a decode has, and heads that fit attend_dpbf16_cols. */
+/* Whether a bf16 sequence's `queries` (those the AMX prompt body leaves) are one item of every kv head (kv_head >=
+ * num_kv_heads marks it; a lone decode's is cut by kv heads into Problem.head_parts items): few rows per head, as a
+ * decode has, and heads that fit attend_dpbf16_cols. */
 static inline int dpbf16_all_heads(const Problem *p, int32_t queries) {
     return queries * (p->num_q_heads / p->num_kv_heads) < DCOLS && p->num_kv_heads <= DCOLS_HEADS;
 }
@@ -657,7 +658,10 @@ ALWAYS_INLINE void attend_dpbf16_cols_shared(const Problem *p, const int32_t *se
  * head_dim (a multiple of 16). */
 ALWAYS_INLINE void attend_dpbf16_item(const Problem *p, int32_t seq, int32_t h, int32_t row0, int d) {
     const int32_t rows = num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads) - row0;
-    if (h == p->num_kv_heads) attend_dpbf16_cols(p, seq, 0, p->num_kv_heads, row0, d); /* dpbf16_all_heads */
+    if (h >= p->num_kv_heads) { /* dpbf16_all_heads: part h - num_kv_heads of head_parts */
+        const int32_t part = h - p->num_kv_heads, nh = p->num_kv_heads, parts = p->head_parts;
+        attend_dpbf16_cols(p, seq, part * nh / parts, (part + 1) * nh / parts, row0, d);
+    }
     else if (rows < DCOLS) attend_dpbf16_cols(p, seq, h, h + 1, row0, d);
     else attend_dpbf16(p, seq, h, row0, num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads), d, 0, DV);
 }
