@@ -386,7 +386,7 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
         num_seqs != 1 || num_threads < 2 ? 1 : num_threads < num_kv_heads ? num_threads : num_kv_heads;
     Problem p = {q, q_stride_tok, q_stride_head, k_cache, v_cache, out, query_start_loc, seq_lens,
                  block_tables, block_table_stride, num_q_heads, num_kv_heads, head_dim, block_size,
-                 scale * LOG2E, skip_whole_prompts, prompt_queries, NULL, NULL, head_parts > 0 ? head_parts : 1};
+                 scale * LOG2E, skip_whole_prompts, prompt_queries, NULL, NULL, head_parts};
     int64_t num_items = 0;
     int rc = validate(&p, dtype, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
     if (rc != UCM_OK) return rc;
