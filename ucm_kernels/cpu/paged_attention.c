@@ -216,6 +216,11 @@ static inline int32_t amx_items(const Problem *p, int32_t seq, int32_t dtype) {
 #endif
 }
 
+/* Whether a per-ISA item of every head's row (one query, at most MAX_ROWS heads) is cut into head_parts items. */
+static inline int lone_decode_parts(const Problem *p, int32_t queries) {
+    return p->head_parts > 1 && queries == 1 && p->num_q_heads <= MAX_ROWS;
+}
+
 /* The items of the queries the AMX body leaves (all of them where it takes none), from query `first` on. */
 static inline int32_t rest_items(const Problem *p, int32_t seq, int32_t dtype, int32_t first) {
     const int32_t queries = num_queries(p, seq) - first;
@@ -225,6 +230,7 @@ static inline int32_t rest_items(const Problem *p, int32_t seq, int32_t dtype, i
 #endif
     const int32_t lr = lane_rows(p, seq, dtype);
     if (lr) return p->num_kv_heads * ((queries * (p->num_q_heads / p->num_kv_heads) + lr - 1) / lr);
+    if (lone_decode_parts(p, queries)) return p->head_parts;
     return (queries * p->num_q_heads + MAX_ROWS - 1) / MAX_ROWS;
 }
 
@@ -251,6 +257,10 @@ static inline Item item_at(const Problem *p, int32_t seq, int32_t i, int32_t dty
     if (lr) {
         const int32_t per_head = rest_items(p, seq, dtype, first) / p->num_kv_heads;
         return (Item){.seq = seq, .row0 = first * group + i % per_head * lr, .kv_head = i / per_head};
+    }
+    if (lone_decode_parts(p, num_queries(p, seq) - first)) { /* part i: kv heads lo .. hi - 1, their query heads */
+        const int32_t nh = p->num_kv_heads, lo = i * nh / p->head_parts, hi = (i + 1) * nh / p->head_parts;
+        return (Item){.seq = seq, .row0 = lo * group, .kv_head = -1, .row_end = hi * group};
     }
     return (Item){.seq = seq, .row0 = i * MAX_ROWS, .kv_head = -1};
 }
@@ -380,8 +390,8 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
         block_size <= 0 || (dtype != UCM_DTYPE_F32 && dtype != UCM_DTYPE_BF16))
         return UCM_ERR_BAD_SHAPE;
     /* A lone decode (one sequence: a single user's stream) is one item of every kv head, on one thread while the
-     * others wait; cut by kv heads, each thread takes a share. Each head's rows are computed as in the whole item:
-     * the same bits. */
+     * others wait; cut by kv heads, each thread takes a share (the VDPBF16PS cols items and the per-ISA ones). Each
+     * head's rows are computed as in the whole item: the same bits. */
     const int32_t head_parts =
         num_seqs != 1 || num_threads < 2 ? 1 : num_threads < num_kv_heads ? num_threads : num_kv_heads;
     Problem p = {q, q_stride_tok, q_stride_head, k_cache, v_cache, out, query_start_loc, seq_lens,

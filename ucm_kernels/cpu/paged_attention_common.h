@@ -75,7 +75,7 @@ typedef struct {
                                       (paged_attention_amx.h, amx_build_vt); NULL elsewhere */
     const int32_t *group_seqs; /* the members of shared-prefix decode items, group after group
                                   (paged_attention_shared.h); NULL: none */
-    int32_t head_parts; /* items a bf16 decode's all-kv-heads item is cut into, by kv heads (1: one item) */
+    int32_t head_parts; /* items a lone decode's item of every kv head is cut into, by kv heads (1: one item) */
 } Problem;
 
 typedef struct {
@@ -86,6 +86,7 @@ typedef struct {
     int32_t amx_end;   /* > 0: an AMX prompt item of that kv head, its rows row0 .. min(row0 + 32, amx_end) - 1 */
     int32_t group_at, group_len, group_keys; /* group_len > 0: decodes Problem.group_seqs[group_at ..] sharing
                                                 their first group_keys keys (paged_attention_shared.h) */
+    int32_t row_end; /* > 0: the per-ISA item's rows end here (a part of a lone decode, Problem.head_parts) */
 } Item;
 
 /* One item's rows, resolved: where each row's query and output live, its kv head and last visible key. */
@@ -104,7 +105,8 @@ static void resolve_rows(const Problem *p, const Item *it, Rows *r) {
     const int32_t hq = p->num_q_heads, group = hq / p->num_kv_heads;
     r->n = num_queries(p, it->seq);
     r->len = p->seq_lens[it->seq];
-    r->nrows = r->n * hq - it->row0 < MAX_ROWS ? r->n * hq - it->row0 : MAX_ROWS;
+    const int32_t end = it->row_end > 0 ? it->row_end : r->n * hq;
+    r->nrows = end - it->row0 < MAX_ROWS ? end - it->row0 : MAX_ROWS;
     for (int32_t i = 0; i < r->nrows; i++) {
         const int32_t row = it->row0 + i, tok = row / hq, head = row % hq;
         r->q_off[i] = (int64_t)(q0 + tok) * p->q_stride_tok + (int64_t)head * p->q_stride_head;
