@@ -207,12 +207,11 @@ def test_a_lone_decode_cut_by_kv_heads_keeps_its_bits(each_build, dtype, hq, hkv
     seq_lens = torch.tensor([length], dtype=torch.int32)
     qsl = torch.tensor([0, length], dtype=torch.int32)
     whole = paged_attention_native(lib, case.q, case.k_cache, case.v_cache, qsl, seq_lens, case.block_tables, 0.125)
-    threads = torch.get_num_threads()
+    threads, q = torch.get_num_threads(), case.q[length - 1 :]
     decodes = {}
     try:
         for n in (1, 2, 3, 8):
             torch.set_num_threads(n)
-            q = case.q[length - 1 :]
             decodes[n] = paged_attention_native(
                 lib, q, case.k_cache, case.v_cache, None, seq_lens, case.block_tables, 0.125
             )

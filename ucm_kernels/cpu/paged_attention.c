@@ -258,8 +258,9 @@ static inline Item item_at(const Problem *p, int32_t seq, int32_t i, int32_t dty
         const int32_t per_head = rest_items(p, seq, dtype, first) / p->num_kv_heads;
         return (Item){.seq = seq, .row0 = first * group + i % per_head * lr, .kv_head = i / per_head};
     }
-    if (lone_decode_parts(p, num_queries(p, seq) - first)) { /* part i: kv heads lo .. hi - 1, their query heads */
-        const int32_t nh = p->num_kv_heads, lo = i * nh / p->head_parts, hi = (i + 1) * nh / p->head_parts;
+    if (lone_decode_parts(p, num_queries(p, seq) - first)) { /* part i: its kv heads' query heads */
+        int32_t lo, hi;
+        head_part(p, i, &lo, &hi);
         return (Item){.seq = seq, .row0 = lo * group, .kv_head = -1, .row_end = hi * group};
     }
     return (Item){.seq = seq, .row0 = i * MAX_ROWS, .kv_head = -1};

@@ -96,6 +96,12 @@ typedef struct {
     int32_t kv_head[MAX_ROWS], pos[MAX_ROWS];
 } Rows;
 
+/* The kv heads *lo .. *hi - 1 of part `part` of a lone decode cut into p->head_parts (whole heads, in order). */
+static inline void head_part(const Problem *p, int32_t part, int32_t *lo, int32_t *hi) {
+    *lo = part * p->num_kv_heads / p->head_parts;
+    *hi = (part + 1) * p->num_kv_heads / p->head_parts;
+}
+
 static inline int32_t num_queries(const Problem *p, int32_t seq) {
     return p->query_start_loc ? p->query_start_loc[seq + 1] - p->query_start_loc[seq] : 1;
 }

@@ -659,8 +659,9 @@ ALWAYS_INLINE void attend_dpbf16_cols_shared(const Problem *p, const int32_t *se
 ALWAYS_INLINE void attend_dpbf16_item(const Problem *p, int32_t seq, int32_t h, int32_t row0, int d) {
     const int32_t rows = num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads) - row0;
     if (h >= p->num_kv_heads) { /* dpbf16_all_heads: part h - num_kv_heads of head_parts */
-        const int32_t part = h - p->num_kv_heads, nh = p->num_kv_heads, parts = p->head_parts;
-        attend_dpbf16_cols(p, seq, part * nh / parts, (part + 1) * nh / parts, row0, d);
+        int32_t lo, hi;
+        head_part(p, h - p->num_kv_heads, &lo, &hi);
+        attend_dpbf16_cols(p, seq, lo, hi, row0, d);
     }
     else if (rows < DCOLS) attend_dpbf16_cols(p, seq, h, h + 1, row0, d);
     else attend_dpbf16(p, seq, h, row0, num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads), d, 0, DV);
