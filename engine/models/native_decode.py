@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine.attention import current_forward_context
-from engine.models.dense import BF16Packed, F32Packed, Packed, dense
+from engine.models.dense import BF16Packed, F32Packed, Packed, dense, dense_silu_and_mul
 from ucm_kernels.api import native_decode_lib, native_ops_lib
 from ucm_kernels.cpu import amx_gemm, decode_layers, elementwise, q4_bf16
 from ucm_kernels.cpu import write_kv as native_write
@@ -212,13 +212,10 @@ class NativeDecode:
             post = layer.post_attn_norm
             add_norm(o.data_ptr(), rp, post.weight.data_ptr(), xp, tokens, hidden, hidden, post.eps, threads)
             mlp = layer.mlp
-            amx = _amx_silu(mlp.gate_up_packed, mlp.gate_up_bias)
-            if amx is not None:  # the SiLU in the GEMM's epilogue, as decode_layers.c's gate_up_act runs it
-                a = amx.silu_and_mul(x)
+            gate_up = _decode_kernel(x, mlp.gate_up_bias, mlp.gate_up_packed, gate_up_out, threads)
+            if gate_up is None:  # dense's path, the SiLU in the AMX epilogue where it takes it (as gate_up_act in C)
+                a = dense_silu_and_mul(x, mlp.gate_up_weight, mlp.gate_up_bias, mlp.gate_up_packed)
             else:
-                gate_up = decode_linear(
-                    x, mlp.gate_up_weight, mlp.gate_up_bias, mlp.gate_up_packed, gate_up_out, threads
-                )
                 silu(gate_up.data_ptr(), act.data_ptr(), tokens, inter, threads)
                 a = act
             h = decode_linear(a, mlp.down_weight, mlp.down_bias, mlp.down_packed, down_out, threads)
@@ -294,24 +291,24 @@ def _native_linear(packed: Packed, bias: torch.Tensor | None) -> tuple[decode_la
     return None
 
 
-def _amx_silu(packed: Packed, bias: torch.Tensor | None) -> amx_gemm.AmxWeight | None:
-    """A gate_up weight whose decode rows take the AMX kernel with the SiLU as its epilogue (paired, no quantized
-    panels, no bias): `dense_silu_and_mul`'s own path for those rows, and decode_layers.c's AMX_BF16_PAIRS."""
-    if isinstance(packed, BF16Packed) and packed.decode is None and packed.amx is not None and bias is None:
-        return packed.amx if packed.amx.paired else None
-    return None
-
-
 def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed, out: torch.Tensor, threads: int
 ) -> torch.Tensor:
     """What `dense` gives a decode step's rows (all generated), into `out` where a kernel of ours runs it: bf16's
     4-bit kernel where the weight has its panels, fp32's skinny kernel (4-bit or fp32 panels) up to its rows; else
-    `dense` itself (oneDNN, a bias)."""
+    `dense` itself (oneDNN, the AMX kernel, a bias)."""
+    y = _decode_kernel(x, bias, packed, out, threads)
+    return dense(x, weight, bias, packed) if y is None else y
+
+
+def _decode_kernel(
+    x: torch.Tensor, bias: torch.Tensor | None, packed: Packed, out: torch.Tensor, threads: int
+) -> torch.Tensor | None:
+    """`decode_linear` into `out` where one of its kernels takes the rows; None where `dense` runs them."""
     if isinstance(packed, F32Packed):
         pw = packed.panels
         if pw is None or bias is not None or x.shape[0] > pw.max_rows:
-            return dense(x, weight, bias, packed)
+            return None
         return pw.linear(x, None, out)
     decode = packed.decode if isinstance(packed, BF16Packed) else None
     if decode is not None and isinstance(decode.panels, Q4BF16Panels) and bias is None:
@@ -323,4 +320,4 @@ def decode_linear(
         if status:
             raise q4_bf16.status_error(lib, status, x.shape[0], p)
         return out
-    return dense(x, weight, bias, packed)
+    return None
