@@ -23,9 +23,9 @@ enum { DL_Q4_BF16 = 0, DL_F32_PANELS = 1, DL_Q4_F32 = 2, DL_Q8_F32 = 3, DL_AMX_B
 enum { DL_OK = 0, DL_LINEAR = 1, DL_WRITE_KV = 2, DL_ATTENTION = 3 };
 
 /* One matmul y [T, n] = x [T, k] @ W^T (+ bias), W packed as `format` says: q its 4/8-bit bytes, fp32 panels or
- * AMX tiles (amx_gemm.c; PAIRS: a gate_up weight with its gate and up panels paired, y as [gate | up]), scales the
- * Q4_1 d|m or the Q8_0 d (NULL for fp32 panels and AMX tiles); bias [n] bf16 or NULL, AMX_BF16 only (Qwen2's qkv):
- * added as the Python path adds it after the kernel, y = bf16(y + bias) per element. */
+ * AMX tiles (amx_gemm.c; PAIRS: a gate_up weight with its gate and up panels paired, SiLU-and-mul in the epilogue),
+ * scales the Q4_1 d|m or the Q8_0 d (NULL for fp32 panels and AMX tiles); bias [n] bf16 or NULL, AMX_BF16 only
+ * (Qwen2's qkv): added as the Python path adds it after the kernel, y = bf16(y + bias) per element. */
 typedef struct {
     const void *q;
     const float *scales;
@@ -66,6 +66,7 @@ static void add_bias_bf16(uint16_t *y, const uint16_t *bias, int64_t rows, int64
         for (int64_t c = 0; c < n; c++) y[r * n + c] = f32_to_bf16(bf16_to_f32(y[r * n + c]) + bf16_to_f32(bias[c]));
 }
 
+/* Every format but AMX_BF16_PAIRS, which only a gate_up weight has and gate_up_act runs. */
 static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *y, int32_t threads, void *pad) {
     int64_t rc;
     switch (w->format) {
@@ -73,8 +74,6 @@ static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *
         rc = ucm_amx_gemm(x, rows, w->k, w->k, w->q, w->n, y, w->n, pad, threads, EPI_PLAIN);
         if (rc == 0 && w->bias != NULL) add_bias_bf16(y, w->bias, rows, w->n);
         return rc;
-    case DL_AMX_BF16_PAIRS:
-        return ucm_amx_gemm(x, rows, w->k, w->k, w->q, w->n, y, w->n, pad, threads, EPI_PAIRS);
     case DL_Q4_BF16:
         return ucm_q4_bf16(x, rows, w->k, w->q, w->scales, w->n, y, threads);
     case DL_F32_PANELS:

@@ -30,7 +30,7 @@ class LinearFormat(enum.IntEnum):
     Q4_F32 = 2  # skinny_gemm.c on 4-bit panels
     Q8_F32 = 3  # skinny_gemm.c on 8-bit panels
     AMX_BF16 = 4  # amx_gemm.c (a bf16 weight that no quantized panels stand for, where AMX replaces oneDNN)
-    AMX_BF16_PAIRS = 5  # amx_gemm.c on a gate_up weight packed paired: y as [gate | up]
+    AMX_BF16_PAIRS = 5  # amx_gemm.c on a gate_up weight packed paired, SiLU-and-mul in its epilogue
 
 
 class _Failure(enum.IntEnum):
