@@ -73,7 +73,8 @@
  * memory), builds alternated in one process on the 2-core Xeon with AMX, at 519 and 1543 rows: Llama-1B's three
  * matmuls of K = 2048 1.54-2.09 -> 1.67-2.13 TFLOP/s (gate_up +8-12%), Qwen2.5-0.5B's down projection (K = 4864)
  * 1.29-1.73 -> 1.60-1.97; SmolLM2's K of 576 lost 5-10% in that order, its 1536 and Qwen's 896 tied. Past L2
- * (Llama's K of 8192) the order below won from 768 rows on (1.59-1.67 against 1.35-1.47 TFLOP/s). */
+ * (Llama's K of 8192) the order below won from 768 rows on (1.59-1.67 against 1.35-1.47 TFLOP/s); in
+ * MC_PAST_L2's blocks from 160 rows on. */
 #define LONG_K 1024
 #define MID_L2_BYTES (2 << 20)
 #define ONE_GROUP_K 768 /* a K from which all of a call's rows make one row group (see the groups in ucm_amx_gemm) */
@@ -89,7 +90,18 @@
  * (25.0 -> 26.9 GB/s, a streaming read 31-33 GB/s in the same runs); the row tile skip alone 74 ms. A further
  * prefetch 16 k blocks ahead into L2 lost (75.5 -> 77.8 ms). */
 #define KCB 32 /* k blocks (of 32) a chunk of a long K: a block's W (NC x 1024) and x (MC x 1024) share L2 */
-#define BLOCK_SLICES ((MC / 32) * (NC / SLICE)) /* row slices of a block: each its own sums between chunks */
+/* A K whose row block's x and one pair's W are past L2 (Llama-1B's down projection, K = 8192) takes row blocks of
+ * MC_PAST_L2 rows and chunks of KCB_PAST_L2 k blocks (the block's x chunk, 256 x 512 bf16, and W chunk, NC x 512,
+ * share L2): each W chunk read from memory serves twice the rows. In that shape the k chunks beat the one-pass order
+ * from MID_ROWS_PAST_L2 + SLACK_ROWS rows on, not MID_ROWS'. 16 distinct weights, builds alternated in one process
+ * on the 2-core Xeon with AMX, TFLOP/s: 160-384 rows 1.43-1.65 -> 1.77-2.07, a 512-token prompt beside 7 decodes
+ * (519 rows) 1.63-1.66 -> 1.87-1.96, 768-2048 rows 1.96-2.17 -> 2.21-2.45; 64 and 128 rows kept the one-pass
+ * order (tied). 256-row blocks with 32-block chunks gained half that; every K that fits L2 did better in 128-row
+ * blocks (gate_up at 2048 rows 2.01 -> 1.88 in 256). The call's last rows are padded once a call, not once a chunk:
+ * a padded 7-row slice at K = 8192 had copied 32 x 8192 bf16 for each of its block's 16 chunks. */
+#define MID_ROWS_PAST_L2 64
+#define MC_PAST_L2 256
+#define KCB_PAST_L2 16
 
 /* Whether this build has the kernel and the OS lets this process use AMX. */
 int32_t ucm_amx_available(void) {
@@ -227,7 +239,14 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     const int64_t slices = (m + 31) / 32, past_slack = slices - SLACK_ROWS / 32;
     const int64_t groups = k >= ONE_GROUP_K || past_slack <= RG / 32 ? 1 : (past_slack + RG / 32 - 1) / (RG / 32);
     const int64_t widest = (slices + groups - 1) / groups; /* slices of the largest group */
-    const int64_t mblocks = (widest + MC / 32 - 1) / (MC / 32); /* row blocks of a group */
+    const int64_t kbs = k / 32, kbc = m > SPLIT_ROWS ? KBC : kbs; /* k blocks, and those a pass over a slice takes */
+    const int fits_l2 = (MC + 32) * k * 2 <= MID_L2_BYTES; /* a row block's x and a pair's W */
+    const int mid = m <= (fits_l2 ? MID_ROWS : MID_ROWS_PAST_L2) + SLACK_ROWS || (k >= LONG_K && fits_l2);
+    const int chunked = !mid && m > SPLIT_ROWS && kbs > KCB;
+    const int past_l2 = chunked && !fits_l2;
+    const int64_t mc = past_l2 ? MC_PAST_L2 : MC; /* rows a block */
+    const int64_t kcb = chunked ? (past_l2 ? KCB_PAST_L2 : KCB) : kbs; /* k blocks a chunk takes (all: one chunk) */
+    const int64_t mblocks = (widest + mc / 32 - 1) / (mc / 32); /* row blocks of a group */
     /* Output blocks of about NC outputs and of equal size, in 32-output panels: 576 outputs cut as 256 + 256 + 64
      * gave one of two threads twice the other's work under the static schedule (a 2048-row prompt: 23% of its
      * samples in this kernel on one thread, 14% on the other). Few rows (a decode step) make one row block: the
@@ -236,12 +255,8 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     int64_t nblocks = (panels + NC / 32 - 1) / (NC / 32);
     while (nblocks < panels && mblocks * nblocks < 4 * num_threads) nblocks *= 2;
     if (nblocks > panels) nblocks = panels;
-    const int64_t kbs = k / 32, kbc = m > SPLIT_ROWS ? KBC : kbs; /* k blocks, and those a pass over a slice takes */
-    const int64_t kcb = m > SPLIT_ROWS && kbs > KCB ? KCB : kbs; /* k blocks a chunk takes (all: one chunk) */
-    const int mid = m <= MID_ROWS + SLACK_ROWS || (k >= LONG_K && (MC + 32) * k * 2 <= MID_L2_BYTES);
     const int few = m <= 16;
-    const int chunked = !mid && kcb < kbs;
-    const int64_t block_floats = 32 * SLICE * BLOCK_SLICES;
+    const int64_t block_floats = 32 * SLICE * (mc / 32) * (NC / SLICE); /* a block's slices, each its own sums */
     float *block_scratch = chunked ? aligned_alloc(64, sizeof(float) * (size_t)(block_floats * num_threads)) : NULL;
     if (chunked && block_scratch == NULL) return 3;
 #pragma omp parallel num_threads(num_threads)
@@ -260,7 +275,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
         /* chunked: every slice of a block has its own sums (a block's slices are all open until its last chunk) */
         float *block_c = chunked ? block_scratch + tid * block_floats : NULL;
         uint16_t *mypad = pad + (int64_t)tid * 32 * k;
-        if (mid && !few && m % 32) { /* the call's last rows, zeros below them: every thread pads the same slice once */
+        if (!few && m % 32) { /* the call's last rows, zeros below them: every thread pads the same slice once */
             for (int64_t r = 0; r < m % 32; r++) memcpy(mypad + r * k, x + (m / 32 * 32 + r) * lda, (size_t)k * 2);
             memset(mypad + m % 32 * k, 0, (size_t)((32 - m % 32) * k) * 2);
         }
@@ -295,9 +310,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
                             const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
                             const uint16_t *xs = x + r0 * lda;
                             int64_t ldx = lda;
-                            if (rows < 32) { /* the call's last rows: zeros below them, the same arithmetic per row */
-                                for (int64_t r = 0; r < rows; r++) memcpy(mypad + r * k, xs + r * lda, (size_t)k * 2);
-                                memset(mypad + rows * k, 0, (size_t)((32 - rows) * k) * 2);
+                            if (rows < 32) { /* the call's last rows, padded above: the same arithmetic per row */
                                 xs = mypad;
                                 ldx = k;
                             }
