@@ -225,6 +225,19 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
     _Alignas(64) uint16_t Kc[16 * MAX_D];
     const int64_t key_stride = (int64_t)p->num_kv_heads * d * 2;
     if (amx) amx_load_config();
+    /* The item a thread likely takes next (ucm_paged_attention runs them in descending order; AMX items go kv head
+     * by kv head): its q rows into L2. Each item's first reads of q (8 token rows, a qkv row apart) missed every
+     * cache and came to 11% of the prompt body's samples; prefetched, Llama's 2048-token prompt 3-6% faster on the
+     * 2-core Xeon with AMX. A hint: nothing computed changes. */
+    if (amx && row0 >= DR) {
+        const int32_t lo = row0 - (row0 >= 2 * DR ? 2 * DR : DR);
+        for (int32_t tok = lo / group; tok <= (row0 - 1) / group; tok++) {
+            const char *q = (const char *)((const uint16_t *)p->q + (int64_t)(q0 + tok) * p->q_stride_tok +
+                                           (int64_t)h * group * p->q_stride_head);
+            for (int64_t b = 0; b < ((int64_t)(group - 1) * p->q_stride_head + d) * 2; b += 64)
+                _mm_prefetch(q + b, _MM_HINT_T1);
+        }
+    }
 #endif
     const uint32_t *kp[DKC];
     const uint16_t *vp[DKC];
