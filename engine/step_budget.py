@@ -8,9 +8,13 @@ lands depends on how fast the host computes a step:
   once a ~7% shorter wall time;
 - on a 2-core Intel Xeon with AMX (bf16), where they take ~0.6 s, `ucm-serve up` with 2048 against 1024 served a
   cold 2048-token prompt in 0.62 s against 0.86-0.90, prefix_repetition in 2.59 s against 2.79-3.02 mean TTFT and
-  random 512/64 at 139 against 132-134 tok/s (docs/history/benchmarks.json: the AMX host's "First runs").
+  random 512/64 at 139 against 132-134 tok/s (docs/history/benchmarks.json: the AMX host's "First runs");
+- on that Xeon with Llama-1B's shape in bf16, where 2048 tokens take ~2.0 s, 2048 against 1024 in process (the two
+  alternated): a cold 2048-token prompt's first token 1977-2029 against 2044-2087 ms, and vs_vllm's random shape
+  (32 x 512/64, 8 at a time, closed loop) 52.6-52.7 against 50.9-51.3 tok/s (its mean TTFT 1.8 s against 1.2 s:
+  the opening burst of 8 prompts goes 4 a step instead of 2).
 So: vLLM's own CPU default (`FAST_BUDGET`, 2048) where a step of that many tokens is predicted to take at most
-`FAST_STEP_S`, else `SLOW_BUDGET`. The prediction is the model's linear layers (2 flops per weight and token),
+`FAST_STEP_S` (between the ~2 s where 2048 still won and the ~4.5 s where 1024 did), else `SLOW_BUDGET`. The prediction is the model's linear layers (2 flops per weight and token),
 which dominate a long step (attention adds a share that grows with the context), at the rate they run at here:
 one decoder layer's matmuls of the served model's shapes (fused qkv, o, fused gate_up with its SiLU, down), at a
 `FAST_BUDGET`-row step, through the engine's own path (`engine.models.dense`: the packed copies and kernels a prompt
@@ -38,7 +42,7 @@ log = logging.getLogger(__name__)
 
 FAST_BUDGET = 2048  # vLLM's CPU default for its OpenAI server
 SLOW_BUDGET = 1024
-FAST_STEP_S = 1.0  # ... where a FAST_BUDGET step's matmuls take at most this long
+FAST_STEP_S = 3.0  # ... where a FAST_BUDGET step's matmuls take at most this long
 RATE_ROUNDS = 3  # timed calls of a layer's matmuls, the best counts
 RATE_SPREAD = 1.5  # slowest over fastest past which other load decided them: stored as provisional
 

@@ -20,7 +20,7 @@ def test_linear_flops_are_two_per_weight_of_the_real_models_decoder_linears(smol
 
 def test_fast_hosts_get_vllms_default_and_slow_ones_the_smaller_budget(smollm2_fp32):
     mc = smollm2_fp32.config
-    at_limit = linear_flops_per_token(mc) * FAST_BUDGET / step_budget.FAST_STEP_S / 1e9  # GFLOP/s for exactly 1 s
+    at_limit = linear_flops_per_token(mc) * FAST_BUDGET / step_budget.FAST_STEP_S / 1e9  # GFLOP/s: exactly FAST_STEP_S
     assert choose(mc, at_limit * 1.01).tokens == FAST_BUDGET
     assert choose(mc, at_limit * 0.99).tokens == SLOW_BUDGET
     assert choose(mc, None).tokens == FAST_BUDGET, "a GPU"
