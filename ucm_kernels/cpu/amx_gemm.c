@@ -24,7 +24,8 @@
  * bit-equal. Calls of up to SPLIT_ROWS rows keep one pass over k: over 30 layers' weights from memory, the k passes
  * cost 16 and 32 rows ~6% (their C tiles stored and loaded once more, no x to keep).
  *
- * A K past KCB k blocks (Llama-1B: 2048 and its down projection's 8192) runs a block in chunks of KCB k blocks,
+ * A K past KCB k blocks (Llama-1B: 2048 and its down projection's 8192; the latter now in KCB_PAST_L2's chunks,
+ * below) runs a block in chunks of KCB k blocks,
  * every row slice of the block over one chunk before the next, its sums waiting in a per-thread fp32 scratch of
  * the whole block: a block's W is NC x K bf16, 4 MB at K = 8192, past L2 (2 MB a core), so one pass over K per
  * 32-row slice streamed the block's W from L3 again for each of the block's 4 slices; a chunk's W (512 KB) and x
