@@ -99,10 +99,16 @@
  * (519 rows) 1.63-1.66 -> 1.87-1.96, 768-2048 rows 1.96-2.17 -> 2.21-2.45; 64 and 128 rows kept the one-pass
  * order (tied). 256-row blocks with 32-block chunks gained half that; every K that fits L2 did better in 128-row
  * blocks (gate_up at 2048 rows 2.01 -> 1.88 in 256). The call's last rows are padded once a call, not once a chunk:
- * a padded 7-row slice at K = 8192 had copied 32 x 8192 bf16 for each of its block's 16 chunks. */
+ * a padded 7-row slice at K = 8192 had copied 32 x 8192 bf16 for each of its block's 16 chunks. Chunks of 8 k blocks
+ * instead of 16, and a call of up to WHOLE_PAST_L2 rows (a 512-token prompt beside decodes) in one row block, whose
+ * x chunk (576 x 256 bf16), W chunk and sums (576 x 256 fp32) still share L2, so that each W chunk comes from memory
+ * once a call: 16 weights of 2048 x 8192, builds alternated, TFLOP/s: 200 rows 1.50-1.58 -> 1.61-1.62, 384 rows
+ * 1.71-1.77 -> 1.97-2.05, 519 rows 1.68-1.75 -> 1.85-1.89, 576 rows 1.79-1.87 -> 1.92-1.97, 2048 rows 2.15-2.19 ->
+ * 2.20-2.24 (1024 tied); a 519-token prompt step of Llama-1B 600 -> 585 ms (medians of 5). */
 #define MID_ROWS_PAST_L2 64
 #define MC_PAST_L2 256
-#define KCB_PAST_L2 16
+#define KCB_PAST_L2 8
+#define WHOLE_PAST_L2 576
 
 /* Whether this build has the kernel and the OS lets this process use AMX. */
 int32_t ucm_amx_available(void) {
@@ -245,7 +251,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     const int mid = m <= (fits_l2 ? MID_ROWS : MID_ROWS_PAST_L2) + SLACK_ROWS || (k >= LONG_K && fits_l2);
     const int chunked = !mid && m > SPLIT_ROWS && kbs > KCB;
     const int past_l2 = chunked && !fits_l2;
-    const int64_t mc = past_l2 ? MC_PAST_L2 : MC; /* rows a block */
+    const int64_t mc = !past_l2 ? MC : m <= WHOLE_PAST_L2 ? (m + 31) / 32 * 32 : MC_PAST_L2; /* rows a block */
     const int64_t kcb = chunked ? (past_l2 ? KCB_PAST_L2 : KCB) : kbs; /* k blocks a chunk takes (all: one chunk) */
     const int64_t mblocks = (widest + mc / 32 - 1) / (mc / 32); /* row blocks of a group */
     /* Output blocks of about NC outputs and of equal size, in 32-output panels: 576 outputs cut as 256 + 256 + 64
