@@ -14,14 +14,15 @@ lands depends on how fast the host computes a step:
   (32 x 512/64, 8 at a time, closed loop) 52.6-52.7 against 50.9-51.3 tok/s (its mean TTFT 1.8 s against 1.2 s:
   the opening burst of 8 prompts goes 4 a step instead of 2).
 So: vLLM's own CPU default (`FAST_BUDGET`, 2048) where a step of that many tokens is predicted to take at most
-`FAST_STEP_S` (between the ~2 s where 2048 still won and the ~4.5 s where 1024 did), else `SLOW_BUDGET`. The prediction is the model's linear layers (2 flops per weight and token),
-which dominate a long step (attention adds a share that grows with the context), at the rate they run at here:
-one decoder layer's matmuls of the served model's shapes (fused qkv, o, fused gate_up with its SiLU, down), at a
-`FAST_BUDGET`-row step, through the engine's own path (`engine.models.dense`: the packed copies and kernels a prompt
-step takes, the AMX kernel where oneDNN is not row-invariant), random weights, best of rounds; cached per CPU,
-library, torch, threads and shapes (ucm_kernels/cpu/calibration_store.py). It had been the dtype calibration's one
-F.linear of 64 x 2048 -> 5632: on the 2-core Xeon with AMX that logged 789 GFLOP/s where a 1536-token step of
-Llama-1B's shapes runs at 1.8-2.2 TFLOP/s (issue 49). CUDA takes `FAST_BUDGET`.
+`FAST_STEP_S` (between the ~2 s where 2048 still won and the ~4.5 s where 1024 did), else `SLOW_BUDGET`. The
+prediction is the model's linear layers (2 flops per weight and token), which dominate a long step (attention adds a
+share that grows with the context), at the rate they run at here: one decoder layer's matmuls of the served model's
+shapes (fused qkv, o, fused gate_up with its SiLU, down), at a `FAST_BUDGET`-row step, through the engine's own path
+(`engine.models.dense`: the packed copies and kernels a prompt step takes, the AMX kernel where oneDNN is not
+row-invariant), random weights, best of rounds; cached per CPU, library, torch, threads and shapes
+(ucm_kernels/cpu/calibration_store.py). It had been the dtype calibration's one F.linear of 64 x 2048 -> 5632: on
+the 2-core Xeon with AMX that logged 789 GFLOP/s where a 1536-token step of Llama-1B's shapes runs at 1.8-2.2
+TFLOP/s (issue 49). CUDA takes `FAST_BUDGET`.
 """
 
 from __future__ import annotations

@@ -24,15 +24,15 @@
  * bit-equal. Calls of up to SPLIT_ROWS rows keep one pass over k: over 30 layers' weights from memory, the k passes
  * cost 16 and 32 rows ~6% (their C tiles stored and loaded once more, no x to keep).
  *
- * A K past KCB k blocks (Llama-1B: 2048 and its down projection's 8192; the latter now in KCB_PAST_L2's chunks,
- * below) runs a block in chunks of KCB k blocks,
- * every row slice of the block over one chunk before the next, its sums waiting in a per-thread fp32 scratch of
- * the whole block: a block's W is NC x K bf16, 4 MB at K = 8192, past L2 (2 MB a core), so one pass over K per
- * 32-row slice streamed the block's W from L3 again for each of the block's 4 slices; a chunk's W (512 KB) and x
- * (256 KB) stay in L2 across them. The sums are stored and loaded as fp32 between chunks, as between KBC passes:
- * the same additions in the same order, bit for bit. Measured on the 2-core Xeon with AMX (others' jobs running),
- * old and new builds alternated in one process, best of 10, at 1536 rows: 2048 x 8192 0.66x the time, Llama-1B's
- * three 2048-k shapes 0.86-0.98x; a chunk of 64 k blocks gave 0.70x at 8192, one of 128 lost to 64, one of 16 tied.
+ * A K past KCB k blocks (Llama-1B: 2048, and its down projection's 8192 in KCB_PAST_L2's chunks, below) runs a
+ * block in chunks of KCB k blocks, every row slice of the block over one chunk before the next, its sums waiting in
+ * a per-thread fp32 scratch of the whole block: a block's W is NC x K bf16, 4 MB at K = 8192, past L2 (2 MB a
+ * core), so one pass over K per 32-row slice streamed the block's W from L3 again for each of the block's 4 slices;
+ * a chunk's W (512 KB) and x (256 KB) stay in L2 across them. The sums are stored and loaded as fp32 between
+ * chunks, as between KBC passes: the same additions in the same order, bit for bit. Measured on the 2-core Xeon
+ * with AMX (others' jobs running), old and new builds alternated in one process, best of 10, at 1536 rows: 2048 x
+ * 8192 0.66x the time, Llama-1B's three 2048-k shapes 0.86-0.98x; a chunk of 64 k blocks gave 0.70x at 8192, one of
+ * 128 lost to 64, one of 16 tied.
  */
 
 #define _GNU_SOURCE
