@@ -533,6 +533,8 @@ ALWAYS_INLINE void cols_chunk_kv(const Problem *p, const int64_t *at, int nk, co
     const uint32_t *kp[DKC];
     const uint16_t *vp[DKC];
     const int d2 = d / 2, ng = (nk + 15) / 16;
+    const int pf_lo = hh * next_nk / nh, pf_n = (hh + 1) * next_nk / nh - pf_lo; /* this head's share, below */
+    const int64_t row_bytes = (int64_t)nh * d * 2;
     for (int j = 0; j < nk; j++) {
         kp[j] = (const uint32_t *)(kbase + at[j] + (int64_t)hh * d);
         vp[j] = vbase + at[j] + (int64_t)hh * d;
@@ -542,21 +544,17 @@ ALWAYS_INLINE void cols_chunk_kv(const Problem *p, const int64_t *at, int nk, co
          * DRAM in random block order, which the hardware prefetchers do not follow. Whole rows of the item's kv
          * heads (K and V), in address order, the chunk's rows spread evenly over its heads' groups: prefetching
          * only this head's 128 bytes of the next chunk's rows into L1 (`prefetcht0`), one kv head at a time, read
-         * Llama-1B's 8 decodes (16 layers' caches from DRAM, 544 keys) at 13-14 GB/s; this way 10.0-10.4 -> 8.9-9.3
+         * Llama-1B's 8 decodes (16 layers' caches from DRAM, 544 keys) at 13-14 GB/s; this way 9.9-10.3 -> 9.2-9.4
          * ms, at 2048 keys 41.5-41.9 -> 38.0-38.5, 16 decodes 21.5-21.7 -> 20.5-20.7, Qwen2.5-0.5B's and SmolLM2's
          * heads at 2048 keys 0.89-0.95x; a lone decode (its head parts) at 4096 keys 1.03x for Llama's heads, 0.98x
          * for Qwen's (2-core Xeon with AMX, builds alternated in one process). Into L1 instead lost, as did every
          * other line (the adjacent-line prefetch does not cover the rest) and the whole next chunk over the first
          * half or quarter of the heads. A hint: the same bits. */
-        {
-            const int lo = hh * next_nk / nh, hi = (hh + 1) * next_nk / nh;
-            const int64_t row_bytes = (int64_t)nh * d * 2;
-            for (int i = lo + g * (hi - lo) / ng; i < lo + (g + 1) * (hi - lo) / ng; i++) {
-                const char *kr = (const char *)(kbase + next_at[i]), *vr = (const char *)(vbase + next_at[i]);
-                for (int64_t b = 0; b < row_bytes; b += 64) {
-                    _mm_prefetch(kr + b, _MM_HINT_T1);
-                    _mm_prefetch(vr + b, _MM_HINT_T1);
-                }
+        for (int i = pf_lo + g * pf_n / ng; i < pf_lo + (g + 1) * pf_n / ng; i++) {
+            const char *kr = (const char *)(kbase + next_at[i]), *vr = (const char *)(vbase + next_at[i]);
+            for (int64_t b = 0; b < row_bytes; b += 64) {
+                _mm_prefetch(kr + b, _MM_HINT_T1);
+                _mm_prefetch(vr + b, _MM_HINT_T1);
             }
         }
         for (int c0 = 0; c0 < d2; c0 += 16) {
