@@ -46,7 +46,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import TokenLogprobs
 from engine.stats import EngineStats
-from engine.step_budget import StepBudget, auto_budget
+from engine.step_budget import LiveBudget, StepBudget, auto_budget
 from engine.thread_governor import ThreadGovernor
 from protocol.messages import KVTransferParams
 from ucm_kernels.cpu.amx_gemm import engine_bf16_rows_invariant
@@ -95,6 +95,15 @@ class EngineCore:
             else auto_budget(self.model_config, self.dtype_name, config.device)
         )
         logger.info("engine: steps of at most %d tokens (%s)", self.step_budget.tokens, self.step_budget.why)
+        # A budget chosen for the host follows its speed while the engine runs (step_budget.py: LiveBudget); without
+        # chunked prefill a prompt must fit one step, and max_model_len was set by the first budget.
+        self.live_budget = (
+            LiveBudget(self.step_budget)
+            if config.scheduler.max_num_batched_tokens is None
+            and config.device == "cpu"
+            and config.scheduler.enable_chunked_prefill
+            else None
+        )
         num_blocks = num_blocks_for_budget(config.cache.kv_cache_bytes, self.model_config, bs, self.dtype)
         self.max_model_len = self._resolve_max_model_len(num_blocks * bs)
         self.kv_caches = allocate_kv_caches(num_blocks, self.model_config, bs, self.dtype, config.device)
@@ -302,7 +311,10 @@ class EngineCore:
                 self._parents[seq.parent_id].stats.num_preemptions += 1
         if self.governor is not None:
             self._govern_threads(self.governor)
+        started = self.live_budget.clock() if self.live_budget is not None else 0.0
         result = self.runner.execute(sched)
+        if self.live_budget is not None:
+            self._follow_host_speed(self.live_budget, sched.total_num_scheduled_tokens, started)
         updates = self.scheduler.update_from_output(sched, result)
         by_parent: dict[str, tuple[Request, list[CompletionOutput]]] = {}
         for seq, tokens, logprobs in updates:
@@ -313,6 +325,13 @@ class EngineCore:
             parent = self._parents[seq.parent_id]
             outputs.append(self._request_output(seq, parent, comps))
         return outputs
+
+    def _follow_host_speed(self, live: LiveBudget, tokens: int, started: float) -> None:
+        changed = live.observe(tokens, live.clock() - started)
+        if changed is not None:
+            logger.info("engine: steps of at most %d tokens from now on (%s)", changed.tokens, changed.why)
+            self.step_budget = changed
+            self.scheduler.max_num_batched_tokens = changed.tokens
 
     def _between_layers(self) -> None:
         """Before each decoder layer of a step after its first: a prompt step lasts seconds on a 2-core CPU (Llama-1B,

@@ -23,13 +23,23 @@ row-invariant), random weights, best of rounds; cached per CPU, library, torch, 
 (ucm_kernels/cpu/calibration_store.py). It had been the dtype calibration's one F.linear of 64 x 2048 -> 5632: on
 the 2-core Xeon with AMX that logged 789 GFLOP/s where a 1536-token step of Llama-1B's shapes runs at 1.8-2.2
 TFLOP/s (issue 49). CUDA takes `FAST_BUDGET`.
+The start-up measurement is one moment of the host, and a shared host's speed moves: on the 2-core Xeon with AMX (a
+VM) a loop of TDPBF16PS on register-resident tiles runs at ~5.5 TFLOP/s or at ~2.1 for seconds to minutes at a time,
+and this calibration of Llama-1B's layer read 1528-1712 GFLOP/s in the one phase and 722-814 in the other: 2048 or
+1024 tokens by the phase of the first start, stored for every later one. So `LiveBudget` applies the same rule to the
+engine's own long steps while it runs (their wall time per token, attention and all: the rule's step times were such
+steps' times), with hysteresis. vs_vllm's random shape on Llama-1B in process (32 x 512/64, 8 at a time), the budget
+fixed at 1024, at 2048 and live from 1024 alternated in one process: 40.5-40.8, 42.7-48.0 and 46.1-52.9 tok/s (live
+went to 2048); beside a busy loop on one core (one thread left) 28.2-30.1, 29.0-30.1 and 29.8-30.6 (live stayed).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +56,11 @@ SLOW_BUDGET = 1024
 FAST_STEP_S = 3.0  # ... where a FAST_BUDGET step's matmuls take at most this long
 RATE_ROUNDS = 3  # timed calls of a layer's matmuls, the best counts
 RATE_SPREAD = 1.5  # slowest over fastest past which other load decided them: stored as provisional
+# LiveBudget: steps of at least LONG_STEP_TOKENS rows count (fewer rows read the weights more than they compute); the
+# prediction is the median of the last LIVE_STEPS of them; the budget changes once it is HYSTERESIS past FAST_STEP_S.
+LONG_STEP_TOKENS = SLOW_BUDGET // 2
+LIVE_STEPS = 3
+HYSTERESIS = 1.15
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,39 @@ def choose(mc: ModelConfig, matmul_gflops: float | None) -> StepBudget:
         f"a {FAST_BUDGET}-token step's matmuls predicted at {step_s:.2f} s ({matmul_gflops:.0f} GFLOP/s measured), "
         f"{'within' if tokens == FAST_BUDGET else 'over'} {FAST_STEP_S:.1f} s",
     )
+
+
+class LiveBudget:
+    """An auto budget (`choose`'s) re-chosen from the engine's own long steps (module doc): `observe` each step's
+    tokens and wall time; it says the new budget when the last LIVE_STEPS long steps put a FAST_BUDGET-token step
+    HYSTERESIS past FAST_STEP_S on the other side. A row's bits do not depend on the step it runs in (the kernels are
+    row-invariant), so a change moves first tokens and throughput, never outputs."""
+
+    def __init__(self, start: StepBudget, clock: Callable[[], float] = time.perf_counter) -> None:
+        assert start.tokens in (FAST_BUDGET, SLOW_BUDGET), f"not an auto budget: {start}"
+        self.budget = start
+        self.clock = clock  # what steps are timed with
+        self._per_token: deque[float] = deque(maxlen=LIVE_STEPS)  # seconds a token, the last long steps
+
+    def observe(self, tokens: int, seconds: float) -> StepBudget | None:
+        """One step's scheduled tokens and wall time; the new budget when this changes it, else None."""
+        if tokens < LONG_STEP_TOKENS or seconds <= 0:
+            return None
+        self._per_token.append(seconds / tokens)
+        step_s = FAST_BUDGET * statistics.median(self._per_token)
+        if self.budget.tokens == FAST_BUDGET and step_s > FAST_STEP_S * HYSTERESIS:
+            tokens = SLOW_BUDGET
+        elif self.budget.tokens == SLOW_BUDGET and step_s < FAST_STEP_S / HYSTERESIS:
+            tokens = FAST_BUDGET
+        else:
+            return None
+        self.budget = StepBudget(
+            tokens,
+            f"the last {len(self._per_token)} steps of {LONG_STEP_TOKENS}+ tokens predict a {FAST_BUDGET}-token step "
+            f"at {step_s:.2f} s, {'under' if tokens == FAST_BUDGET else 'over'} {FAST_STEP_S:.1f} s by more than "
+            f"{HYSTERESIS:.2f}x",
+        )
+        return self.budget
 
 
 @dataclass(frozen=True)

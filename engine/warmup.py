@@ -72,10 +72,11 @@ def warm_up(engine: EngineCore) -> WarmupReport:
     """Run the warm-up on `engine` (idle, nothing queued); returns what it did."""
     assert not engine.has_unfinished_requests(), "warm-up runs before the engine takes requests"
     t0 = time.monotonic()
-    governor, connector = engine.governor, engine.scheduler.connector
+    governor, connector, live_budget = engine.governor, engine.scheduler.connector, engine.live_budget
     widest = governor.max_threads if governor is not None else torch.get_num_threads()
     counts = thread_counts(widest) if engine.config.device == "cpu" else (widest,)
-    engine.governor, engine.scheduler.connector = None, None  # the counts are ours to set; nothing is saved
+    # The thread counts are ours to set, nothing is saved, and steps on fewer threads say nothing of the budget.
+    engine.governor, engine.scheduler.connector, engine.live_budget = None, None, None
     rng = random.Random(0)
     steps = 0
     try:
@@ -91,7 +92,7 @@ def warm_up(engine: EngineCore) -> WarmupReport:
                 steps += 1
     finally:
         torch.set_num_threads(widest)
-        engine.governor, engine.scheduler.connector = governor, connector
+        engine.governor, engine.scheduler.connector, engine.live_budget = governor, connector, live_budget
         if governor is not None:
             governor.restart()
         _forget_the_warm_up(engine)

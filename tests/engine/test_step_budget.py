@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
-from engine import step_budget
-from engine.step_budget import FAST_BUDGET, SLOW_BUDGET, choose, layer_step, linear_flops_per_token
+from engine import SamplingParams, step_budget
+from engine.step_budget import (
+    FAST_BUDGET,
+    SLOW_BUDGET,
+    LiveBudget,
+    StepBudget,
+    choose,
+    layer_step,
+    linear_flops_per_token,
+)
 from tests.engine_helpers import make_llm
 
 
@@ -66,3 +76,90 @@ def test_a_given_budget_is_kept(monkeypatch, smollm2_fp32):
         assert llm.engine.scheduler.max_num_batched_tokens == 96
     finally:
         llm.close()
+
+
+def test_the_live_budget_follows_the_median_of_the_last_long_steps():
+    start = StepBudget(SLOW_BUDGET, "measured slow")
+    live = LiveBudget(start)
+    fast_s = step_budget.FAST_STEP_S / step_budget.HYSTERESIS / FAST_BUDGET * 0.9  # a token's seconds, clearly fast
+    slow_s = step_budget.FAST_STEP_S * step_budget.HYSTERESIS / FAST_BUDGET * 1.1
+    assert live.observe(step_budget.LONG_STEP_TOKENS - 1, 1e-6) is None, "a short step (decodes) is not counted"
+    assert live.observe(1024, 1024 * fast_s) == live.budget and live.budget.tokens == FAST_BUDGET
+    assert "predict a 2048-token step" in live.budget.why
+    assert live.observe(1024, 1024 * slow_s) is None, "one slow step of three: the median is still fast"
+    assert live.observe(2048, 2048 * slow_s).tokens == SLOW_BUDGET, "two of three slow"
+    inside = step_budget.FAST_STEP_S / FAST_BUDGET  # exactly FAST_STEP_S: within the hysteresis either way
+    live = LiveBudget(start)
+    for _ in range(5):
+        assert live.observe(1024, 1024 * inside) is None
+    with pytest.raises(AssertionError, match="not an auto budget"):
+        LiveBudget(StepBudget(96, "given"))
+
+
+class StepClock:
+    """The live budget's clock: each step (two reads) lasts `step_s`."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.reads = step_s, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return (self.reads // 2) * self.step_s
+
+
+LONG_PROMPTS = [[random.Random(i).randrange(100, 40000) for _ in range(1500)] for i in range(2)]
+GREEDY4 = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def fixed_budget_tokens(smollm2_fp32) -> list[list[int]]:
+    """LONG_PROMPTS' greedy tokens in steps of a fixed budget."""
+    fixed = make_llm(smollm2_fp32, max_num_batched_tokens=SLOW_BUDGET, kv_cache_memory="256MiB")
+    try:
+        outs = fixed.generate([{"prompt_token_ids": p} for p in LONG_PROMPTS], GREEDY4, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        fixed.close()
+
+
+@pytest.mark.parametrize(
+    "gflops,step_s,first,then",
+    [(50.0, 0.05, SLOW_BUDGET, FAST_BUDGET), (5000.0, 60.0, FAST_BUDGET, SLOW_BUDGET)],
+    ids=["calibrated-slow-runs-fast", "calibrated-fast-runs-slow"],
+)
+def test_an_engine_changes_its_auto_budget_by_its_steps_and_keeps_its_outputs(
+    monkeypatch, smollm2_fp32, fixed_budget_tokens, gflops, step_s, first, then
+):
+    forced_rate(monkeypatch, gflops)
+    llm = make_llm(smollm2_fp32, max_num_batched_tokens=None, kv_cache_memory="256MiB")
+    try:
+        engine = llm.engine
+        assert engine.live_budget is not None and engine.step_budget.tokens == first
+        engine.live_budget.clock = StepClock(step_s)
+        for i, p in enumerate(LONG_PROMPTS):
+            engine.add_request(f"r{i}", p, GREEDY4)
+        scheduled = []
+        real_execute = engine.runner.execute
+        monkeypatch.setattr(engine.runner, "execute", lambda s: scheduled.append(s.total_num_scheduled_tokens) or
+                            real_execute(s))  # fmt: skip
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        assert engine.step_budget.tokens == then and engine.scheduler.max_num_batched_tokens == then
+        assert "predict a 2048-token step" in engine.step_budget.why
+        assert scheduled[0] == min(first, 1500), scheduled
+        assert max(scheduled[1:]) <= then and scheduled[1] == min(then, 3000 - scheduled[0]), scheduled
+        assert [got["r0"], got["r1"]] == fixed_budget_tokens, "the steps' sizes changed, the greedy tokens did not"
+    finally:
+        llm.close()
+
+
+def test_no_live_budget_where_the_budget_is_given_or_a_prompt_must_fit_one_step(monkeypatch, smollm2_fp32):
+    forced_rate(monkeypatch, 5000.0)
+    for kw in ({"max_num_batched_tokens": 96}, {"max_num_batched_tokens": None, "enable_chunked_prefill": False}):
+        llm = make_llm(smollm2_fp32, **kw)
+        try:
+            assert llm.engine.live_budget is None, kw
+        finally:
+            llm.close()
