@@ -16,6 +16,10 @@ the limits before and after each model's phases, the higher counting:
     decode b       the median step of B requests decoding together (256-token prompts), in bytes a step must read:
                    every weight (the tied lm_head whole) and each request's K and V so far
 
+    host peak      the rate of a loop of the CPU's widest multiply-accumulate in the engine's dtype on registers
+                   (ucm_kernels/cpu/peak_probe.py), before and after each model: a shared host's phase (the 2-core
+                   Xeon with AMX: ~5.5 or ~2.1 TFLOP/s, for seconds to minutes); no matmul reaches it
+
 Fractions: prefill's FLOP/s of the matmul rate in the engine's dtype (attention counted at the matmul rate, as the
 issue asks), decode's bytes/s of the read bandwidth. A model whose weights partly fit the last-level cache may read
 faster than DRAM: the fraction can then pass 100%. Targets (issue 49): prefill >= 85%, decode >= 75%.
@@ -45,6 +49,7 @@ from engine.config import resolve_dtype_name
 from engine.model_config import ModelConfig
 from engine.step_budget import linear_flops_per_token
 from ucm_kernels.cpu.host import cpu_info, last_level_cache_bytes, vector_flags
+from ucm_kernels.cpu.peak_probe import peak
 from ucm_kernels.cpu.timing import alternating_best_ms
 
 TARGETS = {"prefill": 0.85, "decode": 0.75}
@@ -235,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for shape in args.models:
         mc = ModelConfig.from_folder(ensure_model(shape))
+        peak_before = peak(dtype, args.threads)
         rates = measure_rates(mc, shape, args)
         model_rows = measure_model(shape, dtype, rates, bandwidth_gbs * 1e9, args)
         # The limits again after the phases, the higher counting: on a shared host, load that came and went during
@@ -245,7 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         for row in model_rows:
             row["roofline"] = rates[dtype] * 1e9 if row["unit"] == "FLOP" else bandwidth_gbs * 1e9
             row["fraction"] = row["rate"] / row["roofline"]
-        report["models"][shape] = {"matmul_gflops": rates}
+        # The host's phase around them: its multiply-accumulate loop's rate, before and after (module doc).
+        peaks = [p.tflops if p is not None else None for p in (peak_before, peak(dtype, args.threads))]
+        if peak_before is not None:
+            print(f"host peak ({peak_before.kind.name} loop) before / after {shape}: "
+                  f"{' / '.join('-' if x is None else f'{x:.2f}' for x in peaks)} TFLOP/s", flush=True)  # fmt: skip
+        report["models"][shape] = {"matmul_gflops": rates, "peak_tflops": peaks}
         rows += model_rows
     report["read_gbs"] = bandwidth_gbs
     print(

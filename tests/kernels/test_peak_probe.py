@@ -1,0 +1,69 @@
+"""The host's multiply-accumulate probe (ucm_kernels/cpu/peak_probe.py, peak_probe.c): every loop this CPU has runs
+and reports a rate, the loops it lacks say so, and the instruction chosen for a dtype follows the CPU's flags."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+
+from ucm_kernels.cpu import native, peak_probe
+from ucm_kernels.cpu.host import vector_flags
+from ucm_kernels.cpu.peak_probe import Kind, peak, widest
+
+# The CPU flags each loop needs (besides what the build's -march=native gives it).
+NEEDS = {
+    Kind.AMX_BF16: {"amx_bf16"},
+    Kind.AVX512_BF16: {"avx512_bf16"},
+    Kind.AVX512_FP32: {"avx512f"},
+    Kind.AVX2_FP32: {"avx2", "fma"},
+    Kind.NEON_FP32: {"asimd"},
+}
+
+
+def test_the_widest_instruction_follows_the_flags() -> None:
+    amx = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"]
+    assert widest("bfloat16", amx) is Kind.AMX_BF16 and widest("float32", amx) is Kind.AVX512_FP32
+    assert widest("bfloat16", ["avx2", "fma", "avx512f", "avx512_bf16"]) is Kind.AVX512_BF16
+    assert widest("bfloat16", ["avx2", "fma"]) is None and widest("float32", ["avx2", "fma"]) is Kind.AVX2_FP32
+    assert widest("float32", ["asimd"]) is Kind.NEON_FP32
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        widest("float16")
+
+
+needs_compiler = pytest.mark.skipif(shutil.which(native.compiler()) is None, reason="no C compiler")
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.name)
+def test_each_loop_runs_where_the_cpu_has_it_and_says_so_where_not(kind: Kind, tmp_path) -> None:
+    fn = peak_probe._function(tmp_path)
+    assert fn is not None, "the probe builds wherever the compiler is"
+    have = NEEDS[kind] <= set(vector_flags())
+    if have and kind is Kind.AMX_BF16 and fn(int(kind), 10, 1) == -1.0:
+        lib = native.load()
+        assert lib is None or not lib.has_amx, "the kernels use AMX here, the probe could not"
+        pytest.skip("the OS does not let this process use AMX")
+    for threads in (1, 2):
+        gflops = fn(int(kind), 2000, threads)
+        if have:
+            assert math.isfinite(gflops) and gflops > 0, f"{kind.name} on {threads} thread(s): {gflops}"
+        else:
+            assert gflops == -1.0, f"{kind.name} is not on this CPU ({vector_flags()}), yet the loop ran: {gflops}"
+    assert fn(int(kind), 0, 1) == -1.0 and fn(int(kind), 10, 0) == -1.0, "no rounds or no threads: no rate"
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_peak_names_the_loop_it_timed(dtype: str, tmp_path) -> None:
+    found = peak(dtype, 2, seconds=0.005, cache_root=tmp_path)
+    kind = widest(dtype)
+    if kind is None:
+        assert found is None
+        return
+    assert found is not None, f"{kind.name} is on this CPU, yet no rate"
+    assert found.kind is kind and found.threads == 2 and found.tflops > 0
+    assert kind.name in found.line()
+    with pytest.raises(ValueError, match="positive"):
+        peak(dtype, 0)

@@ -1,0 +1,100 @@
+"""The CPU's multiply-accumulate rate at this moment (`peak`): which phase of a shared host a benchmark ran in.
+
+A loop of the widest multiply-accumulate this CPU has for a dtype, on register-resident operands, for ~20 ms on the
+given threads (peak_probe.c, a small library built like the kernels: ucm_kernels/cpu/native.py). No matmul beats it;
+what it measures is the host: on the 2-core Xeon with AMX (a VM) the tile loop gave ~5.5 TFLOP/s at some moments and
+~2.1 at others, for seconds to minutes each, and the engine's and oneDNN's matmuls moved with it. Benchmarks probe
+before and after their runs (benchmarks.vs_vllm, benchmarks.roofline) so that each figure carries its phase.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ucm_kernels.cache_dir import cache_dir
+from ucm_kernels.cpu.host import vector_flags
+from ucm_kernels.cpu.native import HEADERS, BuildError, Recipe, built
+
+log = logging.getLogger(__name__)
+
+PROBE = Recipe(
+    "ucm_peak_probe",
+    (Path(__file__).with_name("peak_probe.c"),),
+    tuple(h for h in HEADERS if h.name == "amx_tiles.h"),
+    ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp"),
+)
+PROBE_S = 0.02  # each probe's length: several of a loop's rounds per scheduler tick, short beside a benchmark
+
+
+class Kind(enum.IntEnum):
+    """The instruction looped (peak_probe.c's enum)."""
+
+    AMX_BF16 = 0  # TDPBF16PS
+    AVX512_BF16 = 1  # VDPBF16PS
+    AVX512_FP32 = 2  # VFMADD (zmm)
+    AVX2_FP32 = 3  # VFMADD (ymm)
+    NEON_FP32 = 4  # FMLA
+
+
+def widest(dtype: str, flags: list[str] | None = None) -> Kind | None:
+    """The instruction a `dtype` ("bfloat16" or "float32") matmul can run fastest here, or None."""
+    have = set(vector_flags() if flags is None else flags)
+    order = {
+        "bfloat16": [("amx_bf16", Kind.AMX_BF16), ("avx512_bf16", Kind.AVX512_BF16)],
+        "float32": [("avx512f", Kind.AVX512_FP32), ("fma", Kind.AVX2_FP32), ("asimd", Kind.NEON_FP32)],
+    }
+    if dtype not in order:
+        raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")
+    return next((kind for flag, kind in order[dtype] if flag in have), None)
+
+
+@dataclass(frozen=True)
+class Peak:
+    kind: Kind
+    threads: int
+    tflops: float
+
+    def line(self) -> str:
+        return f"{self.kind.name} loop {self.tflops:.2f} TFLOP/s on {self.threads} thread(s)"
+
+
+def _function(cache_root: Path | None) -> Callable[[int, int, int], float] | None:
+    try:
+        path = built(PROBE, cache_root if cache_root is not None else cache_dir())
+        fn = ctypes.CDLL(str(path)).ucm_peak_gflops
+    except (BuildError, OSError) as e:
+        log.warning("could not build the CPU's peak probe: %s", e)
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32], ctypes.c_double
+    return fn
+
+
+def peak(dtype: str, threads: int, seconds: float = PROBE_S, cache_root: Path | None = None) -> Peak | None:
+    """The rate of `dtype`'s widest instruction on `threads` threads now (module doc); None where the CPU has none
+    or the probe cannot be built (no C compiler)."""
+    if threads < 1 or seconds <= 0:
+        raise ValueError(f"threads and seconds must be positive, got {threads}, {seconds}")
+    kind = widest(dtype)
+    fn = _function(cache_root) if kind is not None else None
+    if kind is None or fn is None:
+        return None
+    rounds = 1000
+    while True:  # rounds grow until a call lasts a fifth of `seconds`; then one call of the whole length counts
+        t0 = time.perf_counter()
+        gflops = fn(int(kind), rounds, threads)
+        took = time.perf_counter() - t0
+        if gflops < 0:
+            log.warning("this build of the peak probe has no %s loop", kind.name)
+            return None
+        if took >= seconds / 5:
+            break
+        rounds *= 4
+    gflops = fn(int(kind), max(1, int(rounds * seconds / took)), threads)
+    assert gflops > 0, f"{kind.name}: {gflops} GFLOP/s"
+    return Peak(kind, threads, gflops / 1e3)
