@@ -121,9 +121,9 @@ class LiveBudget:
             return None
         self.budget = StepBudget(
             tokens,
-            f"the last {len(self._per_token)} steps of {LONG_STEP_TOKENS}+ tokens predict a {FAST_BUDGET}-token step "
-            f"at {step_s:.2f} s, {'under' if tokens == FAST_BUDGET else 'over'} {FAST_STEP_S:.1f} s by more than "
-            f"{HYSTERESIS:.2f}x",
+            f"the median of the last {len(self._per_token)} step(s) of {LONG_STEP_TOKENS}+ tokens predicts a "
+            f"{FAST_BUDGET}-token step at {step_s:.2f} s, {'under' if tokens == FAST_BUDGET else 'over'} "
+            f"{FAST_STEP_S:.1f} s by more than {HYSTERESIS:.2f}x",
         )
         return self.budget
 

@@ -85,7 +85,7 @@ def test_the_live_budget_follows_the_median_of_the_last_long_steps():
     slow_s = step_budget.FAST_STEP_S * step_budget.HYSTERESIS / FAST_BUDGET * 1.1
     assert live.observe(step_budget.LONG_STEP_TOKENS - 1, 1e-6) is None, "a short step (decodes) is not counted"
     assert live.observe(1024, 1024 * fast_s) == live.budget and live.budget.tokens == FAST_BUDGET
-    assert "predict a 2048-token step" in live.budget.why
+    assert "predicts a 2048-token step" in live.budget.why
     assert live.observe(1024, 1024 * slow_s) is None, "one slow step of three: the median is still fast"
     assert live.observe(2048, 2048 * slow_s).tokens == SLOW_BUDGET, "two of three slow"
     inside = step_budget.FAST_STEP_S / FAST_BUDGET  # exactly FAST_STEP_S: within the hysteresis either way
@@ -147,7 +147,7 @@ def test_an_engine_changes_its_auto_budget_by_its_steps_and_keeps_its_outputs(
             for out in engine.step():
                 got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
         assert engine.step_budget.tokens == then and engine.scheduler.max_num_batched_tokens == then
-        assert "predict a 2048-token step" in engine.step_budget.why
+        assert "predicts a 2048-token step" in engine.step_budget.why
         assert scheduled[0] == min(first, 1500), scheduled
         assert max(scheduled[1:]) <= then and scheduled[1] == min(then, 3000 - scheduled[0]), scheduled
         assert [got["r0"], got["r1"]] == fixed_budget_tokens, "the steps' sizes changed, the greedy tokens did not"
