@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ucm_kernels.cache_dir import cache_dir  # stdlib-only: ucm_kernels/ stays clear of engine/
 
@@ -206,6 +207,21 @@ def built(recipe: Recipe, cache_root: Path, extra: tuple[str, ...] = ()) -> Path
         _compile(cc, path, extra, recipe)
         log.info("%s built in %.1f s", recipe.stem, time.perf_counter() - t0)
     return path
+
+
+def probe_function(
+    recipe: Recipe, symbol: str, argtypes: list[type], restype: type, what: str, cache_root: Path | None = None
+) -> Callable[..., Any] | None:
+    """`symbol` of a small probe library (built unless cached, under the cache dir), its types set; None, with one
+    warning that it could not measure `what`, where it cannot be built or loaded."""
+    try:
+        path = built(recipe, cache_root if cache_root is not None else cache_dir())
+        fn = getattr(ctypes.CDLL(str(path)), symbol)
+    except (BuildError, OSError, AttributeError) as e:
+        log.warning("could not measure %s: %s", what, e)
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 def _compile(cc: str, target: Path, extra: tuple[str, ...], recipe: Recipe) -> None:

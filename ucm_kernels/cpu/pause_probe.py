@@ -9,13 +9,9 @@ without OpenMP (pause_probe.c), built like the kernels (ucm_kernels/cpu/native.p
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
-from ucm_kernels.cache_dir import cache_dir
-from ucm_kernels.cpu.native import BuildError, Recipe, built
-
-log = logging.getLogger(__name__)
+from ucm_kernels.cpu.native import Recipe, probe_function
 
 PROBE = Recipe("ucm_pause_probe", (Path(__file__).with_name("pause_probe.c"),), (), ("-O2", "-shared", "-fPIC"))
 ROUNDS = 20_000  # ~0.6-1.4 ms a try on the CPUs above
@@ -24,13 +20,10 @@ TRIES = 3
 
 def pause_seconds(cache_root: Path | None = None) -> float | None:
     """Seconds per spin-wait round here, or None where the probe cannot be built (no C compiler) or loaded."""
-    try:
-        path = built(PROBE, cache_root if cache_root is not None else cache_dir())
-        fn = ctypes.CDLL(str(path)).ucm_pause_ns
-    except (BuildError, OSError) as e:
-        log.warning("could not measure the CPU's spin-wait round: %s", e)
+    fn = probe_function(PROBE, "ucm_pause_ns", [ctypes.c_int64, ctypes.c_int32], ctypes.c_double,
+                        "the CPU's spin-wait round", cache_root)  # fmt: skip
+    if fn is None:
         return None
-    fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_int32], ctypes.c_double
     ns = float(fn(ROUNDS, TRIES))
     assert ns > 0.0, f"a spin-wait round measured {ns} ns"
     return ns * 1e-9

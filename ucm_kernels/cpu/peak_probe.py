@@ -17,9 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ucm_kernels.cache_dir import cache_dir
 from ucm_kernels.cpu.host import vector_flags
-from ucm_kernels.cpu.native import HEADERS, BuildError, Recipe, built
+from ucm_kernels.cpu.native import HEADERS, Recipe, probe_function
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +64,8 @@ class Peak:
 
 
 def _function(cache_root: Path | None) -> Callable[[int, int, int], float] | None:
-    try:
-        path = built(PROBE, cache_root if cache_root is not None else cache_dir())
-        fn = ctypes.CDLL(str(path)).ucm_peak_gflops
-    except (BuildError, OSError) as e:
-        log.warning("could not build the CPU's peak probe: %s", e)
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32], ctypes.c_double
-    return fn
+    return probe_function(PROBE, "ucm_peak_gflops", [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32],
+                          ctypes.c_double, "the CPU's peak multiply-accumulate rate", cache_root)  # fmt: skip
 
 
 def peak(dtype: str, threads: int, seconds: float = PROBE_S, cache_root: Path | None = None) -> Peak | None:
