@@ -98,8 +98,9 @@ def choose(mc: ModelConfig, matmul_gflops: float | None) -> StepBudget:
 class LiveBudget:
     """An auto budget (`choose`'s) re-chosen from the engine's own long steps (module doc): `observe` each step's
     tokens and wall time; it says the new budget when the last LIVE_STEPS long steps put a FAST_BUDGET-token step
-    HYSTERESIS past FAST_STEP_S on the other side. A row's bits do not depend on the step it runs in (the kernels are
-    row-invariant), so a change moves first tokens and throughput, never outputs."""
+    HYSTERESIS past FAST_STEP_S on the other side. A change moves first tokens and throughput, not outputs: a row's
+    bits do not depend on the step it runs in wherever a prefix-cache hit's do not (the row-invariant kernels;
+    engine_core warns where bf16 has none)."""
 
     def __init__(self, start: StepBudget, clock: Callable[[], float] = time.perf_counter) -> None:
         assert start.tokens in (FAST_BUDGET, SLOW_BUDGET), f"not an auto budget: {start}"
