@@ -229,11 +229,11 @@ class Bench:
         print(f"== {self.srv.name}: starting", flush=True)
         self.row["startup_s"] = self.srv.start(self.url, self.out_dir, self.args.startup_timeout)
         print(f"   healthy in {self.row['startup_s']:.1f}s", flush=True)
-        self._run("warm", 999)
+        self._run("warm", 999, self.peak())
 
-    def _run(self, workload: str, seed: int) -> dict:
+    def _run(self, workload: str, seed: int, peak_before: float | None) -> dict:
+        """One workload; `peak_before`: the host's peak probed just before it (the last one's probe after)."""
         assert self.srv.proc is not None, "the server was started"
-        peak_before = self.peak()
         server_before, client_before = session_cpu(self.srv.proc.pid), client_cpu_s(self.use_vllm_client)
         if self.use_vllm_client:
             result = run_vllm_client(self.args, self.srv, self.url, self.model_dir, workload, seed, self.out_dir)
@@ -266,10 +266,10 @@ class Bench:
     def round(self, r: int, idle: list[Bench]) -> None:
         """Round r of every workload; `idle`: the other servers, still up, whose CPU during it is recorded."""
         before = {b.srv.name: session_cpu(b.srv.proc.pid) for b in idle if b.srv.proc is not None}
-        rnd, rep = self._run("random", 200 + r), self._run("prefix-rep", 400 + r)
-        peak_before = self.peak()
+        rnd = self._run("random", 200 + r, self.peak())
+        rep = self._run("prefix-rep", 400 + r, rnd["peak_tflops"][1])
         probe = asyncio.run(ttft_probe(self.url, self.srv.served_name, 500 + r))
-        probe_peak = [peak_before, self.peak()]
+        probe_peak = [rep["peak_tflops"][1], self.peak()]
         others = {
             b.srv.name: round(sum(cpu_used(before[b.srv.name], session_cpu(b.srv.proc.pid)).values()), 2)
             for b in idle

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -63,6 +64,7 @@ class Peak:
         return f"{self.kind.name} loop {self.tflops:.2f} TFLOP/s on {self.threads} thread(s)"
 
 
+@functools.lru_cache(maxsize=4)  # built or found once a process: finding it hashes the sources, asks gcc its version
 def _function(cache_root: Path | None) -> Callable[[int, int, int], float] | None:
     return probe_function(PROBE, "ucm_peak_gflops", [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32],
                           ctypes.c_double, "the CPU's peak multiply-accumulate rate", cache_root)  # fmt: skip
