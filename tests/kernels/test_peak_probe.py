@@ -45,10 +45,14 @@ def test_each_loop_runs_where_the_cpu_has_it_and_says_so_where_not(kind: Kind, t
         lib = native.load()
         assert lib is None or not lib.has_amx, "the kernels use AMX here, the probe could not"
         pytest.skip("the OS does not let this process use AMX")
+    last_sum = peak_probe._last_sum(tmp_path)
+    assert last_sum is not None, "the same library"
     for threads in (1, 2):
         gflops = fn(int(kind), 2000, threads)
         if have:
             assert math.isfinite(gflops) and gflops > 0, f"{kind.name} on {threads} thread(s): {gflops}"
+            # Zero operands would leave the sums at zero (and run faster than a matmul's values: peak_probe.c).
+            assert math.isfinite(last_sum()) and last_sum() != 0.0, f"{kind.name} multiplied zeros"
         else:
             assert gflops == -1.0, f"{kind.name} is not on this CPU ({vector_flags()}), yet the loop ran: {gflops}"
     assert fn(int(kind), 0, 1) == -1.0 and fn(int(kind), 10, 0) == -1.0, "no rounds or no threads: no rate"

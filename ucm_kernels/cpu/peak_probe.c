@@ -4,7 +4,11 @@
  * A benchmark's figures on a shared host move with the host: on the 2-core Xeon with AMX (a VM) a loop of TDPBF16PS
  * ran at ~5.5 TFLOP/s for a while and at ~2.1 for the next seconds to minutes, and the engine's matmuls halved with
  * it (a layer of Llama-1B's: 1.66 -> 0.78 TFLOP/s, oneDNN's one 2048 x 2048 -> 8192 likewise). Probed beside a
- * benchmark's runs, it says which phase each ran in (ucm_kernels/cpu/peak_probe.py). */
+ * benchmark's runs, it says which phase each ran in (ucm_kernels/cpu/peak_probe.py).
+ *
+ * The operands are values a matmul meets, not zeros: on that Xeon a TDPBF16PS loop on zero tiles ran 1.09 TFLOP/s
+ * against 0.91 on values of magnitude [1, 2) and either sign (one thread, a slow phase; 2.56 against 2.22 in a fast
+ * one), and tiles of 1.0 ran as slowly as those: the unit does less on zeros, which no weight is. */
 
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -19,12 +23,40 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include <string.h>
 #include <time.h>
 
 /* The instruction a probe loops (ucm_kernels/cpu/peak_probe.py: Kind). */
 enum { PEAK_AMX_BF16 = 0, PEAK_AVX512_BF16 = 1, PEAK_AVX512_FP32 = 2, PEAK_AVX2_FP32 = 3, PEAK_NEON_FP32 = 4 };
 
 static volatile float peak_sink; /* the accumulators' sum goes here, so no loop is dead code */
+
+/* A fixed sequence of operands: bf16 of magnitude [1, 2), either sign (fp32: the same with low mantissa bits). */
+static inline uint32_t next_random(uint32_t *state) {
+    *state = *state * 1664525u + 1013904223u;
+    return *state;
+}
+
+static inline uint16_t operand_bf16(uint32_t *state) {
+    const uint32_t r = next_random(state);
+    return (uint16_t)(0x3f80u | ((r >> 9) & 0x7fu) | ((r >> 5) & 0x8000u));
+}
+
+static inline float operand_f32(uint32_t *state) {
+    const uint32_t bits = (uint32_t)operand_bf16(state) << 16 | (next_random(state) >> 16);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* n operands into `bf16` (or `f32`, where not NULL). */
+static inline void fill_operands(uint16_t *bf16, float *f32, int n) {
+    uint32_t state = 12345u;
+    for (int i = 0; i < n; i++) {
+        if (bf16) bf16[i] = operand_bf16(&state);
+        if (f32) f32[i] = operand_f32(&state);
+    }
+}
 
 static double now_s(void) {
     struct timespec t;
@@ -40,14 +72,16 @@ static double one_thread(int32_t kind, int64_t rounds) {
     case PEAK_AMX_BF16: {
         if (!amx_permitted()) return -1.0;
         amx_load_config();
+        uint16_t operands[2 * 16 * 32] __attribute__((aligned(64))); /* A's tile, then B's */
+        fill_operands(operands, NULL, 2 * 16 * 32);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         _tile_zero(4);
         _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
+        _tile_loadd(6, operands, 64);
+        _tile_loadd(7, operands + 16 * 32, 64);
         for (int64_t i = 0; i < rounds; i++) { /* six sums, each on A (tile 6) . B (tile 7) */
             _tile_dpbf16ps(0, 6, 7);
             _tile_dpbf16ps(1, 6, 7);
@@ -67,7 +101,9 @@ static double one_thread(int32_t kind, int64_t rounds) {
     case PEAK_AVX512_BF16: {
         __m512 acc[12];
         for (int j = 0; j < 12; j++) acc[j] = _mm512_setzero_ps();
-        const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0); /* 1.0, 0.0 */
+        uint16_t operands[64];
+        fill_operands(operands, NULL, 64);
+        const __m512bh a = (__m512bh)_mm512_loadu_si512(operands), b = (__m512bh)_mm512_loadu_si512(operands + 32);
         for (int64_t i = 0; i < rounds; i++)
             for (int j = 0; j < 12; j++) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
         __m512 s = acc[0];
@@ -80,7 +116,9 @@ static double one_thread(int32_t kind, int64_t rounds) {
     case PEAK_AVX512_FP32: {
         __m512 acc[12];
         for (int j = 0; j < 12; j++) acc[j] = _mm512_setzero_ps();
-        const __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(0.0f);
+        float operands[32];
+        fill_operands(NULL, operands, 32);
+        const __m512 a = _mm512_loadu_ps(operands), b = _mm512_loadu_ps(operands + 16);
         for (int64_t i = 0; i < rounds; i++)
             for (int j = 0; j < 12; j++) acc[j] = _mm512_fmadd_ps(a, b, acc[j]);
         __m512 s = acc[0];
@@ -93,7 +131,9 @@ static double one_thread(int32_t kind, int64_t rounds) {
     case PEAK_AVX2_FP32: {
         __m256 acc[12];
         for (int j = 0; j < 12; j++) acc[j] = _mm256_setzero_ps();
-        const __m256 a = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(0.0f);
+        float operands[16];
+        fill_operands(NULL, operands, 16);
+        const __m256 a = _mm256_loadu_ps(operands), b = _mm256_loadu_ps(operands + 8);
         for (int64_t i = 0; i < rounds; i++)
             for (int j = 0; j < 12; j++) acc[j] = _mm256_fmadd_ps(a, b, acc[j]);
         __m256 s = acc[0];
@@ -108,7 +148,9 @@ static double one_thread(int32_t kind, int64_t rounds) {
     case PEAK_NEON_FP32: {
         float32x4_t acc[12];
         for (int j = 0; j < 12; j++) acc[j] = vdupq_n_f32(0.0f);
-        const float32x4_t a = vdupq_n_f32(1.0f), b = vdupq_n_f32(0.0f);
+        float operands[8];
+        fill_operands(NULL, operands, 8);
+        const float32x4_t a = vld1q_f32(operands), b = vld1q_f32(operands + 4);
         for (int64_t i = 0; i < rounds; i++)
             for (int j = 0; j < 12; j++) acc[j] = vfmaq_f32(acc[j], a, b);
         float32x4_t s = acc[0];
@@ -139,3 +181,6 @@ double ucm_peak_gflops(int32_t kind, int64_t rounds, int32_t num_threads) {
     const double seconds = now_s() - t0;
     return missing || seconds <= 0 ? -1.0 : flops / seconds / 1e9;
 }
+
+/* The last loop's accumulator sum: not zero where its operands were not (a check that the loop multiplied values). */
+double ucm_peak_last_sum(void) { return (double)peak_sink; }

@@ -1,7 +1,8 @@
 """The CPU's multiply-accumulate rate at this moment (`peak`): which phase of a shared host a benchmark ran in.
 
-A loop of the widest multiply-accumulate this CPU has for a dtype, on register-resident operands, for ~20 ms on the
-given threads (peak_probe.c, a small library built like the kernels: ucm_kernels/cpu/native.py). No matmul beats it;
+A loop of the widest multiply-accumulate this CPU has for a dtype, on register-resident operands (values of magnitude
+[1, 2), not zeros, which the AMX unit ran ~15% faster: peak_probe.c), for ~20 ms on the given threads (a small library
+built like the kernels: ucm_kernels/cpu/native.py). No matmul beats it;
 what it measures is the host: on the 2-core Xeon with AMX (a VM) the tile loop gave ~5.5 TFLOP/s at some moments and
 ~2.1 at others, for seconds to minutes each, and the engine's and oneDNN's matmuls moved with it. Benchmarks probe
 before and after their runs (benchmarks.vs_vllm, benchmarks.roofline) so that each figure carries its phase.
@@ -68,6 +69,12 @@ class Peak:
 def _function(cache_root: Path | None) -> Callable[[int, int, int], float] | None:
     return probe_function(PROBE, "ucm_peak_gflops", [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32],
                           ctypes.c_double, "the CPU's peak multiply-accumulate rate", cache_root)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4)
+def _last_sum(cache_root: Path | None) -> Callable[[], float] | None:
+    """The last loop's accumulator sum (peak_probe.c): not zero where the loop multiplied its values."""
+    return probe_function(PROBE, "ucm_peak_last_sum", [], ctypes.c_double, "the probe's accumulators", cache_root)
 
 
 def peak(dtype: str, threads: int, seconds: float = PROBE_S, cache_root: Path | None = None) -> Peak | None:
