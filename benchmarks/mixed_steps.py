@@ -38,6 +38,7 @@ from benchmarks.roofline import read_bandwidth_gbs
 from benchmarks.vllm_harness import synthetic_prompt
 from benchmarks.yardstick_models import SHAPES, ensure_model
 from engine import LLM, SamplingParams
+from engine.config import resolve_dtype_name
 from ucm_kernels.cpu.host import cpu_info, vector_flags
 from ucm_kernels.cpu.peak_probe import peak
 
@@ -85,7 +86,7 @@ def time_steps(model: str, tokens: list[int], rounds: int) -> dict[int, list[flo
     engine = llm.engine
     engine.governor = None  # every core: the read bandwidth below is measured on them
     try:
-        decode = SamplingParams(max_tokens=DECODES * rounds * len(tokens) + 64, temperature=0, ignore_eos=True)
+        decode = SamplingParams(max_tokens=(rounds + 1) * len(tokens) + 64, temperature=0, ignore_eos=True)
         for i in range(DECODES):
             engine.add_request(f"decode-{i}", synthetic_prompt(DECODE_PROMPT, i), decode)
         while engine.scheduler.waiting or any(
@@ -129,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         reads[n] = read_bandwidth_gbs(3)[0]
     torch.set_num_threads(threads)
     print("read: " + ", ".join(f"{n} thread(s) {gbs:.1f} GB/s" for n, gbs in reads.items()), flush=True)
-    peak_before = peak("bfloat16", threads)
+    dtype = resolve_dtype_name("auto", "cpu")  # the engine's below
+    peak_before = peak(dtype, threads)
     steps = time_steps(args.model, tokens, args.rounds)
-    peak_after = peak("bfloat16", threads)
+    peak_after = peak(dtype, threads)
     rows = mixed_rows(steps)
-    print(f"\n{args.model}, {DECODES} requests decoding; the host's bf16 loop before / after: "
+    print(f"\n{args.model} ({dtype}), {DECODES} requests decoding; the host's {dtype} loop before / after: "
           f"{'-' if peak_before is None else f'{peak_before.tflops:.2f}'} / "
           f"{'-' if peak_after is None else f'{peak_after.tflops:.2f}'} TFLOP/s")  # fmt: skip
     print(f"{'prompt tokens':>14}{'step ms':>10}{'added ms':>10}{'ms/token':>10}{'of a prompt step':>18}")
