@@ -18,7 +18,7 @@ the limits before and after each model's phases, the higher counting:
 
     host peak      the rate of a loop of the CPU's widest multiply-accumulate in the engine's dtype on registers
                    (ucm_kernels/cpu/peak_probe.py), before and after each model: a shared host's phase (the 2-core
-                   Xeon with AMX: ~5.5 or ~2.1 TFLOP/s, for seconds to minutes); no matmul reaches it
+                   Xeon with AMX: ~4.5 or ~1.9 TFLOP/s, for seconds to minutes); no matmul reaches it
 
 Fractions: prefill's FLOP/s of the matmul rate in the engine's dtype (attention counted at the matmul rate, as the
 issue asks), decode's bytes/s of the read bandwidth. A model whose weights partly fit the last-level cache may read

@@ -2,9 +2,9 @@
  * registers (or the tiles): what no matmul can beat at this moment, whatever its blocking.
  *
  * A benchmark's figures on a shared host move with the host: on the 2-core Xeon with AMX (a VM) a loop of TDPBF16PS
- * ran at ~5.5 TFLOP/s for a while and at ~2.1 for the next seconds to minutes, and the engine's matmuls halved with
- * it (a layer of Llama-1B's: 1.66 -> 0.78 TFLOP/s, oneDNN's one 2048 x 2048 -> 8192 likewise). Probed beside a
- * benchmark's runs, it says which phase each ran in (ucm_kernels/cpu/peak_probe.py).
+ * ran at ~4.5 TFLOP/s for a while and at ~1.9 for the next seconds to minutes (2 threads, on values), and the
+ * engine's matmuls halved with it (a layer of Llama-1B's: 1.66 -> 0.78 TFLOP/s, oneDNN's one 2048 x 2048 -> 8192
+ * likewise). Probed beside a benchmark's runs, it says which phase each ran in (ucm_kernels/cpu/peak_probe.py).
  *
  * The operands are values a matmul meets, not zeros: on that Xeon a TDPBF16PS loop on zero tiles ran 1.09 TFLOP/s
  * against 0.91 on values of magnitude [1, 2) and either sign (one thread, a slow phase; 2.56 against 2.22 in a fast

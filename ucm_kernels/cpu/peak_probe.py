@@ -2,10 +2,10 @@
 
 A loop of the widest multiply-accumulate this CPU has for a dtype, on register-resident operands (values of magnitude
 [1, 2), not zeros, which the AMX unit ran ~15% faster: peak_probe.c), for ~20 ms on the given threads (a small library
-built like the kernels: ucm_kernels/cpu/native.py). No matmul beats it;
-what it measures is the host: on the 2-core Xeon with AMX (a VM) the tile loop gave ~5.5 TFLOP/s at some moments and
-~2.1 at others, for seconds to minutes each, and the engine's and oneDNN's matmuls moved with it. Benchmarks probe
-before and after their runs (benchmarks.vs_vllm, benchmarks.roofline) so that each figure carries its phase.
+built like the kernels: ucm_kernels/cpu/native.py). No matmul beats it; what it measures is the host: on the 2-core
+Xeon with AMX (a VM) the tile loop gave ~4.5 TFLOP/s at some moments and ~1.9 at others (2 threads, on values), for
+seconds to minutes each, and the engine's and oneDNN's matmuls moved with it. Benchmarks probe before and after their
+runs (benchmarks.vs_vllm, benchmarks.roofline) so that each figure carries its phase.
 """
 
 from __future__ import annotations
