@@ -32,8 +32,10 @@ Qwen2.5-0.5B's); both servers serve the same folder. A yardstick model is judged
 tok/s >= 1.3x, prefix-rep mean TTFT <= 0.7x, cold TTFT <= 0.8x, repeated <= 0.5x.
 
 `--as-avx2` runs both servers as an AVX2-only x86 host would, on a host with AVX-512: our kernels built for
-x86-64-v3 (`UCM_CFLAGS`), torch's kernels, oneDNN and MKL (ours and vLLM's) capped at AVX2, vLLM in fp32. vLLM's own C++
-kernels keep their AVX-512 build (they have no runtime cap), so the comparison leans towards vLLM.
+x86-64-v3 (`UCM_CFLAGS`), torch's kernels, oneDNN and MKL (ours and vLLM's) capped at AVX2, vLLM in fp32 (its own
+oneDNN's GEMMs too: `brg_matmul:avx2` by `ONEDNN_VERBOSE=1`). vLLM's own C++ kernels (attention) keep their AVX-512
+build (they have no runtime cap), so the comparison leans towards vLLM. On 24 GiB, Llama-1B in fp32 does not fit both
+servers at once: pass `--no-interleave` there.
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ which reads it once per call where the BLAS also repacks it: 2.4x faster matmuls
 Up to how many rows is measured per weight shape on the machine (ucm_kernels/cpu/skinny_gemm.py); more rows, and
 any machine where the kernel never wins or the native build is missing, keep `F.linear`. A weight that is exactly
 4-bit (the embedded model's layers: its GGUF is Q4_1) is packed as 4-bit panels instead (ucm_kernels/cpu/q4_panels.py):
-the same results bit for bit from a sixth of the memory reads, and a sixth of the extra memory; other fp32 packed
-copies add the weights' size, as for bf16. Past those row counts (prefill chunks; on a CPU where oneDNN beats the kernel
+the same results bit for bit from a sixth of the memory reads, and a sixth of the extra memory; one that is exactly
+bf16 (a bf16 checkpoint served in fp32, on a CPU without bf16 arithmetic) as bf16 panels
+(ucm_kernels/cpu/bf16_panels.py): the same bits from half the reads; other fp32 packed copies add the weights' size,
+as for bf16. Past those row counts (prefill chunks; on a CPU where oneDNN beats the kernel
 at few rows, decode steps too), a weight whose shape ran faster through oneDNN than through `F.linear` here also
 keeps a oneDNN-reordered copy (ucm_kernels/cpu/onednn_linear.py; a [3072 x 576] matmul of 1024 rows: 106 -> 134 GFLOPS
 on the same EPYC), used for the row classes where it won (prefill-sized calls, and each few-row class apart). lm_head too: on a 2-core AMD EPYC with AVX-512, where the kernel loses to oneDNN from a few rows
@@ -184,7 +186,7 @@ def _f32_packed(weight: torch.Tensor, calls: onednn_linear.OnednnCalls | None = 
     if lib is None:
         return None
     panels = panel_weight(lib, weight)
-    onednn = onednn_linear.onednn_weight(lib, weight, calls)
+    onednn = onednn_linear.onednn_weight(lib, weight, calls, panels.max_rows if panels is not None else 0)
     return F32Packed(panels, onednn) if panels is not None or onednn is not None else None
 
 

@@ -35,6 +35,7 @@ from engine.models.dense import BF16Packed, F32Packed, Packed, dense, dense_silu
 from ucm_kernels.api import native_decode_lib, native_ops_lib
 from ucm_kernels.cpu import amx_gemm, decode_layers, elementwise, q4_bf16
 from ucm_kernels.cpu import write_kv as native_write
+from ucm_kernels.cpu.bf16_panels import BF16Panels
 from ucm_kernels.cpu.native import NativeLib
 from ucm_kernels.cpu.paged_attention import DTYPE_CODES, attention_error
 from ucm_kernels.cpu.q4_bf16 import Q4BF16Panels
@@ -285,6 +286,8 @@ def _native_linear(packed: Packed, bias: torch.Tensor | None) -> tuple[decode_la
             linear = decode_layers.Linear(pw.panels.qp, pw.panels.dm, pw.out_features, pw.in_features, fmt.Q4_F32)
         elif isinstance(pw.panels, Q8Panels):
             linear = decode_layers.Linear(pw.panels.qp, pw.panels.d, pw.out_features, pw.in_features, fmt.Q8_F32)
+        elif isinstance(pw.panels, BF16Panels):
+            linear = decode_layers.Linear(pw.panels.bp, None, pw.out_features, pw.in_features, fmt.BF16_F32)
         else:
             linear = decode_layers.Linear(pw.panels, None, pw.out_features, pw.in_features, fmt.F32_PANELS)
         return linear, pw.max_rows
@@ -295,7 +298,7 @@ def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed, out: torch.Tensor, threads: int
 ) -> torch.Tensor:
     """What `dense` gives a decode step's rows (all generated), into `out` where a kernel of ours runs it: bf16's
-    4-bit kernel where the weight has its panels, fp32's skinny kernel (4-bit or fp32 panels) up to its rows; else
+    4-bit kernel where the weight has its panels, fp32's skinny kernel (4-bit, 8-bit, bf16 or fp32 panels) up to its rows; else
     `dense` itself (oneDNN, the AMX kernel, a bias)."""
     y = _decode_kernel(x, bias, packed, out, threads)
     return dense(x, weight, bias, packed) if y is None else y

@@ -102,6 +102,39 @@ def test_a_bf16_model_on_amx_runs_its_layers_in_c(shape, native_lib, tmp_path) -
     _python_loop_and_generic_agree(llm, prompts, fast)
 
 
+def test_an_fp32_model_of_bf16_weights_decodes_on_bf16_panels_with_the_fp32_panels_bits(
+    native_lib, monkeypatch, tmp_path
+) -> None:
+    """A bf16 checkpoint served in fp32 (an AVX2-only host's dtype; a Llama-3.2-1B shape, 2 layers): every layer
+    weight packs as bf16 panels, the decode steps' layers run in one native call on them, and the greedy tokens and
+    logprobs equal those of the same model on fp32 panels bit for bit (the kernel widens the very floats the fp32
+    panels hold)."""
+    monkeypatch.setenv(linear_mode.ENV, "native")  # every matmul on the skinny kernel, whatever this host measured
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(30 + 17 * i)] for i in range(3)]
+    folder = ensure_model("llama-1b", 2, root=tmp_path)
+
+    def run() -> tuple[set[decode_layers.LinearFormat], list[tuple]]:
+        skinny_gemm.forget()
+        llm = LLM(model=str(folder), dtype="float32", enable_prefix_caching=False, kv_cache_memory="128MiB")
+        native = llm.engine.runner.model.native_decode
+        assert native is not None and native.native_layers is not None, "every layer matmul on the skinny kernel"
+        formats = {lin.format for layer in native.native_layers for lin in layer.linears}
+        got = _greedy_with_logprobs(llm, prompts)
+        assert native.native_steps >= 23, f"the decode steps' layers in one native call: {native.native_steps} were"
+        llm.close()
+        return formats, got
+
+    bf16_formats, bf16 = run()
+    monkeypatch.setattr(skinny_gemm, "pack_bf16", lambda lib, weight: None)  # the same weights as fp32 panels
+    fp32_formats, fp32 = run()
+    skinny_gemm.forget()
+    assert bf16_formats == {decode_layers.LinearFormat.BF16_F32}, bf16_formats
+    assert fp32_formats == {decode_layers.LinearFormat.F32_PANELS}, fp32_formats
+    assert [t for t, _ in bf16] == [t for t, _ in fp32]
+    assert [lp for _, lp in bf16] == [lp for _, lp in fp32], "logprobs differ: some row's bits changed"
+
+
 @pytest.mark.parametrize("layers_in_c", [True, False])
 def test_a_bad_slot_fails_the_step_with_write_kvs_error_either_way(layers_in_c, native_lib, monkeypatch) -> None:
     """A failure inside the native layer loop is the error the kernel's own wrapper raises from the Python loop."""

@@ -6,7 +6,7 @@ with zig's clang (the `ziglang` wheel, the `cross` extra that `make cross-check`
 - As a static musl executable (aarch64_main.c) run in the unicorn CPU emulator (aarch64_emulator.py): its paged
   attention, decode and prompt rows, fp32 and bf16, through the NEON bodies, equals the float64 oracle as the host
   build's does (test_kernels_native.py's tolerances); its norms, SiLU-and-mul, rotary embedding, skinny GEMM (fp32,
-  4-bit and 8-bit panels) and KV writes equal the host build's or the oracle. One thread: OpenMP has no aarch64
+  4-bit, 8-bit and bf16 panels) and KV writes equal the host build's or the oracle. One thread: OpenMP has no aarch64
   runtime here."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tests.kernels.test_kernels_elementwise import _norm_inputs, _qkv_case
 from tests.kernels.test_kernels_native import TOL
 from ucm_kernels.cpu import elementwise as ew
 from ucm_kernels.cpu import native
+from ucm_kernels.cpu.bf16_panels import random_bf16_weight
 from ucm_kernels.cpu.paged_attention import DTYPE_CODES, attention_error
 from ucm_kernels.cpu.q4_panels import pack_q4, random_q4_weight
 from ucm_kernels.cpu.q8_panels import pack_q8, random_q8_weight
@@ -215,14 +216,14 @@ def test_emulated_rotary_embedding_equals_the_host_build(emulated, native_lib, d
     assert torch.equal(emu, host)
 
 
-@pytest.mark.parametrize(("fmt", "k", "n"), [("fp32", 100, 37), ("q4", 576, 40), ("q8", 576, 24)])
+@pytest.mark.parametrize(("fmt", "k", "n"), [("fp32", 100, 37), ("q4", 576, 40), ("q8", 576, 24), ("bf16", 100, 37)])
 def test_emulated_skinny_gemm_equals_the_oracle(emulated, fmt, k, n):
     """The skinny GEMM over fp32 panels (packed by the emulated build) within fp32 rounding of float64, each row what
     a call of that row alone gives, in the few-row tiles (5 rows) and the blocked loop (30); over 4-bit and 8-bit
     panels of an exactly-quantized weight (packed here: the layout is the format's, not the CPU's), bit for bit
     what the fp32 panels of the same weight give, as on the host."""
     gen = torch.Generator().manual_seed(k + n)
-    random_weight = {"q4": random_q4_weight, "q8": random_q8_weight}.get(fmt)
+    random_weight = {"q4": random_q4_weight, "q8": random_q8_weight, "bf16": random_bf16_weight}.get(fmt)
     w = torch.randn(n, k, generator=gen) if random_weight is None else random_weight(n, k, gen)
     x, bias = torch.randn(30, k, generator=gen), torch.randn(n, generator=gen)
     panels = torch.zeros(-(-n // NR) * k * NR)
@@ -236,6 +237,10 @@ def test_emulated_skinny_gemm_equals_the_oracle(emulated, fmt, k, n):
         q8 = pack_q8(w)
         assert q8 is not None, "a random Q8_0 weight packs as 8-bit"
         quantized = "ucm_skinny_gemm_q8", [q8.qp, q8.d]
+    elif fmt == "bf16":
+        bp = torch.zeros(-(-n // NR) * k * NR, dtype=torch.int16)
+        assert int32(emulated.call("ucm_pack_panels_bf16", [w, bp, n, k])) == 0, "bf16 values pack as bf16"
+        quantized = "ucm_skinny_gemm_bf16", [bp]
 
     def run(entry: str, operands: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         y = torch.zeros(rows.shape[0], n)

@@ -129,7 +129,8 @@ def test_few_row_classes_choose_apart(native_lib, forced, monkeypatch) -> None:
     assert again.onednn.few_rows == {8} and FEW_MEASURED == [(32, 64)], "read from the file, not measured again"
 
 
-def test_a_few_row_class_the_rounds_disagree_on_goes_by_the_total(native_lib, forced) -> None:
+def test_a_few_row_class_the_rounds_disagree_on_goes_by_the_total(native_lib, forced, monkeypatch) -> None:
+    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: [dict.fromkeys(ROW_LADDER, (2.0, 1.0))] * 2)
     FEW[:] = [{1: (2.0, 1.0), 8: (1.0, 2.0), 32: (1.0, 2.0)}, {1: (2.0, 1.0), 8: (2.5, 1.0), 32: (1.0, 2.0)}]
     assert dense_mod.pack_weight(torch.randn(72, 32)).onednn.few_rows == {32}, "8 rows: 3.5 vs 3.0 ms in all"
     FEW[:] = [{1: (2.0, 1.0), 8: (1.0, 2.0), 32: (1.0, 2.0)}, {1: (2.0, 1.0), 8: (1.5, 1.0), 32: (1.0, 2.0)}]
@@ -137,6 +138,25 @@ def test_a_few_row_class_the_rounds_disagree_on_goes_by_the_total(native_lib, fo
     onednn_linear.forget()
     assert dense_mod.pack_weight(torch.randn(88, 32)).onednn.few_rows == {8, 32}
     assert FEW_MEASURED.count((32, 88)) == 1, "a disagreement is stored as provisional: the next process takes it"
+
+
+def test_no_copy_for_the_row_classes_the_skinny_kernel_takes(native_lib, forced, monkeypatch) -> None:
+    """Calls of up to the skinny kernel's rows never reach oneDNN (`dense` tries the panels first), so the few-row
+    classes within them keep no copy: oneDNN winning only there keeps none at all (a whole weight's memory)."""
+    rounds, _ = forced
+    rounds[:] = [(2.0, 1.0), (2.0, 1.0)]  # F.linear past the few-row classes
+    packed = dense_mod.pack_weight(torch.randn(48, 32))  # the kernel up to 8 rows, oneDNN winning 1, 8 and 32
+    assert isinstance(packed, dense_mod.F32Packed) and packed.panels is not None and packed.panels.max_rows == 8
+    assert packed.onednn is not None and packed.onednn.few_rows == {32} and not packed.onednn.many_rows
+    monkeypatch.setattr(
+        skinny_gemm,
+        "measure",
+        lambda lib, k, n, fmt=None: [{r: (1.0, 2.0) if r <= 32 else (2.0, 1.0) for r in ROW_LADDER}] * 2,
+    )
+    skinny_gemm.forget()
+    packed = dense_mod.pack_weight(torch.randn(40, 32))
+    assert isinstance(packed, dense_mod.F32Packed) and packed.panels is not None and packed.panels.max_rows == 32
+    assert packed.onednn is None, "every class oneDNN won is the kernel's: no copy"
 
 
 def test_row_classes() -> None:
@@ -211,6 +231,7 @@ def test_a_layer_whose_shapes_agree_is_not_timed(native_lib, layer_rounds) -> No
 def test_a_layer_whose_shapes_split_a_few_row_class_takes_its_fastest_way_there(native_lib, forced, monkeypatch):
     """Alone, 48x32 chose oneDNN at 8 rows and 40x32 F.linear; timed as a layer at 8 rows (a stack past the
     last-level cache), all oneDNN won: both take oneDNN for 8-row calls, the other classes as they agreed."""
+    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: [dict.fromkeys(ROW_LADDER, (2.0, 1.0))] * 2)
     few = {48: {1: (1.0, 2.0), 8: (1.0, 2.0), 32: (1.0, 2.0)}, 40: {1: (1.0, 2.0), 8: (2.0, 1.0), 32: (1.0, 2.0)}}
     monkeypatch.setattr(onednn_linear, "measure_few", lambda k, n: [few[n]] * 2)
     timed: list[tuple[int, ...]] = []

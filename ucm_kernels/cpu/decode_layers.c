@@ -17,14 +17,22 @@
 #include "entry_points.h"
 
 /* Which kernel a matmul takes (ucm_kernels/cpu/decode_layers.py: LinearFormat). */
-enum { DL_Q4_BF16 = 0, DL_F32_PANELS = 1, DL_Q4_F32 = 2, DL_Q8_F32 = 3, DL_AMX_BF16 = 4, DL_AMX_BF16_PAIRS = 5 };
+enum {
+    DL_Q4_BF16 = 0,
+    DL_F32_PANELS = 1,
+    DL_Q4_F32 = 2,
+    DL_Q8_F32 = 3,
+    DL_AMX_BF16 = 4,
+    DL_AMX_BF16_PAIRS = 5,
+    DL_BF16_F32 = 6
+};
 
 /* Where a step stopped (ucm_kernels/cpu/decode_layers.py: Failure). */
 enum { DL_OK = 0, DL_LINEAR = 1, DL_WRITE_KV = 2, DL_ATTENTION = 3 };
 
 /* One matmul y [T, n] = x [T, k] @ W^T (+ bias), W packed as `format` says: q its 4/8-bit bytes, fp32 panels or
- * AMX tiles (amx_gemm.c; PAIRS: a gate_up weight with its gate and up panels paired, SiLU-and-mul in the epilogue),
- * scales the Q4_1 d|m or the Q8_0 d (NULL for fp32 panels and AMX tiles); bias [n] bf16 or NULL, AMX_BF16 only
+ * AMX tiles (amx_gemm.c; PAIRS: a gate_up weight with its gate and up panels paired, SiLU-and-mul in the epilogue)
+ * or bf16 panels of an fp32 model, scales the Q4_1 d|m or the Q8_0 d (NULL for fp32 and bf16 panels and AMX tiles); bias [n] bf16 or NULL, AMX_BF16 only
  * (Qwen2's qkv): added as the Python path adds it after the kernel, y = bf16(y + bias) per element. */
 typedef struct {
     const void *q;
@@ -83,6 +91,8 @@ static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *
         return ucm_skinny_gemm_q4(x, rows, w->k, w->q, w->scales, w->n, NULL, y, threads);
     case DL_Q8_F32:
         return ucm_skinny_gemm_q8(x, rows, w->k, w->q, w->scales, w->n, NULL, y, threads);
+    case DL_BF16_F32:
+        return ucm_skinny_gemm_bf16(x, rows, w->k, w->q, w->n, NULL, y, threads);
     default:
         return -100;
     }

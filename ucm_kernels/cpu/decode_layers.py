@@ -31,6 +31,7 @@ class LinearFormat(enum.IntEnum):
     Q8_F32 = 3  # skinny_gemm.c on 8-bit panels
     AMX_BF16 = 4  # amx_gemm.c (a bf16 weight that no quantized panels stand for, where AMX replaces oneDNN)
     AMX_BF16_PAIRS = 5  # amx_gemm.c on a gate_up weight packed paired, SiLU-and-mul in its epilogue
+    BF16_F32 = 6  # skinny_gemm.c on bf16 panels (an fp32 model whose weights are exactly bf16)
 
 
 class _Failure(enum.IntEnum):

@@ -38,6 +38,9 @@ void ucm_skinny_gemm(const float *x, int64_t m, int64_t k, const float *wp, int6
                      int32_t num_threads);
 int32_t ucm_skinny_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
                            const float *bias, float *y, int32_t num_threads);
+int32_t ucm_pack_panels_bf16(const float *w, uint16_t *bp, int64_t n, int64_t k);
+int32_t ucm_skinny_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *bp, int64_t n, const float *bias,
+                             float *y, int32_t num_threads);
 int32_t ucm_skinny_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *qp, const float *d, int64_t n,
                            const float *bias, float *y, int32_t num_threads);
 

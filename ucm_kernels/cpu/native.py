@@ -121,6 +121,8 @@ class NativeLib:
     skinny_gemm: CFunction  # ucm_skinny_gemm
     skinny_gemm_q4: CFunction  # ucm_skinny_gemm_q4 (4-bit panels: ucm_kernels/cpu/q4_panels.py)
     skinny_gemm_q8: CFunction  # ucm_skinny_gemm_q8 (8-bit panels: ucm_kernels/cpu/q8_panels.py)
+    pack_panels_bf16: CFunction  # ucm_pack_panels_bf16 (bf16 panels: ucm_kernels/cpu/bf16_panels.py)
+    skinny_gemm_bf16: CFunction  # ucm_skinny_gemm_bf16
     q4_bf16: CFunction  # ucm_q4_bf16 in q4_bf16.c (a decode step's generated rows over 4-bit weights, AVX-512 BF16)
     q8_bf16: CFunction  # ucm_q8_bf16, its twin over Q8_0 weights (the embedded model's lm_head)
     has_q4_bf16: bool  # whether this build has it (-1 from every call otherwise)
@@ -306,6 +308,12 @@ def _bind(path: Path) -> NativeLib:
     skinny_q8 = cdll.ucm_skinny_gemm_q8
     skinny_q8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i32]  # x, M, K, q panels, d, N, bias, y, threads
     skinny_q8.restype = i32
+    pack_bf16 = cdll.ucm_pack_panels_bf16
+    pack_bf16.argtypes = [ptr, ptr, i64, i64]  # w, bf16 panels out, N, K
+    pack_bf16.restype = i32
+    skinny_bf16 = cdll.ucm_skinny_gemm_bf16
+    skinny_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]  # x, M, K, bf16 panels, N, bias, y, threads
+    skinny_bf16.restype = i32
     q4_bf16 = cdll.ucm_q4_bf16
     q4_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]  # x, M, K, q panels, d|m, N, y, threads
     q4_bf16.restype = i32
@@ -341,6 +349,8 @@ def _bind(path: Path) -> NativeLib:
         skinny,
         skinny_q4,
         skinny_q8,
+        pack_bf16,
+        skinny_bf16,
         q4_bf16,
         q8_bf16,
         bool(cdll.ucm_q4_bf16_available()),

@@ -346,12 +346,18 @@ class OnednnCalls:
     many_rows: bool
 
 
-def onednn_weight(lib: NativeLib, weight: torch.Tensor, calls: OnednnCalls | None = None) -> OnednnWeight | None:
+def onednn_weight(
+    lib: NativeLib, weight: torch.Tensor, calls: OnednnCalls | None = None, taken_rows: int = 0
+) -> OnednnWeight | None:
     """`weight` reordered for oneDNN with the calls it wins here, or None where it wins none (F.linear, no extra
-    memory). `calls`: its layer's choice, else the weight's own."""
+    memory). `calls`: its layer's choice, else the weight's own. `taken_rows`: calls of up to that many rows go to
+    another kernel first (the skinny kernel's panels), so the row classes within it are not oneDNN's: a copy kept
+    for those alone would be a whole weight's memory for calls it never gets (Llama-1B's gate_up in fp32 on the 2-core
+    Xeon as an AVX2-only host: 2.1 GB for the 8- and 32-row classes, which its bf16 panels take)."""
     n, k = weight.shape
     many = onednn_wins(lib, k, n) if calls is None else calls.many_rows
     few = few_rows_won(lib, k, n) if calls is None else calls.few_rows
+    few = frozenset(c for c in few if c > taken_rows)
     return OnednnWeight(reorder(weight), few, many) if many or few else None
 
 

@@ -15,6 +15,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "entry_points.h"
 
@@ -212,7 +213,62 @@ static void expand_q8_panel(const uint8_t *qp_bytes, const float *d, int64_t k, 
     }
 }
 
-typedef enum { PANEL_FP32, PANEL_Q4, PANEL_Q8 } panel_format;
+/* ---------------------------------------------------------------- bf16 weights (ucm_kernels/cpu/bf16_panels.py)
+ *
+ * A weight whose every value is exactly a bf16 (a bf16 checkpoint served in fp32, on a CPU without bf16 arithmetic)
+ * is packed as bp [panels][K][16] bf16, each float's upper half, and expanded by putting it back there: the fp32
+ * panels' floats, so results are bit-identical to ucm_skinny_gemm for half the memory reads. A k row's 16 values
+ * are stored in BF16_SLOT's order, so that interleaving the row with zeros (one shuffle per 8 weights in AVX2, in
+ * 128-bit lanes) gives outputs 0-7 and 8-15 in order. */
+
+static const int8_t BF16_SLOT[NR] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15}; /* slot -> output */
+
+#ifdef SG_AVX2
+/* One k row of bf16 panel as its 16 weights, w0 (outputs 0-7) and w1 (8-15). */
+static inline void bf16_row(const uint16_t *b, __m256 *w0, __m256 *w1) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)b), zero = _mm256_setzero_si256();
+    *w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+    *w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+}
+#endif
+
+static void expand_bf16_panel(const uint16_t *bp, int64_t k, float *dst) {
+    for (int64_t kk = 0; kk < k; kk++) {
+#ifdef SG_AVX2
+        __m256 w0, w1;
+        bf16_row(bp + kk * NR, &w0, &w1);
+        _mm256_storeu_ps(dst + kk * NR, w0);
+        _mm256_storeu_ps(dst + kk * NR + 8, w1);
+#else
+        for (int64_t s = 0; s < NR; s++) {
+            const uint32_t bits = (uint32_t)bp[kk * NR + s] << 16;
+            memcpy(dst + kk * NR + BF16_SLOT[s], &bits, sizeof bits);
+        }
+#endif
+    }
+}
+
+/* w [N, K] row-major fp32 -> bp [ceil(N / NR)][K][NR] bf16 in BF16_SLOT order, zero-padded past N. Returns 0, or -1
+ * where some value is not exactly a bf16 (its low 16 bits not all zero: bp is then partly written, not to be used). */
+int32_t ucm_pack_panels_bf16(const float *w, uint16_t *bp, int64_t n, int64_t k) {
+    const int64_t panels = (n + NR - 1) / NR;
+    int32_t inexact = 0;
+#pragma omp parallel for schedule(static) reduction(| : inexact)
+    for (int64_t p = 0; p < panels; p++) {
+        uint16_t *dst = bp + p * k * NR;
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t s = 0; s < NR; s++) {
+                const int64_t col = p * NR + BF16_SLOT[s];
+                uint32_t bits = 0;
+                if (col < n) memcpy(&bits, w + col * k + kk, sizeof bits);
+                inexact |= (bits & 0xFFFFu) != 0;
+                dst[kk * NR + s] = (uint16_t)(bits >> 16);
+            }
+    }
+    return inexact ? -1 : 0;
+}
+
+typedef enum { PANEL_FP32, PANEL_Q4, PANEL_Q8, PANEL_BF16 } panel_format;
 
 /* ---------------------------------------------------------------- many rows (prefill chunks)
  *
@@ -238,7 +294,8 @@ typedef enum { PANEL_FP32, PANEL_Q4, PANEL_Q8 } panel_format;
 #define FEW_TILES 3  /* MR-row tiles over one chunk at a time in panel_rows: every row of a call under MANY_ROWS */
 #define FEW_KC 128   /* k per chunk in panel_rows: [128][16] floats, 8 KB, in L1 beside the rows' 128 k */
 
-/* Where a panel's fp32 values come from: the fp32 panels themselves, or 4/8-bit panels expanded chunk by chunk. */
+/* Where a panel's fp32 values come from: the fp32 panels themselves, or 4/8-bit or bf16 panels expanded chunk by
+ * chunk (bf16: no scales). */
 typedef struct {
     panel_format format;
     const float *fp32;             /* PANEL_FP32: [panels][k][16] */
@@ -260,6 +317,10 @@ static const float *panel_scales(const panel_source *src, int64_t p, int64_t k0)
 static const float *panel_chunk(const panel_source *src, int64_t k, int64_t p, int64_t k0, int64_t kc,
                                 float *scratch) {
     if (src->format == PANEL_FP32) return src->fp32 + (p * k + k0) * NR;
+    if (src->format == PANEL_BF16) {
+        expand_bf16_panel((const uint16_t *)panel_q(src, p, k0), kc, scratch);
+        return scratch;
+    }
     (src->format == PANEL_Q4 ? expand_q4_panel : expand_q8_panel)(panel_q(src, p, k0), panel_scales(src, p, k0), kc,
                                                                    scratch);
     return scratch;
@@ -276,6 +337,15 @@ static void tile_chunk_expanding(const float *x, int64_t ldx, int64_t kc, int64_
     TILE_ROWS(x, ldx, mr);
     TILE_OPEN(out, first);
     const uint8_t *q = panel_q(src, p, k0);
+    if (src->format == PANEL_BF16) {
+        for (int64_t kk = 0; kk < kc; kk++) {
+            __m256 w0, w1;
+            bf16_row((const uint16_t *)q + kk * NR, &w0, &w1);
+            TILE_STEP(kk, w0, w1);
+        }
+        TILE_CLOSE(out);
+        return;
+    }
     const float *sc = panel_scales(src, p, k0);
     for (int64_t kb = 0; kb < kc; kb += QB, q += QB * src->q_k_bytes, sc += src->scale_block_floats) {
         if (src->format == PANEL_Q4) {
@@ -295,6 +365,45 @@ static void tile_chunk_expanding(const float *x, int64_t ldx, int64_t kc, int64_
         }
     }
     TILE_CLOSE(out);
+}
+#endif
+
+#ifdef SG_AVX2
+/* One row's call over bf16 panels: a 4-row tile would run 8 FMA chains for it, 6 of them on copies of the row, and
+ * take as long as 4 rows (the 2-core Xeon as an AVX2-only host: 8.8 ms a row against 9.0 for 4 over two of
+ * Llama-1B's gate_up weights, oneDNN 8.1 on the fp32 weights). Here the row's 8 chains run over WIDE panels at once
+ * instead: each output's sum is the same FMA chain in k order from 0, and the bias (or 0) is added after it as
+ * panel_rows adds it, so the floats are the tile's. */
+#define WIDE 4
+static void bf16_one_row(const float *x, int64_t k, const panel_source *src, int64_t p0, int64_t count, int64_t n,
+                         const float *bias, float *y) {
+    const uint16_t *b0 = (const uint16_t *)panel_q(src, p0, 0);
+    const uint16_t *b1 = (const uint16_t *)panel_q(src, count > 1 ? p0 + 1 : p0, 0);
+    const uint16_t *b2 = (const uint16_t *)panel_q(src, count > 2 ? p0 + 2 : p0, 0);
+    const uint16_t *b3 = (const uint16_t *)panel_q(src, count > 3 ? p0 + 3 : p0, 0);
+    __m256 c00, c01, c10, c11, c20, c21, c30, c31;
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm256_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++) {
+        const __m256 xv = _mm256_broadcast_ss(x + kk);
+        __m256 w0, w1;
+        bf16_row(b0 + kk * NR, &w0, &w1);
+        c00 = _mm256_fmadd_ps(xv, w0, c00), c01 = _mm256_fmadd_ps(xv, w1, c01);
+        bf16_row(b1 + kk * NR, &w0, &w1);
+        c10 = _mm256_fmadd_ps(xv, w0, c10), c11 = _mm256_fmadd_ps(xv, w1, c11);
+        bf16_row(b2 + kk * NR, &w0, &w1);
+        c20 = _mm256_fmadd_ps(xv, w0, c20), c21 = _mm256_fmadd_ps(xv, w1, c21);
+        bf16_row(b3 + kk * NR, &w0, &w1);
+        c30 = _mm256_fmadd_ps(xv, w0, c30), c31 = _mm256_fmadd_ps(xv, w1, c31);
+    }
+    float out[WIDE][NR];
+    _mm256_storeu_ps(out[0], c00), _mm256_storeu_ps(out[0] + 8, c01);
+    _mm256_storeu_ps(out[1], c10), _mm256_storeu_ps(out[1] + 8, c11);
+    _mm256_storeu_ps(out[2], c20), _mm256_storeu_ps(out[2] + 8, c21);
+    _mm256_storeu_ps(out[3], c30), _mm256_storeu_ps(out[3] + 8, c31);
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t n0 = (p0 + i) * NR, valid = n - n0 < NR ? n - n0 : NR;
+        for (int64_t j = 0; j < valid; j++) y[n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+    }
 }
 #endif
 
@@ -472,8 +581,8 @@ void ucm_skinny_gemm(const float *x, int64_t m, int64_t k, const float *wp, int6
     for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, &src, p, n, bias, y, NULL);
 }
 
-/* ucm_skinny_gemm over quantized panels, expanded to fp32 as the tiles take them. Panel p's bytes start at
- * q + p * q_panel_bytes, its scales at scales + p * scale_panel_floats. Returns 0 (the blocked loop's memory
+/* ucm_skinny_gemm over quantized or bf16 panels, expanded to fp32 as the tiles take them. Panel p's bytes start at
+ * q + p * q_panel_bytes, its scales (none for bf16) at scales + p * scale_panel_floats. Returns 0 (the blocked loop's memory
  * missing: the few-row loop runs the call). */
 static int32_t quantized_gemm(const float *x, int64_t m, int64_t k, const uint8_t *q, int64_t q_panel_bytes,
                               const float *scales, int64_t scale_panel_floats, panel_format format, int64_t n,
@@ -492,10 +601,26 @@ static int32_t quantized_gemm(const float *x, int64_t m, int64_t k, const uint8_
          * calls 1.1-1.3x slower (paired runs), an aligned_alloc'd one still up to 1.16x, and the blocked loop's
          * (16-64 rows) 1.06-1.13x. */
         _Alignas(64) float scratch[FEW_KC * NR];
+#ifdef SG_AVX2
+        if (m == 1 && format == PANEL_BF16) {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, &src, p, n, bias, y, scratch);
+            for (int64_t p = 0; p < panels; p += WIDE)
+                bf16_one_row(x, k, &src, p, panels - p < WIDE ? panels - p : WIDE, n, bias, y);
+        } else
+#endif
+        {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, &src, p, n, bias, y, scratch);
+        }
     }
     return 0;
+}
+
+/* As ucm_skinny_gemm, W given as bf16 panels (ucm_pack_panels_bf16). Returns 0. */
+int32_t ucm_skinny_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *bp, int64_t n, const float *bias,
+                             float *y, int32_t num_threads) {
+    return quantized_gemm(x, m, k, (const uint8_t *)bp, k * NR * 2, NULL, 0, PANEL_BF16, n, bias, y, num_threads,
+                          NR * 2, 0);
 }
 
 /* As ucm_skinny_gemm, W given as 4-bit panels (k a multiple of 32). Returns 0. */

@@ -10,7 +10,8 @@ weights.) The result is logged and cached beside the attention
 calibration (ucm_kernels/cpu/calibration_store.py: same key, same file rules, stored only when both rounds agree).
 Weights under `MIN_PACK_BYTES` are left to `F.linear` unmeasured. A weight that is exactly 4-bit
 (ucm_kernels/cpu/q4_panels.py) is packed and measured as 4-bit panels ("q4 NxK" in the cache file), one that is exactly
-Q8_0 (ucm_kernels/cpu/q8_panels.py) as 8-bit panels ("q8 NxK"), others as fp32 ("fp32 NxK").
+Q8_0 (ucm_kernels/cpu/q8_panels.py) as 8-bit panels ("q8 NxK"), one that is exactly bf16 (a bf16 checkpoint in fp32:
+ucm_kernels/cpu/bf16_panels.py) as bf16 panels ("bf16 NxK"), others as fp32 ("fp32 NxK").
 `UCM_CPU_LINEAR=native` uses the kernel up to the ladder's top, `torch` never.
 """
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from ucm_kernels.choice_memo import ChoiceMemo
 from ucm_kernels.cpu import onednn_linear
+from ucm_kernels.cpu.bf16_panels import BF16Panels, pack_bf16, random_bf16_weight, skinny_linear_bf16
 from ucm_kernels.cpu.calibration_store import stored_or_measured
 from ucm_kernels.cpu.choice_threads import choice_threads
 from ucm_kernels.cpu.host import cpu_info, vector_flags
@@ -57,14 +59,18 @@ class PanelFormat(enum.Enum):
     FP32 = "fp32"
     Q4 = "q4"  # exactly GGUF Q4_1 (ucm_kernels/cpu/q4_panels.py)
     Q8 = "q8"  # exactly GGUF Q8_0 (ucm_kernels/cpu/q8_panels.py)
+    BF16 = "bf16"  # exactly bf16 (ucm_kernels/cpu/bf16_panels.py)
+
+
+AnyPanels = torch.Tensor | Q4Panels | Q8Panels | BF16Panels  # fp32 panels are a plain tensor
 
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """W [N, K] packed for skinny_gemm.c: fp32 panels, or 4- or 8-bit ones where W is exactly that; `dense` uses it
-    for at most `max_rows` rows, else `F.linear` on W."""
+    """W [N, K] packed for skinny_gemm.c: fp32 panels, or 4-bit, 8-bit or bf16 ones where W is exactly that; `dense`
+    uses it for at most `max_rows` rows, else `F.linear` on W."""
 
-    panels: torch.Tensor | Q4Panels | Q8Panels
+    panels: AnyPanels
     out_features: int
     in_features: int
     max_rows: int
@@ -75,6 +81,8 @@ class PanelWeight:
             return skinny_linear_q4(self.lib, x, self.panels, self.out_features, bias, out)
         if isinstance(self.panels, Q8Panels):
             return skinny_linear_q8(self.lib, x, self.panels, self.out_features, bias, out)
+        if isinstance(self.panels, BF16Panels):
+            return skinny_linear_bf16(self.lib, x, self.panels, self.out_features, bias, out)
         return skinny_linear(self.lib, x, self.panels, self.out_features, bias, out)
 
 
@@ -116,6 +124,7 @@ _RANDOM_WEIGHT: dict[PanelFormat, Callable[[int, int, torch.Generator], torch.Te
     PanelFormat.FP32: lambda n, k, gen: torch.randn(n, k, generator=gen),
     PanelFormat.Q4: random_q4_weight,
     PanelFormat.Q8: random_q8_weight,
+    PanelFormat.BF16: random_bf16_weight,
 }
 
 
@@ -142,21 +151,28 @@ def measure(lib: NativeLib, k: int, n: int, fmt: PanelFormat = PanelFormat.FP32)
     return rounds
 
 
+def _pack_as(lib: NativeLib, weight: torch.Tensor, fmt: PanelFormat) -> AnyPanels | None:
+    """`weight` as panels of format `fmt`, or None where it is not exactly that format."""
+    if fmt is PanelFormat.FP32:
+        return pack_panels(lib, weight)
+    if fmt is PanelFormat.BF16:
+        return pack_bf16(lib, weight)
+    return {PanelFormat.Q4: pack_q4, PanelFormat.Q8: pack_q8}[fmt](weight)
+
+
 def _packed(lib: NativeLib, weight: torch.Tensor, fmt: PanelFormat) -> PanelWeight:
     n, k = weight.shape
-    panels = {PanelFormat.Q4: pack_q4, PanelFormat.Q8: pack_q8}[fmt](weight) if fmt is not PanelFormat.FP32 else None
-    assert fmt is PanelFormat.FP32 or panels is not None, f"a random {fmt.value} weight must pack as {fmt.value}"
-    return PanelWeight(pack_panels(lib, weight) if panels is None else panels, n, k, ROW_LADDER[-1], lib)
+    panels = _pack_as(lib, weight, fmt)
+    assert panels is not None, f"a random {fmt.value} weight must pack as {fmt.value}"
+    return PanelWeight(panels, n, k, ROW_LADDER[-1], lib)
 
 
-def pack(lib: NativeLib, weight: torch.Tensor) -> tuple[PanelFormat, torch.Tensor | Q4Panels | Q8Panels]:
-    """`weight` [N, K] as panels: 4-bit where it is exactly Q4_1, 8-bit where it is exactly Q8_0, else fp32."""
-    q4 = pack_q4(weight)
-    if q4 is not None:
-        return PanelFormat.Q4, q4
-    q8 = pack_q8(weight)
-    if q8 is not None:
-        return PanelFormat.Q8, q8
+def pack(lib: NativeLib, weight: torch.Tensor) -> tuple[PanelFormat, AnyPanels]:
+    """`weight` [N, K] as panels of the fewest bytes it is exactly: 4-bit (Q4_1), 8-bit (Q8_0), bf16, else fp32."""
+    for fmt in (PanelFormat.Q4, PanelFormat.Q8, PanelFormat.BF16):
+        panels = _pack_as(lib, weight, fmt)
+        if panels is not None:
+            return fmt, panels
     return PanelFormat.FP32, pack_panels(lib, weight)
 
 
@@ -252,7 +268,7 @@ def _may_pack(mode: CpuLinear, k: int, n: int) -> bool:
 
 def panel_weight(lib: NativeLib, weight: torch.Tensor) -> PanelWeight | None:
     """`weight` packed (`pack`) for the row counts where the kernel wins here, or None where it never does. A
-    quantized packing that never wins (its expansion costs more than the bytes it saves: a fast memory) falls back to
+    narrower packing that never wins (its expansion costs more than the bytes it saves: a fast memory) falls back to
     the fp32 panels where those win."""
     n, k = weight.shape
     if not _may_pack(cpu_linear_mode(), k, n):
