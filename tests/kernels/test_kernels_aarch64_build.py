@@ -192,10 +192,10 @@ def test_emulated_norms_and_silu_equal_the_host_build(emulated, native_lib, dtyp
     x, weight, residual = (t.to(dtype) for t in _norm_inputs(rows, hidden, seed=rows + hidden))
     f32 = "_f32" if dtype == torch.float32 else ""
     out = torch.zeros_like(x)
-    emulated.call(f"ucm_rms_norm{f32}", [x, weight, out, rows, hidden, 1], (1e-5,))
+    emulated.call(f"ucm_rms_norm{f32}", [x, weight, out, rows, hidden, hidden, 1], (1e-5,))  # out's row stride
     assert_builds_agree(out, ew.rms_norm_native(native_lib, x, weight, 1e-5))
     res_emulated, res_host = residual.clone(), residual.clone()
-    emulated.call(f"ucm_fused_add_rms_norm{f32}", [x, res_emulated, weight, out, rows, hidden, 1], (1e-5,))
+    emulated.call(f"ucm_fused_add_rms_norm{f32}", [x, res_emulated, weight, out, rows, hidden, hidden, 1], (1e-5,))
     assert_builds_agree(out, ew.fused_add_rms_norm_native(native_lib, x, res_host, weight, 1e-5))
     assert torch.equal(res_emulated, res_host), "the residual sum is one add per element"
     gate_up = torch.cat([x, residual], dim=-1)
