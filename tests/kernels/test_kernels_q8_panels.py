@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from ucm_kernels.cpu import linear_mode, skinny_gemm
-from ucm_kernels.cpu.q4_panels import Q4Panels
 from ucm_kernels.cpu.q8_panels import Q8Panels, find_q8, pack_q8, random_q8_weight, skinny_linear_q8
 from ucm_kernels.cpu.skinny_gemm import PanelFormat, pack_panels, skinny_linear
 
@@ -52,20 +51,6 @@ def test_bad_arguments(native_lib) -> None:
         skinny_linear_q8(native_lib, torch.randn(2, 64), q8, 33, None)
     with pytest.raises(ValueError, match=r"contiguous fp32 \[2, 32\]"):
         skinny_linear_q8(native_lib, torch.randn(2, 64), q8, 32, None, torch.empty(2, 31))
-
-
-def test_pack_picks_4_bit_then_8_bit_then_fp32(native_lib) -> None:
-    from ucm_kernels.cpu.q4_panels import random_q4_weight
-
-    gen = torch.Generator().manual_seed(3)
-    cases = [
-        (random_q4_weight(32, 64, gen), PanelFormat.Q4, Q4Panels),
-        (random_q8_weight(32, 64, gen), PanelFormat.Q8, Q8Panels),
-        (torch.randn(32, 64, generator=gen), PanelFormat.FP32, torch.Tensor),
-    ]
-    for w, fmt, kind in cases:
-        found, panels = skinny_gemm.pack(native_lib, w)
-        assert found is fmt and isinstance(panels, kind), (fmt, found)
 
 
 def test_the_fp32_models_lm_head_is_packed_as_q8_panels(native_lib, smollm2_fp32, monkeypatch) -> None:
