@@ -70,6 +70,18 @@ def avx2_lib(native_lib):
     return built
 
 
+@pytest.fixture(scope="session")
+def scalar_lib(native_lib):
+    """The library built for a CPU without AVX2 (x86-64 baseline): the kernels' scalar C paths."""
+    import platform
+
+    from ucm_kernels.cpu import native
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the x86-64 baseline build only runs on x86")
+    return native.build(extra=("-march=x86-64",))
+
+
 @pytest.fixture(params=["native", "avx2"])
 def each_build(request):
     """The library -march=native built here, then the AVX2 one (skipped where it cannot run)."""

@@ -298,8 +298,8 @@ def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed, out: torch.Tensor, threads: int
 ) -> torch.Tensor:
     """What `dense` gives a decode step's rows (all generated), into `out` where a kernel of ours runs it: bf16's
-    4-bit kernel where the weight has its panels, fp32's skinny kernel (4-bit, 8-bit, bf16 or fp32 panels) up to its rows; else
-    `dense` itself (oneDNN, the AMX kernel, a bias)."""
+    4-bit kernel where the weight has its panels, fp32's skinny kernel (4-bit, 8-bit, bf16 or fp32 panels) up to its
+    rows; else `dense` itself (oneDNN, the AMX kernel, a bias)."""
     y = _decode_kernel(x, bias, packed, out, threads)
     return dense(x, weight, bias, packed) if y is None else y
 

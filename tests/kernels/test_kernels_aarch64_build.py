@@ -220,8 +220,9 @@ def test_emulated_rotary_embedding_equals_the_host_build(emulated, native_lib, d
 def test_emulated_skinny_gemm_equals_the_oracle(emulated, fmt, k, n):
     """The skinny GEMM over fp32 panels (packed by the emulated build) within fp32 rounding of float64, each row what
     a call of that row alone gives, in the few-row tiles (5 rows) and the blocked loop (30); over 4-bit and 8-bit
-    panels of an exactly-quantized weight (packed here: the layout is the format's, not the CPU's), bit for bit
-    what the fp32 panels of the same weight give, as on the host."""
+    panels of an exactly-quantized weight (packed here: the layout is the format's, not the CPU's) and bf16 panels of
+    a bf16 weight (packed by the emulated build), bit for bit what the fp32 panels of the same weight give, as on the
+    host."""
     gen = torch.Generator().manual_seed(k + n)
     random_weight = {"q4": random_q4_weight, "q8": random_q8_weight, "bf16": random_bf16_weight}.get(fmt)
     w = torch.randn(n, k, generator=gen) if random_weight is None else random_weight(n, k, gen)

@@ -19,18 +19,6 @@ from ucm_kernels.cpu.skinny_gemm import PanelFormat, pack_panels, skinny_linear
 CASES = [(1, 64, 40, False), (5, 100, 16, True), (8, 576, 96, False), (12, 64, 17, True), (30, 600, 37, True)]
 
 
-@pytest.fixture(scope="module")
-def scalar_lib(native_lib):
-    """The library built for a CPU without AVX2 (x86-64 baseline): the expansion's scalar C path."""
-    import platform
-
-    from ucm_kernels.cpu import native
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the x86-64 baseline build only runs on x86")
-    return native.build(extra=("-march=x86-64",))
-
-
 @pytest.fixture(params=["each", "scalar"])
 def some_build(request, each_build):
     return request.getfixturevalue("scalar_lib") if request.param == "scalar" else each_build

@@ -37,6 +37,11 @@ FEW: list[dict[int, tuple[float, float]]] = []  # measure_few's rounds while `fo
 FEW_MEASURED: list[tuple[int, int]] = []
 
 
+def _skinny_kernel_loses(monkeypatch) -> None:
+    """The skinny kernel measured slower at every row count: no panels, every call oneDNN's or F.linear's."""
+    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: [dict.fromkeys(ROW_LADDER, (2.0, 1.0))] * 2)
+
+
 @pytest.fixture
 def forced(monkeypatch, tmp_path):
     """UCM_CPU_LINEAR=auto, a fresh cache dir, the skinny kernel winning up to 8 rows, oneDNN's `measure` replaced by
@@ -109,7 +114,7 @@ def test_few_row_classes_choose_apart(native_lib, forced, monkeypatch) -> None:
     """The skinny kernel losing everywhere (as on the Xeon with AMX in fp32): 1 and 32 rows measured faster through
     F.linear, 8 rows and prefill-sized calls through oneDNN; each call takes its class's path, and the classes are
     stored for the next process."""
-    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: [dict.fromkeys(ROW_LADDER, (2.0, 1.0))] * 2)
+    _skinny_kernel_loses(monkeypatch)
     FEW[:] = [{1: (2.0, 1.0), 8: (1.0, 2.0), 32: (2.0, 1.0)}] * 2
     w = torch.randn(64, 32)
     packed = dense_mod.pack_weight(w)
@@ -130,7 +135,7 @@ def test_few_row_classes_choose_apart(native_lib, forced, monkeypatch) -> None:
 
 
 def test_a_few_row_class_the_rounds_disagree_on_goes_by_the_total(native_lib, forced, monkeypatch) -> None:
-    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: [dict.fromkeys(ROW_LADDER, (2.0, 1.0))] * 2)
+    _skinny_kernel_loses(monkeypatch)
     FEW[:] = [{1: (2.0, 1.0), 8: (1.0, 2.0), 32: (1.0, 2.0)}, {1: (2.0, 1.0), 8: (2.5, 1.0), 32: (1.0, 2.0)}]
     assert dense_mod.pack_weight(torch.randn(72, 32)).onednn.few_rows == {32}, "8 rows: 3.5 vs 3.0 ms in all"
     FEW[:] = [{1: (2.0, 1.0), 8: (1.0, 2.0), 32: (1.0, 2.0)}, {1: (2.0, 1.0), 8: (1.5, 1.0), 32: (1.0, 2.0)}]
@@ -231,7 +236,7 @@ def test_a_layer_whose_shapes_agree_is_not_timed(native_lib, layer_rounds) -> No
 def test_a_layer_whose_shapes_split_a_few_row_class_takes_its_fastest_way_there(native_lib, forced, monkeypatch):
     """Alone, 48x32 chose oneDNN at 8 rows and 40x32 F.linear; timed as a layer at 8 rows (a stack past the
     last-level cache), all oneDNN won: both take oneDNN for 8-row calls, the other classes as they agreed."""
-    monkeypatch.setattr(skinny_gemm, "measure", lambda lib, k, n, fmt=None: [dict.fromkeys(ROW_LADDER, (2.0, 1.0))] * 2)
+    _skinny_kernel_loses(monkeypatch)
     few = {48: {1: (1.0, 2.0), 8: (1.0, 2.0), 32: (1.0, 2.0)}, 40: {1: (1.0, 2.0), 8: (2.0, 1.0), 32: (1.0, 2.0)}}
     monkeypatch.setattr(onednn_linear, "measure_few", lambda k, n: [few[n]] * 2)
     timed: list[tuple[int, ...]] = []

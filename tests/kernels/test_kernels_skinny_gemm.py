@@ -240,18 +240,6 @@ def test_the_ladder_measures_a_decode_steps_rows_before_it_stops(native_lib, mon
     assert entry["max_rows"] == 16 and "16: 1.0 vs 1.5 ms" in entry["measured"], entry
 
 
-@pytest.fixture(scope="module")
-def scalar_lib(native_lib):
-    """The library built for a CPU without AVX2 (x86-64 baseline): the kernels' scalar C paths."""
-    import platform
-
-    from ucm_kernels.cpu import native
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the x86-64 baseline build only runs on x86")
-    return native.build(extra=("-march=x86-64",))
-
-
 @pytest.mark.parametrize("build", ["each", "scalar"])
 @pytest.mark.parametrize(
     ("fmt", "k", "n"),

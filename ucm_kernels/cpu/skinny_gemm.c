@@ -582,8 +582,8 @@ void ucm_skinny_gemm(const float *x, int64_t m, int64_t k, const float *wp, int6
 }
 
 /* ucm_skinny_gemm over quantized or bf16 panels, expanded to fp32 as the tiles take them. Panel p's bytes start at
- * q + p * q_panel_bytes, its scales (none for bf16) at scales + p * scale_panel_floats. Returns 0 (the blocked loop's memory
- * missing: the few-row loop runs the call). */
+ * q + p * q_panel_bytes, its scales (none for bf16) at scales + p * scale_panel_floats. Returns 0 (the blocked loop's
+ * memory missing: the few-row loop runs the call). */
 static int32_t quantized_gemm(const float *x, int64_t m, int64_t k, const uint8_t *q, int64_t q_panel_bytes,
                               const float *scales, int64_t scale_panel_floats, panel_format format, int64_t n,
                               const float *bias, float *y, int32_t num_threads, int64_t q_k_bytes,
