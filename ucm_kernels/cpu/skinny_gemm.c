@@ -369,31 +369,63 @@ static void tile_chunk_expanding(const float *x, int64_t ldx, int64_t kc, int64_
 #endif
 
 #ifdef SG_AVX2
-/* One row's call over bf16 panels: a 4-row tile would run 8 FMA chains for it, 6 of them on copies of the row, and
- * take as long as 4 rows (the 2-core Xeon as an AVX2-only host: 8.8 ms a row against 9.0 for 4 over two of
- * Llama-1B's gate_up weights, oneDNN 8.1 on the fp32 weights). Here the row's 8 chains run over WIDE panels at once
- * instead: each output's sum is the same FMA chain in k order from 0, and the bias (or 0) is added after it as
- * panel_rows adds it, so the floats are the tile's. */
+/* Panel p's 16 weights at k row kk as w0 (outputs 0-7) and w1 (8-15), the floats panel_chunk gives; `s`: the panel's
+ * scales of kk's block (4-bit: d and m; 8-bit: d in d0, d1). Inlined with `format` a constant, each one-row loop
+ * below keeps only its format's branch. */
+static inline __attribute__((always_inline)) void weights_at(const panel_source *src, panel_format format, int64_t k,
+                                                             int64_t p, int64_t kk, const q4_scales *s, __m256 *w0,
+                                                             __m256 *w1) {
+    if (format == PANEL_FP32) {
+        const float *w = src->fp32 + (p * k + kk) * NR;
+        *w0 = _mm256_loadu_ps(w), *w1 = _mm256_loadu_ps(w + 8);
+    } else if (format == PANEL_BF16) {
+        bf16_row((const uint16_t *)panel_q(src, p, kk), w0, w1);
+    } else if (format == PANEL_Q4) {
+        q4_row(panel_q(src, p, kk), s, w0, w1);
+    } else {
+        q8_row((const int8_t *)panel_q(src, p, kk), s->d0, s->d1, w0, w1);
+    }
+}
+
+static inline __attribute__((always_inline)) q4_scales block_scales(const panel_source *src, panel_format format,
+                                                                     int64_t p, int64_t k0) {
+    if (format == PANEL_Q4) return q4_scales_at(panel_scales(src, p, k0));
+    const __m256 zero = _mm256_setzero_ps();
+    if (format == PANEL_Q8) {
+        const float *d = panel_scales(src, p, k0);
+        return (q4_scales){_mm256_loadu_ps(d), _mm256_loadu_ps(d + 8), zero, zero};
+    }
+    return (q4_scales){zero, zero, zero, zero};
+}
+
+/* One row's call: a 4-row tile would run 8 FMA chains for it, 6 of them on copies of the row, and take as long as 4
+ * rows (the 2-core Xeon as an AVX2-only host: 8.8 ms a row against 9.0 for 4 over two of Llama-1B's gate_up weights
+ * in bf16 panels, oneDNN 8.1 on the fp32 weights). Here the row's 8 chains run over WIDE panels at once instead
+ * (bf16 panels then 5.3 ms): each output's sum is the same FMA chain in k order from 0, over the same weights, and
+ * the bias (or 0) is added after it as panel_rows adds it, so the floats are the tile's. */
 #define WIDE 4
-static void bf16_one_row(const float *x, int64_t k, const panel_source *src, int64_t p0, int64_t count, int64_t n,
-                         const float *bias, float *y) {
-    const uint16_t *b0 = (const uint16_t *)panel_q(src, p0, 0);
-    const uint16_t *b1 = (const uint16_t *)panel_q(src, count > 1 ? p0 + 1 : p0, 0);
-    const uint16_t *b2 = (const uint16_t *)panel_q(src, count > 2 ? p0 + 2 : p0, 0);
-    const uint16_t *b3 = (const uint16_t *)panel_q(src, count > 3 ? p0 + 3 : p0, 0);
+static inline __attribute__((always_inline)) void one_row(const float *x, int64_t k, const panel_source *src,
+                                                          panel_format format, int64_t p0, int64_t count, int64_t n,
+                                                          const float *bias, float *y) {
+    const int64_t p1 = count > 1 ? p0 + 1 : p0, p2 = count > 2 ? p0 + 2 : p0, p3 = count > 3 ? p0 + 3 : p0;
     __m256 c00, c01, c10, c11, c20, c21, c30, c31;
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm256_setzero_ps();
-    for (int64_t kk = 0; kk < k; kk++) {
-        const __m256 xv = _mm256_broadcast_ss(x + kk);
-        __m256 w0, w1;
-        bf16_row(b0 + kk * NR, &w0, &w1);
-        c00 = _mm256_fmadd_ps(xv, w0, c00), c01 = _mm256_fmadd_ps(xv, w1, c01);
-        bf16_row(b1 + kk * NR, &w0, &w1);
-        c10 = _mm256_fmadd_ps(xv, w0, c10), c11 = _mm256_fmadd_ps(xv, w1, c11);
-        bf16_row(b2 + kk * NR, &w0, &w1);
-        c20 = _mm256_fmadd_ps(xv, w0, c20), c21 = _mm256_fmadd_ps(xv, w1, c21);
-        bf16_row(b3 + kk * NR, &w0, &w1);
-        c30 = _mm256_fmadd_ps(xv, w0, c30), c31 = _mm256_fmadd_ps(xv, w1, c31);
+    for (int64_t k0 = 0; k0 < k; k0 += QB) {
+        const int64_t kend = k - k0 < QB ? k : k0 + QB;
+        const q4_scales s0 = block_scales(src, format, p0, k0), s1 = block_scales(src, format, p1, k0),
+                        s2 = block_scales(src, format, p2, k0), s3 = block_scales(src, format, p3, k0);
+        for (int64_t kk = k0; kk < kend; kk++) {
+            const __m256 xv = _mm256_broadcast_ss(x + kk);
+            __m256 w0, w1;
+            weights_at(src, format, k, p0, kk, &s0, &w0, &w1);
+            c00 = _mm256_fmadd_ps(xv, w0, c00), c01 = _mm256_fmadd_ps(xv, w1, c01);
+            weights_at(src, format, k, p1, kk, &s1, &w0, &w1);
+            c10 = _mm256_fmadd_ps(xv, w0, c10), c11 = _mm256_fmadd_ps(xv, w1, c11);
+            weights_at(src, format, k, p2, kk, &s2, &w0, &w1);
+            c20 = _mm256_fmadd_ps(xv, w0, c20), c21 = _mm256_fmadd_ps(xv, w1, c21);
+            weights_at(src, format, k, p3, kk, &s3, &w0, &w1);
+            c30 = _mm256_fmadd_ps(xv, w0, c30), c31 = _mm256_fmadd_ps(xv, w1, c31);
+        }
     }
     float out[WIDE][NR];
     _mm256_storeu_ps(out[0], c00), _mm256_storeu_ps(out[0] + 8, c01);
@@ -403,6 +435,17 @@ static void bf16_one_row(const float *x, int64_t k, const panel_source *src, int
     for (int64_t i = 0; i < count; i++) {
         const int64_t n0 = (p0 + i) * NR, valid = n - n0 < NR ? n - n0 : NR;
         for (int64_t j = 0; j < valid; j++) y[n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
+/* one_row over panels [p0, p0 + count), the format a constant in each call. */
+static void one_row_of(const float *x, int64_t k, const panel_source *src, int64_t p0, int64_t count, int64_t n,
+                       const float *bias, float *y) {
+    switch (src->format) {
+    case PANEL_FP32: one_row(x, k, src, PANEL_FP32, p0, count, n, bias, y); break;
+    case PANEL_BF16: one_row(x, k, src, PANEL_BF16, p0, count, n, bias, y); break;
+    case PANEL_Q4: one_row(x, k, src, PANEL_Q4, p0, count, n, bias, y); break;
+    default: one_row(x, k, src, PANEL_Q8, p0, count, n, bias, y); break;
     }
 }
 #endif
@@ -577,6 +620,14 @@ void ucm_skinny_gemm(const float *x, int64_t m, int64_t k, const float *wp, int6
     const panel_source src = {.format = PANEL_FP32, .fp32 = wp};
     if (m >= MANY_ROWS && blocked_gemm(x, m, k, &src, n, bias, y, num_threads) == 0) return;
     if (num_threads < 1) num_threads = 1;
+#ifdef SG_AVX2
+    if (m == 1) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t p = 0; p < panels; p += WIDE) one_row_of(x, k, &src, p, panels - p < WIDE ? panels - p : WIDE, n,
+                                                              bias, y);
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, &src, p, n, bias, y, NULL);
 }
@@ -602,10 +653,10 @@ static int32_t quantized_gemm(const float *x, int64_t m, int64_t k, const uint8_
          * (16-64 rows) 1.06-1.13x. */
         _Alignas(64) float scratch[FEW_KC * NR];
 #ifdef SG_AVX2
-        if (m == 1 && format == PANEL_BF16) {
+        if (m == 1) {
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p += WIDE)
-                bf16_one_row(x, k, &src, p, panels - p < WIDE ? panels - p : WIDE, n, bias, y);
+                one_row_of(x, k, &src, p, panels - p < WIDE ? panels - p : WIDE, n, bias, y);
         } else
 #endif
         {
