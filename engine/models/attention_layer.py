@@ -8,7 +8,7 @@ from torch import nn
 from engine.attention import paged_attention_forward
 from engine.generated_rows import RowSubset
 from engine.model_config import ModelConfig
-from engine.models.dense import DecodePanels, LayerCalls, Packed, decode_panels, dense, pack_weight
+from engine.models.dense import DecodePanels, LayerCalls, Packed, decode_panels, dense, pack_weight, release_if_unread
 from ucm_kernels.api import rotary_embedding_
 
 
@@ -16,6 +16,7 @@ class PagedSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index
+        self.hidden_size = config.hidden_size
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -37,6 +38,8 @@ class PagedSelfAttention(nn.Module):
     def pack_weights(self, layer: LayerCalls | None = None) -> None:
         self.qkv_packed = pack_weight(self.qkv_weight, self._decode.get("qkv"), layer=layer)
         self.o_packed = pack_weight(self.o_weight, self._decode.get("o"), layer=layer)
+        release_if_unread(self, "qkv_weight", self.qkv_packed)
+        release_if_unread(self, "o_weight", self.o_packed)
 
     def forward(
         self,
@@ -64,5 +67,5 @@ class PagedSelfAttention(nn.Module):
             return dense(out, self.o_weight, self.o_bias, self.o_packed)
         picked = out.index_select(0, keep.index)
         if picked.shape[0] == 0:  # a step that samples nothing (a prompt's chunk): no matmul of no rows
-            return picked.new_empty((0, self.o_weight.shape[0]))
+            return picked.new_empty((0, self.hidden_size))
         return dense(picked, self.o_weight, self.o_bias, self.o_packed, keep.rows)

@@ -13,12 +13,17 @@ any machine where the kernel never wins or the native build is missing, keep `F.
 4-bit (the embedded model's layers: its GGUF is Q4_1) is packed as 4-bit panels instead (ucm_kernels/cpu/q4_panels.py):
 the same results bit for bit from a sixth of the memory reads, and a sixth of the extra memory; one that is exactly
 bf16 (a bf16 checkpoint served in fp32, on a CPU without bf16 arithmetic) as bf16 panels
-(ucm_kernels/cpu/bf16_panels.py): the same bits from half the reads; other fp32 packed copies add the weights' size,
-as for bf16. Past those row counts (prefill chunks; on a CPU where oneDNN beats the kernel
-at few rows, decode steps too), a weight whose shape ran faster through oneDNN than through `F.linear` here also
-keeps a oneDNN-reordered copy (ucm_kernels/cpu/onednn_linear.py; a [3072 x 576] matmul of 1024 rows: 106 -> 134 GFLOPS
-on the same EPYC), used for the row classes where it won (prefill-sized calls, and each few-row class apart). lm_head too: on a 2-core AMD EPYC with AVX-512, where the kernel loses to oneDNN from a few rows
+(ucm_kernels/cpu/bf16_panels.py): the same bits from half the reads. Past those row counts (prefill chunks; on a CPU
+where oneDNN beats the kernel at few rows, decode steps too), a weight whose shape ran faster through oneDNN than
+through `F.linear` here also keeps a oneDNN-reordered copy (ucm_kernels/cpu/onednn_linear.py; a [3072 x 576] matmul of
+1024 rows: 106 -> 134 GFLOPS on the same EPYC), used for the row classes where it won (prefill-sized calls, and each
+few-row class apart). lm_head too: on a 2-core AMD EPYC with AVX-512, where the kernel loses to oneDNN from a few rows
 on, its logits of 8 rows went through F.linear (MKL) at 2.7x oneDNN's time.
+
+Packed copies add to the weights' memory, except where a layer weight's copies take every call between them
+(`takes_every_call`: always for bf16, for fp32 where oneDNN took every row class the panels leave): then no call
+reads the plain weight and the model frees it (`release_if_unread`). Llama-1B on the 2-core Xeon with AMX, bf16:
+6.57 -> 4.66 GB resident.
 
 bf16 on AVX-512 BF16, a weight that is exactly Q4_1 (the embedded model's layers; the loader finds the 4-bit form
 while the model is still fp32): a step's generated-token rows go through ucm_kernels/cpu/q4_bf16.c, which reads a
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.attention import current_forward_context
 from engine.generated_rows import GeneratedRows
@@ -190,9 +196,32 @@ def _f32_packed(weight: torch.Tensor, calls: onednn_linear.OnednnCalls | None = 
     return F32Packed(panels, onednn) if panels is not None or onednn is not None else None
 
 
+def takes_every_call(packed: Packed) -> bool:
+    """Whether `dense` runs every call on `packed`'s copies and never reads the plain weight beside them: a bf16
+    weight's (the AMX kernel or oneDNN takes every prompt row), an fp32 weight's where oneDNN took every row class the
+    panels leave (on the 2-core Xeon as an AVX2-only host, all of Llama-1B's layers in fp32: 3.9 GB of weights that
+    no call read, beside 4.3 GB of oneDNN copies and 1.95 GB of bf16 panels)."""
+    if isinstance(packed, BF16Packed):
+        return True
+    if not isinstance(packed, F32Packed) or packed.onednn is None:
+        return False
+    panel_rows = packed.panels.max_rows if packed.panels is not None else 0
+    onednn = packed.onednn
+    return onednn.many_rows and all(c in onednn.few_rows for c in onednn_linear.FEW_ROWS if c > panel_rows)
+
+
+def release_if_unread(module: nn.Module, name: str, packed: Packed) -> None:
+    """Free `module`'s weight `name` where `packed` takes every call (`takes_every_call`): the parameter becomes None,
+    so a read that should not happen fails at once (a meta tensor would not: matmuls with one return uninitialised
+    CPU tensors, and its data pointer is 0). A weight something else reads (a tied embedding) must not be named."""
+    assert isinstance(getattr(module, name), nn.Parameter), f"{name} is a parameter of {type(module).__name__}"
+    if takes_every_call(packed):
+        setattr(module, name, None)
+
+
 def dense(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     packed: Packed,
     rows: GeneratedRows | None = None,
@@ -200,19 +229,23 @@ def dense(
     """x @ weight.T + bias, through the packed copy that suits x's rows when there is one (fp32: by their count;
     bf16: by each row's class, generated or prompt: `rows`, else the forward context's)."""
     if packed is None:
+        assert weight is not None, "a freed weight has packed copies"
         return F.linear(x, weight, bias)
     if isinstance(packed, F32Packed):
-        if packed.panels is not None and x.dim() == 2 and x.shape[0] <= packed.panels.max_rows:
+        if x.dim() != 2:  # rows counted the way `takes_every_call` counts them
+            return dense(x.reshape(-1, x.shape[-1]), weight, bias, packed, rows).view(*x.shape[:-1], -1)
+        if packed.panels is not None and x.shape[0] <= packed.panels.max_rows:
             return packed.panels.linear(x, bias)
         if packed.onednn is not None and packed.onednn.takes(x.numel() // x.shape[-1]):
             return onednn_linear.linear(x, packed.onednn.reordered, bias)
+        assert weight is not None, "a weight is freed only where its copies take every call (release_if_unread)"
         return F.linear(x, weight, bias)
     return _bf16_by_class(x, packed, bias, rows, lambda y: y, lambda p: _bf16(p, packed, bias))
 
 
 def dense_silu_and_mul(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     packed: Packed,
     rows: GeneratedRows | None = None,

@@ -41,7 +41,8 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self) -> None:
         """Pre-pack the matmul weights for the CPU backend (see engine/models/dense.py); call once the weights
-        are loaded and on their final device/dtype. The packed copies add the matmul weights' size in memory."""
+        are loaded and on their final device/dtype. The packed copies add the matmul weights' size in memory, or take
+        a layer weight's place where they take every call (`release_if_unread`)."""
         layers = self.decoder_layers()
         # fp32: the layers' prefill-sized matmuls through one library where switching between them costs time
         layer_calls = f32_layer_choice(layers[0].matmul_weights()) if layers else None

@@ -14,6 +14,7 @@ from engine.models.dense import (
     dense,
     dense_silu_and_mul,
     pack_weight,
+    release_if_unread,
 )
 
 
@@ -37,6 +38,8 @@ class GatedMLP(nn.Module):
     def pack_weights(self, layer: LayerCalls | None = None) -> None:
         self.gate_up_packed = pack_weight(self.gate_up_weight, self._decode.get("gate_up"), gate_up=True, layer=layer)
         self.down_packed = pack_weight(self.down_weight, self._decode.get("down"), layer=layer)
+        release_if_unread(self, "gate_up_weight", self.gate_up_packed)
+        release_if_unread(self, "down_weight", self.down_packed)
 
     def forward(self, x: torch.Tensor, rows: GeneratedRows | None = None) -> torch.Tensor:
         """`rows`: x's rows' classes where x is not the step's every row (dense takes the forward context's)."""

@@ -295,7 +295,12 @@ def _native_linear(packed: Packed, bias: torch.Tensor | None) -> tuple[decode_la
 
 
 def decode_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed, out: torch.Tensor, threads: int
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    packed: Packed,
+    out: torch.Tensor,
+    threads: int,
 ) -> torch.Tensor:
     """What `dense` gives a decode step's rows (all generated), into `out` where a kernel of ours runs it: bf16's
     4-bit kernel where the weight has its panels, fp32's skinny kernel (4-bit, 8-bit, bf16 or fp32 panels) up to its

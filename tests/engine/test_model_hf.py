@@ -230,11 +230,14 @@ def test_bf16_serving_dtype_is_as_accurate_as_hf_bf16(smollm2_fp32, prompt_ids, 
     check(cache.step(list(enumerate(prompt_ids))), torch.cat(hf_bf16), torch.cat(reference), "packed", argmax=True)
 
 
-def test_bf16_packed_matmul_weights_change_nothing(smollm2_fp32, prompt_ids):
+def test_bf16_packed_matmul_weights_change_nothing(smollm2_fp32, prompt_ids, monkeypatch):
     """The oneDNN-packed weights (engine/models/dense.py) give the very same logits as plain F.linear. (Where the
-    AMX kernel stands in for oneDNN it computes another way: tests/kernels/test_kernels_amx_gemm.py; left out.)"""
+    AMX kernel stands in for oneDNN it computes another way: tests/kernels/test_kernels_amx_gemm.py; left out.) The
+    loader keeps the plain weights here: it frees those the packed copies replace."""
+    from engine.models import dense
     from engine.models.dense import BF16Packed, onednn_packed, packing_supported
 
+    monkeypatch.setattr(dense, "takes_every_call", lambda packed: False)
     lm = load_model(smollm2_fp32.path, dtype=torch.bfloat16)
     model = lm.model
     if not packing_supported(model.embed_tokens):

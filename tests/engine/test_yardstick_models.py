@@ -33,6 +33,7 @@ from engine import LLM, SamplingParams
 from engine.config import resolve_dtype_name
 from engine.loader import LoadedModel, load_model
 from engine.model_config import ModelConfig
+from engine.models import dense
 from tests.engine.test_model_hf import PagedCache, assert_close, hf_logits
 from tests.engine_helpers import PROMPTS
 from ucm_kernels.cpu import linear_mode
@@ -130,6 +131,20 @@ def test_greedy_equals_hf_in_fp32(shape, shallow, monkeypatch):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_greedy_equals_hf_in_the_serving_dtype(shape, shallow):
     check_greedy_against_hf(load_model(shallow[shape], dtype=serving_dtype()))
+
+
+def test_the_serving_dtype_frees_every_weight_its_packed_copies_replace(shallow):
+    """A layer weight whose packed copies take every call is freed at load (the parameter becomes None; the
+    greedy tests above run on such models); the tied embedding, which the token lookup reads, stays. A bf16 model on
+    a host that packs bf16 keeps no plain layer weight at all."""
+    model = load_model(shallow["llama-1b"], dtype=serving_dtype()).model
+    assert model.lm_head is None and model.embed_tokens.is_cpu
+    packs_bf16 = dense.packing_supported(torch.empty(1, 1, dtype=serving_dtype()))
+    for layer in model.decoder_layers():
+        for module, name in [(layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")]:
+            weight, packed = getattr(module, f"{name}_weight"), getattr(module, f"{name}_packed")
+            assert (weight is None) == dense.takes_every_call(packed), f"{name}: freed only where nothing reads it"
+            assert weight is None or not packs_bf16, f"{name}: a bf16 weight's packed copies take every call"
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models import dense as dense_mod
+from engine.models.mlp import GatedMLP
 from ucm_kernels.cpu import onednn_linear, skinny_gemm
 from ucm_kernels.cpu.skinny_gemm import ROW_LADDER
 
@@ -162,6 +163,37 @@ def test_no_copy_for_the_row_classes_the_skinny_kernel_takes(native_lib, forced,
     packed = dense_mod.pack_weight(torch.randn(40, 32))
     assert isinstance(packed, dense_mod.F32Packed) and packed.panels is not None and packed.panels.max_rows == 32
     assert packed.onednn is None, "every class oneDNN won is the kernel's: no copy"
+
+
+def test_a_weight_whose_copies_take_every_call_is_freed(native_lib, forced, monkeypatch) -> None:
+    """Panels up to 8 rows and oneDNN for every class past them: `dense` never reads the plain weight, so the module
+    frees it (the parameter becomes None) and gives the same bits as before. Where F.linear keeps a class (the
+    32-row one here, or the calls past the few-row classes) the weight stays."""
+    gen = torch.Generator().manual_seed(7)
+    mlp = GatedMLP(32, 24, bias=False)
+    with torch.no_grad():
+        for w in (mlp.gate_up_weight, mlp.down_weight):
+            w.copy_(torch.randn(w.shape, generator=gen))
+    xs = [torch.randn(rows, 32, generator=gen) for rows in (1, 8, 9, 32, 33, 200)]
+    gate_up, down = mlp.gate_up_weight, mlp.down_weight
+    mlp.pack_weights()
+    assert mlp.gate_up_weight is None and mlp.down_weight is None
+    for x in xs:  # the same packed copies beside the plain weights: the same bits, so `dense` never read them
+        h = dense_mod.dense_silu_and_mul(x, gate_up, None, mlp.gate_up_packed)
+        assert torch.equal(mlp(x), dense_mod.dense(h, down, None, mlp.down_packed))
+        want = F.linear(F.silu(x @ gate_up[:24].T) * (x @ gate_up[24:].T), down)
+        torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-4)
+
+    FEW[:] = [{1: (1.0, 2.0), 8: (1.0, 2.0), 32: (2.0, 1.0)}] * 2  # F.linear keeps 9-32 rows
+    kept = GatedMLP(40, 24, bias=False)
+    kept.pack_weights()
+    assert kept.gate_up_weight is not None and not dense_mod.takes_every_call(kept.gate_up_packed)
+    rounds, _ = forced
+    rounds[:] = [(2.0, 1.0), (2.0, 1.0)]  # ... or the calls past 32 rows
+    FEW[:] = [dict.fromkeys(onednn_linear.FEW_ROWS, (1.0, 2.0))] * 2
+    kept = GatedMLP(56, 24, bias=False)
+    kept.pack_weights()
+    assert kept.gate_up_weight is not None and not dense_mod.takes_every_call(kept.gate_up_packed)
 
 
 def test_row_classes() -> None:

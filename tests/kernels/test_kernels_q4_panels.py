@@ -59,7 +59,11 @@ def test_bad_arguments(native_lib) -> None:
 
 
 def test_the_embedded_models_layers_are_exactly_4bit(smollm2_fp32) -> None:
-    layer = smollm2_fp32.model.layers[0]
-    for name, w in [("qkv", layer.attn.qkv_weight), ("o", layer.attn.o_weight), ("gate_up", layer.mlp.gate_up_weight)]:
-        assert find_q4(w) is not None, f"{name}: the GGUF's Q4_1 weights must come back exactly"
-    assert find_q4(layer.mlp.down_weight) is not None
+    """As the loader reads them (the model itself keeps no plain weight its packed copies replace)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(smollm2_fp32.path / "model.safetensors")
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj"):
+        w = weights[f"model.layers.0.{name}.weight"]
+        assert w.dtype == torch.float32 and find_q4(w) is not None, f"{name}: the GGUF's Q4_1 weights come back exactly"
+    assert find_q4(weights["model.layers.0.mlp.down_proj.weight"]) is not None
