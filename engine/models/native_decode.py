@@ -35,12 +35,9 @@ from engine.models.dense import BF16Packed, F32Packed, Packed, dense, dense_silu
 from ucm_kernels.api import native_decode_lib, native_ops_lib
 from ucm_kernels.cpu import amx_gemm, decode_layers, elementwise, q4_bf16
 from ucm_kernels.cpu import write_kv as native_write
-from ucm_kernels.cpu.bf16_panels import BF16Panels
 from ucm_kernels.cpu.native import NativeLib
 from ucm_kernels.cpu.paged_attention import DTYPE_CODES, attention_error
 from ucm_kernels.cpu.q4_bf16 import Q4BF16Panels
-from ucm_kernels.cpu.q4_panels import Q4Panels
-from ucm_kernels.cpu.q8_panels import Q8Panels
 
 if TYPE_CHECKING:
     from engine.model_config import ModelConfig
@@ -282,14 +279,10 @@ def _native_linear(packed: Packed, bias: torch.Tensor | None) -> tuple[decode_la
         return decode_layers.Linear(p.qp, p.dm, p.n, p.k, fmt.Q4_BF16, p), ANY_ROWS
     if isinstance(packed, F32Packed) and packed.panels is not None:
         pw = packed.panels
-        if isinstance(pw.panels, Q4Panels):
-            linear = decode_layers.Linear(pw.panels.qp, pw.panels.dm, pw.out_features, pw.in_features, fmt.Q4_F32)
-        elif isinstance(pw.panels, Q8Panels):
-            linear = decode_layers.Linear(pw.panels.qp, pw.panels.d, pw.out_features, pw.in_features, fmt.Q8_F32)
-        elif isinstance(pw.panels, BF16Panels):
-            linear = decode_layers.Linear(pw.panels.bp, None, pw.out_features, pw.in_features, fmt.BF16_F32)
-        else:
-            linear = decode_layers.Linear(pw.panels, None, pw.out_features, pw.in_features, fmt.F32_PANELS)
+        q, scales, panel_format = pw.operands()
+        linear = decode_layers.Linear(
+            q, scales, pw.out_features, pw.in_features, decode_layers.SKINNY_FORMATS[panel_format]
+        )
         return linear, pw.max_rows
     return None
 

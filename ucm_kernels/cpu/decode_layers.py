@@ -18,6 +18,7 @@ from ucm_kernels.cpu import amx_gemm, q4_bf16
 from ucm_kernels.cpu import write_kv as native_write
 from ucm_kernels.cpu.native import NativeLib
 from ucm_kernels.cpu.paged_attention import attention_error
+from ucm_kernels.cpu.skinny_gemm import PanelFormat
 
 _i64, _ptr, _f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 
@@ -32,6 +33,14 @@ class LinearFormat(enum.IntEnum):
     AMX_BF16 = 4  # amx_gemm.c (a bf16 weight that no quantized panels stand for, where AMX replaces oneDNN)
     AMX_BF16_PAIRS = 5  # amx_gemm.c on a gate_up weight packed paired, SiLU-and-mul in its epilogue
     BF16_F32 = 6  # skinny_gemm.c on bf16 panels (an fp32 model whose weights are exactly bf16)
+
+
+SKINNY_FORMATS = {  # skinny_gemm.c's format for each kind of panels (`PanelWeight.operands`)
+    PanelFormat.FP32: LinearFormat.F32_PANELS,
+    PanelFormat.Q4: LinearFormat.Q4_F32,
+    PanelFormat.Q8: LinearFormat.Q8_F32,
+    PanelFormat.BF16: LinearFormat.BF16_F32,
+}
 
 
 class _Failure(enum.IntEnum):

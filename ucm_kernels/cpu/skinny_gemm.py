@@ -85,6 +85,18 @@ class PanelWeight:
             return skinny_linear_bf16(self.lib, x, self.panels, self.out_features, bias, out)
         return skinny_linear(self.lib, x, self.panels, self.out_features, bias, out)
 
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, PanelFormat]:
+        """The panels' bytes, their scales (none for fp32 and bf16 panels) and their format: what a C caller of
+        skinny_gemm.c passes (ucm_kernels/cpu/decode_layers.py)."""
+        p = self.panels
+        if isinstance(p, Q4Panels):
+            return p.qp, p.dm, PanelFormat.Q4
+        if isinstance(p, Q8Panels):
+            return p.qp, p.d, PanelFormat.Q8
+        if isinstance(p, BF16Panels):
+            return p.bp, None, PanelFormat.BF16
+        return p, None, PanelFormat.FP32
+
 
 def pack_panels(lib: NativeLib, weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] (fp32, CPU) -> [ceil(N / NR) * K * NR] panels, zero-padded."""
