@@ -165,6 +165,26 @@ def test_no_copy_for_the_row_classes_the_skinny_kernel_takes(native_lib, forced,
     assert packed.onednn is None, "every class oneDNN won is the kernel's: no copy"
 
 
+def test_a_copy_kept_for_a_few_row_class_takes_the_prefill_calls_at_a_near_tie(native_lib, forced) -> None:
+    """oneDNN won the 32-row class, past the kernel's 8 rows, so its copy stays; F.linear won the prefill-sized calls
+    by 1% in both rounds: a near tie, and the copy takes them too (one copy of the weight, not two). By 10% in both,
+    or in one round of two: F.linear keeps them (the latter stored as provisional)."""
+    rounds, measured = forced
+    rounds[:] = [(1.01, 1.0), (1.01, 1.0)]
+    packed = dense_mod.pack_weight(torch.randn(48, 32))
+    assert packed.onednn is not None and packed.onednn.few_rows == {32} and packed.onednn.many_rows
+    assert dense_mod.takes_every_call(packed) and measured == [(32, 48), (32, 48)], "the second: the tie's"
+    rounds[:] = [(1.1, 1.0), (1.1, 1.0)]
+    packed = dense_mod.pack_weight(torch.randn(40, 32))
+    assert packed.onednn.few_rows == {32} and not packed.onednn.many_rows and not dense_mod.takes_every_call(packed)
+    rounds[:] = [(1.1, 1.0), (1.01, 1.0)]
+    assert not dense_mod.pack_weight(torch.randn(56, 32)).onednn.many_rows
+    (stored,) = (Path(os.environ["UCM_CACHE_DIR"]) / "kernels").glob("linear-*.json")
+    entries = json.loads(stored.read_text())
+    assert entries["entries"]["onednn fp32 48x32 near tie"] == {"near_tie": True}
+    assert entries["provisional"]["onednn fp32 56x32 near tie"] == {"near_tie": False}
+
+
 def test_a_weight_whose_copies_take_every_call_is_freed(native_lib, forced, monkeypatch) -> None:
     """Panels up to 8 rows and oneDNN for every class past them: `dense` never reads the plain weight, so the module
     frees it (the parameter becomes None) and gives the same bits as before. Where F.linear keeps a class (the

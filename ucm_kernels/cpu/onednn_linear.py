@@ -93,6 +93,8 @@ def measure(k: int, n: int) -> list[Timings]:
 
 
 _memo = WinMemo()
+_tie_memo = WinMemo()
+NEAR_TIE = 0.05  # beyond the round-to-round spread of a tie measured (`prefill_near_tie`)
 
 
 def onednn_wins(lib: NativeLib, k: int, n: int, root: Path | None = None) -> bool:
@@ -353,16 +355,38 @@ def onednn_weight(
     memory). `calls`: its layer's choice, else the weight's own. `taken_rows`: calls of up to that many rows go to
     another kernel first (the skinny kernel's panels), so the row classes within it are not oneDNN's: a copy kept
     for those alone would be a whole weight's memory for calls it never gets (Llama-1B's gate_up in fp32 on the 2-core
-    Xeon as an AVX2-only host: 2.1 GB for the 8- and 32-row classes, which its bf16 panels take)."""
+    Xeon as an AVX2-only host: 2.1 GB for the 8- and 32-row classes, which its bf16 panels take). A copy kept for
+    few-row classes takes the prefill-sized calls too where the two paths tied there (`prefill_near_tie`)."""
     n, k = weight.shape
     many = onednn_wins(lib, k, n) if calls is None else calls.many_rows
     few = few_rows_won(lib, k, n) if calls is None else calls.few_rows
     few = frozenset(c for c in few if c > taken_rows)
+    if few and not many:
+        many = prefill_near_tie(lib, k, n)
     return OnednnWeight(reorder(weight), few, many) if many or few else None
+
+
+def prefill_near_tie(lib: NativeLib, k: int, n: int, root: Path | None = None) -> bool:
+    """Whether oneDNN and F.linear ran a [n, k] weight's prefill-sized calls within `NEAR_TIE` of each other in every
+    round. Asked where a oneDNN copy is kept for few-row classes anyway and the prefill-sized calls went to F.linear:
+    at a near tie they take the copy too, so it takes every call and the plain weight is freed (engine/models/dense.py)
+    instead of both staying for a coin toss. The 2-core Xeon as an AVX2-only host, 512 rows of Llama-1B's shapes: the
+    two within 2.5% either way round to round (gate_up 15.9 vs 15.7 ms, then 14.8 vs 15.1), while gate_up's 32-row
+    class went to oneDNN by 3-8%: both copies of gate_up stayed, 2.1 GB of fp32. A clear difference either way keeps
+    the choice made (a layer's may go against its shapes' own: `layer_many_rows`)."""
+    if cpu_linear_mode() is not CpuLinear.AUTO:
+        return False  # `native`: oneDNN everywhere already; `torch` keeps no copy to ask about
+    return measured_win(
+        _tie_memo, lib, root, f"onednn fp32 {n}x{k} near tie", "near_tie",
+        lambda: [(abs(onednn - f_linear), NEAR_TIE * min(onednn, f_linear)) for onednn, f_linear in measure(k, n)],
+        (f"either path (within {NEAR_TIE:.0%})", "the path chosen"), f"calls of more than {FEW_ROWS[-1]} rows",
+        f"{measured_rows(k, n)} rows, the difference vs {NEAR_TIE:.0%} of the faster", log,
+    )  # fmt: skip
 
 
 def forget() -> None:
     """Drop this process's memoised choices (tests)."""
     _memo.clear()
+    _tie_memo.clear()
     _few_memo.clear()
     _layer_memo.clear()
