@@ -22,8 +22,9 @@ on, its logits of 8 rows went through F.linear (MKL) at 2.7x oneDNN's time.
 
 Packed copies add to the weights' memory, except where a layer weight's copies take every call between them
 (`takes_every_call`: always for bf16, for fp32 where oneDNN took every row class the panels leave): then no call
-reads the plain weight and the model frees it (`release_if_unread`). Llama-1B on the 2-core Xeon with AMX, bf16:
-6.57 -> 4.66 GB resident.
+reads the plain weight and the model frees it (`release_if_unread`; onednn_linear.prefill_near_tie keeps a near tie
+from holding both). Llama-1B on the 2-core Xeon with AMX (2 GiB of KV cache), resident: bf16 6.57 -> 4.66 GB; fp32 as
+an AVX2-only host 12.7 -> 9.2 GB, every layer weight freed.
 
 bf16 on AVX-512 BF16, a weight that is exactly Q4_1 (the embedded model's layers; the loader finds the 4-bit form
 while the model is still fp32): a step's generated-token rows go through ucm_kernels/cpu/q4_bf16.c, which reads a
@@ -199,8 +200,8 @@ def _f32_packed(weight: torch.Tensor, calls: onednn_linear.OnednnCalls | None = 
 def takes_every_call(packed: Packed) -> bool:
     """Whether `dense` runs every call on `packed`'s copies and never reads the plain weight beside them: a bf16
     weight's (the AMX kernel or oneDNN takes every prompt row), an fp32 weight's where oneDNN took every row class the
-    panels leave (on the 2-core Xeon as an AVX2-only host, all of Llama-1B's layers in fp32: 3.9 GB of weights that
-    no call read, beside 4.3 GB of oneDNN copies and 1.95 GB of bf16 panels)."""
+    panels leave (on the 2-core Xeon as an AVX2-only host, Llama-1B's layers in fp32: 3.9 GB of weights that no call
+    read, beside 3.9 GB of oneDNN copies and 1.95 GB of bf16 panels)."""
     if isinstance(packed, BF16Packed):
         return True
     if not isinstance(packed, F32Packed) or packed.onednn is None:
