@@ -34,8 +34,9 @@ tok/s >= 1.3x, prefix-rep mean TTFT <= 0.7x, cold TTFT <= 0.8x, repeated <= 0.5x
 `--as-avx2` runs both servers as an AVX2-only x86 host would, on a host with AVX-512: our kernels built for
 x86-64-v3 (`UCM_CFLAGS`), torch's kernels, oneDNN and MKL (ours and vLLM's) capped at AVX2, vLLM in fp32 (its own
 oneDNN's GEMMs too: `brg_matmul:avx2` by `ONEDNN_VERBOSE=1`). vLLM's own C++ kernels (attention) keep their AVX-512
-build (they have no runtime cap), so the comparison leans towards vLLM. On 24 GiB, Llama-1B in fp32 does not fit both
-servers at once: pass `--no-interleave` there.
+build (they have no runtime cap), so the comparison leans towards vLLM. On 24 GiB, Llama-1B in fp32 fits both servers
+at once (our decode node 9.8 GB resident, vLLM's worker 10.4 GB; 2.5 GB left): the engine frees the weights its packed
+copies replace (engine/models/dense.py).
 """
 
 from __future__ import annotations
