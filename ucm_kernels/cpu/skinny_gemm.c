@@ -613,23 +613,39 @@ static int32_t blocked_gemm(const float *x, int64_t m, int64_t k, const panel_so
     return status;
 }
 
+/* The calls under the blocked loop's rows (or where its memory is missing), any panel format: one row over WIDE
+ * panels at a time (one_row), more in MR-row tiles panel by panel (panel_rows). */
+static void few_row_gemm(const float *x, int64_t m, int64_t k, const panel_source *src, int64_t n, const float *bias,
+                         float *y, int32_t num_threads) {
+    const int64_t panels = (n + NR - 1) / NR;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* The scalar build's expanded chunk (8 KB), on the thread's stack, not malloc'd per call: on the 2-core AMD
+         * EPYC Zen 3 (AVX2), before the few-row tiles expanded in registers, a malloc'd chunk made the few-row 4-bit
+         * calls 1.1-1.3x slower (paired runs), an aligned_alloc'd one still up to 1.16x, and the blocked loop's
+         * (16-64 rows) 1.06-1.13x. fp32 panels are read in place and leave it unused. */
+        _Alignas(64) float scratch[FEW_KC * NR];
+#ifdef SG_AVX2
+        if (m == 1) {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p += WIDE)
+                one_row_of(x, k, src, p, panels - p < WIDE ? panels - p : WIDE, n, bias, y);
+        } else
+#endif
+        {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, src, p, n, bias, y, scratch);
+        }
+    }
+}
+
 /* x [m, k] contiguous, wp from ucm_pack_panels(W [n, k]), bias [n] or NULL, y [m, n] contiguous. */
 void ucm_skinny_gemm(const float *x, int64_t m, int64_t k, const float *wp, int64_t n, const float *bias, float *y,
                      int32_t num_threads) {
-    const int64_t panels = (n + NR - 1) / NR;
     const panel_source src = {.format = PANEL_FP32, .fp32 = wp};
     if (m >= MANY_ROWS && blocked_gemm(x, m, k, &src, n, bias, y, num_threads) == 0) return;
-    if (num_threads < 1) num_threads = 1;
-#ifdef SG_AVX2
-    if (m == 1) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t p = 0; p < panels; p += WIDE) one_row_of(x, k, &src, p, panels - p < WIDE ? panels - p : WIDE, n,
-                                                              bias, y);
-        return;
-    }
-#endif
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, &src, p, n, bias, y, NULL);
+    few_row_gemm(x, m, k, &src, n, bias, y, num_threads);
 }
 
 /* ucm_skinny_gemm over quantized or bf16 panels, expanded to fp32 as the tiles take them. Panel p's bytes start at
@@ -639,31 +655,11 @@ static int32_t quantized_gemm(const float *x, int64_t m, int64_t k, const uint8_
                               const float *scales, int64_t scale_panel_floats, panel_format format, int64_t n,
                               const float *bias, float *y, int32_t num_threads, int64_t q_k_bytes,
                               int64_t scale_block_floats) {
-    const int64_t panels = (n + NR - 1) / NR;
     const panel_source src = {format, NULL, q, q_panel_bytes, q_k_bytes, scales, scale_panel_floats,
                               scale_block_floats};
     const int64_t many_rows = format == PANEL_Q8 ? MANY_ROWS_Q8 : MANY_ROWS;
     if (m >= many_rows && blocked_gemm(x, m, k, &src, n, bias, y, num_threads) == 0) return 0;
-    if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads)
-    {
-        /* The scalar build's expanded chunk (8 KB), on the thread's stack, not malloc'd per call: on the 2-core AMD
-         * EPYC Zen 3 (AVX2), before the few-row tiles expanded in registers, a malloc'd chunk made the few-row 4-bit
-         * calls 1.1-1.3x slower (paired runs), an aligned_alloc'd one still up to 1.16x, and the blocked loop's
-         * (16-64 rows) 1.06-1.13x. */
-        _Alignas(64) float scratch[FEW_KC * NR];
-#ifdef SG_AVX2
-        if (m == 1) {
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p += WIDE)
-                one_row_of(x, k, &src, p, panels - p < WIDE ? panels - p : WIDE, n, bias, y);
-        } else
-#endif
-        {
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) panel_rows(x, m, k, &src, p, n, bias, y, scratch);
-        }
-    }
+    few_row_gemm(x, m, k, &src, n, bias, y, num_threads);
     return 0;
 }
 
