@@ -207,8 +207,9 @@ def takes_every_call(packed: Packed) -> bool:
     if not isinstance(packed, F32Packed) or packed.onednn is None:
         return False
     panel_rows = packed.panels.max_rows if packed.panels is not None else 0
-    onednn = packed.onednn
-    return onednn.many_rows and all(c in onednn.few_rows for c in onednn_linear.FEW_ROWS if c > panel_rows)
+    # A row count for each class past the panels' rows (every count in a class takes its path), then one past them all
+    past_panels = [c for c in onednn_linear.FEW_ROWS if c > panel_rows] + [onednn_linear.FEW_ROWS[-1] + 1]
+    return all(packed.onednn.takes(rows) for rows in past_panels)
 
 
 def release_if_unread(module: nn.Module, name: str, packed: Packed) -> None:

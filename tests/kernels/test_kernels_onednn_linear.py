@@ -190,10 +190,15 @@ def test_a_weight_whose_copies_take_every_call_is_freed(native_lib, forced, monk
     frees it (the parameter becomes None) and gives the same bits as before. Where F.linear keeps a class (the
     32-row one here, or the calls past the few-row classes) the weight stays."""
     gen = torch.Generator().manual_seed(7)
-    mlp = GatedMLP(32, 24, bias=False)
-    with torch.no_grad():
-        for w in (mlp.gate_up_weight, mlp.down_weight):
-            w.copy_(torch.randn(w.shape, generator=gen))
+
+    def seeded(hidden: int) -> GatedMLP:
+        mlp = GatedMLP(hidden, 24, bias=False)
+        with torch.no_grad():
+            for w in (mlp.gate_up_weight, mlp.down_weight):
+                w.copy_(torch.randn(w.shape, generator=gen))
+        return mlp
+
+    mlp = seeded(32)
     xs = [torch.randn(rows, 32, generator=gen) for rows in (1, 8, 9, 32, 33, 200)]
     gate_up, down = mlp.gate_up_weight, mlp.down_weight
     mlp.pack_weights()
@@ -205,13 +210,13 @@ def test_a_weight_whose_copies_take_every_call_is_freed(native_lib, forced, monk
         torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-4)
 
     FEW[:] = [{1: (1.0, 2.0), 8: (1.0, 2.0), 32: (2.0, 1.0)}] * 2  # F.linear keeps 9-32 rows
-    kept = GatedMLP(40, 24, bias=False)
+    kept = seeded(40)
     kept.pack_weights()
     assert kept.gate_up_weight is not None and not dense_mod.takes_every_call(kept.gate_up_packed)
     rounds, _ = forced
     rounds[:] = [(2.0, 1.0), (2.0, 1.0)]  # ... or the calls past 32 rows
     FEW[:] = [dict.fromkeys(onednn_linear.FEW_ROWS, (1.0, 2.0))] * 2
-    kept = GatedMLP(56, 24, bias=False)
+    kept = seeded(56)
     kept.pack_weights()
     assert kept.gate_up_weight is not None and not dense_mod.takes_every_call(kept.gate_up_packed)
 
