@@ -92,22 +92,31 @@ def linear_shapes(mc: ModelConfig) -> list[tuple[int, int]]:
     ]
 
 
-def matmul_gflops(mc: ModelConfig, rows: int, dtype: torch.dtype, rounds: int) -> float:
-    """GFLOP/s of one layer's matmuls at `rows` rows, best of `rounds`."""
-    gen = torch.Generator().manual_seed(0)
-    pairs = [
-        (torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype))
-        for n, k in linear_shapes(mc)
-    ]
+class LayerMatmuls:
+    """One decoder layer's matmuls (`linear_shapes`) through F.linear at `rows` rows, random operands made once."""
 
-    def layer() -> None:
-        for x, w in pairs:
+    def __init__(self, mc: ModelConfig, rows: int, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.pairs = [
+            (torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype))
+            for n, k in linear_shapes(mc)
+        ]
+        self.flops = sum(2 * rows * n * k for n, k in linear_shapes(mc))
+        self.run()  # warm-up: oneDNN builds its primitives
+
+    def run(self) -> None:
+        for x, w in self.pairs:
             F.linear(x, w)
 
-    layer()  # warm-up: oneDNN builds its primitives
-    ms = alternating_best_ms([layer], rounds)[0]
-    flops = sum(2 * rows * n * k for n, k in linear_shapes(mc))
-    return flops / (ms / 1000) / 1e9
+    def gflops(self, rounds: int) -> float:
+        """GFLOP/s, best of `rounds` passes."""
+        ms = alternating_best_ms([self.run], rounds)[0]
+        return self.flops / (ms / 1000) / 1e9
+
+
+def matmul_gflops(mc: ModelConfig, rows: int, dtype: torch.dtype, rounds: int) -> float:
+    """GFLOP/s of one layer's matmuls at `rows` rows, best of `rounds`."""
+    return LayerMatmuls(mc, rows, dtype).gflops(rounds)
 
 
 @dataclass

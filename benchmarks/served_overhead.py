@@ -15,6 +15,7 @@ between 1.08 and 1.23 on a Zen 5 EPYC).
     .venv/bin/python -m benchmarks.served_overhead --json bench_out/served_overhead.json
     .venv/bin/python -m benchmarks.served_overhead --topology disagg     # 1 prefill + 1 decode node
     .venv/bin/python -m benchmarks.served_overhead --workload prefix-rep
+    .venv/bin/python -m benchmarks.served_overhead --model llama-1b      # a yardstick model (benchmarks/yardstick_models.py)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_server import Server
 from benchmarks.serve import Req, run_workload, summarize
 from benchmarks.session_cpu import client_cpu_s, cpu_line, cpu_used, session_cpu
-from benchmarks.vs_vllm import cpu_description
+from benchmarks.vs_vllm import EMBEDDED, MODELS, cpu_description, model_folder, ucm_model
 from benchmarks.vs_vllm_workloads import prefix_rep_reqs, random_reqs
 
 
@@ -58,7 +59,7 @@ class Offline:
 
         torch.set_num_threads(os.cpu_count() or 1)
         self.llm = LLM(
-            model="smollm2-135m",
+            model=ucm_model(args, model_folder(args)),
             dtype=args.dtype,
             kv_cache_memory=args.kv_cache_memory,
             max_num_seqs=args.max_num_seqs,
@@ -94,6 +95,8 @@ class Served:
             "-m",
             "launch.cli",
             "up",
+            "--model",
+            ucm_model(args, model_folder(args)),
             "--port",
             str(args.port),
             "--topology",
@@ -106,7 +109,8 @@ class Served:
             str(args.max_num_seqs),
             *args.up_args.split(),
         ]
-        self.srv = Server("ucm-up", argv, "smollm2-135m")
+        self.model = ucm_model(args, model_folder(args))
+        self.srv = Server("ucm-up", argv, self.model)
         self.url = f"http://127.0.0.1:{args.port}"
         self.srv.start(self.url, out_dir, 600)
         self.round(warm_up)
@@ -114,7 +118,7 @@ class Served:
     def round(self, reqs: list[Req]) -> tuple[float, list[str], dict]:
         assert self.srv.proc is not None, "the server was started"
         server_before, client_before = session_cpu(self.srv.proc.pid), client_cpu_s(external=False)
-        results, wall = asyncio.run(run_workload(self.url, reqs, len(reqs), float("inf"), 0))
+        results, wall = asyncio.run(run_workload(self.url, reqs, len(reqs), float("inf"), 0, self.model))
         # Where the host's cores went: each server process, and this process (the client).
         cpu_s = {
             "server": cpu_used(server_before, session_cpu(self.srv.proc.pid)),
@@ -129,6 +133,7 @@ class Served:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["random", "prefix-rep"], default="random")
+    ap.add_argument("--model", choices=MODELS, default=EMBEDDED, help="the embedded model, or a yardstick model")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=512, help="random: prompt tokens")
     ap.add_argument("--output-len", type=int, default=64)
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu = cpu_description()
     print(f"CPU: {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['isa'])})")
     shape = "4 x 1024-token prefixes + 128" if args.workload == "prefix-rep" else f"{args.input_len}"
-    print(f"{args.num_prompts} x {shape} in / {args.output_len} out, all at once, dtype {args.dtype}")
+    print(f"{args.model}: {args.num_prompts} x {shape} in / {args.output_len} out, all at once, dtype {args.dtype}")
     n_out = args.num_prompts * args.output_len
     rounds: list[dict] = []
     warm_up = prompts(2)
