@@ -93,23 +93,25 @@ def linear_shapes(mc: ModelConfig) -> list[tuple[int, int]]:
 
 
 class LayerMatmuls:
-    """One decoder layer's matmuls (`linear_shapes`) through F.linear at `rows` rows, random operands made once."""
+    """Decoder layers' matmuls (`linear_shapes`) through F.linear at `rows` rows: `layers` distinct weights of each
+    shape (a model's weights come from memory, not from a cache one warm weight stays in), random operands made
+    once."""
 
-    def __init__(self, mc: ModelConfig, rows: int, dtype: torch.dtype) -> None:
+    def __init__(self, mc: ModelConfig, rows: int, dtype: torch.dtype, layers: int = 1) -> None:
         gen = torch.Generator().manual_seed(0)
-        self.pairs = [
-            (torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype))
-            for n, k in linear_shapes(mc)
-        ]
-        self.flops = sum(2 * rows * n * k for n, k in linear_shapes(mc))
+        shapes = linear_shapes(mc)
+        self.inputs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in shapes]
+        self.weights = [[torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes] for _ in range(layers)]
+        self.flops = layers * sum(2 * rows * n * k for n, k in shapes)
         self.run()  # warm-up: oneDNN builds its primitives
 
     def run(self) -> None:
-        for x, w in self.pairs:
-            F.linear(x, w)
+        for layer in self.weights:
+            for x, w in zip(self.inputs, layer, strict=True):
+                F.linear(x, w)
 
     def gflops(self, rounds: int) -> float:
-        """GFLOP/s, best of `rounds` passes."""
+        """GFLOP/s of a pass over every layer, best of `rounds`."""
         ms = alternating_best_ms([self.run], rounds)[0]
         return self.flops / (ms / 1000) / 1e9
 

@@ -13,7 +13,8 @@ the limits before and after each model's phases, the higher counting:
     prefill        the engine's step that computes one 1536-token prompt (and samples its first token), --repeats
                    new prompts, in FLOPs the step needs: every layer's qkv and causal attention for every row, o and MLP
                    for every row but the last layer's (it runs them on the sampled row alone), the lm_head on one row;
-                   each step between two F.linear passes over the layer's shapes (the faster counting)
+                   each step between two passes of F.linear over every layer's shapes, distinct weights (the faster
+                   counting)
     decode b       the median step of B requests decoding together (256-token prompts), in bytes a step must read:
                    every weight (the tied lm_head whole) and each request's K and V so far
 
@@ -58,7 +59,6 @@ from ucm_kernels.cpu.timing import alternating_best_ms
 TARGETS = {"prefill": 0.85, "decode": 0.75}
 PREFILL_TOKENS = 1536  # the prompt step timed: each matmul's rows
 ROUNDS = 5  # matmul and read timings: the best counts
-PAIR_PASSES = 2  # F.linear passes over a layer's shapes before and after each timed prefill step (the best counts)
 DECODE_PROMPT, DECODE_STEPS = 256, 16
 
 
@@ -112,14 +112,15 @@ def time_prefill(llm: LLM, tokens: int, repeats: int, seed: int) -> float:
 
 
 def paired_prefill(llm: LLM, matmuls: LayerMatmuls, args: argparse.Namespace) -> list[tuple[float, float]]:
-    """(seconds of a prompt step, F.linear's FLOP/s at the step's layer shapes around it) for --repeats new prompts:
-    the rate the higher of a pass just before and one just after the step, so that each step is held against the
-    host's speed of the same seconds (a shared host's moves by 2x within minutes)."""
+    """(seconds of a prompt step, F.linear's FLOP/s at the step's shapes around it) for --repeats new prompts: the
+    rate the higher of a pass over every layer's matmuls (distinct weights, as long as the step's own matmuls) just
+    before and one just after the step, so that each step is held against the host's speed of the same seconds (a
+    shared host's moves by 2x within seconds to minutes)."""
     pairs = []
     for r in range(args.repeats):
-        before = matmuls.gflops(PAIR_PASSES)
+        before = matmuls.gflops(1)
         step_s = time_prefill(llm, args.prefill_tokens, 1, seed=10 + r)
-        rate = max(before, matmuls.gflops(PAIR_PASSES)) * 1e9
+        rate = max(before, matmuls.gflops(1)) * 1e9
         print(f"  prefill {args.prefill_tokens}: {step_s * 1e3:.0f} ms, F.linear around it {rate / 1e12:.2f} TFLOP/s",
               flush=True)  # fmt: skip
         pairs.append((step_s, rate))
@@ -174,7 +175,9 @@ def measure_model(
         time_decode(llm, max(args.batches), seed=9)
         rows = []
         flops = prefill_flops(mc, args.prefill_tokens)
-        pairs = paired_prefill(llm, LayerMatmuls(mc, args.prefill_tokens, getattr(torch, dtype)), args)
+        matmuls = LayerMatmuls(mc, args.prefill_tokens, getattr(torch, dtype), layers=mc.num_layers)
+        pairs = paired_prefill(llm, matmuls, args)
+        del matmuls
         median = median_pair(pairs, flops)
         best_s = min(p[0] for p in pairs)
         rows.append(

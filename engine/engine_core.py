@@ -33,18 +33,16 @@ import ucm_kernels
 from common.keys import BlockKey, KeyNamespace, root_key
 from common.kv_events.events import KVEvent
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.guided.backend import GuidedBackend
 from engine.heap import retain_freed_memory
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, EngineLoad, Logprob, RequestOutput
-from engine.request import Request, RequestStatus
-from engine.request_stats import RequestStateStats
+from engine.outputs import EngineLoad, RequestOutput
+from engine.request import Request
+from engine.request_outputs import RequestOutputs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.scheduler_output import TokenLogprobs
 from engine.stats import EngineStats
 from engine.step_budget import LiveBudget, StepBudget, auto_budget
 from engine.thread_governor import ThreadGovernor
@@ -56,18 +54,6 @@ if TYPE_CHECKING:
     from engine.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Parent:
-    """A user request: its n samples may finish at different steps."""
-
-    prompt_token_ids: list[int]
-    n: int
-    prompt: str | None = None
-    done: set[int] = dataclasses.field(default_factory=set)
-    kv_transfer_params: KVTransferParams | None = None
-    stats: RequestStateStats = dataclasses.field(default_factory=RequestStateStats)
 
 
 class EngineCore:
@@ -162,8 +148,7 @@ class EngineCore:
         self.runner.between_layers = self._between_layers
         self._rng = random.Random(config.seed)
         self._arrival = itertools.count()
-        self._parents: dict[str, _Parent] = {}
-        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self.outputs = RequestOutputs(self.tokenizer, self.scheduler.finish_request)
         self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
         logger.info(
             "engine: %d KV blocks x %d tokens (%.1f MiB, %s), max_model_len %d",
@@ -201,7 +186,7 @@ class EngineCore:
         """Queue a request; returns the keys of its prompt's full blocks (computed once, here: a node publishes
         them as its recent-prefix summary). ValueError for a bad request."""
         params = params if params is not None else SamplingParams()
-        if request_id in self._parents:
+        if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model_config.vocab_size
         try:
@@ -227,21 +212,15 @@ class EngineCore:
             kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(req)  # validates the length
-        self._parents[request_id] = _Parent(ids, params.n, prompt)
+        self.outputs.add(request_id, ids, params.n, prompt)
         return list(req.block_keys)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         for seq in self.scheduler.abort_requests(ids):
-            parent = self._parents.get(seq.parent_id)
-            if parent is None:
-                continue
-            # A request aborted before its fork has only one sequence: all n samples end here.
-            indexes = [seq.sample_index] if seq.forked else list(range(parent.n))
-            outs = [CompletionOutput(i, "", [], None, "abort") for i in indexes]
-            parent.done.update(indexes)
-            self._pending.append(self._request_output(seq, parent, outs))
-            self._detoks.pop(seq.request_id, None)
+            out = self.outputs.aborted(seq)
+            if out is not None:
+                self._pending.append(out)
 
     def close(self) -> None:
         """Release the connector's resources (a daemon client's sockets); the engine is unusable after."""
@@ -304,27 +283,18 @@ class EngineCore:
             return outputs
         self.stats_counters.steps += 1
         for scheduled in sched.scheduled_new_reqs:
-            self._parents[scheduled.request.parent_id].stats.scheduled()
+            self.outputs.stats(scheduled.request).scheduled()
         for rid in sched.preempted_req_ids:
             seq = self.scheduler.requests.get(rid)
             if seq is not None:
-                self._parents[seq.parent_id].stats.num_preemptions += 1
+                self.outputs.stats(seq).num_preemptions += 1
         if self.governor is not None:
             self._govern_threads(self.governor)
         started = self.live_budget.clock() if self.live_budget is not None else 0.0
         result = self.runner.execute(sched)
         if self.live_budget is not None:
             self._follow_host_speed(self.live_budget, sched.total_num_scheduled_tokens, started)
-        updates = self.scheduler.update_from_output(sched, result)
-        by_parent: dict[str, tuple[Request, list[CompletionOutput]]] = {}
-        for seq, tokens, logprobs in updates:
-            self._parents[seq.parent_id].stats.tokens(len(tokens))
-            comp = self._completion_delta(seq, tokens, logprobs)
-            by_parent.setdefault(seq.parent_id, (seq, []))[1].append(comp)
-        for seq, comps in by_parent.values():
-            parent = self._parents[seq.parent_id]
-            outputs.append(self._request_output(seq, parent, comps))
-        return outputs
+        return outputs + self.outputs.of_step(self.scheduler.update_from_output(sched, result))
 
     def _follow_host_speed(self, live: LiveBudget, tokens: int, started: float) -> None:
         changed = live.observe(tokens, live.clock() - started)
@@ -358,59 +328,3 @@ class EngineCore:
             # Every kernel reads it per call; libgomp resizes its team at the next parallel region.
             torch.set_num_threads(threads)
         self.stats_counters.threads, self.stats_counters.thread_changes = threads, governor.changes
-
-    def _completion_delta(self, seq: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> CompletionOutput:
-        sp = seq.sampling_params
-        text = ""
-        if sp.detokenize:
-            detok = self._detoks.get(seq.request_id)
-            if detok is None:
-                detok = self._detoks[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, sp)
-            # Like vLLM, a stop/EOS token is returned in token_ids but not rendered into the text.
-            stopped_by_token = seq.status is RequestStatus.FINISHED_STOPPED and not isinstance(seq.stop_reason, str)
-            text_tokens = tokens[:-1] if stopped_by_token else tokens
-            check_stop = seq.num_output_tokens >= sp.min_tokens
-            text, hit = detok.update(text_tokens, finished=seq.is_finished, check_stop=check_stop)
-            if hit:
-                seq.stop_reason = detok.stop_string
-                if seq.is_finished:
-                    seq.status = RequestStatus.FINISHED_STOPPED  # the stop string wins over a length finish
-                else:
-                    self.scheduler.finish_request(seq, RequestStatus.FINISHED_STOPPED)
-        reason = seq.finish_reason
-        if reason is not None:
-            self._detoks.pop(seq.request_id, None)
-            self._parents[seq.parent_id].done.add(seq.sample_index)
-        return CompletionOutput(
-            index=seq.sample_index,
-            text=text,
-            token_ids=list(tokens),
-            logprobs=[self._to_logprobs(lp) for lp in logprobs] if sp.logprobs is not None else None,
-            finish_reason=reason.value if reason is not None else None,
-            stop_reason=seq.stop_reason,
-        )
-
-    def _to_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
-        return {
-            tid: Logprob(val, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
-            for tid, val, rank in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True)
-        }
-
-    def _request_output(self, seq: Request, parent: _Parent, comps: list[CompletionOutput]) -> RequestOutput:
-        if seq.is_finished and seq.sample_index == 0 and seq.finished_kv_transfer_params is not None:
-            parent.kv_transfer_params = seq.finished_kv_transfer_params
-        finished = len(parent.done) >= parent.n
-        if finished:
-            self._parents.pop(seq.parent_id, None)
-        return RequestOutput(
-            request_id=seq.parent_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=comps,
-            finished=finished,
-            num_cached_tokens=max(seq.num_cached_tokens, 0),
-            num_external_tokens=seq.num_external_tokens,
-            external_tokens_by_tier={t.value: n for t, n in seq.external_tokens_by_tier.items()},
-            kv_transfer_params=parent.kv_transfer_params if finished else None,
-            metrics=parent.stats,
-        )

@@ -36,10 +36,12 @@ def test_the_median_step_is_the_median_fraction_of_its_own_rate() -> None:
         median_pair([], flops)
 
 
-def test_layer_matmuls_count_every_shape_of_a_layer_at_the_rows_given() -> None:
-    rows = 8
-    layer = LayerMatmuls(MC, rows, torch.float32)
-    assert layer.flops == sum(2 * rows * n * k for n, k in linear_shapes(MC))
-    assert [tuple(w.shape) for _, w in layer.pairs] == linear_shapes(MC)
-    assert all(x.shape == (rows, w.shape[1]) for x, w in layer.pairs)
-    assert layer.gflops(2) > 0
+def test_layer_matmuls_count_every_shape_of_every_layer_at_the_rows_given() -> None:
+    rows, layers = 8, 3
+    matmuls = LayerMatmuls(MC, rows, torch.float32, layers=layers)
+    assert matmuls.flops == layers * sum(2 * rows * n * k for n, k in linear_shapes(MC))
+    assert len(matmuls.weights) == layers
+    assert all([tuple(w.shape) for w in layer] == linear_shapes(MC) for layer in matmuls.weights)
+    assert not torch.equal(matmuls.weights[0][0], matmuls.weights[1][0]), "distinct weights, not one reused"
+    assert [tuple(x.shape) for x in matmuls.inputs] == [(rows, k) for _, k in linear_shapes(MC)]
+    assert matmuls.gflops(2) > 0
