@@ -16,6 +16,7 @@ between 1.08 and 1.23 on a Zen 5 EPYC).
     .venv/bin/python -m benchmarks.served_overhead --topology disagg     # 1 prefill + 1 decode node
     .venv/bin/python -m benchmarks.served_overhead --workload prefix-rep
     .venv/bin/python -m benchmarks.served_overhead --model llama-1b      # a yardstick model (benchmarks/yardstick_models.py)
+    .venv/bin/python -m benchmarks.served_overhead --model llama-1b --as-avx2   # both sides as an AVX2-only host
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_server import Server
 from benchmarks.serve import Req, run_workload, summarize
 from benchmarks.session_cpu import client_cpu_s, cpu_line, cpu_used, session_cpu
-from benchmarks.vs_vllm import EMBEDDED, MODELS, cpu_description, model_folder, ucm_model
+from benchmarks.vs_vllm import AVX2_CAPS, EMBEDDED, MODELS, cpu_description, model_folder, ucm_model
 from benchmarks.vs_vllm_workloads import prefix_rep_reqs, random_reqs
 
 
@@ -149,12 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         help="served and in-process runs, alternated (the host's speed drifts between minutes; the median "
         "round's ratio is the figure)",
     )
+    ap.add_argument("--as-avx2", action="store_true", help="both sides as an AVX2-only host runs them (vs_vllm's caps)")
     ap.add_argument("--port", type=int, default=8023)
     ap.add_argument("--out-dir", default="bench_out/served_overhead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.as_avx2 and any(os.environ.get(k) != v for k, v in AVX2_CAPS.items()):
+        # torch reads its ISA when it loads: the in-process side needs the caps from this process's start on.
+        again = list(argv) if argv is not None else sys.argv[1:]
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.served_overhead", *again],
+                  {**os.environ, **AVX2_CAPS})  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rng = random.Random(0)
 
@@ -167,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cpu = cpu_description()
+    cpu = cpu_description(args.as_avx2)
     print(f"CPU: {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['isa'])})")
     shape = "4 x 1024-token prefixes + 128" if args.workload == "prefix-rep" else f"{args.input_len}"
     print(f"{args.model}: {args.num_prompts} x {shape} in / {args.output_len} out, all at once, dtype {args.dtype}")

@@ -8,19 +8,7 @@ import torch
 
 from benchmarks.prefix_floor import LayerMatmuls, linear_shapes
 from benchmarks.roofline import median_pair
-from engine.model_config import ModelConfig
-
-MC = ModelConfig.from_hf_dict(
-    {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 100,
-    }
-)
+from tests.benchmarks.test_prefix_floor import MC  # a tiny Llama: its matmuls take milliseconds
 
 
 def test_the_median_step_is_the_median_fraction_of_its_own_rate() -> None:
