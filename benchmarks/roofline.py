@@ -23,10 +23,11 @@ the limits before and after each model's phases, the higher counting:
                    Xeon with AMX: ~4.5 or ~1.9 TFLOP/s, for seconds to minutes); no matmul reaches it
 
 Fractions: prefill's FLOP/s of the matmul rate in the engine's dtype (attention counted at the matmul rate, as the
-issue asks), the median over its steps of each step against the rate of its own seconds: the best step against the
-best rate of the run (`best_fraction`, beside it) set them minutes apart, and the host's phase moved that by
-72-93% between runs on the 2-core Xeon with AMX. Decode's: bytes/s of the read bandwidth. A model whose weights partly fit the last-level cache may read
-faster than DRAM: the fraction can then pass 100%. Targets (issue 49): prefill >= 85%, decode >= 75%.
+issue asks), the median over its steps of each step against the rate of its own seconds. The best step against the
+run's best rate (`best_fraction`, beside it) sets the two minutes apart: on the 2-core Xeon with AMX, whose speed
+moves 2x within a minute, that read 44% to 169% from run to run. Decode's: bytes/s of the read bandwidth. A model
+whose weights partly fit the last-level cache may read faster than DRAM: the fraction can then pass 100%. Targets
+(issue 49): prefill >= 85%, decode >= 75%.
 """
 
 from __future__ import annotations

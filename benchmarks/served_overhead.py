@@ -15,7 +15,7 @@ between 1.08 and 1.23 on a Zen 5 EPYC).
     .venv/bin/python -m benchmarks.served_overhead --json bench_out/served_overhead.json
     .venv/bin/python -m benchmarks.served_overhead --topology disagg     # 1 prefill + 1 decode node
     .venv/bin/python -m benchmarks.served_overhead --workload prefix-rep
-    .venv/bin/python -m benchmarks.served_overhead --model llama-1b      # a yardstick model (benchmarks/yardstick_models.py)
+    .venv/bin/python -m benchmarks.served_overhead --model llama-1b      # a yardstick model (yardstick_models.py)
     .venv/bin/python -m benchmarks.served_overhead --model llama-1b --as-avx2   # both sides as an AVX2-only host
 """
 

@@ -148,7 +148,7 @@ class EngineCore:
         self.runner.between_layers = self._between_layers
         self._rng = random.Random(config.seed)
         self._arrival = itertools.count()
-        self.outputs = RequestOutputs(self.tokenizer, self.scheduler.finish_request)
+        self.request_outputs = RequestOutputs(self.tokenizer, self.scheduler.finish_request)
         self._pending: list[RequestOutput] = []  # outputs of aborts, handed out by the next step()
         logger.info(
             "engine: %d KV blocks x %d tokens (%.1f MiB, %s), max_model_len %d",
@@ -186,7 +186,7 @@ class EngineCore:
         """Queue a request; returns the keys of its prompt's full blocks (computed once, here: a node publishes
         them as its recent-prefix summary). ValueError for a bad request."""
         params = params if params is not None else SamplingParams()
-        if request_id in self.outputs:
+        if request_id in self.request_outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model_config.vocab_size
         try:
@@ -212,13 +212,13 @@ class EngineCore:
             kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(req)  # validates the length
-        self.outputs.add(request_id, ids, params.n, prompt)
+        self.request_outputs.add(request_id, ids, params.n, prompt)
         return list(req.block_keys)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         for seq in self.scheduler.abort_requests(ids):
-            out = self.outputs.aborted(seq)
+            out = self.request_outputs.aborted(seq)
             if out is not None:
                 self._pending.append(out)
 
@@ -283,18 +283,18 @@ class EngineCore:
             return outputs
         self.stats_counters.steps += 1
         for scheduled in sched.scheduled_new_reqs:
-            self.outputs.stats(scheduled.request).scheduled()
+            self.request_outputs.stats(scheduled.request).scheduled()
         for rid in sched.preempted_req_ids:
             seq = self.scheduler.requests.get(rid)
             if seq is not None:
-                self.outputs.stats(seq).num_preemptions += 1
+                self.request_outputs.stats(seq).num_preemptions += 1
         if self.governor is not None:
             self._govern_threads(self.governor)
         started = self.live_budget.clock() if self.live_budget is not None else 0.0
         result = self.runner.execute(sched)
         if self.live_budget is not None:
             self._follow_host_speed(self.live_budget, sched.total_num_scheduled_tokens, started)
-        return outputs + self.outputs.of_step(self.scheduler.update_from_output(sched, result))
+        return outputs + self.request_outputs.of_step(self.scheduler.update_from_output(sched, result))
 
     def _follow_host_speed(self, live: LiveBudget, tokens: int, started: float) -> None:
         changed = live.observe(tokens, live.clock() - started)
