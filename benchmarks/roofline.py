@@ -96,20 +96,18 @@ def kv_bytes(mc: ModelConfig, tokens: int, itemsize: int) -> int:
     return 2 * mc.num_layers * mc.kv_size * tokens * itemsize
 
 
-def time_prefill(llm: LLM, tokens: int, repeats: int, seed: int) -> float:
-    """Seconds of the step that computes a whole `tokens`-token prompt, best of `repeats` (new prompts each)."""
-    engine, best = llm.engine, float("inf")
-    for r in range(repeats):
-        engine.add_request(f"p{seed}-{r}", synthetic_prompt(tokens, seed * 100 + r), SamplingParams(max_tokens=1))
-        while engine.has_unfinished_requests():
-            before = engine.stats().computed_tokens
-            t0 = time.perf_counter()
-            engine.step()
+def time_prefill(llm: LLM, tokens: int, seed: int) -> float:
+    """Seconds of the step that computes a new `tokens`-token prompt whole."""
+    engine, seconds = llm.engine, None
+    engine.add_request(f"p{seed}", synthetic_prompt(tokens, seed * 100), SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        before = engine.stats().computed_tokens
+        t0 = time.perf_counter()
+        engine.step()
+        if engine.stats().computed_tokens - before == tokens:
             seconds = time.perf_counter() - t0
-            if engine.stats().computed_tokens - before == tokens:
-                best = min(best, seconds)
-    assert best < float("inf"), f"no step computed the {tokens}-token prompt at once (max_num_batched_tokens?)"
-    return best
+    assert seconds is not None, f"no step computed the {tokens}-token prompt at once (max_num_batched_tokens?)"
+    return seconds
 
 
 def paired_prefill(llm: LLM, matmuls: LayerMatmuls, args: argparse.Namespace) -> list[tuple[float, float]]:
@@ -120,7 +118,7 @@ def paired_prefill(llm: LLM, matmuls: LayerMatmuls, args: argparse.Namespace) ->
     pairs = []
     for r in range(args.repeats):
         before = matmuls.gflops(1)
-        step_s = time_prefill(llm, args.prefill_tokens, 1, seed=10 + r)
+        step_s = time_prefill(llm, args.prefill_tokens, seed=10 + r)
         rate = max(before, matmuls.gflops(1)) * 1e9
         print(f"  prefill {args.prefill_tokens}: {step_s * 1e3:.0f} ms, F.linear around it {rate / 1e12:.2f} TFLOP/s",
               flush=True)  # fmt: skip
@@ -155,9 +153,7 @@ def time_decode(llm: LLM, batch: int, seed: int) -> list[float]:
     return steps
 
 
-def measure_model(
-    shape: str, dtype: str, rates: dict[str, float], bandwidth: float, args: argparse.Namespace
-) -> list[dict[str, Any]]:
+def measure_model(shape: str, dtype: str, bandwidth: float, args: argparse.Namespace) -> list[dict[str, Any]]:
     folder = ensure_model(shape)
     mc = ModelConfig.from_folder(folder)
     llm = LLM(
@@ -172,7 +168,7 @@ def measure_model(
     torch.set_num_threads(args.threads)
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     try:
-        time_prefill(llm, args.prefill_tokens, 1, seed=9)  # warm: one-time costs are not the subject
+        time_prefill(llm, args.prefill_tokens, seed=9)  # warm: one-time costs are not the subject
         time_decode(llm, max(args.batches), seed=9)
         rows = []
         flops = prefill_flops(mc, args.prefill_tokens)
@@ -274,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         mc = ModelConfig.from_folder(ensure_model(shape))
         peak_before = peak(dtype, args.threads)
         rates = measure_rates(mc, shape, args)
-        model_rows = measure_model(shape, dtype, rates, bandwidth_gbs * 1e9, args)
+        model_rows = measure_model(shape, dtype, bandwidth_gbs * 1e9, args)
         # The limits again after the phases, the higher counting: on a shared host, load that came and went during
         # one measurement of a limit would otherwise flatter every fraction (phases are best-of too).
         rates = {d: max(r, again) for (d, r), again in zip(rates.items(), measure_rates(mc, shape, args).values())}

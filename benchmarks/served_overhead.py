@@ -53,14 +53,14 @@ class Offline:
     """The engine `LLM.generate` drives, in this process, built once and warmed up, so that every round times the
     same engine."""
 
-    def __init__(self, warm_up: list[Req], args: argparse.Namespace) -> None:
+    def __init__(self, warm_up: list[Req], args: argparse.Namespace, model: str) -> None:
         import torch
 
         from engine import LLM, SamplingParams
 
         torch.set_num_threads(os.cpu_count() or 1)
         self.llm = LLM(
-            model=ucm_model(args, model_folder(args)),
+            model=model,
             dtype=args.dtype,
             kv_cache_memory=args.kv_cache_memory,
             max_num_seqs=args.max_num_seqs,
@@ -90,14 +90,14 @@ class Offline:
 class Served:
     """`ucm-serve up` with the same limits, started once and warmed up; each round sends every request at once."""
 
-    def __init__(self, warm_up: list[Req], args: argparse.Namespace, out_dir: Path) -> None:
+    def __init__(self, warm_up: list[Req], args: argparse.Namespace, out_dir: Path, model: str) -> None:
         argv = [
             sys.executable,
             "-m",
             "launch.cli",
             "up",
             "--model",
-            ucm_model(args, model_folder(args)),
+            model,
             "--port",
             str(args.port),
             "--topology",
@@ -110,8 +110,8 @@ class Served:
             str(args.max_num_seqs),
             *args.up_args.split(),
         ]
-        self.model = ucm_model(args, model_folder(args))
-        self.srv = Server("ucm-up", argv, self.model)
+        self.model = model
+        self.srv = Server("ucm-up", argv, model)
         self.url = f"http://127.0.0.1:{args.port}"
         self.srv.start(self.url, out_dir, 600)
         self.round(warm_up)
@@ -181,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     n_out = args.num_prompts * args.output_len
     rounds: list[dict] = []
     warm_up = prompts(2)
-    served, offline = Served(warm_up, args, out_dir), None
+    model = ucm_model(args, model_folder(args))  # both sides' (a yardstick model is written once, here)
+    served, offline = Served(warm_up, args, out_dir, model), None
     try:
-        offline = Offline(warm_up, args)
+        offline = Offline(warm_up, args, model)
         print(
             f"{'round':<7}{'served s':>10}{'in process s':>14}{'served / offline':>18}"
             f"{'TTFT ms served / in process':>30}{'in-process CPU s':>18}  CPU s while served"
