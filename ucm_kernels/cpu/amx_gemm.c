@@ -57,7 +57,14 @@
 #define SLACK_ROWS 64
 #define SLICE 128 /* outputs of a row slice, whose epilogue runs during the next slice's tiles */
 #define KBC 9 /* k blocks (of 32) a pass: a slice's x and a block's W for them fit L1 (2 x 18 KB) */
-#define SPLIT_ROWS 64 /* calls of more rows pass over k in KBC blocks; fewer rows (weights from memory) in one */
+/* A K from which a slice passes over a whole chunk (or its whole K) at once, not KBC blocks at a time: each pass
+ * loads and stores its four sum tiles, 8 tile moves beside the pass's 4 products a k block, and with the long K's
+ * tiles the products outlast them. 16 distinct weights, builds alternated in one process on the 2-core Xeon with AMX
+ * (KCB_PAST_L2's chunks 8 -> 32 with it), TFLOP/s: Llama-1B's 2048 x 8192 at 160-4096 rows 1.72-2.18 -> 1.84-2.33
+ * (1.05-1.12x), Qwen2.5-0.5B's 9728 x 896 and 1152 x 896 at 1536 rows 2.32 / 2.37 -> 2.51 / 2.46; SmolLM2's K of 576
+ * lost 2-4% at 2048 rows (its x stays in L2 in row groups). */
+#define ONE_PASS_K 768
+#define SPLIT_ROWS 64 /* calls of more rows pass over k in KBC blocks (below ONE_PASS_K); fewer rows in one */
 /* Calls of up to MID_ROWS rows (a decode batch, a chunk beside decodes, a prompt's tail after a cache hit) run each
  * 32-output pair over every row slice of the call in turn, one pass over k each: the pair's W (32 x K bf16, 128-512
  * KB) comes from memory once and from L2 for the other slices. The order below (row slice by row slice over a
@@ -92,22 +99,21 @@
  * prefetch 16 k blocks ahead into L2 lost (75.5 -> 77.8 ms). */
 #define KCB 32 /* k blocks (of 32) a chunk of a long K: a block's W (NC x 1024) and x (MC x 1024) share L2 */
 /* A K whose row block's x and one pair's W are past L2 (Llama-1B's down projection, K = 8192) takes row blocks of
- * MC_PAST_L2 rows and chunks of KCB_PAST_L2 k blocks (the block's x chunk, 256 x 512 bf16, and W chunk, NC x 512,
- * share L2): each W chunk read from memory serves twice the rows. In that shape the k chunks beat the one-pass order
+ * MC_PAST_L2 rows and chunks of KCB_PAST_L2 k blocks (the block's x chunk, 256 x 1024 bf16, W chunk, NC x 1024, and
+ * sums, 256 x NC fp32, share L2): each W chunk read from memory serves twice the rows. In that shape the k chunks beat the one-pass order
  * from MID_ROWS_PAST_L2 + SLACK_ROWS rows on, not MID_ROWS'. 16 distinct weights, builds alternated in one process
  * on the 2-core Xeon with AMX, TFLOP/s: 160-384 rows 1.43-1.65 -> 1.77-2.07, a 512-token prompt beside 7 decodes
  * (519 rows) 1.63-1.66 -> 1.87-1.96, 768-2048 rows 1.96-2.17 -> 2.21-2.45; 64 and 128 rows kept the one-pass
  * order (tied). 256-row blocks with 32-block chunks gained half that; every K that fits L2 did better in 128-row
  * blocks (gate_up at 2048 rows 2.01 -> 1.88 in 256). The call's last rows are padded once a call, not once a chunk:
- * a padded 7-row slice at K = 8192 had copied 32 x 8192 bf16 for each of its block's 16 chunks. Chunks of 8 k blocks
- * instead of 16, and a call of up to WHOLE_PAST_L2 rows (a 512-token prompt beside decodes) in one row block, whose
- * x chunk (576 x 256 bf16), W chunk and sums (576 x 256 fp32) still share L2, so that each W chunk comes from memory
- * once a call: 16 weights of 2048 x 8192, builds alternated, TFLOP/s: 200 rows 1.50-1.58 -> 1.61-1.62, 384 rows
- * 1.71-1.77 -> 1.97-2.05, 519 rows 1.68-1.75 -> 1.85-1.89, 576 rows 1.79-1.87 -> 1.92-1.97, 2048 rows 2.15-2.19 ->
- * 2.20-2.24 (1024 tied); a 519-token prompt step of Llama-1B 600 -> 585 ms (medians of 5). */
+ * a padded 7-row slice at K = 8192 had copied 32 x 8192 bf16 for each of its block's 16 chunks. A call of up to
+ * WHOLE_PAST_L2 rows (a 512-token prompt beside decodes) makes one row block, so that each W chunk comes from memory
+ * once a call (16 weights of 2048 x 8192, builds alternated: 384-576 rows +7-13%, a 519-token prompt step of Llama-1B
+ * 600 -> 585 ms); its x chunk then overflows L2, and still chunks of 32 k blocks each taken in one pass (ONE_PASS_K)
+ * beat chunks of 8 there (519 rows 1.83 -> 2.03 TFLOP/s). */
 #define MID_ROWS_PAST_L2 64
 #define MC_PAST_L2 256
-#define KCB_PAST_L2 8
+#define KCB_PAST_L2 32
 #define WHOLE_PAST_L2 576
 
 /* Whether this build has the kernel and the OS lets this process use AMX. */
@@ -246,13 +252,15 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     const int64_t slices = (m + 31) / 32, past_slack = slices - SLACK_ROWS / 32;
     const int64_t groups = k >= ONE_GROUP_K || past_slack <= RG / 32 ? 1 : (past_slack + RG / 32 - 1) / (RG / 32);
     const int64_t widest = (slices + groups - 1) / groups; /* slices of the largest group */
-    const int64_t kbs = k / 32, kbc = m > SPLIT_ROWS ? KBC : kbs; /* k blocks, and those a pass over a slice takes */
+    const int64_t kbs = k / 32; /* k blocks */
     const int fits_l2 = (MC + 32) * k * 2 <= MID_L2_BYTES; /* a row block's x and a pair's W */
     const int mid = m <= (fits_l2 ? MID_ROWS : MID_ROWS_PAST_L2) + SLACK_ROWS || (k >= LONG_K && fits_l2);
     const int chunked = !mid && m > SPLIT_ROWS && kbs > KCB;
     const int past_l2 = chunked && !fits_l2;
     const int64_t mc = !past_l2 ? MC : m <= WHOLE_PAST_L2 ? (m + 31) / 32 * 32 : MC_PAST_L2; /* rows a block */
     const int64_t kcb = chunked ? (past_l2 ? KCB_PAST_L2 : KCB) : kbs; /* k blocks a chunk takes (all: one chunk) */
+    /* k blocks a pass over a slice takes: see KBC and ONE_PASS_K */
+    const int64_t kbc = m <= SPLIT_ROWS || k >= ONE_PASS_K ? kcb : KBC;
     const int64_t mblocks = (widest + mc / 32 - 1) / (mc / 32); /* row blocks of a group */
     /* Output blocks of about NC outputs and of equal size, in 32-output panels: 576 outputs cut as 256 + 256 + 64
      * gave one of two threads twice the other's work under the static schedule (a 2048-row prompt: 23% of its
