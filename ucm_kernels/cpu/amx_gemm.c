@@ -24,11 +24,11 @@
  * bit-equal. Calls of up to SPLIT_ROWS rows keep one pass over k: over 30 layers' weights from memory, the k passes
  * cost 16 and 32 rows ~6% (their C tiles stored and loaded once more, no x to keep).
  *
- * A K past KCB k blocks (Llama-1B: 2048, and its down projection's 8192 in KCB_PAST_L2's chunks, below) runs a
+ * A K past KCB k blocks (Qwen2.5-0.5B's down projection: 4864; Llama-1B's 8192 in KCB_PAST_L2's chunks, below) runs a
  * block in chunks of KCB k blocks, every row slice of the block over one chunk before the next, its sums waiting in
  * a per-thread fp32 scratch of the whole block: a block's W is NC x K bf16, 4 MB at K = 8192, past L2 (2 MB a
  * core), so one pass over K per 32-row slice streamed the block's W from L3 again for each of the block's 4 slices;
- * a chunk's W (512 KB) and x (256 KB) stay in L2 across them. The sums are stored and loaded as fp32 between
+ * a chunk's W (1 MB) and x (512 KB) stay in L2 across them. The sums are stored and loaded as fp32 between
  * chunks, as between KBC passes: the same additions in the same order, bit for bit. Measured on the 2-core Xeon
  * with AMX (others' jobs running), old and new builds alternated in one process, best of 10, at 1536 rows: 2048 x
  * 8192 0.66x the time, Llama-1B's three 2048-k shapes 0.86-0.98x; a chunk of 64 k blocks gave 0.70x at 8192, one of
@@ -75,15 +75,13 @@
  * next pair's W into L2 during the current pair's slices lost (99 -> 130 ms at 33-64 rows). Same additions in the
  * same order per element: the same bits. */
 #define MID_ROWS 512
-/* Calls of more rows take that order too where a row block's x and a pair's W (MC + 32 rows of K) fit a core's L2
- * (2 MB on every CPU with AMX so far) and K is at least LONG_K, long enough that a (pair, slice)'s tiles outlast its
- * epilogue, which the k passes below overlap with the next slice's tiles. 16 distinct weights of a shape (from
- * memory), builds alternated in one process on the 2-core Xeon with AMX, at 519 and 1543 rows: Llama-1B's three
- * matmuls of K = 2048 1.54-2.09 -> 1.67-2.13 TFLOP/s (gate_up +8-12%), Qwen2.5-0.5B's down projection (K = 4864)
- * 1.29-1.73 -> 1.60-1.97; SmolLM2's K of 576 lost 5-10% in that order, its 1536 and Qwen's 896 tied. Past L2
- * (Llama's K of 8192) the order below won from 768 rows on (1.59-1.67 against 1.35-1.47 TFLOP/s); in
- * MC_PAST_L2's blocks from 160 rows on. */
-#define LONG_K 1024
+/* A K of ONE_PASS_K or more leaves that order from fewer rows, MID_ROWS_ONE_PASS + SLACK_ROWS, where it fits L2: its
+ * slices take a whole chunk in one pass below, whose sums stay in tiles as long as the mid order's, and whose
+ * epilogue runs beside the next slice's tiles. 16 distinct weights, builds alternated in one process on the 2-core
+ * Xeon with AMX, TFLOP/s: Llama-1B's K = 2048 shapes at 256-640 rows 1.80-1.89 -> 1.92-2.16, at 1536-2048 rows
+ * 1.65-2.20 -> 2.36-2.49 (qkv, o, gate_up 1.13-1.43x; oneDNN 1.89-2.07 beside them), 96-200 rows tied (0.96-1.03x);
+ * Qwen2.5-0.5B's down projection (896 x 4864) tied at 1536 rows, 0.94-0.98x at 519. */
+#define MID_ROWS_ONE_PASS 128
 #define MID_L2_BYTES (2 << 20)
 #define ONE_GROUP_K 768 /* a K from which all of a call's rows make one row group (see the groups in ucm_amx_gemm) */
 /* k blocks ahead that a one-pass call (a decode step's few rows) prefetches its two W panels: a decode step's matmuls
@@ -97,20 +95,20 @@
  * layers' matmuls (1.95 GB) at 1 and 8 rows, builds alternated on the 2-core Xeon with AMX: 77.7-78.4 -> 72.3-72.9 ms
  * (25.0 -> 26.9 GB/s, a streaming read 31-33 GB/s in the same runs); the row tile skip alone 74 ms. A further
  * prefetch 16 k blocks ahead into L2 lost (75.5 -> 77.8 ms). */
-#define KCB 32 /* k blocks (of 32) a chunk of a long K: a block's W (NC x 1024) and x (MC x 1024) share L2 */
+#define KCB 64 /* k blocks (of 32) a chunk of a long K: a block's W (NC x 2048) and x (MC x 2048) share L2 */
 /* A K whose row block's x and one pair's W are past L2 (Llama-1B's down projection, K = 8192) takes row blocks of
  * MC_PAST_L2 rows and chunks of KCB_PAST_L2 k blocks (the block's x chunk, 256 x 1024 bf16, W chunk, NC x 1024, and
- * sums, 256 x NC fp32, share L2): each W chunk read from memory serves twice the rows. In that shape the k chunks beat the one-pass order
- * from MID_ROWS_PAST_L2 + SLACK_ROWS rows on, not MID_ROWS'. 16 distinct weights, builds alternated in one process
- * on the 2-core Xeon with AMX, TFLOP/s: 160-384 rows 1.43-1.65 -> 1.77-2.07, a 512-token prompt beside 7 decodes
- * (519 rows) 1.63-1.66 -> 1.87-1.96, 768-2048 rows 1.96-2.17 -> 2.21-2.45; 64 and 128 rows kept the one-pass
- * order (tied). 256-row blocks with 32-block chunks gained half that; every K that fits L2 did better in 128-row
- * blocks (gate_up at 2048 rows 2.01 -> 1.88 in 256). The call's last rows are padded once a call, not once a chunk:
- * a padded 7-row slice at K = 8192 had copied 32 x 8192 bf16 for each of its block's 16 chunks. A call of up to
- * WHOLE_PAST_L2 rows (a 512-token prompt beside decodes) makes one row block, so that each W chunk comes from memory
- * once a call (16 weights of 2048 x 8192, builds alternated: 384-576 rows +7-13%, a 519-token prompt step of Llama-1B
- * 600 -> 585 ms); its x chunk then overflows L2, and still chunks of 32 k blocks each taken in one pass (ONE_PASS_K)
- * beat chunks of 8 there (519 rows 1.83 -> 2.03 TFLOP/s). */
+ * sums, 256 x NC fp32, share L2): each W chunk read from memory serves twice the rows. In that shape the k chunks beat
+ * the one-pass order from MID_ROWS_PAST_L2 + SLACK_ROWS rows on, not MID_ROWS'. 16 distinct weights, builds alternated
+ * in one process on the 2-core Xeon with AMX, TFLOP/s: 160-384 rows 1.43-1.65 -> 1.77-2.07, a 512-token prompt beside 7
+ * decodes (519 rows) 1.63-1.66 -> 1.87-1.96, 768-2048 rows 1.96-2.17 -> 2.21-2.45; 64 and 128 rows kept the one-pass
+ * order (tied). 256-row blocks with 32-block chunks gained half that; every K that fits L2 did better in 128-row blocks
+ * (gate_up at 2048 rows 2.01 -> 1.88 in 256). The call's last rows are padded once a call, not once a chunk: a padded
+ * 7-row slice at K = 8192 had copied 32 x 8192 bf16 for each of its block's 16 chunks. A call of up to WHOLE_PAST_L2
+ * rows (a 512-token prompt beside decodes) makes one row block, so that each W chunk comes from memory once a call (16
+ * weights of 2048 x 8192, builds alternated: 384-576 rows +7-13%, a 519-token prompt step of Llama-1B 600 -> 585 ms);
+ * its x chunk then overflows L2, and still chunks of 32 k blocks each taken in one pass (ONE_PASS_K) beat chunks of 8
+ * there (519 rows 1.83 -> 2.03 TFLOP/s). */
 #define MID_ROWS_PAST_L2 64
 #define MC_PAST_L2 256
 #define KCB_PAST_L2 32
@@ -254,7 +252,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     const int64_t widest = (slices + groups - 1) / groups; /* slices of the largest group */
     const int64_t kbs = k / 32; /* k blocks */
     const int fits_l2 = (MC + 32) * k * 2 <= MID_L2_BYTES; /* a row block's x and a pair's W */
-    const int mid = m <= (fits_l2 ? MID_ROWS : MID_ROWS_PAST_L2) + SLACK_ROWS || (k >= LONG_K && fits_l2);
+    const int mid = m <= (k < ONE_PASS_K ? MID_ROWS : fits_l2 ? MID_ROWS_ONE_PASS : MID_ROWS_PAST_L2) + SLACK_ROWS;
     const int chunked = !mid && m > SPLIT_ROWS && kbs > KCB;
     const int past_l2 = chunked && !fits_l2;
     const int64_t mc = !past_l2 ? MC : m <= WHOLE_PAST_L2 ? (m + 31) / 32 * 32 : MC_PAST_L2; /* rows a block */
