@@ -269,7 +269,7 @@ def _native_linear(packed: Packed, bias: torch.Tensor | None) -> tuple[decode_la
         if bias is not None and (amx.paired or bias.dtype != torch.bfloat16 or bias.dim() != 1):
             return None
         return decode_layers.Linear(
-            amx.packed, None, amx.out_features, amx.in_features, fmt.AMX_BF16_PAIRS if amx.paired else fmt.AMX_BF16,
+            amx.packed.data, None, amx.out_features, amx.in_features, fmt.AMX_BF16_PAIRS if amx.paired else fmt.AMX_BF16,
             bias=None if bias is None else bias.contiguous(),
         ), ANY_ROWS  # fmt: skip
     if bias is not None:

@@ -7,12 +7,12 @@
  * output element is one AMX accumulator tile element that TDPBF16PS adds 32 k at a time, k blocks in order, and
  * rows past the call's end are zeros in a padded copy: the arithmetic of a row is fixed by K alone.
  *
- * Tiles (palette 1): C0..C3 = 2 x 2 blocks of 16 rows x 16 outputs (fp32), A0, A1 = 16 rows x 32 k of x,
- * B0, B1 = 32 k x 16 outputs of W in VNNI order (k pairs interleaved): wp [N / 16][K / 32][16 pairs][16 out][2],
- * packed once at load (ucm_kernels/cpu/amx_gemm.py). Work is split over threads by blocks of MC rows x NC outputs
- * (fewer outputs a block when the call has few rows, so that every thread gets a share), RG rows at a time (all
- * rows at once for a long K), which keeps a block's x and W in L2 (row groups: SmolLM2's four layer shapes at 2048
- * rows 7.22 -> 6.75 ms, the builds alternated in one process on the Xeon with AMX). The accumulators go to fp32
+ * Tiles (palette 1): C0..C3 = 2 x 2 blocks of 16 rows x 16 outputs (fp32), A0, A1 = 16 rows x 32 k of x, B0, B1 = 32 k
+ * x 16 outputs of W in VNNI order (k pairs interleaved), 16-output panels of 32-k blocks of [16 pairs][16 out][2] in
+ * layout_chunk's order, packed once at load (ucm_kernels/cpu/amx_gemm.py). Work is split over threads by blocks of MC
+ * rows x NC outputs (fewer outputs a block when the call has few rows, so that every thread gets a share), RG rows at a
+ * time (all rows at once for a long K), which keeps a block's x and W in L2 (row groups: SmolLM2's four layer shapes at
+ * 2048 rows 7.22 -> 6.75 ms, the builds alternated in one process on the Xeon with AMX). The accumulators go to fp32
  * scratch and out as bf16 (round to nearest even, as torch rounds).
  *
  * A row slice (32 rows x SLICE outputs) runs its k blocks KBC at a time over every block of the slice, so that the
@@ -123,14 +123,32 @@ int32_t ucm_amx_available(void) {
 #endif
 }
 
+/* k blocks a chunk of the packed W's layout takes for in-features k (amx_gemm.py's pack lays W out so): the chunks
+ * of the k passes below, KCB where a row block's x and a pair's W fit L2, else KCB_PAST_L2. Chunk after chunk, every
+ * 16-output panel's k blocks of the chunk in turn: [chunk][N / 16][its k blocks][16 pairs][16 out][2], so that the
+ * W a block's slices share over a chunk is one run of memory. In panel order (each panel's whole K, then the next)
+ * the panels of Llama-1B's down projection (K = 8192) lay 256 KB apart, and in physically contiguous memory (a
+ * model loaded into a new process, or huge pages) a chunk's 16 panels fell in the same L2 sets: 16 distinct weights
+ * of 2048 x 8192 in 2 MB pages at 1536 rows, on the 2-core Xeon with AMX, 1.60 TFLOP/s in panel order, 2.26 in
+ * chunks (2.22 / 2.26 in 4 KB pages); the engine's own weights ran that shape at 1.4-1.5 in a prompt step. */
+static inline int64_t layout_chunk(int64_t k) { return (MC + 32) * k * 2 <= MID_L2_BYTES ? KCB : KCB_PAST_L2; }
+
+int64_t ucm_amx_layout_chunk(int64_t k) { return layout_chunk(k); }
+
 #ifdef UCM_HAS_AMX
-/* 32 rows of x (ldx apart) x 32 outputs (panels nb, nb + 1), k blocks kb0 .. kb1 - 1 -> c[32][32] fp32: from zero
- * when kb0 is 0, else on top of the earlier k blocks' sums in c (exact: fp32 tiles stored and loaded, so the same
- * additions in the same order as one pass over every k block). */
-static inline void block_32x32(const uint16_t *x, int64_t ldx, int64_t k, const uint16_t *wp, int64_t nb, float *c,
-                               int64_t kb0, int64_t kb1, int half) {
-    const int64_t kb_count = k / 32;
-    const uint16_t *b0 = wp + nb * kb_count * 512, *b1 = b0 + kb_count * 512;
+/* W's k block kb of panel nb (512 bf16) in layout_chunk's order, p16 = N / 16 panels. */
+static inline const uint16_t *w_block(const uint16_t *wp, int64_t p16, int64_t kbs, int64_t kc, int64_t nb,
+                                      int64_t kb) {
+    const int64_t c0 = kb / kc * kc, len = kbs - c0 < kc ? kbs - c0 : kc;
+    return wp + (c0 * p16 + nb * len + (kb - c0)) * 512;
+}
+
+/* 32 rows of x (ldx apart) x 32 outputs (panels nb, nb + 1 of p16), k blocks kb0 .. kb1 - 1 -> c[32][32] fp32: from
+ * zero when kb0 is 0, else on top of the earlier k blocks' sums in c (exact: fp32 tiles stored and loaded, so the
+ * same additions in the same order as one pass over every k block). */
+static inline void block_32x32(const uint16_t *x, int64_t ldx, int64_t k, const uint16_t *wp, int64_t nb,
+                               int64_t p16, float *c, int64_t kb0, int64_t kb1, int half) {
+    const int64_t kbs = k / 32, kc = layout_chunk(k);
     if (kb0 == 0) {
         _tile_zero(0);
         _tile_zero(1);
@@ -144,25 +162,34 @@ static inline void block_32x32(const uint16_t *x, int64_t ldx, int64_t k, const 
         _tile_loadd(2, c + 16 * 32, 128);
         _tile_loadd(3, c + 16 * 32 + 16, 128);
     }
-    const int one_pass = kb1 - kb0 == kb_count; /* few rows: W streams from memory, read once, k in one pass */
-    for (int64_t kb = kb0; kb < kb1; kb++) {
-        if (one_pass && kb + PF_KB < kb1) { /* the panels' next k blocks, ahead of the tile loads that wait on them */
-            const char *p0 = (const char *)(b0 + (kb + PF_KB) * 512), *p1 = (const char *)(b1 + (kb + PF_KB) * 512);
-            for (int i = 0; i < 1024; i += 64) {
-                _mm_prefetch(p0 + i, _MM_HINT_T0);
-                _mm_prefetch(p1 + i, _MM_HINT_T0);
+    const int one_pass = kb1 - kb0 == kbs; /* few rows: W streams from memory, read once, k in one pass */
+    for (int64_t s = kb0; s < kb1;) { /* the layout's chunks that kb0 .. kb1 - 1 cross: within one, a panel's run */
+        const int64_t c0 = s / kc * kc, len = kbs - c0 < kc ? kbs - c0 : kc, e = c0 + len < kb1 ? c0 + len : kb1;
+        const uint16_t *b0 = w_block(wp, p16, kbs, kc, nb, c0) - c0 * 512, *b1 = b0 + len * 512;
+        for (int64_t kb = s; kb < e; kb++) {
+            if (one_pass && kb + PF_KB < kb1) { /* the panels' next k blocks, ahead of the tile loads waiting on them */
+                const int ahead = kb + PF_KB < e;
+                const char *p0 = (const char *)(ahead ? b0 + (kb + PF_KB) * 512
+                                                      : w_block(wp, p16, kbs, kc, nb, kb + PF_KB));
+                const char *p1 = (const char *)(ahead ? b1 + (kb + PF_KB) * 512
+                                                      : w_block(wp, p16, kbs, kc, nb + 1, kb + PF_KB));
+                for (int i = 0; i < 1024; i += 64) {
+                    _mm_prefetch(p0 + i, _MM_HINT_T0);
+                    _mm_prefetch(p1 + i, _MM_HINT_T0);
+                }
+            }
+            _tile_loadd(4, x + kb * 32, ldx * 2);
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (!half) {
+                _tile_loadd(5, x + 16 * ldx + kb * 32, ldx * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
             }
         }
-        _tile_loadd(4, x + kb * 32, ldx * 2);
-        _tile_loadd(6, b0 + kb * 512, 64);
-        _tile_loadd(7, b1 + kb * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (!half) {
-            _tile_loadd(5, x + 16 * ldx + kb * 32, ldx * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        s = e;
     }
     _tile_stored(0, c, 128);
     _tile_stored(1, c + 16, 128);
@@ -306,8 +333,8 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
                             for (int64_t r0 = m_begin; r0 < m_end; r0 += 32) {
                                 const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
                                 const int padded = rows < 32 && !few;
-                                block_32x32(padded ? mypad : x + r0 * lda, padded ? k : lda, k, wp, o0 / 16, c[0], 0,
-                                            kbs, rows <= 16);
+                                block_32x32(padded ? mypad : x + r0 * lda, padded ? k : lda, k, wp, o0 / 16,
+                                            panels * 2, c[0], 0, kbs, rows <= 16);
                                 store_block(c[0], rows, y, ldy, n, r0, o0, epilogue);
                             }
                         continue;
@@ -336,7 +363,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
                                 int64_t pass = 0;
                                 for (int64_t kb0 = kc0; kb0 < kc1; kb0 += kbc)
                                     for (int64_t o0 = s0; o0 < s_end; o0 += 32, pass++) {
-                                        block_32x32(xs, ldx, k, wp, o0 / 16, sums + (o0 - s0) * 32, kb0,
+                                        block_32x32(xs, ldx, k, wp, o0 / 16, panels * 2, sums + (o0 - s0) * 32, kb0,
                                                     kb0 + kbc < kc1 ? kb0 + kbc : kc1, 0);
                                         store_rows(&pending, pass * pending.rows / passes,
                                                    (pass + 1) * pending.rows / passes, y, ldy, n, epilogue);

@@ -32,10 +32,31 @@ def takes(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and takes_shape(*weight.shape)
 
 
-def pack(weight: torch.Tensor, paired: bool = False) -> torch.Tensor:
-    """W [N, K] bf16 -> [N / 16][K / 32][16 k pairs][16 outputs][2]: one B tile per (16 outputs, 32 k).
-    paired: W is a gate_up weight (gate rows, then as many up rows), packed with its 16-output panels alternating
-    gate and up, so that one 32-output block of the kernel holds both halves of 16 SwiGLU outputs (Epilogue)."""
+@dataclass(frozen=True)
+class TilePacked:
+    """A weight [N, K] as the kernel reads it: 16-output panels of 32-k VNNI blocks ([16 k pairs][16 outputs][2]),
+    chunk after chunk of `chunk` k blocks (amx_gemm.c: layout_chunk), every panel's blocks of a chunk in turn."""
+
+    data: torch.Tensor  # [N / 16 * K / 32, 16, 16, 2] bf16 in that order
+    n: int
+    k: int
+    chunk: int
+
+
+def layout_chunk(k: int) -> int:
+    """k blocks (of 32) a chunk of the kernel's W layout takes for in-features k (amx_gemm.c decides: one source)."""
+    from ucm_kernels.cpu import native
+
+    lib = native.load()
+    if lib is None or not lib.has_amx:
+        raise RuntimeError(f"the AMX kernel is not available here: {native.load_error() or 'no AMX'}")
+    return int(lib.amx_layout_chunk(k))
+
+
+def pack(weight: torch.Tensor, paired: bool = False) -> TilePacked:
+    """W [N, K] bf16 -> the kernel's layout (TilePacked). paired: W is a gate_up weight (gate rows, then as many up
+    rows), packed with its 16-output panels alternating gate and up, so that one 32-output block of the kernel holds
+    both halves of 16 SwiGLU outputs (Epilogue)."""
     if not takes(weight):
         raise ValueError(f"the AMX kernel takes a bf16 CPU weight with K and N multiples of 32, got "
                          f"{weight.dtype} {tuple(weight.shape)}")  # fmt: skip
@@ -45,18 +66,19 @@ def pack(weight: torch.Tensor, paired: bool = False) -> torch.Tensor:
     # A k pair moves as one int32: the permute then copies 4-byte elements, 6x faster than 2-byte ones
     # (0.15 vs 0.93 ms for 1536 x 576 on the Xeon with AMX), which is most of a cached model load's packing.
     pairs = weight.detach().contiguous().view(torch.int32).reshape(n // TILE_N, TILE_N, k // TILE_K, TILE_K // 2)
-    return pairs.permute(0, 2, 3, 1).contiguous().view(torch.bfloat16).view(n // TILE_N, k // TILE_K, 16, 16, 2)
+    panels = pairs.permute(0, 2, 3, 1)  # [N / 16][K / 32][16 pairs][16 outputs] int32, a view
+    chunk, blocks = layout_chunk(k), k // TILE_K
+    data = torch.empty(n // TILE_N * blocks, 16, 16, dtype=torch.int32)
+    for c in range(0, blocks, chunk):  # each chunk's panels in turn, copied once from the view
+        part = panels[:, c : c + chunk]
+        data[c * (n // TILE_N) : (c + part.shape[1]) * (n // TILE_N)].view(part.shape).copy_(part)
+    return TilePacked(data.view(torch.bfloat16).view(-1, 16, 16, 2), n, k, chunk)
 
 
-def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
-    """(N, K) of the weight `pack` turned into `packed`."""
-    return packed.shape[0] * TILE_N, packed.shape[1] * TILE_K
-
-
-def linear(lib: NativeLib, x: torch.Tensor, packed: torch.Tensor, epilogue: Epilogue = Epilogue.PLAIN) -> torch.Tensor:
+def linear(lib: NativeLib, x: torch.Tensor, packed: TilePacked, epilogue: Epilogue = Epilogue.PLAIN) -> torch.Tensor:
     """x [M, K] bf16 (rows any stride apart) @ W^T -> [M, N] bf16 (Epilogue.SILU: [M, N / 2], rows `padded_rows`
     apart: the down projection's x), W as `pack` left it."""
-    n, k = packed_shape(packed)
+    n, k = packed.n, packed.k
     if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be [M, {k}] bf16, got {x.dtype} {tuple(x.shape)}")
     if x.stride(1) != 1 or x.stride(0) < k:
@@ -67,7 +89,7 @@ def linear(lib: NativeLib, x: torch.Tensor, packed: torch.Tensor, epilogue: Epil
     threads = torch.get_num_threads()
     pad = scratch(threads, k)
     status = lib.amx_gemm(
-        x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, y.data_ptr(), y.stride(0), pad.data_ptr(), threads,
+        x.data_ptr(), m, k, x.stride(0), packed.data.data_ptr(), n, y.data_ptr(), y.stride(0), pad.data_ptr(), threads,
         int(epilogue),
     )  # fmt: skip
     if status != 0:
@@ -110,16 +132,16 @@ class AmxWeight:
     """A weight packed for the kernel, and the library that runs it."""
 
     lib: NativeLib
-    packed: torch.Tensor
+    packed: TilePacked
     paired: bool = False  # a gate_up weight packed with paired=True: silu_and_mul is there too
 
     @property
     def out_features(self) -> int:
-        return packed_shape(self.packed)[0]
+        return self.packed.n
 
     @property
     def in_features(self) -> int:
-        return packed_shape(self.packed)[1]
+        return self.packed.k
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""

@@ -57,6 +57,7 @@ enum {
 
 int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const uint16_t *wp, int64_t n, uint16_t *y,
                      int64_t ldy, uint16_t *pad, int32_t num_threads, int32_t epilogue);
+int64_t ucm_amx_layout_chunk(int64_t k);
 int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
                     uint16_t *y, int32_t num_threads);
 

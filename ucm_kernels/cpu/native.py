@@ -132,6 +132,7 @@ class NativeLib:
     lanes_rows: int  # fp32 prefill rows per item of the lanes body (paged_attention_lanes.h); 0: not in this build
     bf16_lanes_rows: int  # rows per item of the bf16 bodies on AVX-512 BF16, which take every bf16 row (dpbf16.h)
     amx_gemm: CFunction  # ucm_amx_gemm in amx_gemm.c (bf16 prompt rows on AMX, row-invariant)
+    amx_layout_chunk: CFunction  # ucm_amx_layout_chunk: k blocks a chunk of its packed W's layout takes (amx_gemm.py)
     has_amx: bool  # whether this build has it and the OS lets the process use AMX (1 from every call otherwise)
     has_amx_attention: bool  # whether bf16 prompt rows given as such take AMX tiles (paged_attention_amx.h)
 
@@ -324,6 +325,8 @@ def _bind(path: Path) -> NativeLib:
     # x, M, K, x's row stride, packed W, N, y, y's row stride, pad, threads, epilogue
     amx.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, i32, i32]
     amx.restype = i32
+    layout_chunk = cdll.ucm_amx_layout_chunk
+    layout_chunk.argtypes, layout_chunk.restype = [i64], i64  # K -> k blocks (of 32) a chunk
     cdll.ucm_amx_available.restype = i32
     cdll.ucm_amx_attention_available.restype = i32
     cdll.ucm_q4_bf16_available.restype = i32
@@ -360,6 +363,7 @@ def _bind(path: Path) -> NativeLib:
         int(cdll.ucm_lanes_rows()),
         int(cdll.ucm_bf16_lanes_rows()),
         amx,
+        layout_chunk,
         bool(cdll.ucm_amx_available()),
         bool(cdll.ucm_amx_attention_available()),
     )
