@@ -97,6 +97,23 @@ def test_a_paired_gate_up_gives_the_plain_product_and_its_silu(amx_lib, n, k):
         amx_gemm.AmxWeight(amx_lib, amx_gemm.pack(w)).silu_and_mul(x)
 
 
+def test_the_silu_epilogue_gives_every_gate_what_silu_and_mul_computes(amx_lib):
+    """The epilogue looks SiLU up in a table of every bf16 gate (amx_gemm.c); silu_and_mul computes it. A weight of
+    two identities (gate rows, then up rows) passes x through as gate and up, so every finite bf16 value reaches the
+    epilogue as a gate (the tiles flush denormals to zero and a -0 to +0: those arrive as +0)."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    values = bits.view(torch.bfloat16)
+    x = values[torch.isfinite(values)]
+    x = torch.cat((x, x[: -x.numel() % 32])).reshape(-1, 32)
+    eye = torch.eye(32, dtype=torch.bfloat16)
+    w = torch.cat((eye, eye))
+    plain = amx_gemm.linear(amx_lib, x, amx_gemm.pack(w))
+    normal = x.float().abs() >= torch.finfo(torch.bfloat16).tiny
+    assert torch.equal(plain[:, :32][normal], x[normal]), "the identity passes every normal gate through"
+    fused = amx_gemm.AmxWeight(amx_lib, amx_gemm.pack(w, paired=True), paired=True).silu_and_mul(x)
+    assert torch.equal(fused.view(torch.int16), api.silu_and_mul(plain).view(torch.int16))
+
+
 def test_rows_4k_apart_are_padded_and_taken_with_any_stride(amx_lib):
     """A SiLU output whose rows would be a multiple of 4 KB apart comes with its rows 64 bytes further apart
     (`padded_rows`), and x of any row stride gives the bits of its contiguous copy: the down projection takes the

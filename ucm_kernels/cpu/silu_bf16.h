@@ -28,13 +28,14 @@ BF16_INLINE __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* bf16(silu(g)) * u in fp32 (the caller rounds it to bf16 on store): g, u are bf16 values widened to fp32;
- * silu(g) = g / (1 + exp(-g)). */
-BF16_INLINE __m512 silu_mul16(__m512 g, __m512 u) {
+/* bf16(silu(g)) in fp32: g is a bf16 value widened to fp32; silu(g) = g / (1 + exp(-g)). */
+BF16_INLINE __m512 silu16(__m512 g) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    return _mm512_mul_ps(f32x16_round_bf16(s), u);
+    return f32x16_round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
 }
+
+/* bf16(silu(g)) * u in fp32 (the caller rounds it to bf16 on store): g, u are bf16 values widened to fp32. */
+BF16_INLINE __m512 silu_mul16(__m512 g, __m512 u) { return _mm512_mul_ps(silu16(g), u); }
 #endif
 
 #endif /* UCM_SILU_BF16_H */
