@@ -173,14 +173,24 @@ ALWAYS_INLINE void transpose16x16_epi32(__m512i r[16]) {
     }
 }
 
+typedef struct TileWork TileWork; /* paged_attention_amx.h: the tile work the AMX body's softmax runs beside */
+#include "paged_attention_amx.h"
+#ifndef UCM_HAS_AMX_ATTN
+struct TileWork {
+    int none;
+};
+ALWAYS_INLINE void tile_step(TileWork *t) { (void)t; }
+#endif
+
 /* One chunk's weights p = 2^(s - m) of every row (lanes): their sum added pair by pair into sum, the pairs
  * rounded to bf16 into Pp. all_live (a constant where inlined): no key of the chunk is masked and nk is even, so
  * the masks that zero a masked key's weight (exp2_ps clamps at 2^-127: a denormal, not 0) would keep every lane.
  * amx (a constant): S holds unscaled scores and p = 2^(s * scale - m) by exp2_short_ps, the AMX body's weights
  * (its own bits: no other body computes a prompt row on a CPU with AMX). */
 ALWAYS_INLINE void dp_weights(const float *S, uint32_t *Pp, const __m512 *m, __m512 *sum, int n2, int nk,
-                              const int all_live, const int amx, __m512 scale, const int dv) {
-    for (int i = 0; i < n2; i++)
+                              const int all_live, const int amx, __m512 scale, const int dv, TileWork *tw) {
+    for (int i = 0; i < n2; i++) {
+        if (amx && i % 4 == 3) tile_step(tw);
 #pragma GCC unroll 2
         for (int v = 0; v < dv; v++) {
             const __m512 se = _mm512_load_ps(S + 2 * i * DR + v * 16);
@@ -202,10 +212,31 @@ ALWAYS_INLINE void dp_weights(const float *S, uint32_t *Pp, const __m512 *m, __m
             sum[v] = _mm512_add_ps(sum[v], _mm512_add_ps(pe, po));
             _mm512_store_si512(Pp + i * DR + v * 16, bf16_pairs(pe, po));
         }
+    }
 }
 
-#include "paged_attention_amx.h"
 
+/* The head-h rows of keys start .. start + nk - 1 of a sequence (block table `table`): kp[j] key j's K (AMX with
+ * blocks of a multiple of 16 keys: the first of each 16, which qk_step reads in place), vp[j] its V (not with AMX). */
+ALWAYS_INLINE void chunk_keys(const Problem *p, const int32_t *table, int32_t start, int nk, int32_t h, const int amx,
+                              const uint32_t **kp, const uint16_t **vp, int64_t *at) {
+    const uint16_t *const kbase = (const uint16_t *)p->k_cache, *const vbase = (const uint16_t *)p->v_cache;
+#ifdef UCM_HAS_AMX_ATTN
+    const int32_t bs = p->block_size;
+    if (amx && bs % 16 == 0) {
+        for (int j0 = 0; j0 < nk; j0 += 16)
+            kp[j0] = (const uint32_t *)(kbase + cache_offset(p, table[(start + j0) / bs], (start + j0) % bs, h));
+        return;
+    }
+#else
+    (void)amx;
+#endif
+    key_offsets(p, table, start, nk, h, at);
+    for (int j = 0; j < nk; j++) {
+        kp[j] = (const uint32_t *)(kbase + at[j]);
+        vp[j] = vbase + at[j];
+    }
+}
 
 /* One item: rows row0 .. min(row0 + DR, row_end) - 1 of kv head h of sequence seq, row = token * group + head in
  * group. amx (a constant): the products on AMX tiles (paged_attention_amx.h), for prompt rows. */
@@ -219,8 +250,8 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
         zero_lane_rows(p, q0, h, row0, nrows, 2);
         return;
     }
-    _Alignas(64) uint32_t qT[MAX_D / 2 * DR], Pp[DKC / 2 * DR], Vp[DKC / 2 * MAX_D];
-    _Alignas(64) float oT[MAX_D * DR], S[DKC * DR];
+    _Alignas(64) uint32_t qT[MAX_D / 2 * DR], Pp2[2][DKC / 2 * DR], Vp[DKC / 2 * MAX_D];
+    _Alignas(64) float oT[MAX_D * DR], S2[2][DKC * DR];
 #ifdef UCM_HAS_AMX_ATTN
     _Alignas(64) uint16_t Kc[16 * MAX_D];
     const int64_t key_stride = (int64_t)p->num_kv_heads * d * 2;
@@ -262,38 +293,46 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
     }
     const __m512 scale = _mm512_set1_ps(p->scale_log2);
     const int32_t first = pos[0], last = pos[DR - 1]; /* token-major rows: positions ascend */
-    const uint16_t *const kbase = (const uint16_t *)p->k_cache, *const vbase = (const uint16_t *)p->v_cache;
-    for (int32_t start = 0; start <= last; start += DKC) {
-        const int nk = last - start + 1 < DKC ? last - start + 1 : DKC, n2 = (nk + 1) / 2;
+    TileWork tw = {0};
 #ifdef UCM_HAS_AMX_ATTN
-        if (amx && bs % 16 == 0) /* amx_qk reads 16 keys of one block in place from the first's row alone */
-            for (int j0 = 0; j0 < nk; j0 += 16)
-                kp[j0] = (const uint32_t *)(kbase + cache_offset(p, table[(start + j0) / bs], (start + j0) % bs, h));
-        else
+    if (amx) { /* the first chunk's scores; each chunk's softmax runs beside the next one's (TileWork) */
+        tw = (TileWork){.oT = oT, .qT = qT, .kp = kp, .Kc = Kc, .key_stride = key_stride, .bs = bs, .d = d, .dv = dv};
+        tw.pv_col = d; /* no P V waits */
+        tw.S = S2[0];
+        tw.nk = last + 1 < DKC ? last + 1 : DKC;
+        chunk_keys(p, table, 0, tw.nk, h, amx, kp, vp, at);
+        tile_drain(&tw);
+    }
+#endif
+    for (int32_t start = 0, i = 0; start <= last; start += DKC, i++) {
+        const int nk = last - start + 1 < DKC ? last - start + 1 : DKC, n2 = (nk + 1) / 2;
+        float *const S = S2[i & 1];
+        uint32_t *const Pp = Pp2[i & 1];
+#ifdef UCM_HAS_AMX_ATTN
+        if (amx) { /* the next chunk's scores, as tile steps (the last chunk's P V is set before them, below) */
+            const int32_t next = start + DKC;
+            tw.S = S2[(i + 1) & 1];
+            tw.start = next;
+            tw.qk_key = 0;
+            tw.nk = next <= last ? (last - next + 1 < DKC ? last - next + 1 : DKC) : 0;
+            if (tw.nk) chunk_keys(p, table, next, tw.nk, h, amx, kp, vp, at);
+        } else
 #endif
         {
-            key_offsets(p, table, start, nk, h, at);
-            for (int j = 0; j < nk; j++) {
-                kp[j] = (const uint32_t *)(kbase + at[j]);
-                vp[j] = vbase + at[j];
-            }
-        }
-#ifdef UCM_HAS_AMX_ATTN
-        if (amx) amx_qk(S, qT, kp, nk, d, start, bs, key_stride, Kc, dv);
-        else
-#endif
+            chunk_keys(p, table, start, nk, h, amx, kp, vp, at);
             for (int j = 0; j < nk; j += DKB) {
 #define QK(N) dp_qk(S + j * DR, qT, kp + j, N, d2, scale)
                 SWITCH_UP_TO_8(nk - j, QK)
 #undef QK
             }
+        }
         if (!amx) interleave_v_pairs(Vp, vp, nk, d); /* AMX: the call's V^T (amx_build_vt) */
         __m512 mx[DV], sum[DV];
 #pragma GCC unroll 2
         for (int v = 0; v < dv; v++) mx[v] = m[v];
         const int diag = start + nk - 1 > first; /* some row stops inside this chunk: mask the keys past it */
 #ifdef UCM_HAS_AMX_ATTN
-        if (amx) amx_mask_max(S, nk, start, diag, posv, scale, mx, dv);
+        if (amx) amx_mask_max(S, nk, start, diag, posv, scale, mx, dv, &tw);
         else
 #endif
         {
@@ -313,7 +352,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
 #pragma GCC unroll 2
         for (int v = 0; v < dv; v++) {
             /* AMX: a row's reference rises only past its max by more than LAZY_MAX_LOG2 (weights up to 2^that, in
-             * fp32 and bf16 alike), so that the output's rescale (amx_pv) runs only in the few chunks where
+             * fp32 and bf16 alike), so that the output's rescale (pv_step) runs only in the few chunks where
              * some row's does; elsewhere m is the running max. */
             if (amx) {
                 const __m512 lagged = _mm512_add_ps(m[v], _mm512_set1_ps(LAZY_MAX_LOG2));
@@ -324,13 +363,21 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
             m[v] = mx[v];
             sum[v] = _mm512_setzero_ps();
         }
-        if (!diag && nk == DKC) dp_weights(S, Pp, m, sum, n2, nk, 1, amx, scale, dv); /* no masked key, no odd partner */
-        else dp_weights(S, Pp, m, sum, n2, nk, 0, amx, scale, dv);
+        if (!diag && nk == DKC) /* no masked key, no odd partner */
+            dp_weights(S, Pp, m, sum, n2, nk, 1, amx, scale, dv, &tw);
+        else dp_weights(S, Pp, m, sum, n2, nk, 0, amx, scale, dv, &tw);
 #pragma GCC unroll 2
         for (int v = 0; v < dv; v++) l[v] = _mm512_add_ps(_mm512_mul_ps(l[v], alpha[v]), sum[v]);
 #ifdef UCM_HAS_AMX_ATTN
-        if (amx) amx_pv(oT, Pp, amx_vt_chunk(p, seq, h, start / DKC), alpha, n2, d, dv);
-        else
+        if (amx) { /* the steps left, then this chunk's P V waits for the next chunk's softmax */
+            tile_drain(&tw);
+            tw.Pp = Pp;
+            tw.VT = amx_vt_chunk(p, seq, h, start / DKC);
+            tw.n2 = n2;
+            tw.pv_col = 0;
+#pragma GCC unroll 2
+            for (int v = 0; v < dv; v++) tw.alpha[v] = alpha[v];
+        } else
 #endif
             for (int c = 0; c < d; c += DKB) {
 #define PV(N) dp_pv(oT, Pp, Vp, alpha, n2, c, N, d)
@@ -339,7 +386,10 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
             }
     }
 #ifdef UCM_HAS_AMX_ATTN
-    if (amx) _tile_release();
+    if (amx) {
+        tile_drain(&tw); /* the last chunk's P V */
+        _tile_release();
+    }
 #endif
     _Alignas(64) float inv[DR];
 #pragma GCC unroll 2
