@@ -156,7 +156,8 @@ int32_t ucm_amx_available(void) {
  * model loaded into a new process, or huge pages) a chunk's 16 panels fell in the same L2 sets: 16 distinct weights
  * of 2048 x 8192 in 2 MB pages at 1536 rows, on the 2-core Xeon with AMX, 1.60 TFLOP/s in panel order, 2.26 in
  * chunks (2.22 / 2.26 in 4 KB pages); the engine's own weights ran that shape at 1.4-1.5 in a prompt step. */
-static inline int64_t layout_chunk(int64_t k) { return (MC + 32) * k * 2 <= MID_L2_BYTES ? KCB : KCB_PAST_L2; }
+static inline int fits_l2(int64_t k) { return (MC + 32) * k * 2 <= MID_L2_BYTES; } /* a row block's x and a pair's W */
+static inline int64_t layout_chunk(int64_t k) { return fits_l2(k) ? KCB : KCB_PAST_L2; }
 
 int64_t ucm_amx_layout_chunk(int64_t k) { return layout_chunk(k); }
 
@@ -303,12 +304,12 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     const int64_t groups = k >= ONE_GROUP_K || past_slack <= RG / 32 ? 1 : (past_slack + RG / 32 - 1) / (RG / 32);
     const int64_t widest = (slices + groups - 1) / groups; /* slices of the largest group */
     const int64_t kbs = k / 32; /* k blocks */
-    const int fits_l2 = (MC + 32) * k * 2 <= MID_L2_BYTES; /* a row block's x and a pair's W */
-    const int mid = m <= (k < ONE_PASS_K ? MID_ROWS : fits_l2 ? MID_ROWS_ONE_PASS : MID_ROWS_PAST_L2) + SLACK_ROWS;
+    const int in_l2 = fits_l2(k);
+    const int mid = m <= (k < ONE_PASS_K ? MID_ROWS : in_l2 ? MID_ROWS_ONE_PASS : MID_ROWS_PAST_L2) + SLACK_ROWS;
     const int chunked = !mid && m > SPLIT_ROWS && kbs > KCB;
-    const int past_l2 = chunked && !fits_l2;
+    const int past_l2 = chunked && !in_l2;
     const int64_t mc = !past_l2 ? MC : m <= WHOLE_PAST_L2 ? (m + 31) / 32 * 32 : MC_PAST_L2; /* rows a block */
-    const int64_t kcb = chunked ? (past_l2 ? KCB_PAST_L2 : KCB) : kbs; /* k blocks a chunk takes (all: one chunk) */
+    const int64_t kcb = chunked ? layout_chunk(k) : kbs; /* k blocks a chunk takes (all: one chunk) */
     /* k blocks a pass over a slice takes: see KBC and ONE_PASS_K */
     const int64_t kbc = m <= SPLIT_ROWS || k >= ONE_PASS_K ? kcb : KBC;
     const int64_t mblocks = (widest + mc / 32 - 1) / (mc / 32); /* row blocks of a group */

@@ -35,12 +35,11 @@ def takes(weight: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class TilePacked:
     """A weight [N, K] as the kernel reads it: 16-output panels of 32-k VNNI blocks ([16 k pairs][16 outputs][2]),
-    chunk after chunk of `chunk` k blocks (amx_gemm.c: layout_chunk), every panel's blocks of a chunk in turn."""
+    chunk after chunk of layout_chunk(k) k blocks (amx_gemm.c decides), every panel's blocks of a chunk in turn."""
 
     data: torch.Tensor  # [N / 16 * K / 32, 16, 16, 2] bf16 in that order
     n: int
     k: int
-    chunk: int
 
 
 def layout_chunk(k: int) -> int:
@@ -72,7 +71,7 @@ def pack(weight: torch.Tensor, paired: bool = False) -> TilePacked:
     for c in range(0, blocks, chunk):  # each chunk's panels in turn, copied once from the view
         part = panels[:, c : c + chunk]
         data[c * (n // TILE_N) : (c + part.shape[1]) * (n // TILE_N)].view(part.shape).copy_(part)
-    return TilePacked(data.view(torch.bfloat16).view(-1, 16, 16, 2), n, k, chunk)
+    return TilePacked(data.view(torch.bfloat16).view(-1, 16, 16, 2), n, k)
 
 
 def linear(lib: NativeLib, x: torch.Tensor, packed: TilePacked, epilogue: Epilogue = Epilogue.PLAIN) -> torch.Tensor:

@@ -215,7 +215,6 @@ ALWAYS_INLINE void dp_weights(const float *S, uint32_t *Pp, const __m512 *m, __m
     }
 }
 
-
 /* The head-h rows of keys start .. start + nk - 1 of a sequence (block table `table`): kp[j] key j's K (AMX with
  * blocks of a multiple of 16 keys: the first of each 16, which qk_step reads in place), vp[j] its V (not with AMX). */
 ALWAYS_INLINE void chunk_keys(const Problem *p, const int32_t *table, int32_t start, int nk, int32_t h, const int amx,
