@@ -15,8 +15,11 @@ the limits before and after each model's phases, the higher counting:
                    for every row but the last layer's (it runs them on the sampled row alone), the lm_head on one row;
                    each step between two passes of F.linear over every layer's shapes, distinct weights (the faster
                    counting)
-    decode b       the median step of B requests decoding together (256-token prompts), in bytes a step must read:
-                   every weight (the tied lm_head whole) and each request's K and V so far
+    decode b       the median step of B requests decoding together (prompts of vs_vllm's random shape, 512 tokens),
+                   in bytes a step must read: every weight (the tied lm_head whole) and each request's K and V so far.
+                   At that context, because vs_vllm_ceiling applies this fraction to that workload's decode steps:
+                   measured at 256-token prompts it read 92% for Llama-1B at batch 8 (2-core Xeon with AMX) where the
+                   random run's own steps, their attention reading twice the K/V at ~14 GB/s, ran at ~81%
 
     host peak      the rate of a loop of the CPU's widest multiply-accumulate in the engine's dtype on registers
                    (ucm_kernels/cpu/peak_probe.py), before and after each model: a shared host's phase (the 2-core
@@ -48,6 +51,7 @@ import torch
 
 from benchmarks.prefix_floor import LayerMatmuls, attention_flops, linear_shapes, matmul_gflops
 from benchmarks.vllm_harness import synthetic_prompt
+from benchmarks.vs_vllm_workloads import RANDOM
 from benchmarks.yardstick_models import SHAPES, ensure_model
 from engine import LLM, SamplingParams
 from engine.config import resolve_dtype_name
@@ -60,7 +64,7 @@ from ucm_kernels.cpu.timing import alternating_best_ms
 TARGETS = {"prefill": 0.85, "decode": 0.75}
 PREFILL_TOKENS = 1536  # the prompt step timed: each matmul's rows
 ROUNDS = 5  # matmul and read timings: the best counts
-DECODE_PROMPT, DECODE_STEPS = 256, 16
+DECODE_PROMPT, DECODE_STEPS = RANDOM.prompt_len, 16
 
 
 def read_bandwidth_gbs(rounds: int) -> tuple[float, int]:
