@@ -26,7 +26,7 @@ def amx_lib(native_lib):
 
 
 # amx_gemm.c's orders past MID_ROWS + SLACK_ROWS rows: (960, 576) and (3072, 576) in row groups, k in passes;
-# (128, 896) one group (ONE_GROUP_K), one pass over k (ONE_PASS_K); (576, 1536) and (256, 4160) a K of LONG_K or
+# (128, 896) one group (ONE_GROUP_K), one pass over k (ONE_PASS_K); (576, 1536) and (256, 4160) a K of ONE_PASS_K or
 # more that fits L2: one pass over k; (64, 6592) a K past that: k in chunks (KCB_PAST_L2, the last one short) from
 # MID_ROWS_PAST_L2 + SLACK_ROWS rows on, one row block up to WHOLE_PAST_L2 rows, blocks of MC_PAST_L2 past it, the
 # sums kept between chunks, the last rows padded once a call.

@@ -97,7 +97,7 @@
  * prefetch 16 k blocks ahead into L2 lost (75.5 -> 77.8 ms). */
 #define KCB 64 /* k blocks (of 32) a chunk of a long K: a block's W (NC x 2048) and x (MC x 2048) share L2 */
 /* A K whose row block's x and one pair's W are past L2 (Llama-1B's down projection, K = 8192) takes row blocks of
- * MC_PAST_L2 rows and chunks of KCB_PAST_L2 k blocks (the block's x chunk, 256 x 1024 bf16, W chunk, NC x 1024, and
+ * MC_PAST_L2 rows and chunks of KCB_PAST_L2 k blocks (the block's x chunk, 256 x 512 bf16, W chunk, NC x 512, and
  * sums, 256 x NC fp32, share L2): each W chunk read from memory serves twice the rows. In that shape the k chunks beat
  * the one-pass order from MID_ROWS_PAST_L2 + SLACK_ROWS rows on, not MID_ROWS'. 16 distinct weights, builds alternated
  * in one process on the 2-core Xeon with AMX, TFLOP/s: 160-384 rows 1.43-1.65 -> 1.77-2.07, a 512-token prompt beside 7
@@ -108,10 +108,13 @@
  * rows (a 512-token prompt beside decodes) makes one row block, so that each W chunk comes from memory once a call (16
  * weights of 2048 x 8192, builds alternated: 384-576 rows +7-13%, a 519-token prompt step of Llama-1B 600 -> 585 ms);
  * its x chunk then overflows L2, and still chunks of 32 k blocks each taken in one pass (ONE_PASS_K) beat chunks of 8
- * there (519 rows 1.83 -> 2.03 TFLOP/s). */
+ * there (519 rows 1.83 -> 2.03 TFLOP/s). With W laid out in these chunks (layout_chunk), 16 beat 32 on every row count
+ * (another machine of that Xeon, 6 weights of 2048 x 8192, builds alternated, TFLOP/s, in 4 KB / 2 MB pages): 160-256
+ * rows 1.55-1.75 -> 1.71-1.96, 519 rows 1.87-1.90 -> 1.98-2.03, 1024-4096 rows 1.86-1.98 -> 2.04-2.25; 8, 12, 24 and 64
+ * lost to 16; 1-8 rows (a decode's one pass over the chunks) tied. The same bits. */
 #define MID_ROWS_PAST_L2 64
 #define MC_PAST_L2 256
-#define KCB_PAST_L2 32
+#define KCB_PAST_L2 16
 #define WHOLE_PAST_L2 576
 
 #ifdef UCM_HAS_SILU16
