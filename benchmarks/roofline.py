@@ -18,8 +18,8 @@ the limits before and after each model's phases, the higher counting:
     decode b       the median step of B requests decoding together (prompts of vs_vllm's random shape, 512 tokens),
                    in bytes a step must read: every weight (the tied lm_head whole) and each request's K and V so far.
                    At that context, because vs_vllm_ceiling applies this fraction to that workload's decode steps:
-                   measured at 256-token prompts it read 92% for Llama-1B at batch 8 (2-core Xeon with AMX) where the
-                   random run's own steps, their attention reading twice the K/V at ~14 GB/s, ran at ~81%
+                   at 256-token prompts Llama-1B's batch 8 read 92% (2-core Xeon with AMX), at 512 84%: the
+                   attention reads twice the K/V, at ~14 GB/s (random blocks) where the weights stream at ~28
 
     host peak      the rate of a loop of the CPU's widest multiply-accumulate in the engine's dtype on registers
                    (ucm_kernels/cpu/peak_probe.py), before and after each model: a shared host's phase (the 2-core
