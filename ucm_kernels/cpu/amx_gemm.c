@@ -309,10 +309,11 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     const int64_t kbs = k / 32; /* k blocks */
     const int in_l2 = fits_l2(k);
     const int mid = m <= (k < ONE_PASS_K ? MID_ROWS : in_l2 ? MID_ROWS_ONE_PASS : MID_ROWS_PAST_L2) + SLACK_ROWS;
-    const int chunked = !mid && m > SPLIT_ROWS && kbs > KCB;
+    const int64_t chunk = layout_chunk(k); /* the packed W's chunks, which the k passes follow */
+    const int chunked = !mid && m > SPLIT_ROWS && kbs > chunk;
     const int past_l2 = chunked && !in_l2;
     const int64_t mc = !past_l2 ? MC : m <= WHOLE_PAST_L2 ? (m + 31) / 32 * 32 : MC_PAST_L2; /* rows a block */
-    const int64_t kcb = chunked ? layout_chunk(k) : kbs; /* k blocks a chunk takes (all: one chunk) */
+    const int64_t kcb = chunked ? chunk : kbs; /* k blocks a chunk takes (all: one chunk) */
     /* k blocks a pass over a slice takes: see KBC and ONE_PASS_K */
     const int64_t kbc = m <= SPLIT_ROWS || k >= ONE_PASS_K ? kcb : KBC;
     const int64_t mblocks = (widest + mc / 32 - 1) / (mc / 32); /* row blocks of a group */
