@@ -131,6 +131,7 @@ class NativeLib:
     vector_path: str  # what head_dims that are multiples of 16 run: "avx512", "avx2", "neon" or "scalar"
     lanes_rows: int  # fp32 prefill rows per item of the lanes body (paged_attention_lanes.h); 0: not in this build
     bf16_lanes_rows: int  # rows per item of the bf16 bodies on AVX-512 BF16, which take every bf16 row (dpbf16.h)
+    cols_products: CFunction  # ucm_cols_products: the bf16 decode body's product form (1 VDPBF16PS, 2 FMA; -1 none)
     amx_gemm: CFunction  # ucm_amx_gemm in amx_gemm.c (bf16 prompt rows on AMX, row-invariant)
     amx_layout_chunk: CFunction  # ucm_amx_layout_chunk: k blocks a chunk of its packed W's layout takes (amx_gemm.py)
     has_amx: bool  # whether this build has it and the OS lets the process use AMX (1 from every call otherwise)
@@ -335,6 +336,8 @@ def _bind(path: Path) -> NativeLib:
     cdll.ucm_vector_path.restype = ctypes.c_char_p
     cdll.ucm_lanes_rows.restype = i32
     cdll.ucm_bf16_lanes_rows.restype = i32
+    cols_products = cdll.ucm_cols_products
+    cols_products.argtypes, cols_products.restype = [i32], i32  # set (-1: leave) -> the form in force
     return NativeLib(
         path,
         cdll,
@@ -362,6 +365,7 @@ def _bind(path: Path) -> NativeLib:
         cdll.ucm_vector_path().decode(),
         int(cdll.ucm_lanes_rows()),
         int(cdll.ucm_bf16_lanes_rows()),
+        cols_products,
         amx,
         layout_chunk,
         bool(cdll.ucm_amx_available()),

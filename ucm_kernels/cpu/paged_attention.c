@@ -155,6 +155,19 @@ int ucm_bf16_lanes_rows(void) {
 #endif
 }
 
+/* The form of the bf16 cols body's products (paged_attention_dpbf16.h: cols_products): `set` 1 (VDPBF16PS) or 2 (its
+ * two FMAs) fixes it for this process, 0 probes again, -1 leaves it; returns the form in force (probed on first use),
+ * or -1 where this build has no such body. Both forms give the same bits (tests compare them). */
+int32_t ucm_cols_products(int32_t set) {
+#ifdef UCM_HAS_DPBF16
+    if (set >= 0 && set <= COLS_FMA) __atomic_store_n(&cols_products_form, (int)set, __ATOMIC_RELAXED);
+    return cols_products();
+#else
+    (void)set;
+    return -1;
+#endif
+}
+
 /* 1 when bf16 prompt rows passed as such (prompt_queries) take the AMX body here: this build has it and the OS
  * lets the process use AMX (paged_attention_amx.h). */
 int ucm_amx_attention_available(void) {
@@ -266,6 +279,18 @@ static inline Item item_at(const Problem *p, int32_t seq, int32_t i, int32_t dty
     return (Item){.seq = seq, .row0 = i * MAX_ROWS, .kv_head = -1};
 }
 
+#ifdef UCM_HAS_DPBF16
+/* MXCSR with DAZ and FTZ set, VDPBF16PS's own mode, for a bf16 item of paged_attention_dpbf16.h's bodies other than
+ * the AMX one; returns the caller's MXCSR to restore. The FMA form of the cols body's products needs it for
+ * VDPBF16PS's bits (cols_products), and every such item runs in it, its softmax too, so that a row's bits do not
+ * depend on which body or form computed it. */
+static inline unsigned dpbf16_mode(void) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | _MM_DENORMALS_ZERO_ON | _MM_FLUSH_ZERO_ON);
+    return csr;
+}
+#endif
+
 /* One item on the body it was made for: kv_head >= 0 marks a lanes item (lane_rows). */
 static inline void run_item(const Problem *p, const Item *it, ItemFn fn, int32_t dtype) {
 #ifdef UCM_HAS_AMX_ATTN
@@ -276,7 +301,9 @@ static inline void run_item(const Problem *p, const Item *it, ItemFn fn, int32_t
 #endif
 #ifdef UCM_HAS_DPBF16
     if (it->group_len > 0) {
+        const unsigned csr = dpbf16_mode();
         (p->head_dim == 64 ? dpbf16_shared_d64 : dpbf16_shared_any)(p, it);
+        _mm_setcsr(csr);
         return;
     }
 #endif
@@ -286,7 +313,9 @@ static inline void run_item(const Problem *p, const Item *it, ItemFn fn, int32_t
     }
 #ifdef UCM_HAS_DPBF16
     if (dtype == UCM_DTYPE_BF16) {
+        const unsigned csr = dpbf16_mode();
         (p->head_dim == 64 ? dpbf16_d64 : dpbf16_any)(p, it->seq, it->kv_head, it->row0);
+        _mm_setcsr(csr);
         return;
     }
 #endif
@@ -397,7 +426,10 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
         num_seqs != 1 || num_threads < 2 ? 1 : num_threads < num_kv_heads ? num_threads : num_kv_heads;
     Problem p = {q, q_stride_tok, q_stride_head, k_cache, v_cache, out, query_start_loc, seq_lens,
                  block_tables, block_table_stride, num_q_heads, num_kv_heads, head_dim, block_size,
-                 scale * LOG2E, skip_whole_prompts, prompt_queries, NULL, NULL, head_parts};
+                 scale * LOG2E, skip_whole_prompts, prompt_queries, NULL, NULL, head_parts, 0};
+#ifdef UCM_HAS_DPBF16
+    p.cols_fma = dtype == UCM_DTYPE_BF16 && cols_products() == COLS_FMA;
+#endif
     int64_t num_items = 0;
     int rc = validate(&p, dtype, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
     if (rc != UCM_OK) return rc;

@@ -76,6 +76,7 @@ typedef struct {
     const int32_t *group_seqs; /* the members of shared-prefix decode items, group after group
                                   (paged_attention_shared.h); NULL: none */
     int32_t head_parts; /* items a lone decode's item of every kv head is cut into, by kv heads (1: one item) */
+    int32_t cols_fma;   /* 1: the cols body's products as FMAs (paged_attention_dpbf16.h: cols_products) */
 } Problem;
 
 typedef struct {

@@ -13,6 +13,9 @@
  * item's 32 rows), and P is rounded to bf16 for its product with V, as flash attention does on GPUs; its
  * row sums stay fp32. The online softmax (base 2) is element-wise over the rows' lanes, once per DKC keys.
  *
+ * A decode's rows (attend_dpbf16_cols) may take VDPBF16PS's products as pairs of fp32 FMAs instead, with the same
+ * bits, where this CPU runs those faster (cols_products).
+ *
  * Every bf16 row goes through this file, not only long prefills: a row's bits must not depend on how its prompt
  * was split (whole, in chunks, after a cache hit) or on whether it is a decode. (On CPUs with AMX, prompt rows
  * given as such run attend_dpbf16 with its products on tiles, paged_attention_amx.h, in every step.) Items of fewer than DCOLS rows (a
@@ -27,6 +30,7 @@
 #define UCM_PAGED_ATTENTION_DPBF16_H
 
 #include <stdlib.h>
+#include <time.h>
 
 #include "paged_attention_common.h"
 
@@ -60,6 +64,60 @@ static inline int dpbf16_take(const Problem *p, int32_t seq, int32_t dtype) {
  * decode has, and heads that fit attend_dpbf16_cols. */
 static inline int dpbf16_all_heads(const Problem *p, int32_t queries) {
     return queries * (p->num_q_heads / p->num_kv_heads) < DCOLS && p->num_kv_heads <= DCOLS_HEADS;
+}
+
+/* How attend_dpbf16_cols computes its products. VDPBF16PS is, by its definition, two fp32 FMAs (the odd elements'
+ * product, then the even ones') that read denormal inputs as zero and flush denormal results (DAZ, FTZ); with MXCSR
+ * set so, the two FMAs give its bits (tests/kernels/test_kernels_cols_products.py, denormals included). Where FMAs
+ * outrun it the FMA form is faster, though each K and V dword is split into its two bf16 halves first (a shift and
+ * a mask), and V is read in place, not interleaved: on the 2-core Xeon with AMX a VDPBF16PS took 0.55 ns, an FMA
+ * 0.14 (two a cycle), and 8 decodes' attention over 550 keys, builds alternated in one process, ran Llama-1B's 16
+ * layers in 9.9 -> 9.0 ms (K/V from memory) and 7.3 -> 6.3 (from L3), Qwen2.5-0.5B's 24 in 4.3 -> 4.0 and 3.2 ->
+ * 2.9. Where VDPBF16PS does its 32 products in the time of two FMAs or less (AMD Zen 4 and 5), it stays. */
+enum { COLS_UNDECIDED = 0, COLS_VDPBF16PS = 1, COLS_FMA = 2 };
+static int cols_products_form = COLS_UNDECIDED;
+
+/* Seconds for `rounds` rounds of 12 independent sums, a round one VDPBF16PS a sum or (fma) its two FMAs, on values of
+ * magnitude [1, 2) (units do less on zeros). */
+static double cols_products_seconds(const int fma, int64_t rounds) {
+    const __m512i a = _mm512_set1_epi32(0x3fc13f93), b = _mm512_set1_epi32((int)0xbf8a3fb5u);
+    const __m512i odd = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512 ah = _mm512_castsi512_ps(_mm512_and_si512(a, odd)), al = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+    const __m512 bh = _mm512_castsi512_ps(_mm512_and_si512(b, odd)), bl = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    __m512 acc[12];
+    for (int j = 0; j < 12; j++) acc[j] = _mm512_setzero_ps();
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int64_t i = 0; i < rounds; i++)
+#pragma GCC unroll 12
+        for (int j = 0; j < 12; j++)
+            acc[j] = fma ? _mm512_fmadd_ps(al, bl, _mm512_fmadd_ps(ah, bh, acc[j]))
+                         : _mm512_dpbf16_ps(acc[j], (__m512bh)a, (__m512bh)b);
+    for (int j = 0; j < 12; j++) __asm__ volatile("" : : "v"(acc[j])); /* the sums are used */
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+}
+
+/* The form this core runs faster: the best of 5 alternated runs of each (under a millisecond in all); FMA where its
+ * time is at most 2/3 of VDPBF16PS's, a margin for the split's integer operations. */
+static int cols_products_probe(void) {
+    double dp = 1e30, fma = 1e30;
+    for (int i = 0; i < 5; i++) {
+        const double t = cols_products_seconds(0, 4096), u = cols_products_seconds(1, 4096);
+        dp = t < dp ? t : dp;
+        fma = u < fma ? u : fma;
+    }
+    return 3.0 * fma <= 2.0 * dp ? COLS_FMA : COLS_VDPBF16PS;
+}
+
+/* The form in force (probed on first use; ucm_cols_products may set it). */
+static inline int cols_products(void) {
+    int form = __atomic_load_n(&cols_products_form, __ATOMIC_RELAXED);
+    if (form == COLS_UNDECIDED) {
+        form = cols_products_probe();
+        __atomic_store_n(&cols_products_form, form, __ATOMIC_RELAXED);
+    }
+    return form;
 }
 
 /* S[j][0:DR] = scale * sum_c kp[j][c] . qT[c][0:DR] over the d2 dword pairs, for kb (<= DKB) keys. */
@@ -434,11 +492,53 @@ ALWAYS_INLINE void dp_cols_pv(const uint32_t *Vp, const uint16_t *P16, float *o,
         for (int b = 0; b < nb; b++) _mm512_store_ps(o + r * d + c + 16 * b, a[r][b]);
 }
 
+/* dp_cols_pv in FMA form (cols_products): output columns c .. c + 32 * nb - 1, each 32 of them kept as their 16 even
+ * columns then their 16 odd ones (a V row's bf16 dwords split by a shift and a mask: no interleave), or (nb 0) the
+ * 16 columns from c in order; each key pair's VDPBF16PS is its two FMAs, the odd key's first. vp: each key's V row of
+ * this kv head; Pf: P16 as fp32. */
+ALWAYS_INLINE void dp_cols_pv_fma(const uint16_t *const *vp, const float *Pf, float *o, const float *alpha,
+                                  const int32_t nrows, int nk, int n2, int d, int c, const int nb) {
+    static const uint16_t zeros[MAX_D]; /* the odd partner of a chunk's last key when nk is odd */
+    const __m512i odd = _mm512_set1_epi32((int)0xFFFF0000u);
+    const int nv = nb ? 2 * nb : 1; /* vectors of columns */
+    __m512 a[DCOLS][4];
+#pragma GCC unroll 8
+    for (int32_t r = 0; r < nrows; r++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nv; b++)
+            a[r][b] = _mm512_mul_ps(_mm512_load_ps(o + r * d + c + 16 * b), _mm512_set1_ps(alpha[r]));
+    for (int i = 0; i < n2; i++)
+#pragma GCC unroll 2
+        for (int e = 1; e >= 0; e--) {
+            const int j = 2 * i + e;
+            const uint16_t *vr = j < nk ? vp[j] + c : zeros;
+            __m512 vh[4];
+            if (nb == 0) vh[0] = bf16x16_to_f32(vr);
+#pragma GCC unroll 2
+            for (int b = 0; b < nb; b++) {
+                const __m512i vv = _mm512_loadu_si512(vr + 32 * b);
+                vh[2 * b] = _mm512_castsi512_ps(_mm512_slli_epi32(vv, 16));
+                vh[2 * b + 1] = _mm512_castsi512_ps(_mm512_and_si512(vv, odd));
+            }
+#pragma GCC unroll 8
+            for (int32_t r = 0; r < nrows; r++) {
+                const __m512 pr = _mm512_set1_ps(Pf[r * (DKC + 16) + j]);
+#pragma GCC unroll 4
+                for (int b = 0; b < nv; b++) a[r][b] = _mm512_fmadd_ps(pr, vh[b], a[r][b]);
+            }
+        }
+#pragma GCC unroll 8
+    for (int32_t r = 0; r < nrows; r++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nv; b++) _mm512_store_ps(o + r * d + c + 16 * b, a[r][b]);
+}
+
 /* attend_dpbf16_cols' work on one chunk for the rows of one kv head: scores (each Kt vector loaded once for the
  * rows), the online softmax's step, P V (each Vp vector loaded once for the rows). */
 ALWAYS_INLINE void dp_cols_rows(const uint32_t *Kt, const uint32_t *Vp, const uint32_t *const *qrow, const int32_t *pos,
                                 float *m, float *l, float *o, float *w, uint16_t *P16, const int32_t nrows, int32_t start,
-                                int nk, int n2, int ng, int d2, int d, __m512 scale, __m512 ninf, __m512i lane_ids) {
+                                int nk, int n2, int ng, int d2, int d, __m512 scale, __m512 ninf, __m512i lane_ids,
+                                const int fma, const uint16_t *const *vp) {
     /* nrows is a constant here (dp_cols_rows_n), and every loop over rows or key groups has a constant bound, so
      * the accumulators stay in registers: with a run-time row count they lived on the stack, and each VDPBF16PS
      * waited on a store and a load. Groups past ng compute on stale Kt and are never read. */
@@ -447,17 +547,42 @@ ALWAYS_INLINE void dp_cols_rows(const uint32_t *Kt, const uint32_t *Vp, const ui
     for (int32_t r = 0; r < nrows; r++)
 #pragma GCC unroll 4
         for (int g = 0; g < DKC / 16; g++) acc[r][g] = _mm512_setzero_ps();
-    for (int c = 0; c < d2; c++) {
-        __m512bh kc[DKC / 16];
-#pragma GCC unroll 4
-        for (int g = 0; g < DKC / 16; g++) kc[g] = (__m512bh)_mm512_load_si512(Kt + c * DKC + 16 * g);
+    _Alignas(64) float qf[DCOLS * MAX_D];      /* fma: the rows' q as fp32 */
+    _Alignas(64) float Pf[DCOLS * (DKC + 16)]; /* fma: P16 as fp32 */
+    if (fma) { /* each Kt dword split into its keys' odd and even elements; the odd product first, as VDPBF16PS */
+        const __m512i odd = _mm512_set1_epi32((int)0xFFFF0000u);
 #pragma GCC unroll 8
-        for (int32_t r = 0; r < nrows; r++) {
-            const __m512bh qc = (__m512bh)_mm512_set1_epi32((int)qrow[r][c]);
+        for (int32_t r = 0; r < nrows; r++)
+            for (int c = 0; c < d; c += 16) _mm512_store_ps(qf + r * d + c, bf16x16_to_f32((const uint16_t *)qrow[r] + c));
+        const int gp = nrows <= 5 ? 4 : 2; /* key groups a pass: gp * nrows sums in registers, not spilled */
+#pragma GCC unroll 2
+        for (int g0 = 0; g0 < DKC / 16; g0 += gp) {
+            for (int c = 0; c < d2; c++) {
 #pragma GCC unroll 4
-            for (int g = 0; g < DKC / 16; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qc, kc[g]);
+                for (int g = g0; g < g0 + gp; g++) {
+                    const __m512i kv = _mm512_load_si512(Kt + c * DKC + 16 * g);
+                    const __m512 kh = _mm512_castsi512_ps(_mm512_and_si512(kv, odd));
+                    const __m512 kl = _mm512_castsi512_ps(_mm512_slli_epi32(kv, 16));
+#pragma GCC unroll 8
+                    for (int32_t r = 0; r < nrows; r++) {
+                        const __m512 high = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * d + 2 * c + 1]), kh, acc[r][g]);
+                        acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * d + 2 * c]), kl, high);
+                    }
+                }
+            }
         }
-    }
+    } else
+        for (int c = 0; c < d2; c++) {
+            __m512bh kc[DKC / 16];
+#pragma GCC unroll 4
+            for (int g = 0; g < DKC / 16; g++) kc[g] = (__m512bh)_mm512_load_si512(Kt + c * DKC + 16 * g);
+#pragma GCC unroll 8
+            for (int32_t r = 0; r < nrows; r++) {
+                const __m512bh qc = (__m512bh)_mm512_set1_epi32((int)qrow[r][c]);
+#pragma GCC unroll 4
+                for (int g = 0; g < DKC / 16; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qc, kc[g]);
+            }
+        }
     float alpha[DCOLS];
 #pragma GCC unroll 8
     for (int32_t r = 0; r < nrows; r++) {
@@ -482,10 +607,16 @@ ALWAYS_INLINE void dp_cols_rows(const uint32_t *Kt, const uint32_t *Vp, const ui
             if (g >= ng) break;
             const __m512 pg = _mm512_maskz_mov_ps(live[g], exp2_ps(_mm512_sub_ps(acc[r][g], _mm512_set1_ps(mx))));
             _mm512_store_ps(wr + 16 * g, pg);
-            _mm256_store_si256((__m256i *)(P16 + r * (DKC + 16) + 16 * g), (__m256i)_mm512_cvtneps_pbh(pg));
+            const __m256i pb = (__m256i)_mm512_cvtneps_pbh(pg);
+            if (fma)
+                _mm512_store_ps(Pf + r * (DKC + 16) + 16 * g,
+                                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+            else
+                _mm256_store_si256((__m256i *)(P16 + r * (DKC + 16) + 16 * g), pb);
         }
         wr[nk] = 0.0f; /* the odd partner past the chunk's last key (there: a masked key, weight 0) */
         P16[r * (DKC + 16) + nk] = 0;
+        Pf[r * (DKC + 16) + nk] = 0.0f;
     }
     /* Each row's weights summed pair by pair in order, as attend_dpbf16 sums them; the rows' chains of dependent
      * adds side by side instead of one after another. */
@@ -500,6 +631,13 @@ ALWAYS_INLINE void dp_cols_rows(const uint32_t *Kt, const uint32_t *Vp, const ui
     /* P V for every row: each Vp vector loaded once for the item's rows; 4 column blocks at once, so that
      * 4 * nrows sums are in flight instead of nrows (each element's sum still runs over the pairs in order). */
     int c = 0;
+    if (fma) {
+        if (nrows <= 5)
+            for (; c + 64 <= d; c += 64) dp_cols_pv_fma(vp, Pf, o, alpha, nrows, nk, n2, d, c, 2);
+        for (; c + 32 <= d; c += 32) dp_cols_pv_fma(vp, Pf, o, alpha, nrows, nk, n2, d, c, 1);
+        for (; c < d; c += 16) dp_cols_pv_fma(vp, Pf, o, alpha, nrows, nk, n2, d, c, 0);
+        return;
+    }
     for (; c + 64 <= d; c += 64) dp_cols_pv(Vp, P16, o, alpha, nrows, n2, d, c, 4);
     for (; c < d; c += 16) dp_cols_pv(Vp, P16, o, alpha, nrows, n2, d, c, 1);
 }
@@ -510,8 +648,8 @@ _Static_assert(DCOLS == 8, "dp_cols_rows_n instantiates row counts 1 .. 8");
 ALWAYS_INLINE void dp_cols_rows_n(const uint32_t *Kt, const uint32_t *Vp, const uint32_t *const *qrow,
                                   const int32_t *pos, float *m, float *l, float *o, float *w, uint16_t *P16,
                                   int32_t nrows, int32_t start, int nk, int n2, int ng, int d2, int d, __m512 scale,
-                                  __m512 ninf, __m512i lane_ids) {
-#define ROWS(N) dp_cols_rows(Kt, Vp, qrow, pos, m, l, o, w, P16, N, start, nk, n2, ng, d2, d, scale, ninf, lane_ids)
+                                  __m512 ninf, __m512i lane_ids, const int fma, const uint16_t *const *vp) {
+#define ROWS(N) dp_cols_rows(Kt, Vp, qrow, pos, m, l, o, w, P16, N, start, nk, n2, ng, d2, d, scale, ninf, lane_ids, fma, vp)
     switch (nrows) {
     case 1: ROWS(1); break;
     case 2: ROWS(2); break;
@@ -577,10 +715,10 @@ static inline int cols_begin(const Problem *p, int32_t seq, int32_t h_lo, int32_
 /* One chunk's keys of kv head h (rows `at`, nk of them) as the cols body reads them: Kt[c][keys] (dword pairs by
  * key, zeros past nk) and V's pairs (Vp); the next chunk's rows (next_at, next_nk) are prefetched meanwhile. */
 ALWAYS_INLINE void cols_chunk_kv(const Problem *p, const int64_t *at, int nk, const int64_t *next_at, int next_nk,
-                                 int32_t hh, int32_t nh, int d, uint32_t *Kt, uint32_t *Vp) {
+                                 int32_t hh, int32_t nh, int d, uint32_t *Kt, uint32_t *Vp, const int fma,
+                                 const uint16_t **vp) {
     const uint16_t *const kbase = (const uint16_t *)p->k_cache, *const vbase = (const uint16_t *)p->v_cache;
     const uint32_t *kp[DKC];
-    const uint16_t *vp[DKC];
     const int d2 = d / 2, ng = (nk + 15) / 16;
     const int pf_lo = hh * next_nk / nh, pf_n = (hh + 1) * next_nk / nh - pf_lo; /* this head's share, below */
     const int64_t row_bytes = (int64_t)nh * d * 2;
@@ -616,20 +754,22 @@ ALWAYS_INLINE void cols_chunk_kv(const Problem *p, const int64_t *at, int nk, co
             for (int c = 0; c < nc; c++) _mm512_store_si512(Kt + (c0 + c) * DKC + 16 * g, t[c]);
         }
     }
-    interleave_v_pairs(Vp, vp, nk, d);
+    if (!fma) interleave_v_pairs(Vp, vp, nk, d);
 }
 
 /* s's rows on the chunk from key `start` (nk keys) of kv head slot hh, whose Kt and Vp cols_chunk_kv built. */
 ALWAYS_INLINE void cols_chunk_rows(ColsRows *s, const uint32_t *Kt, const uint32_t *Vp, int32_t hh, int32_t start,
-                                   int nk, int d, float *w, uint16_t *P16, __m512 scale) {
+                                   int nk, int d, float *w, uint16_t *P16, __m512 scale, const int fma,
+                                   const uint16_t *const *vp) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     dp_cols_rows_n(Kt, Vp, s->qrow[hh], s->pos, s->m[hh], s->l[hh], s->o + hh * DCOLS * d, w, P16, s->nrows, start, nk,
-                   (nk + 1) / 2, (nk + 15) / 16, d / 2, d, scale, ninf, lane_ids);
+                   (nk + 1) / 2, (nk + 15) / 16, d / 2, d, scale, ninf, lane_ids, fma, vp);
 }
 
 /* s's chunks from key `from` (a multiple of DKC) to its last row's position, on its own block table. */
-ALWAYS_INLINE void cols_run(const Problem *p, ColsRows *s, int32_t from, int d) {
+ALWAYS_INLINE void cols_run(const Problem *p, ColsRows *s, int32_t from, int d, const int fma) {
+    const uint16_t *vp[DKC];
     _Alignas(64) uint32_t Kt[MAX_D / 2 * DKC], Vp[DKC / 2 * MAX_D];
     _Alignas(64) float w[DCOLS * (DKC + 16)];
     _Alignas(64) uint16_t P16[DCOLS * (DKC + 16)];
@@ -640,8 +780,8 @@ ALWAYS_INLINE void cols_run(const Problem *p, ColsRows *s, int32_t from, int d) 
     for (int32_t start = from; start <= s->last; start += DKC) {
         const int next_nk = chunk_offsets(p, s->table, start + DKC, s->last, next_at, s->h_lo);
         for (int32_t hh = 0; hh < s->nh; hh++) {
-            cols_chunk_kv(p, at, nk, next_at, next_nk, hh, s->nh, d, Kt, Vp);
-            cols_chunk_rows(s, Kt, Vp, hh, start, nk, d, w, P16, scale);
+            cols_chunk_kv(p, at, nk, next_at, next_nk, hh, s->nh, d, Kt, Vp, fma, vp);
+            cols_chunk_rows(s, Kt, Vp, hh, start, nk, d, w, P16, scale, fma, vp);
         }
         int64_t *const done = at; /* the next chunk's rows become this one's: no copy, no second walk */
         at = next_at;
@@ -650,15 +790,26 @@ ALWAYS_INLINE void cols_run(const Problem *p, ColsRows *s, int32_t from, int d) 
     }
 }
 
-/* s's outputs: o[c] / l, rounded to bf16, into the call's out rows. */
-static inline void cols_end(const Problem *p, const ColsRows *s, int d) {
+/* s's outputs: o[c] / l, rounded to bf16, into the call's out rows (fma: each 32 columns' even ones, then their odd
+ * ones, put back in order). */
+static inline void cols_end(const Problem *p, const ColsRows *s, int d, const int fma) {
     const int32_t group = p->num_q_heads / p->num_kv_heads;
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
     for (int32_t hh = 0; hh < s->nh; hh++)
         for (int32_t r = 0; r < s->nrows; r++) {
             const int32_t row = s->row0 + r, tok = row / group, head = (s->h_lo + hh) * group + row % group;
             uint16_t *out = (uint16_t *)p->out + ((int64_t)(s->q0 + tok) * p->num_q_heads + head) * d;
-            const float inv = 1.0f / s->l[hh][r];
-            for (int c = 0; c < d; c++) out[c] = f32_to_bf16(s->o[(hh * DCOLS + r) * d + c] * inv);
+            const float *o = s->o + (hh * DCOLS + r) * d;
+            const __m512 inv = _mm512_set1_ps(1.0f / s->l[hh][r]);
+            int c = 0;
+            if (fma)
+                for (; c + 32 <= d; c += 32) {
+                    const __m512 even = _mm512_load_ps(o + c), odd = _mm512_load_ps(o + c + 16);
+                    f32x16_store_bf16(out + c, _mm512_mul_ps(_mm512_permutex2var_ps(even, first, odd), inv));
+                    f32x16_store_bf16(out + c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, second, odd), inv));
+                }
+            for (; c < d; c += 16) f32x16_store_bf16(out + c, _mm512_mul_ps(_mm512_load_ps(o + c), inv));
         }
 }
 
@@ -668,15 +819,16 @@ static inline void cols_end(const Problem *p, const ColsRows *s, int d) {
  * products summed by VDPBF16PS over the pairs in order, the same DKC-key steps from key 0 (the item's last row
  * bounds them, as there), the same exp2_ps, the weights' sum added pair by pair in fp32, the same bf16 rounding
  * of P; so a row's output is bit for bit what the rows-in-lanes body gives it. K is transposed per chunk into
- * dword pairs by key (Kt[c][keys]); V's pairs are interleaved as there. Kv heads h_lo .. h_hi - 1 in one item
- * (a decode's: all of them, so each chunk's block rows are read whole, as the AVX-512 body reads them). */
+ * dword pairs by key (Kt[c][keys]); V's pairs are interleaved as there, or read in place (fma: the FMA form of the
+ * products, cols_products). Kv heads h_lo .. h_hi - 1 in one item (a decode's: all of them, so each chunk's block
+ * rows are read whole, as the AVX-512 body reads them). */
 ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_lo, int32_t h_hi, int32_t row0,
-                                      int d) {
+                                      int d, const int fma) {
     _Alignas(64) float o[DCOLS_HEADS * DCOLS * MAX_D];
     ColsRows s;
     if (!cols_begin(p, seq, h_lo, h_hi, row0, d, o, &s)) return;
-    cols_run(p, &s, 0, d);
-    cols_end(p, &s, d);
+    cols_run(p, &s, 0, d, fma);
+    cols_end(p, &s, d, fma);
 }
 
 /* Decodes whose sequences begin with the same cache blocks (a shared prompt prefix: the prefix cache hands them
@@ -687,13 +839,13 @@ ALWAYS_INLINE void attend_dpbf16_cols(const Problem *p, int32_t seq, int32_t h_l
  * operations, so each row's bits are what its own item gives (tested). seqs: the members, all-heads decode items;
  * the first one's table is read for the shared chunks. Without memory for the members' state, one by one. */
 ALWAYS_INLINE void attend_dpbf16_cols_shared(const Problem *p, const int32_t *seqs, int32_t count, int32_t shared,
-                                             int d) {
+                                             int d, const int fma) {
     const int32_t nh = p->num_kv_heads;
     ColsRows *s = malloc((size_t)count * sizeof *s);
     float *o = aligned_alloc(64, (size_t)count * nh * DCOLS * d * sizeof(float));
     if (s == NULL || o == NULL) {
         free(s), free(o);
-        for (int32_t i = 0; i < count; i++) attend_dpbf16_cols(p, seqs[i], 0, nh, 0, d);
+        for (int32_t i = 0; i < count; i++) attend_dpbf16_cols(p, seqs[i], 0, nh, 0, d, fma);
         return;
     }
     int32_t live = 0; /* members with rows (padding sequences were zeroed by cols_begin) */
@@ -704,14 +856,16 @@ ALWAYS_INLINE void attend_dpbf16_cols_shared(const Problem *p, const int32_t *se
         _Alignas(64) float w[DCOLS * (DKC + 16)];
         _Alignas(64) uint16_t P16[DCOLS * (DKC + 16)];
         int64_t offsets[2][DKC];
+        const uint16_t *vp[DKC];
         const __m512 scale = _mm512_set1_ps(p->scale_log2);
         int64_t *at = offsets[0], *next_at = offsets[1];
         int nk = chunk_offsets(p, s[0].table, 0, shared - 1, at, 0);
         for (int32_t start = 0; start < shared; start += DKC) {
             const int next_nk = chunk_offsets(p, s[0].table, start + DKC, shared - 1, next_at, 0);
             for (int32_t hh = 0; hh < nh; hh++) {
-                cols_chunk_kv(p, at, nk, next_at, next_nk, hh, nh, d, Kt, Vp);
-                for (int32_t i = 0; i < live; i++) cols_chunk_rows(&s[i], Kt, Vp, hh, start, nk, d, w, P16, scale);
+                cols_chunk_kv(p, at, nk, next_at, next_nk, hh, nh, d, Kt, Vp, fma, vp);
+                for (int32_t i = 0; i < live; i++)
+                    cols_chunk_rows(&s[i], Kt, Vp, hh, start, nk, d, w, P16, scale, fma, vp);
             }
             int64_t *const done = at;
             at = next_at;
@@ -719,8 +873,8 @@ ALWAYS_INLINE void attend_dpbf16_cols_shared(const Problem *p, const int32_t *se
             nk = next_nk;
         }
         for (int32_t i = 0; i < live; i++) {
-            cols_run(p, &s[i], shared, d);
-            cols_end(p, &s[i], d);
+            cols_run(p, &s[i], shared, d, fma);
+            cols_end(p, &s[i], d, fma);
         }
     }
     free(s), free(o);
@@ -728,27 +882,35 @@ ALWAYS_INLINE void attend_dpbf16_cols_shared(const Problem *p, const int32_t *se
 
 /* An item's body by its row count; one instance for SmolLM2's head_dim so its loops unroll, one for any other
  * head_dim (a multiple of 16). */
-ALWAYS_INLINE void attend_dpbf16_item(const Problem *p, int32_t seq, int32_t h, int32_t row0, int d) {
+ALWAYS_INLINE void attend_dpbf16_item(const Problem *p, int32_t seq, int32_t h, int32_t row0, int d, const int fma) {
     const int32_t rows = num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads) - row0;
     if (h >= p->num_kv_heads) { /* dpbf16_all_heads: part h - num_kv_heads of head_parts */
         int32_t lo, hi;
         head_part(p, h - p->num_kv_heads, &lo, &hi);
-        attend_dpbf16_cols(p, seq, lo, hi, row0, d);
+        attend_dpbf16_cols(p, seq, lo, hi, row0, d, fma);
     }
-    else if (rows < DCOLS) attend_dpbf16_cols(p, seq, h, h + 1, row0, d);
+    else if (rows < DCOLS) attend_dpbf16_cols(p, seq, h, h + 1, row0, d, fma);
     else attend_dpbf16(p, seq, h, row0, num_queries(p, seq) * (p->num_q_heads / p->num_kv_heads), d, 0, DV);
 }
-static void dpbf16_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
-    attend_dpbf16_item(p, seq, h, row0, 64);
+/* The item functions: each runs its body with MXCSR's DAZ and FTZ set (run_item), and is not inlined there, so that no
+ * floating-point operation of the body moves across the mode's change. */
+__attribute__((noinline)) static void dpbf16_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
+    if (p->cols_fma) attend_dpbf16_item(p, seq, h, row0, 64, 1);
+    else attend_dpbf16_item(p, seq, h, row0, 64, 0);
 }
-static void dpbf16_any(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
-    attend_dpbf16_item(p, seq, h, row0, p->head_dim);
+__attribute__((noinline)) static void dpbf16_any(const Problem *p, int32_t seq, int32_t h, int32_t row0) {
+    if (p->cols_fma) attend_dpbf16_item(p, seq, h, row0, p->head_dim, 1);
+    else attend_dpbf16_item(p, seq, h, row0, p->head_dim, 0);
 }
-static void dpbf16_shared_d64(const Problem *p, const Item *it) {
-    attend_dpbf16_cols_shared(p, p->group_seqs + it->group_at, it->group_len, it->group_keys, 64);
+__attribute__((noinline)) static void dpbf16_shared_d64(const Problem *p, const Item *it) {
+    const int32_t *seqs = p->group_seqs + it->group_at;
+    if (p->cols_fma) attend_dpbf16_cols_shared(p, seqs, it->group_len, it->group_keys, 64, 1);
+    else attend_dpbf16_cols_shared(p, seqs, it->group_len, it->group_keys, 64, 0);
 }
-static void dpbf16_shared_any(const Problem *p, const Item *it) {
-    attend_dpbf16_cols_shared(p, p->group_seqs + it->group_at, it->group_len, it->group_keys, p->head_dim);
+__attribute__((noinline)) static void dpbf16_shared_any(const Problem *p, const Item *it) {
+    const int32_t *seqs = p->group_seqs + it->group_at;
+    if (p->cols_fma) attend_dpbf16_cols_shared(p, seqs, it->group_len, it->group_keys, p->head_dim, 1);
+    else attend_dpbf16_cols_shared(p, seqs, it->group_len, it->group_keys, p->head_dim, 0);
 }
 #ifdef UCM_HAS_AMX_ATTN
 /* A prompt item on AMX: rows row0 .. min(row0 + DR, row_end) - 1 of kv head h; an item of at most 16 rows (a
