@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -23,3 +24,12 @@ def measurements_are_stored_whatever_else_runs(monkeypatch):
 
     assert calibration_store.OTHERS_MAX_CORES == REAL_OTHERS_MAX_CORES, "the rule changed: update the test's copy"
     monkeypatch.setattr(calibration_store, "OTHERS_MAX_CORES", float("inf"))
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """torch's thread count, the kernels' (items, shared-prefix groups and partitions depend on it), then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

@@ -24,14 +24,6 @@ def lib(native_lib) -> native.NativeLib:
     native_lib.cols_products(form)  # the probe's pick again, for the tests after this one
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _both_forms(lib: native.NativeLib, *args) -> tuple[torch.Tensor, torch.Tensor]:
     outs = []
     for form in (VDPBF16PS, FMA):

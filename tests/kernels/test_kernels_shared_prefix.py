@@ -72,15 +72,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    """The groups depend on the threads (so many groups a thread); torch's count is the kernel's."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def test_sequences_that_share_a_whole_chunk_of_blocks_group(lib, threads):
     shared, copied = _case(copied=False), _case(copied=True)
     groups = shared_prefix_groups(lib, shared.lens, shared.tables, HQ, HKV, D, BS)
