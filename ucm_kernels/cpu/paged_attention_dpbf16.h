@@ -615,8 +615,8 @@ ALWAYS_INLINE void dp_cols_rows(const uint32_t *Kt, const uint32_t *Vp, const ui
                 _mm256_store_si256((__m256i *)(P16 + r * (DKC + 16) + 16 * g), pb);
         }
         wr[nk] = 0.0f; /* the odd partner past the chunk's last key (there: a masked key, weight 0) */
-        P16[r * (DKC + 16) + nk] = 0;
-        Pf[r * (DKC + 16) + nk] = 0.0f;
+        if (fma) Pf[r * (DKC + 16) + nk] = 0.0f;
+        else P16[r * (DKC + 16) + nk] = 0;
     }
     /* Each row's weights summed pair by pair in order, as attend_dpbf16 sums them; the rows' chains of dependent
      * adds side by side instead of one after another. */
@@ -757,14 +757,37 @@ ALWAYS_INLINE void cols_chunk_kv(const Problem *p, const int64_t *at, int nk, co
     if (!fma) interleave_v_pairs(Vp, vp, nk, d);
 }
 
-/* s's rows on the chunk from key `start` (nk keys) of kv head slot hh, whose Kt and Vp cols_chunk_kv built. */
-ALWAYS_INLINE void cols_chunk_rows(ColsRows *s, const uint32_t *Kt, const uint32_t *Vp, int32_t hh, int32_t start,
-                                   int nk, int d, float *w, uint16_t *P16, __m512 scale, const int fma,
-                                   const uint16_t *const *vp) {
+/* cols_chunk_rows' work (below) for head_dim d and the product form fma, constants where inlined. */
+ALWAYS_INLINE void cols_rows_on(ColsRows *s, const uint32_t *Kt, const uint32_t *Vp, int32_t hh, int32_t start, int nk,
+                                int d, float *w, uint16_t *P16, __m512 scale, const int fma, const uint16_t *const *vp) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     dp_cols_rows_n(Kt, Vp, s->qrow[hh], s->pos, s->m[hh], s->l[hh], s->o + hh * DCOLS * d, w, P16, s->nrows, start, nk,
                    (nk + 1) / 2, (nk + 15) / 16, d / 2, d, scale, ninf, lane_ids, fma, vp);
+}
+/* cols_rows_on out of line, one instance per product form and head_dim class (its 8 row counts each). Inlined at
+ * every call site (whole items and head parts, shared-prefix groups, both forms), paged_attention.c took 113 s to
+ * compile on the 2-core Xeon with AMX (54 s before the FMA form), past native.py's BUILD_TIMEOUT_S for the whole
+ * library; so, 15 s. A call a chunk and kv head: the same bits, and 8 decodes' attention (Llama-1B, Qwen2.5-0.5B
+ * shapes, builds alternated) ran 8.9 / 3.8 ms inlined, 8.7 / 3.6 out of line. */
+#define COLS_ROWS_INSTANCE(NAME, D, FMA)                                                                                \
+    __attribute__((noinline)) static void NAME(ColsRows *s, const uint32_t *Kt, const uint32_t *Vp, int32_t hh,       \
+                                               int32_t start, int nk, int d, float *w, uint16_t *P16, __m512 scale, \
+                                               const uint16_t *const *vp) {                                          \
+        cols_rows_on(s, Kt, Vp, hh, start, nk, D, w, P16, scale, FMA, vp);                                              \
+    }
+COLS_ROWS_INSTANCE(cols_rows_d64, 64, 0)
+COLS_ROWS_INSTANCE(cols_rows_d64_fma, 64, 1)
+COLS_ROWS_INSTANCE(cols_rows_any, d, 0)
+COLS_ROWS_INSTANCE(cols_rows_any_fma, d, 1)
+#undef COLS_ROWS_INSTANCE
+
+/* s's rows on the chunk from key `start` (nk keys) of kv head slot hh, whose Kt and Vp (or vp) cols_chunk_kv built. */
+ALWAYS_INLINE void cols_chunk_rows(ColsRows *s, const uint32_t *Kt, const uint32_t *Vp, int32_t hh, int32_t start,
+                                   int nk, int d, float *w, uint16_t *P16, __m512 scale, const int fma,
+                                   const uint16_t *const *vp) {
+    if (d == 64) (fma ? cols_rows_d64_fma : cols_rows_d64)(s, Kt, Vp, hh, start, nk, d, w, P16, scale, vp);
+    else (fma ? cols_rows_any_fma : cols_rows_any)(s, Kt, Vp, hh, start, nk, d, w, P16, scale, vp);
 }
 
 /* s's chunks from key `from` (a multiple of DKC) to its last row's position, on its own block table. */
