@@ -84,9 +84,10 @@
 #define MID_ROWS_ONE_PASS 128
 #define MID_L2_BYTES (2 << 20)
 #define ONE_GROUP_K 768 /* a K from which all of a call's rows make one row group (see the groups in ucm_amx_gemm) */
-/* k blocks ahead that a one-pass call (a decode step's few rows) prefetches its two W panels: a decode step's matmuls
- * of Llama-1B's 16 layers (1.95 GB, past L3) at 1 and 4 rows, builds alternated in one process on the 2-core Xeon with
- * AMX: 76.0 -> 71.7 and 76.4 -> 71.2 ms (25.5 -> 27.2 GB/s); 2 and 8 blocks ahead did no better. */
+/* k blocks ahead that a one-pass call of two W panels prefetches them: a decode step's matmuls of Llama-1B's 16 layers
+ * (1.95 GB, past L3) at 1 and 4 rows, builds alternated in one process on the 2-core Xeon with AMX: 76.0 -> 71.7 and
+ * 76.4 -> 71.2 ms (25.5 -> 27.2 GB/s); 2 and 8 blocks ahead did no better. Four panels at once (block_16x64) keep the
+ * memory busy without it. */
 #define PF_KB 4
 /* A slice of at most 16 rows (a decode step's) skips the second row tile: its two products and tile loads, the
  * zeroing and storing of its sums, all of padding rows. A call of at most 16 rows also configures its tiles with the
@@ -94,7 +95,8 @@
  * instead of a padded copy. The same products of the same values for every real row: the same bits. Llama-1B's 16
  * layers' matmuls (1.95 GB) at 1 and 8 rows, builds alternated on the 2-core Xeon with AMX: 77.7-78.4 -> 72.3-72.9 ms
  * (25.0 -> 26.9 GB/s, a streaming read 31-33 GB/s in the same runs); the row tile skip alone 74 ms. A further
- * prefetch 16 k blocks ahead into L2 lost (75.5 -> 77.8 ms). */
+ * prefetch 16 k blocks ahead into L2 lost (75.5 -> 77.8 ms). Such a call takes its outputs 64 at a time
+ * (block_16x64), 32 only at a block's end. */
 #define KCB 64 /* k blocks (of 32) a chunk of a long K: a block's W (NC x 2048) and x (MC x 2048) share L2 */
 /* A K whose row block's x and one pair's W are past L2 (Llama-1B's down projection, K = 8192) takes row blocks of
  * MC_PAST_L2 rows and chunks of KCB_PAST_L2 k blocks (the block's x chunk, 256 x 512 bf16, W chunk, NC x 512, and
@@ -228,13 +230,49 @@ static inline void block_32x32(const uint16_t *x, int64_t ldx, int64_t k, const 
     }
 }
 
-/* amx_load_config, but the sums' tiles (0, 1) and x's first (4) of `rows` rows: a call of at most 16 rows. */
+/* A call of at most 16 rows (load_config_rows): its rows x 64 outputs (panels nb .. nb + 3 of p16), one pass over k ->
+ * c[2][16][32] (the pairs' sums apart). Four W panels a k block, not two: a core reads memory faster with more
+ * streams in flight (a 2 GB buffer read by two threads, each its share as 1, 2 or 4 streams: 27-28, 30 and 31-32 GB/s
+ * on the 2-core Xeon with AMX), and with four the prefetch ahead (PF_KB) no longer matters (off, 2 and 4 tied; 8 lost).
+ * Builds alternated in one process, decode matmuls at 1 / 4 / 8 rows: Llama-1B's 16 layers 67.6 / 69.2 / 69.0 -> 64.9
+ * / 65.8 / 65.6 ms (28.2 -> 29.7 GB/s at 8), its 49152-output lm_head 57.1 -> 54.0, Qwen2.5-0.5B's 24 layers 27.7 ->
+ * 25.8. Tiles: sums 0-3, x 4, W 5-7 (5 again for the fourth panel, once its product has read it). Each output's
+ * products are block_32x32's in the same order: the same bits. */
+static inline void block_16x64(const uint16_t *x, int64_t ldx, int64_t k, const uint16_t *wp, int64_t nb, int64_t p16,
+                               float *c) {
+    const int64_t kbs = k / 32, kc = layout_chunk(k);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c0 = 0; c0 < kbs; c0 += kc) { /* the layout's chunks: a panel's k blocks one run in each */
+        const int64_t len = kbs - c0 < kc ? kbs - c0 : kc, run = len * 512;
+        const uint16_t *b = w_block(wp, p16, kbs, kc, nb, c0) - c0 * 512; /* panel nb + j's runs follow: b + j * run */
+        for (int64_t kb = c0; kb < c0 + len; kb++) {
+            _tile_loadd(4, x + kb * 32, ldx * 2);
+            _tile_loadd(5, b + kb * 512, 64);
+            _tile_loadd(6, b + run + kb * 512, 64);
+            _tile_loadd(7, b + 2 * run + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, b + 3 * run + kb * 512, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+/* amx_load_config, but the sums' tiles (0-3) and x's first (4) of `rows` rows: a call of at most 16 rows. */
 static inline void load_config_rows(int rows) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = t == 0 || t == 1 || t == 4 ? (uint8_t)rows : 16;
+        cfg.rows[t] = t <= 4 ? (uint8_t)rows : 16;
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
@@ -359,7 +397,13 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
                     const int64_t m_stop = (gs0 + (bm + 1) * gs / mblocks) * 32;
                     const int64_t m_end = m_stop < m ? m_stop : m;
                     if (mid) { /* one pass over k per (pair, slice), pairs outermost: see MID_ROWS */
-                        for (int64_t o0 = n_begin; o0 < n_end; o0 += 32)
+                        int64_t o0 = n_begin;
+                        for (; few && o0 + 64 <= n_end; o0 += 64) { /* few rows: 64 outputs at a time, see block_16x64 */
+                            block_16x64(x + m_begin * lda, lda, k, wp, o0 / 16, panels * 2, c[0]);
+                            store_block(c[0], m_end - m_begin, y, ldy, n, m_begin, o0, epilogue);
+                            store_block(c[0] + 16 * 32, m_end - m_begin, y, ldy, n, m_begin, o0 + 32, epilogue);
+                        }
+                        for (; o0 < n_end; o0 += 32)
                             for (int64_t r0 = m_begin; r0 < m_end; r0 += 32) {
                                 const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
                                 const int padded = rows < 32 && !few;
