@@ -8,8 +8,10 @@ the limits before and after each model's phases, the higher counting:
 
     matmul rate    torch's F.linear on one decoder layer's shapes (qkv fused, o, gate_up fused, down) at a
                    1536-token step, bf16 and fp32, best of --rounds
-    read bandwidth the faster of a sum and a dot product (with itself) over an fp32 buffer of 4x the last-level
-                   cache (at least 1 GiB, at most 4), best of --rounds
+    read bandwidth the fastest of torch's sum, its dot product (of the buffer with itself) and a native sum that
+                   reads each thread's share as 4 or 8 streams (ucm_kernels/cpu/peak_probe.py: read_sum; a thread
+                   reads faster as several streams, 31-32 GB/s against torch's 25-28 on the 2-core Xeon with AMX), over
+                   an fp32 buffer of 4x the last-level cache (at least 1 GiB, at most 4), best of --rounds
     prefill        the engine's step that computes one 1536-token prompt (and samples its first token), --repeats
                    new prompts, in FLOPs the step needs: every layer's qkv and causal attention for every row, o and MLP
                    for every row but the last layer's (it runs them on the sampled row alone), the lm_head on one row;
@@ -36,6 +38,7 @@ whose weights partly fit the last-level cache may read faster than DRAM: the fra
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -58,7 +61,7 @@ from engine.config import resolve_dtype_name
 from engine.model_config import ModelConfig
 from engine.step_budget import linear_flops_per_token
 from ucm_kernels.cpu.host import cpu_info, last_level_cache_bytes, vector_flags
-from ucm_kernels.cpu.peak_probe import peak
+from ucm_kernels.cpu.peak_probe import peak, read_sum
 from ucm_kernels.cpu.timing import alternating_best_ms
 
 TARGETS = {"prefill": 0.85, "decode": 0.75}
@@ -67,13 +70,20 @@ ROUNDS = 5  # matmul and read timings: the best counts
 DECODE_PROMPT, DECODE_STEPS = RANDOM.prompt_len, 16
 
 
+READ_STREAMS = (4, 8)  # the native read's streams a thread (peak_probe.read_sum: one stream a thread reads slower)
+
+
 def read_bandwidth_gbs(rounds: int) -> tuple[float, int]:
-    """(GB/s, buffer bytes): the faster of two streaming reads (torch's sum, and a dot product of the buffer with
-    itself) of a buffer well past the last-level cache."""
+    """(GB/s, buffer bytes): the fastest of the streaming reads of a buffer well past the last-level cache on torch's
+    threads: torch's sum, a dot product of the buffer with itself, and a native sum reading each thread's share as
+    READ_STREAMS streams (where it builds)."""
     llc = last_level_cache_bytes() or (64 << 20)
     size = min(max(4 * llc, 1 << 30), 4 << 30)
     buf = torch.ones(size // 4, dtype=torch.float32)
     reads: list[Callable[[], object]] = [buf.sum, lambda: torch.dot(buf, buf)]
+    threads = torch.get_num_threads()
+    if read_sum(buf.data_ptr(), 16, 1, 1) is not None:
+        reads += [functools.partial(read_sum, buf.data_ptr(), buf.numel(), s, threads) for s in READ_STREAMS]
     for read in reads:
         read()  # first touch
     ms = min(alternating_best_ms(reads, rounds))

@@ -1,5 +1,6 @@
 """The host's multiply-accumulate probe (ucm_kernels/cpu/peak_probe.py, peak_probe.c): every loop this CPU has runs
-and reports a rate, the loops it lacks say so, and the instruction chosen for a dtype follows the CPU's flags."""
+and reports a rate, the loops it lacks say so, and the instruction chosen for a dtype follows the CPU's flags. And its
+streaming read: every element counted once, however the buffer is cut into threads and streams."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import shutil
 
 import pytest
+import torch
 
 from ucm_kernels.cpu import native, peak_probe
 from ucm_kernels.cpu.host import vector_flags
@@ -71,3 +73,20 @@ def test_peak_names_the_loop_it_timed(dtype: str, tmp_path) -> None:
     assert kind.name in found.line()
     with pytest.raises(ValueError, match="positive"):
         peak(dtype, 0)
+
+
+@needs_compiler
+def test_the_read_probe_reads_every_element_once(tmp_path) -> None:
+    # Small integers: every partial sum is exact in fp32, so the sum says which elements were read, and how often.
+    for n in (0, 1, 31, 32, 1000, 4096 + 7, 100_003):
+        buf = torch.arange(n, dtype=torch.float32) % 7
+        want = float(buf.double().sum())
+        for streams in (1, 2, 3, 4, 8, 16):
+            for threads in (1, 2, 3):
+                got = peak_probe.read_sum(buf.data_ptr() if n else 1, n, streams, threads, cache_root=tmp_path)
+                assert got == want, f"{n} floats, {streams} streams, {threads} threads: {got} != {want}"
+    one = torch.ones(8)
+    for bad in ({"streams": 0}, {"streams": 17}, {"threads": 0}, {"floats": -1}):
+        args = {"address": one.data_ptr(), "floats": 8, "streams": 4, "threads": 1} | bad
+        with pytest.raises(ValueError, match=r"streams in 1\.\.16"):
+            peak_probe.read_sum(**args, cache_root=tmp_path)

@@ -184,3 +184,41 @@ double ucm_peak_gflops(int32_t kind, int64_t rounds, int32_t num_threads) {
 
 /* The last loop's accumulator sum: not zero where its operands were not (a check that the loop multiplied values). */
 double ucm_peak_last_sum(void) { return (double)peak_sink; }
+
+/* The sum of buf[0 .. n - 1], each thread its share of the buffer as `streams` sequential streams read side by side
+ * (ucm_kernels/cpu/peak_probe.py: read_sum), or -1 for arguments out of range. A core reads memory faster with more
+ * streams in flight: a 2 GB buffer read by two threads as 1, 2, 4 or 8 streams each gave 27-28, 30, 31-32 and 32 GB/s
+ * on the 2-core Xeon with AMX, where torch's sum read 24-28: a read bandwidth measured as one stream a thread is below
+ * what the engine's decode matmuls reach (amx_gemm.c's block_16x64 reads four). Generic vectors of 16 floats, so that
+ * every ISA the compiler targets gets its widest loads; the sum makes every load count. */
+typedef float read_vec __attribute__((vector_size(64)));
+#define READ_MAX_STREAMS 16
+
+double ucm_read_sum(const float *buf, int64_t n, int32_t streams, int32_t num_threads) {
+    if (buf == NULL || n < 0 || streams < 1 || streams > READ_MAX_STREAMS || num_threads < 1) return -1.0;
+    double total = 0.0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        const int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
+        const int64_t len = (hi - lo) / (32 * streams) * 32; /* each stream's floats, whole steps of 2 vectors */
+        read_vec acc[READ_MAX_STREAMS] = {0};
+        for (int64_t i = 0; i < len; i += 32)
+            for (int32_t s = 0; s < streams; s++) {
+                read_vec a, b;
+                memcpy(&a, buf + lo + s * len + i, sizeof a);
+                memcpy(&b, buf + lo + s * len + i + 16, sizeof b);
+                acc[s] += a + b;
+            }
+        double part = 0.0;
+        for (int32_t s = 0; s < streams; s++)
+            for (int j = 0; j < 16; j++) part += acc[s][j];
+        for (int64_t i = lo + streams * len; i < hi; i++) part += buf[i]; /* the share's tail */
+        total += part;
+    }
+    return total;
+}
