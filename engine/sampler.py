@@ -88,6 +88,13 @@ class SamplingRow:
         )
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of tied maxima; a NaN counts as the maximum), as torch.argmax gives it, through
+    torch.max's indices: 90 against 250 us for 8 rows of 49152 fp32 logits on the 2-core Xeon with AMX (torch 2.13;
+    a decode step of Qwen2.5-0.5B's shape takes ~36 ms)."""
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     def __init__(self, guided: GuidedBackend | None = None) -> None:
         # Set by the engine (it owns the tokenizer the grammars are compiled against); None: guided rows fail.
@@ -193,11 +200,11 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         rand = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not rand:
-            return logits.argmax(dim=-1)
+            return greedy(logits)
         # All rows drawn (vllm bench serve's temperature 1): no argmax and no row copy; each took 60-120 us a step
         # of 8 over SmolLM2's 49152 tokens.
         every = len(rand) == len(rows)
-        tokens = torch.empty(len(rows), dtype=torch.long) if every else logits.argmax(dim=-1)
+        tokens = torch.empty(len(rows), dtype=torch.long) if every else greedy(logits)
         sub = logits if every else logits[rand]
         temps = torch.tensor([rows[i].params.temperature for i in rand], dtype=sub.dtype).unsqueeze(1)
         probs = torch.softmax(sub / temps, dim=-1)

@@ -24,6 +24,18 @@ def test_greedy_is_argmax():
     assert tokens == x.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_tied_maxima_and_a_nan_as_argmax_does():
+    # bf16 logits tie often; the greedy token must be argmax's (the HF oracle's) on every one of them.
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(-2, 3, (64, 4099), generator=gen).float()
+    x[3] = 1.0  # every token tied
+    x[5, 17] = x[5, 900] = float("inf")
+    x[7, 40] = float("nan")
+    tokens, _ = Sampler()(x, [row(SamplingParams(temperature=0))] * 64)
+    assert tokens == x.argmax(-1).tolist()
+    assert tokens[3] == 0 and tokens[5] == 17 and tokens[7] == 40
+
+
 def test_top_k_and_top_p_restrict_support():
     x = logits()
     top5 = set(x[0].topk(5).indices.tolist())
