@@ -197,14 +197,9 @@ typedef float read_vec __attribute__((vector_size(64)));
 double ucm_read_sum(const float *buf, int64_t n, int32_t streams, int32_t num_threads) {
     if (buf == NULL || n < 0 || streams < 1 || streams > READ_MAX_STREAMS || num_threads < 1) return -1.0;
     double total = 0.0;
-#pragma omp parallel num_threads(num_threads) reduction(+ : total)
-    {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
-        const int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
+#pragma omp parallel for schedule(static, 1) num_threads(num_threads) reduction(+ : total)
+    for (int64_t t = 0; t < num_threads; t++) { /* one share a thread */
+        const int64_t lo = n * t / num_threads, hi = n * (t + 1) / num_threads;
         const int64_t len = (hi - lo) / (32 * streams) * 32; /* each stream's floats, whole steps of 2 vectors */
         read_vec acc[READ_MAX_STREAMS] = {0};
         for (int64_t i = 0; i < len; i += 32)
