@@ -5,6 +5,11 @@ others skip, except the checks of what the library says without it)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -59,6 +64,30 @@ def test_a_rows_bits_do_not_depend_on_the_call(amx_lib, n, k):
         assert torch.equal(amx_gemm.linear(amx_lib, x, packed), whole), "one thread"
     finally:
         torch.set_num_threads(2)
+
+
+_SMALL_TEAM = """
+import sys, torch
+from ucm_kernels.cpu import amx_gemm, native
+torch.set_num_threads(3)
+gen = torch.Generator().manual_seed(5)
+w, x = torch.randn(1120, 896, generator=gen).bfloat16(), torch.randn(8, 896, generator=gen).bfloat16()
+torch.save(amx_gemm.linear(native.load(), x, amx_gemm.pack(w)), sys.argv[1])
+"""
+
+
+def test_a_few_rows_call_computes_every_output_in_a_team_smaller_than_asked(amx_lib, tmp_path):
+    # A call of at most 16 rows gives each of the threads asked for a share of its 64-output units, and a thread done
+    # with its own takes the others' (claim_unit): asked for 3 threads under OMP_THREAD_LIMIT=1, one thread must
+    # take all three shares. 1120 outputs: 17 units and a last one of 32.
+    out = tmp_path / "y.pt"
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", _SMALL_TEAM, str(out)], env=env, cwd=root, check=True, timeout=300)
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(1120, 896, generator=gen).bfloat16(), torch.randn(8, 896, generator=gen).bfloat16()
+    want = amx_gemm.linear(amx_lib, x, amx_gemm.pack(w))
+    assert torch.equal(torch.load(out), want)
 
 
 def test_the_engines_bf16_layers_take_it_where_onednn_rows_vary(amx_lib):

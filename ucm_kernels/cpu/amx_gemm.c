@@ -10,7 +10,7 @@
  * Tiles (palette 1): C0..C3 = 2 x 2 blocks of 16 rows x 16 outputs (fp32), A0, A1 = 16 rows x 32 k of x, B0, B1 = 32 k
  * x 16 outputs of W in VNNI order (k pairs interleaved), 16-output panels of 32-k blocks of [16 pairs][16 out][2] in
  * layout_chunk's order, packed once at load (ucm_kernels/cpu/amx_gemm.py). Work is split over threads by blocks of MC
- * rows x NC outputs (fewer outputs a block when the call has few rows, so that every thread gets a share), RG rows at a
+ * rows x NC outputs (a call of at most 16 rows: its 64-output units, claimed as in claim_unit), RG rows at a
  * time (all rows at once for a long K), which keeps a block's x and W in L2 (row groups: SmolLM2's four layer shapes at
  * 2048 rows 7.22 -> 6.75 ms, the builds alternated in one process on the Xeon with AMX). The accumulators go to fp32
  * scratch and out as bf16 (round to nearest even, as torch rounds).
@@ -96,7 +96,7 @@
  * layers' matmuls (1.95 GB) at 1 and 8 rows, builds alternated on the 2-core Xeon with AMX: 77.7-78.4 -> 72.3-72.9 ms
  * (25.0 -> 26.9 GB/s, a streaming read 31-33 GB/s in the same runs); the row tile skip alone 74 ms. A further
  * prefetch 16 k blocks ahead into L2 lost (75.5 -> 77.8 ms). Such a call takes its outputs 64 at a time
- * (block_16x64), 32 only at a block's end. */
+ * (block_16x64), 32 only where n ends, claimed unit by unit (claim_unit). */
 #define KCB 64 /* k blocks (of 32) a chunk of a long K: a block's W (NC x 2048) and x (MC x 2048) share L2 */
 /* A K whose row block's x and one pair's W are past L2 (Llama-1B's down projection, K = 8192) takes row blocks of
  * MC_PAST_L2 rows and chunks of KCB_PAST_L2 k blocks (the block's x chunk, 256 x 512 bf16, W chunk, NC x 512, and
@@ -316,6 +316,46 @@ static inline void store_rows(const Pending *p, int64_t lo, int64_t hi, uint16_t
 }
 #endif
 
+/* A thread's share of a few-row call's 64-output units: [front, back) in one word, so that its owner (taking the front)
+ * and a thread done with its own share (taking the back) each claim a unit by one compare-and-swap. A decode step's
+ * matmuls are split into equal shares, and each call waits for its slower thread: with another process on one of
+ * the two cores, that thread's share waited for the core. Now a thread done first takes the other's last units.
+ * Qwen2.5-0.5B's 24 layers at 8 rows, builds alternated in one process on the 2-core Xeon with AMX: 26.3 -> 26.0 ms,
+ * beside a Python busy loop 55.1 -> 48.0; Llama-1B's 16 layers 67.2 -> 67.0; the engine's Qwen decode step of 8,
+ * alternated twice, 37.4 / 37.1 -> 36.9 / 36.8 ms. Who computes a unit never changes how: the same bits. */
+typedef struct {
+    uint64_t range;
+    char pad[56]; /* a share a cache line: claims on one do not contend with the other's */
+} Share;
+
+static inline uint64_t share_range(int64_t front, int64_t back) { return (uint64_t)front << 32 | (uint64_t)back; }
+
+/* The front (from_back 0) or back unit of share s, claimed; -1 once it is empty. */
+static inline int64_t claim_unit(Share *s, int from_back) {
+    uint64_t w = __atomic_load_n(&s->range, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const int64_t front = (int64_t)(w >> 32), back = (int64_t)(uint32_t)w;
+        if (front >= back) return -1;
+        const uint64_t next = from_back ? share_range(front, back - 1) : share_range(front + 1, back);
+        if (__atomic_compare_exchange_n(&s->range, &w, next, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return from_back ? back - 1 : front;
+    }
+}
+
+/* Unit u of a call of m <= 16 rows: outputs 64u .. 64u + 63 (block_16x64), or 32 where n ends there. */
+static inline void few_rows_unit(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const uint16_t *wp, int64_t n,
+                                 uint16_t *y, int64_t ldy, int32_t epilogue, int64_t u, float *c) {
+    const int64_t o0 = u * 64, p16 = n / 16;
+    if (o0 + 64 <= n) {
+        block_16x64(x, lda, k, wp, o0 / 16, p16, c);
+        store_block(c, m, y, ldy, n, 0, o0, epilogue);
+        store_block(c + 16 * 32, m, y, ldy, n, 0, o0 + 32, epilogue);
+    } else {
+        block_32x32(x, lda, k, wp, o0 / 16, p16, c, 0, k / 32, 1);
+        store_block(c, m, y, ldy, n, 0, o0, epilogue);
+    }
+}
+
 /* y[m][n] (bf16) = x[m][k] (bf16, rows lda apart) @ W^T, W packed by ucm_kernels/cpu/amx_gemm.py, through `epilogue`
  * (EPI_*), y's rows ldy apart (amx_gemm.py pads both off 4 KB strides, where a tile's 16 rows would share an L1 set).
  * pad: a scratch of 32 * k bf16 per thread for a last block of fewer than 32 rows. Returns 0, or 1 where this build
@@ -357,8 +397,8 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     const int64_t mblocks = (widest + mc / 32 - 1) / (mc / 32); /* row blocks of a group */
     /* Output blocks of about NC outputs and of equal size, in 32-output panels: 576 outputs cut as 256 + 256 + 64
      * gave one of two threads twice the other's work under the static schedule (a 2048-row prompt: 23% of its
-     * samples in this kernel on one thread, 14% on the other). Few rows (a decode step) make one row block: the
-     * outputs are split finer so every thread gets a share. The split changes who computes an element, never how. */
+     * samples in this kernel on one thread, 14% on the other). A call of one row block (tens of rows) has its outputs
+     * split finer so every thread gets a share. The split changes who computes an element, never how. */
     const int64_t panels = n / 32;
     int64_t nblocks = (panels + NC / 32 - 1) / (NC / 32);
     while (nblocks < panels && mblocks * nblocks < 4 * num_threads) nblocks *= 2;
@@ -367,6 +407,10 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
     const int64_t block_floats = 32 * SLICE * (mc / 32) * (NC / SLICE); /* a block's slices, each its own sums */
     float *block_scratch = chunked ? aligned_alloc(64, sizeof(float) * (size_t)(block_floats * num_threads)) : NULL;
     if (chunked && block_scratch == NULL) return 3;
+    const int64_t units = (n + 63) / 64; /* a few-row call's, in equal shares */
+    Share shares[few ? num_threads : 1] __attribute__((aligned(64)));
+    for (int32_t t = 0; few && t < num_threads; t++)
+        shares[t].range = share_range(units * t / num_threads, units * (t + 1) / num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         if (few)
@@ -387,7 +431,15 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
             for (int64_t r = 0; r < m % 32; r++) memcpy(mypad + r * k, x + (m / 32 * 32 + r) * lda, (size_t)k * 2);
             memset(mypad + m % 32 * k, 0, (size_t)((32 - m % 32) * k) * 2);
         }
-        for (int64_t g = 0; g < groups; g++) {
+        if (few) {
+            for (int64_t u; (u = claim_unit(&shares[tid], 0)) >= 0;)
+                few_rows_unit(x, m, k, lda, wp, n, y, ldy, epilogue, u, c[0]);
+            /* then the others' from their ends; every share, owned or not (a team may be smaller than num_threads) */
+            for (int32_t v = 1; v < num_threads; v++)
+                for (int64_t u; (u = claim_unit(&shares[(tid + v) % num_threads], 1)) >= 0;)
+                    few_rows_unit(x, m, k, lda, wp, n, y, ldy, epilogue, u, c[0]);
+        }
+        for (int64_t g = 0; g < groups && !few; g++) {
             const int64_t gs0 = g * slices / groups, gs = (g + 1) * slices / groups - gs0; /* the group's slices */
 #pragma omp for collapse(2) schedule(static)
             for (int64_t bn = 0; bn < nblocks; bn++) {
@@ -397,16 +449,10 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
                     const int64_t m_stop = (gs0 + (bm + 1) * gs / mblocks) * 32;
                     const int64_t m_end = m_stop < m ? m_stop : m;
                     if (mid) { /* one pass over k per (pair, slice), pairs outermost: see MID_ROWS */
-                        int64_t o0 = n_begin;
-                        for (; few && o0 + 64 <= n_end; o0 += 64) { /* few rows: 64 outputs at a time, see block_16x64 */
-                            block_16x64(x + m_begin * lda, lda, k, wp, o0 / 16, panels * 2, c[0]);
-                            store_block(c[0], m_end - m_begin, y, ldy, n, m_begin, o0, epilogue);
-                            store_block(c[0] + 16 * 32, m_end - m_begin, y, ldy, n, m_begin, o0 + 32, epilogue);
-                        }
-                        for (; o0 < n_end; o0 += 32)
+                        for (int64_t o0 = n_begin; o0 < n_end; o0 += 32)
                             for (int64_t r0 = m_begin; r0 < m_end; r0 += 32) {
                                 const int64_t rows = m_end - r0 < 32 ? m_end - r0 : 32;
-                                const int padded = rows < 32 && !few;
+                                const int padded = rows < 32;
                                 block_32x32(padded ? mypad : x + r0 * lda, padded ? k : lda, k, wp, o0 / 16,
                                             panels * 2, c[0], 0, kbs, rows <= 16);
                                 store_block(c[0], rows, y, ldy, n, r0, o0, epilogue);
