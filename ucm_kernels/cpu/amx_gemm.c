@@ -314,7 +314,6 @@ static inline void store_rows(const Pending *p, int64_t lo, int64_t hi, uint16_t
     for (int64_t o0 = p->s0; o0 < p->s_end && hi > lo; o0 += 32)
         store_block(p->c + (o0 - p->s0) * 32 + lo * 32, hi - lo, y, ldy, n, p->r0 + lo, o0, epilogue);
 }
-#endif
 
 /* A thread's share of a few-row call's 64-output units: [front, back) in one word, so that its owner (taking the front)
  * and a thread done with its own share (taking the back) each claim a unit by one compare-and-swap. A decode step's
@@ -355,6 +354,7 @@ static inline void few_rows_unit(const uint16_t *x, int64_t m, int64_t k, int64_
         store_block(c, m, y, ldy, n, 0, o0, epilogue);
     }
 }
+#endif
 
 /* y[m][n] (bf16) = x[m][k] (bf16, rows lda apart) @ W^T, W packed by ucm_kernels/cpu/amx_gemm.py, through `epilogue`
  * (EPI_*), y's rows ldy apart (amx_gemm.py pads both off 4 KB strides, where a tile's 16 rows would share an L1 set).
