@@ -465,16 +465,31 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
         }
 }
 
+/* The P V accumulators of dp_cols_pv and dp_cols_pv_fma: nv vectors of columns from c of every row's output, scaled
+ * by the row's alpha (the online softmax's rescale), and back into o. Inlined with nrows and nv constant, the
+ * accumulators stay in registers. */
+ALWAYS_INLINE void pv_acc_rescaled(__m512 a[DCOLS][4], const float *o, const float *alpha, const int32_t nrows, int d,
+                                   int c, const int nv) {
+#pragma GCC unroll 8
+    for (int32_t r = 0; r < nrows; r++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nv; b++)
+            a[r][b] = _mm512_mul_ps(_mm512_load_ps(o + r * d + c + 16 * b), _mm512_set1_ps(alpha[r]));
+}
+
+ALWAYS_INLINE void pv_acc_store(__m512 a[DCOLS][4], float *o, const int32_t nrows, int d, int c, const int nv) {
+#pragma GCC unroll 8
+    for (int32_t r = 0; r < nrows; r++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nv; b++) _mm512_store_ps(o + r * d + c + 16 * b, a[r][b]);
+}
+
 /* dp_cols_rows' P V for output columns c .. c + 16 * nb - 1 of every row (nb, nrows: constants where it is
  * inlined): o[r][cols] = o[r][cols] * alpha[r] + sum over the n2 key pairs of P16's pair . Vp's pair, in order. */
 ALWAYS_INLINE void dp_cols_pv(const uint32_t *Vp, const uint16_t *P16, float *o, const float *alpha,
                               const int32_t nrows, int n2, int d, int c, const int nb) {
     __m512 a[DCOLS][4];
-#pragma GCC unroll 8
-    for (int32_t r = 0; r < nrows; r++)
-#pragma GCC unroll 4
-        for (int b = 0; b < nb; b++)
-            a[r][b] = _mm512_mul_ps(_mm512_load_ps(o + r * d + c + 16 * b), _mm512_set1_ps(alpha[r]));
+    pv_acc_rescaled(a, o, alpha, nrows, d, c, nb);
     for (int i = 0; i < n2; i++) {
         __m512bh vc[4];
 #pragma GCC unroll 4
@@ -486,10 +501,7 @@ ALWAYS_INLINE void dp_cols_pv(const uint32_t *Vp, const uint16_t *P16, float *o,
             for (int b = 0; b < nb; b++) a[r][b] = _mm512_dpbf16_ps(a[r][b], pr, vc[b]);
         }
     }
-#pragma GCC unroll 8
-    for (int32_t r = 0; r < nrows; r++)
-#pragma GCC unroll 4
-        for (int b = 0; b < nb; b++) _mm512_store_ps(o + r * d + c + 16 * b, a[r][b]);
+    pv_acc_store(a, o, nrows, d, c, nb);
 }
 
 /* dp_cols_pv in FMA form (cols_products): output columns c .. c + 32 * nb - 1, each 32 of them kept as their 16 even
@@ -502,11 +514,7 @@ ALWAYS_INLINE void dp_cols_pv_fma(const uint16_t *const *vp, const float *Pf, fl
     const __m512i odd = _mm512_set1_epi32((int)0xFFFF0000u);
     const int nv = nb ? 2 * nb : 1; /* vectors of columns */
     __m512 a[DCOLS][4];
-#pragma GCC unroll 8
-    for (int32_t r = 0; r < nrows; r++)
-#pragma GCC unroll 4
-        for (int b = 0; b < nv; b++)
-            a[r][b] = _mm512_mul_ps(_mm512_load_ps(o + r * d + c + 16 * b), _mm512_set1_ps(alpha[r]));
+    pv_acc_rescaled(a, o, alpha, nrows, d, c, nv);
     for (int i = 0; i < n2; i++)
 #pragma GCC unroll 2
         for (int e = 1; e >= 0; e--) {
@@ -527,10 +535,7 @@ ALWAYS_INLINE void dp_cols_pv_fma(const uint16_t *const *vp, const float *Pf, fl
                 for (int b = 0; b < nv; b++) a[r][b] = _mm512_fmadd_ps(pr, vh[b], a[r][b]);
             }
         }
-#pragma GCC unroll 8
-    for (int32_t r = 0; r < nrows; r++)
-#pragma GCC unroll 4
-        for (int b = 0; b < nv; b++) _mm512_store_ps(o + r * d + c + 16 * b, a[r][b]);
+    pv_acc_store(a, o, nrows, d, c, nv);
 }
 
 /* attend_dpbf16_cols' work on one chunk for the rows of one kv head: scores (each Kt vector loaded once for the
