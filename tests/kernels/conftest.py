@@ -33,3 +33,16 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def vdpbf16_rows(native_lib):
+    """The library with generated bf16 rows on the VDPBF16PS bodies (attend_dpbf16_cols, the shared-prefix groups)
+    where this host would put them on AMX tiles (paged_attention_amx_rows.h): the tests of those bodies reach them on
+    every CPU. The switch is restored after the module."""
+    before = native_lib.amx_rows(-1)
+    if before == 1:
+        assert native_lib.amx_rows(0) == 0
+    yield native_lib
+    if before == 1:
+        native_lib.amx_rows(1)

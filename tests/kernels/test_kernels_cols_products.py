@@ -16,7 +16,8 @@ LENS = [1, 17, 63, 64, 65, 300, 551, 1000, 1537, 2048]  # odd key counts leave a
 
 
 @pytest.fixture
-def lib(native_lib) -> native.NativeLib:
+def lib(vdpbf16_rows) -> native.NativeLib:
+    native_lib = vdpbf16_rows
     form = native_lib.cols_products(-1)
     if form == -1:
         pytest.skip(f"this build ({native_lib.vector_path}) has no bf16 cols body")

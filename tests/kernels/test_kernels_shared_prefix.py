@@ -33,7 +33,8 @@ class Case:
 
 
 @pytest.fixture(scope="module")
-def lib(native_lib) -> native.NativeLib:
+def lib(vdpbf16_rows) -> native.NativeLib:
+    native_lib = vdpbf16_rows
     if not native_lib.bf16_lanes_rows:
         pytest.skip(f"this build ({native_lib.vector_path}) has no bf16 cols body, so no groups")
     return native_lib

@@ -63,6 +63,7 @@ HEADERS = tuple(
         "paged_attention_lanes.h",
         "paged_attention_dpbf16.h",
         "paged_attention_amx.h",
+        "paged_attention_amx_rows.h",
         "paged_attention_shared.h",
         "amx_tiles.h",
         "silu_bf16.h",
@@ -132,6 +133,7 @@ class NativeLib:
     lanes_rows: int  # fp32 prefill rows per item of the lanes body (paged_attention_lanes.h); 0: not in this build
     bf16_lanes_rows: int  # rows per item of the bf16 bodies on AVX-512 BF16, which take every bf16 row (dpbf16.h)
     cols_products: CFunction  # ucm_cols_products: the bf16 decode body's product form (1 VDPBF16PS, 2 FMA; -1 none)
+    amx_rows: CFunction  # ucm_amx_rows: whether generated bf16 rows take AMX tiles (0 off, 1 on, -1 leave -> state)
     amx_gemm: CFunction  # ucm_amx_gemm in amx_gemm.c (bf16 prompt rows on AMX, row-invariant)
     amx_layout_chunk: CFunction  # ucm_amx_layout_chunk: k blocks a chunk of its packed W's layout takes (amx_gemm.py)
     has_amx: bool  # whether this build has it and the OS lets the process use AMX (1 from every call otherwise)
@@ -338,6 +340,8 @@ def _bind(path: Path) -> NativeLib:
     cdll.ucm_bf16_lanes_rows.restype = i32
     cols_products = cdll.ucm_cols_products
     cols_products.argtypes, cols_products.restype = [i32], i32  # set (-1: leave) -> the form in force
+    amx_rows = cdll.ucm_amx_rows
+    amx_rows.argtypes, amx_rows.restype = [i32], i32  # set (-1: leave) -> 1 on, 0 off, -1 not in this build
     return NativeLib(
         path,
         cdll,
@@ -366,6 +370,7 @@ def _bind(path: Path) -> NativeLib:
         int(cdll.ucm_lanes_rows()),
         int(cdll.ucm_bf16_lanes_rows()),
         cols_products,
+        amx_rows,
         amx,
         layout_chunk,
         bool(cdll.ucm_amx_available()),

@@ -168,6 +168,19 @@ int32_t ucm_cols_products(int32_t set) {
 #endif
 }
 
+/* Whether bf16 rows not passed as prompt rows take the AMX rows body (paged_attention_amx_rows.h) where a call's
+ * shapes allow: `set` 0 turns it off for this process, 1 on (where the OS permits AMX), -1 leaves it; returns 1 on,
+ * 0 off, -1 where this build has no such body. */
+int32_t ucm_amx_rows(int32_t set) {
+#ifdef UCM_HAS_AMX_ATTN
+    if (set == 0 || set == 1) __atomic_store_n(&amx_rows_state, (int)set, __ATOMIC_RELAXED);
+    return amx_rows_on();
+#else
+    (void)set;
+    return -1;
+#endif
+}
+
 /* 1 when bf16 prompt rows passed as such (prompt_queries) take the AMX body here: this build has it and the OS
  * lets the process use AMX (paged_attention_amx.h). */
 int ucm_amx_attention_available(void) {
@@ -238,6 +251,7 @@ static inline int lone_decode_parts(const Problem *p, int32_t queries) {
 static inline int32_t rest_items(const Problem *p, int32_t seq, int32_t dtype, int32_t first) {
     const int32_t queries = num_queries(p, seq) - first;
     if (queries == 0) return 0;
+    if (p->amx_rows) return queries * p->head_parts; /* a token's kv heads (its part) an item */
 #ifdef UCM_HAS_DPBF16
     if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, queries)) return p->head_parts;
 #endif
@@ -262,6 +276,9 @@ static inline Item item_at(const Problem *p, int32_t seq, int32_t i, int32_t dty
         return (Item){.seq = seq, .row0 = i % per_head * 32, .kv_head = i / per_head, .amx_end = first * group};
     }
     i -= amx;
+    if (p->amx_rows) /* token first + i / head_parts, its part i % head_parts */
+        return (Item){.seq = seq, .row0 = (first + i / p->head_parts) * group,
+                      .kv_head = p->num_kv_heads + i % p->head_parts};
 #ifdef UCM_HAS_DPBF16
     if (dtype == UCM_DTYPE_BF16 && dpbf16_take(p, seq, dtype) && dpbf16_all_heads(p, num_queries(p, seq) - first))
         return (Item){.seq = seq, .row0 = first * group, .kv_head = p->num_kv_heads + i}; /* part i of every kv head */
@@ -430,6 +447,9 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
 #ifdef UCM_HAS_DPBF16
     p.cols_fma = dtype == UCM_DTYPE_BF16 && cols_products() == COLS_FMA;
 #endif
+#ifdef UCM_HAS_AMX_ATTN
+    p.amx_rows = amx_rows_take(dtype, head_dim, num_q_heads, num_kv_heads);
+#endif
     int64_t num_items = 0;
     int rc = validate(&p, dtype, num_seqs, num_tokens, max_blocks_per_seq, num_blocks, err_seq, &num_items, num_skipped);
     if (rc != UCM_OK) return rc;
@@ -446,7 +466,7 @@ int ucm_paged_attention(const void *q, int64_t q_stride_tok, int64_t q_stride_he
     uint8_t *grouped = NULL;
     int32_t *members = NULL;
 #ifdef UCM_HAS_DPBF16
-    const int may_group = dtype == UCM_DTYPE_BF16 && num_seqs > 1;
+    const int may_group = dtype == UCM_DTYPE_BF16 && num_seqs > 1 && !p.amx_rows; /* groups are cols items */
 #else
     const int may_group = 0;
 #endif
@@ -504,6 +524,12 @@ int32_t ucm_shared_prefix_groups(const int32_t *seq_lens, const int32_t *block_t
                                  int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
                                  int32_t block_size, int32_t num_threads, int32_t *group_of) {
 #ifdef UCM_HAS_DPBF16
+#ifdef UCM_HAS_AMX_ATTN
+    if (amx_rows_take(UCM_DTYPE_BF16, head_dim, num_q_heads, num_kv_heads)) { /* no cols items: no groups */
+        for (int32_t b = 0; b < num_seqs; b++) group_of[b] = -1;
+        return 0;
+    }
+#endif
     const Problem p = {.seq_lens = seq_lens, .block_tables = block_tables, .block_table_stride = block_table_stride,
                        .num_q_heads = num_q_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
                        .block_size = block_size, .head_parts = 1};

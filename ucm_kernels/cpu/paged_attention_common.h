@@ -77,6 +77,8 @@ typedef struct {
                                   (paged_attention_shared.h); NULL: none */
     int32_t head_parts; /* items a lone decode's item of every kv head is cut into, by kv heads (1: one item) */
     int32_t cols_fma;   /* 1: the cols body's products as FMAs (paged_attention_dpbf16.h: cols_products) */
+    int32_t amx_rows;   /* 1: the rows not passed as prompt rows take paged_attention_amx_rows.h's body, a token an
+                           item (kv_head num_kv_heads + part, as a decode's cols items) */
 } Problem;
 
 typedef struct {

@@ -908,6 +908,17 @@ ALWAYS_INLINE void attend_dpbf16_cols_shared(const Problem *p, const int32_t *se
     free(s), free(o);
 }
 
+#include "paged_attention_amx_rows.h"
+#ifdef UCM_HAS_AMX_ATTN
+/* attend_amx_rows out of line: one instance for head_dim 64, one for any other multiple of 32. */
+__attribute__((noinline)) static void amx_rows_d64(const Problem *p, int32_t seq, int32_t tok, int32_t lo, int32_t hi) {
+    attend_amx_rows(p, seq, tok, lo, hi, 64);
+}
+__attribute__((noinline)) static void amx_rows_any(const Problem *p, int32_t seq, int32_t tok, int32_t lo, int32_t hi) {
+    attend_amx_rows(p, seq, tok, lo, hi, p->head_dim);
+}
+#endif
+
 /* An item's body by its row count; one instance for SmolLM2's head_dim so its loops unroll, one for any other
  * head_dim (a multiple of 16). */
 ALWAYS_INLINE void attend_dpbf16_item(const Problem *p, int32_t seq, int32_t h, int32_t row0, int d, const int fma) {
@@ -915,6 +926,12 @@ ALWAYS_INLINE void attend_dpbf16_item(const Problem *p, int32_t seq, int32_t h, 
     if (h >= p->num_kv_heads) { /* dpbf16_all_heads: part h - num_kv_heads of head_parts */
         int32_t lo, hi;
         head_part(p, h - p->num_kv_heads, &lo, &hi);
+#ifdef UCM_HAS_AMX_ATTN
+        if (p->amx_rows) { /* a generated token's rows (paged_attention_amx_rows.h) */
+            (d == 64 ? amx_rows_d64 : amx_rows_any)(p, seq, row0 / (p->num_q_heads / p->num_kv_heads), lo, hi);
+            return;
+        }
+#endif
         attend_dpbf16_cols(p, seq, lo, hi, row0, d, fma);
     }
     else if (rows < DCOLS) attend_dpbf16_cols(p, seq, h, h + 1, row0, d, fma);
