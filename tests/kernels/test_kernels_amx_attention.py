@@ -1,6 +1,6 @@
 """The native attention's AMX body for bf16 prompt rows (ucm_kernels/cpu/paged_attention_amx.h): against the oracles,
 the same bits for a row however its prompt was split or batched, and the routing by row class (prompt rows given
-as such take it; generated rows, and calls that give no classes, keep the VDPBF16PS bodies' bits)."""
+as such take it; generated rows, and calls that give no classes, keep their own body's bits: test_kernels_amx_rows.py)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,9 @@ def test_prompt_rows_match_the_oracles_on_any_thread_count(amx_lib, hq, hkv, hea
     torch.testing.assert_close(one[rows].double(), dense, **TOL)
     assert not one[int(case.query_start_loc[4])].any(), "the padding row (seq_len 0) must be 0"
     plain = paged_attention_native(amx_lib, *args)
-    assert not torch.equal(one, plain), "the prompt rows ran the AMX body (its sums differ from VDPBF16PS's)"
+    assert not torch.equal(one, plain), (
+        "the prompt rows ran the AMX prompt body (its sums differ from the generated rows' body's)"
+    )
 
 
 def test_scores_that_rise_past_the_lazy_max_rescale_the_output(amx_lib):
@@ -102,7 +104,7 @@ def test_a_prompt_row_has_the_same_bits_however_the_prompt_was_split(amx_lib, hq
     assert torch.equal(decode_form, whole[length - 1 :]), "the prompt's last row as a one-row call"
 
 
-def test_generated_rows_keep_the_vdpbf16_bits_in_a_recompute(amx_lib):
+def test_generated_rows_keep_their_bits_in_a_recompute(amx_lib):
     """A sequence recomputed after preemption holds prompt rows then generated ones: each class gets its own body's
     bits, the same as in the steps that first computed them, and a batch's other sequences change nothing."""
     prompt, generated = 90, 12

@@ -47,7 +47,9 @@ def test_decodes_match_the_oracle_and_keep_their_bits_in_any_batch(rows_lib, hq,
     every = list(range(len(LENS)))
     batch = _decode(rows_lib, case, every, scale, threads=2)
     live = [i for i, n in enumerate(LENS) if n > 0]
-    dense = naive_attention(case.q[live], [case.keys[i] for i in live], [case.values[i] for i in live], [1] * len(live), scale)
+    dense = naive_attention(
+        case.q[live], [case.keys[i] for i in live], [case.values[i] for i in live], [1] * len(live), scale
+    )
     torch.testing.assert_close(batch[live].double(), dense, **TOL)
     assert not batch[LENS.index(0)].any(), "a padding sequence's rows are 0"
     assert torch.equal(_decode(rows_lib, case, every, scale, threads=1), batch), "the thread count changes nothing"

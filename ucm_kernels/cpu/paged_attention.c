@@ -26,7 +26,8 @@
  * paged_attention_lanes.h) and bf16 with AVX-512 BF16 (head_dim % 16 == 0, DR rows, every bf16 row: decodes too,
  * so that a row's bits never depend on the body; paged_attention_dpbf16.h). Where the CPU has AMX, a bf16 sequence's
  * prompt rows, when the caller says which they are (prompt_queries), take that body with its products on AMX tiles
- * instead (head_dim % 32 == 0; paged_attention_amx.h): a row's class, not its step, picks the body. They
+ * instead (head_dim % 32 == 0; paged_attention_amx.h), and the other bf16 rows, a generated token's, a body of their
+ * own with both products on tiles too (paged_attention_amx_rows.h): a row's class, not its step, picks the body. They
  * are one translation unit: this file includes them, keeps the scalar body, the dispatch (pick_item_fn,
  * item_at) and the exported entry points; the types they share are in paged_attention_common.h. Whether the
  * engine calls this kernel or the torch path at all is measured per machine

@@ -11,7 +11,8 @@
  * element's sum depends on its own row and column alone, so a row's bits do not depend on the other rows of
  * its item, nor on how its prompt was split. TDPBF16PS adds a tile's pairs in another order than VDPBF16PS (a
  * measured 43% of elements differ), so a row must always meet the same body: the caller sends a sequence's prompt
- * rows here (Problem.prompt_queries) and its generated rows to the VDPBF16PS bodies, in every step.
+ * rows here (Problem.prompt_queries) and its generated rows to paged_attention_amx_rows.h (to the VDPBF16PS bodies
+ * where ucm_amx_rows turned that off), in every step.
  *
  * With the products on tiles the softmax's vector work was what the item waited on (~0.9 TFLOP/s against the
  * GEMM's 2.5 on that Xeon), so this body's softmax does less of it (its own bits, as the products already are):

@@ -18,7 +18,8 @@
  *
  * Every bf16 row goes through this file, not only long prefills: a row's bits must not depend on how its prompt
  * was split (whole, in chunks, after a cache hit) or on whether it is a decode. (On CPUs with AMX, prompt rows
- * given as such run attend_dpbf16 with its products on tiles, paged_attention_amx.h, in every step.) Items of fewer than DCOLS rows (a
+ * given as such run attend_dpbf16 with its products on tiles, paged_attention_amx.h, and every other row
+ * paged_attention_amx_rows.h, in every step; ucm_amx_rows(0) sends those here again.) Items of fewer than DCOLS rows (a
  * decode's GQA group) run attend_dpbf16_cols, which does each row's operations in the same order with the keys or
  * the output columns in the lanes instead: bit for bit the same rows (tested). A decode is one item of all its kv
  * heads, so each chunk's block rows are read whole. Against the AVX-512 body, 2 threads: 8 decodes over 512

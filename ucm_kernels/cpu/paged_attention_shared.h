@@ -4,7 +4,8 @@
  * SmolLM2, from DRAM once the batch's caches outgrow the CPU's. Requests that share a system prompt or a
  * document get the same physical blocks from the prefix cache, and each decode read them again. Here decodes
  * whose block tables begin alike are one item: the chunks of keys they share are read and laid out once and run
- * for every member's rows. A row's bits do not depend on it (paged_attention_dpbf16.h).
+ * for every member's rows. A row's bits do not depend on it (paged_attention_dpbf16.h). Where generated rows take
+ * AMX tiles (paged_attention_amx_rows.h) there are no cols items, so no groups.
  *
  * Sorting the candidates by their block tables makes any run of them share what its weakest neighbouring pair
  * shares. A run is one group when that is at least a whole chunk (DKC keys) and at least half of what its
