@@ -450,3 +450,19 @@ def test_a_capped_torch_isa_names_another_cache_file(lib, monkeypatch):
     capped = calibration_store.calibration_key(lib, 2)
     assert capped["torch_isa"].endswith("oneDNN <= AVX2") and capped != uncapped
     assert calibration_store.key_file("linear", capped, None) != calibration_store.key_file("linear", uncapped, None)
+
+
+def test_the_calibration_times_prompt_rows_named_as_the_engine_names_them(lib, monkeypatch):
+    """The native path's prompt classes are timed with their rows named prompt rows (AttentionMetadata.prompt_queries,
+    which the model runner always passes), so where AMX takes those the calibration times that body, not the
+    generated rows' one; a decode batch names none."""
+    seen: list[object] = []
+    monkeypatch.setattr(calibration, "paged_attention_native", lambda *args: seen.append(args[8:]))
+    g = Geometry("bfloat16", 9, 3, 64, 16)
+    for cls in (ShapeClass.CHUNK, ShapeClass.PROMPT):
+        calibration._runs(lib, g, cls)[calibration.NATIVE]()
+        (prompts,) = seen.pop()
+        pb = calibration.PROBLEMS[cls]
+        assert torch.equal(prompts, torch.full((pb.batch,), pb.new, dtype=torch.int32)), cls
+    calibration._runs(lib, g, ShapeClass.DECODE)[calibration.NATIVE]()
+    assert seen.pop() == (), "a decode's rows are generated rows"

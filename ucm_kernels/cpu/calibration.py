@@ -117,8 +117,11 @@ def _runs(lib: NativeLib, g: Geometry, shape_class: ShapeClass) -> dict[str, Cal
             TORCH: lambda: decode_attention_chunked_torch(q, k_cache, v_cache, tables, lens, scale, pb.ctx),
         }
     qsl = torch.arange(0, pb.batch * pb.new + 1, pb.new, dtype=torch.int32)
+    # Named prompt rows, as the model runner names them (AttentionMetadata.prompt_queries): where the CPU has AMX they
+    # take its prompt body, and unnamed rows a generated token's body, token by token; the engine runs the former.
+    prompts = torch.full((pb.batch,), pb.new, dtype=torch.int32)
     return {
-        NATIVE: lambda: paged_attention_native(lib, q, k_cache, v_cache, qsl, lens, tables, scale),
+        NATIVE: lambda: paged_attention_native(lib, q, k_cache, v_cache, qsl, lens, tables, scale, prompts),
         TORCH: lambda: prefill_attention_torch(q, k_cache, v_cache, qsl, lens, tables, scale, pb.new),
     }
 
