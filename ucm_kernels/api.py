@@ -236,7 +236,9 @@ def prefill_attention(
 
     context_tokens (optional, additive to the team API): sum of seq_lens when the caller knows it on the host,
     which saves a CUDA call long enough to weigh the torch path a device sync. prompt_queries (optional,
-    additive): AttentionMetadata.prompt_queries, which the native CPU kernel sends to its AMX body where it has one.
+    additive): AttentionMetadata.prompt_queries, which the native CPU kernel sends to its AMX body where it has one;
+    there, rows not named so are generated rows and take their own body, a token at a time (a long prompt passed
+    unnamed is correct but slow).
     """
     _check_cache_pair(k_cache, v_cache)
     _check_query(q, k_cache)
