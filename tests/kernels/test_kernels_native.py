@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -369,3 +370,15 @@ def test_sources_include_the_shipped_headers():
     }
     assert included == {h.name for h in native.HEADERS} and included
     assert all(h.parent == native.SOURCES[0].parent and h.suffix == ".h" for h in native.HEADERS)
+
+
+def test_a_call_to_an_undeclared_function_fails_the_build(tmp_path):
+    """The library's flags make an implicit declaration an error on every compiler version (GCC 14's default): a
+    helper defined only inside one ISA's #ifdef must not compile elsewhere with a guessed signature."""
+    if shutil.which(native.compiler()) is None:
+        pytest.skip(f"no C compiler {native.compiler()!r}")
+    src = tmp_path / "calls_undeclared.c"
+    src.write_text("int ucm_probe(void) { return helper_of_another_build(3); }\n", encoding="utf-8")
+    recipe = native.Recipe("ucm_undeclared", (src,), (), native.FLAGS)
+    with pytest.raises(native.BuildError, match="implicit"):
+        native.built(recipe, tmp_path / "cache", ())

@@ -71,7 +71,11 @@ HEADERS = tuple(
     )
 )
 LIBRARY_STEM = "ucm_kernels"
-FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp")
+# A call to an undeclared function is an error, not a warning, as GCC 14 and clang make it: a helper defined only in
+# one build's #ifdef (AMX, AVX-512) would otherwise compile on another with a guessed signature.
+FLAGS = (
+    "-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-Werror=implicit-function-declaration",
+)  # fmt: skip
 LIBS = ("-lm",)
 
 
