@@ -142,7 +142,8 @@ ALWAYS_INLINE void ar_chunk(const Problem *p, RowsHead *hs, float *o, const int6
         a_stride[g] = (int64_t)d * 2;
     }
     if (d == 64)
-        for (int g = 0; g < (nk + 15) / 16; g += 2) ar_scores64(w->S + g * 256, a + g, a_stride + g, g + 1 < (nk + 15) / 16);
+        for (int g = 0; g < (nk + 15) / 16; g += 2)
+            ar_scores64(w->S + g * 256, a + g, a_stride + g, g + 1 < (nk + 15) / 16);
     else
         for (int g = 0; g < (nk + 15) / 16; g++) ar_scores(w->S + g * 256, a[g], a_stride[g], hs->qT, d);
     /* the softmax's step, the rows in the lanes (rows past the group compute on zero q and are never stored) */
@@ -285,7 +286,8 @@ ALWAYS_INLINE void attend_amx_rows(const Problem *p, int32_t seq, int32_t tok, i
                 uint16_t *out = (uint16_t *)p->out + ((int64_t)(q0 + tok) * p->num_q_heads + qh) * d;
                 const float *orow = o + (hh * 16 + r) * d;
                 const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-                for (int c = 0; c < d; c += 16) f32x16_store_bf16(out + c, _mm512_mul_ps(_mm512_load_ps(orow + c), inv));
+                for (int c = 0; c < d; c += 16)
+                    f32x16_store_bf16(out + c, _mm512_mul_ps(_mm512_load_ps(orow + c), inv));
             }
         }
     }
