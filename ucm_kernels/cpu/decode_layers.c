@@ -121,15 +121,6 @@ static void add_norm(const DecodeStepArgs *s, const void *x, const void *weight,
         ucm_fused_add_rms_norm_f32(x, s->residual, weight, out, s->tokens, s->hidden, s->hidden, (float)eps, threads);
 }
 
-#ifdef UCM_DL_TIMING
-#include <stdio.h>
-#include <time.h>
-static double dl_acc[8]; static long dl_calls;
-static double dl_now(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec + 1e-9 * ts.tv_nsec; }
-#define TM(i, stmt) do { double _t0 = dl_now(); stmt; dl_acc[i] += dl_now() - _t0; } while (0)
-#else
-#define TM(i, stmt) stmt
-#endif
 static int32_t fail(DecodeFailure *f, int64_t op, int64_t layer, int64_t status, int32_t detail) {
     f->op = op, f->layer = layer, f->status = status, f->detail = detail;
     return (int32_t)op;
@@ -155,37 +146,26 @@ int32_t ucm_decode_layers(const DecodeStepArgs *s, const DecodeLayer *layers, in
         const DecodeLayer *l = &layers[i];
         int64_t rc;
         if (i) /* the previous MLP's output joins the residual here */
-            TM(0, add_norm(s, s->down_out, l->input_norm, l->input_eps, s->x));
-        TM(1, rc = linear(&l->qkv, s->x, t, qkv, threads, s->pad));
-        if (rc) return fail(failure, DL_LINEAR, i, rc, 0);
+            add_norm(s, s->down_out, l->input_norm, l->input_eps, s->x);
+        if ((rc = linear(&l->qkv, s->x, t, qkv, threads, s->pad))) return fail(failure, DL_LINEAR, i, rc, 0);
         if (bf16) /* q and k, in place */
-            TM(2, ucm_rotary_embedding((uint16_t *)qkv, stride, t, (int32_t)(hq + hkv), (int32_t)d, s->cos, s->sin, threads));
+            ucm_rotary_embedding((uint16_t *)qkv, stride, t, (int32_t)(hq + hkv), (int32_t)d, s->cos, s->sin, threads);
         else
             ucm_rotary_embedding_f32((float *)qkv, stride, t, (int32_t)(hq + hkv), (int32_t)d, s->cos, s->sin, threads);
-        TM(2, rc = ucm_write_kv(k, stride * esize, v, stride * esize, l->k_cache, l->v_cache, s->slots, t, s->num_slots,
-                          kv_size * esize, threads));
+        rc = ucm_write_kv(k, stride * esize, v, stride * esize, l->k_cache, l->v_cache, s->slots, t, s->num_slots,
+                          kv_size * esize, threads);
         if (rc) return fail(failure, DL_WRITE_KV, i, rc, -1);
         int32_t err_seq = -1, skipped = 0;
-        TM(3, rc = ucm_paged_attention(qkv, stride, d, l->k_cache, l->v_cache, s->att, NULL, s->seq_lens, s->block_tables,
+        rc = ucm_paged_attention(qkv, stride, d, l->k_cache, l->v_cache, s->att, NULL, s->seq_lens, s->block_tables,
                                  s->block_table_stride, (int32_t)s->max_blocks, s->num_blocks, (int32_t)t, (int32_t)t,
                                  (int32_t)hq, (int32_t)hkv, (int32_t)d, (int32_t)s->block_size, (int32_t)s->dtype,
-                                 (float)l->scale, 0, NULL, threads, &err_seq, &skipped));
+                                 (float)l->scale, 0, NULL, threads, &err_seq, &skipped);
         if (rc) return fail(failure, DL_ATTENTION, i, rc, err_seq);
-        TM(4, rc = linear(&l->o, s->att, t, s->o_out, threads, s->pad));
-        if (rc) return fail(failure, DL_LINEAR, i, rc, 1);
-        TM(0, add_norm(s, s->o_out, l->post_attn_norm, l->post_attn_eps, s->x));
-        TM(5, rc = gate_up_act(s, &l->gate_up, threads));
-        if (rc) return fail(failure, DL_LINEAR, i, rc, 2);
-        TM(6, rc = linear(&l->down, s->act, t, s->down_out, threads, s->pad));
-        if (rc) return fail(failure, DL_LINEAR, i, rc, 3);
+        if ((rc = linear(&l->o, s->att, t, s->o_out, threads, s->pad))) return fail(failure, DL_LINEAR, i, rc, 1);
+        add_norm(s, s->o_out, l->post_attn_norm, l->post_attn_eps, s->x);
+        if ((rc = gate_up_act(s, &l->gate_up, threads))) return fail(failure, DL_LINEAR, i, rc, 2);
+        if ((rc = linear(&l->down, s->act, t, s->down_out, threads, s->pad))) return fail(failure, DL_LINEAR, i, rc, 3);
     }
     add_norm(s, s->down_out, s->final_norm, s->final_eps, s->out);
-#ifdef UCM_DL_TIMING
-    if (++dl_calls % 100 == 0) {
-        fprintf(stderr, "DL %ld steps ms/step: norm %.3f qkv %.3f rope+kv %.3f attn %.3f o %.3f gate_up %.3f down %.3f\n", dl_calls,
-                1e3*dl_acc[0]/100, 1e3*dl_acc[1]/100, 1e3*dl_acc[2]/100, 1e3*dl_acc[3]/100, 1e3*dl_acc[4]/100, 1e3*dl_acc[5]/100, 1e3*dl_acc[6]/100);
-        for (int j = 0; j < 8; j++) dl_acc[j] = 0;
-    }
-#endif
     return DL_OK;
 }

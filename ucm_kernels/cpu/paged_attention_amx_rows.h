@@ -16,7 +16,10 @@
  * where this body is on (ucm_amx_rows) every bf16 row not passed as a prompt row comes here, one query token an
  * item: a decode's, and a recomputed sequence's generated rows (paged_attention.c: rest_items). Every tile element
  * and lane is its own row's alone, so a row's bits do not depend on the batch, the item's other kv heads or the
- * thread count (tested).
+ * thread count (tested). 8 decodes over 612 keys, builds alternated on that Xeon: Qwen2.5-0.5B's 24 layers 5.1 -> 3.5
+ * ms from memory, 4.0 -> 2.6 in cache; Llama-1B's 16 11.7 -> 10.6 and 7.7 -> 6.9 (its item waits on memory: the
+ * prefetches stall on the core's miss buffers); SmolLM2's 30 at 32 decodes 31.6 -> 29.9. The engine's Qwen decode
+ * step of 8: 37.9 / 38.2 -> 35.3 / 36.6 ms.
  *
  * Part of paged_attention.c's translation unit, included by paged_attention_dpbf16.h after paged_attention_amx.h.
  */
