@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ucm_kernels.cpu import native
-from ucm_kernels.cpu.paged_attention import paged_attention_native
+from ucm_kernels.cpu.paged_attention import paged_attention_native, shared_prefix_groups
 from ucm_kernels.testing import make_paged_case, naive_attention
 
 TOL = dict(atol=2e-2, rtol=2e-2)  # the output is rounded to bf16, and P to bf16 for its product with V
@@ -132,3 +132,17 @@ def vdpbf16_rows_off_and_on(rows_lib):
             assert rows_lib.amx_rows(1) == 1
 
     return run
+
+
+def test_decodes_sharing_a_prefix_are_not_grouped(rows_lib, vdpbf16_rows_off_and_on):
+    """Groups are cols items: with generated rows on tiles a batch sharing its blocks gets none (each decode its own
+    items), and shared_prefix_groups, which reports them, says so; on the VDPBF16PS bodies the same batch groups."""
+    lens = torch.tensor([1100 + 10 * i for i in range(8)], dtype=torch.int32)
+    tables = torch.arange(8 * 80, dtype=torch.int32).view(8, 80)
+    tables[:, :64] = tables[0, :64]  # 1024 keys in common
+
+    def groups() -> list[int] | None:
+        return shared_prefix_groups(rows_lib, lens, tables, 9, 3, 64, 16)
+
+    assert groups() == [-1] * 8
+    assert any(g >= 0 for g in vdpbf16_rows_off_and_on(groups) or []), "the VDPBF16PS bodies group this batch"

@@ -525,16 +525,13 @@ int32_t ucm_shared_prefix_groups(const int32_t *seq_lens, const int32_t *block_t
                                  int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
                                  int32_t block_size, int32_t num_threads, int32_t *group_of) {
 #ifdef UCM_HAS_DPBF16
-#ifdef UCM_HAS_AMX_ATTN
-    if (amx_rows_take(UCM_DTYPE_BF16, head_dim, num_q_heads, num_kv_heads)) { /* no cols items: no groups */
-        for (int32_t b = 0; b < num_seqs; b++) group_of[b] = -1;
-        return 0;
-    }
-#endif
     const Problem p = {.seq_lens = seq_lens, .block_tables = block_tables, .block_table_stride = block_table_stride,
                        .num_q_heads = num_q_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
                        .block_size = block_size, .head_parts = 1};
     for (int32_t b = 0; b < num_seqs; b++) group_of[b] = -1;
+#ifdef UCM_HAS_AMX_ATTN
+    if (amx_rows_take(UCM_DTYPE_BF16, head_dim, num_q_heads, num_kv_heads)) return 0; /* no cols items: no groups */
+#endif
     uint8_t *grouped = calloc((size_t)num_seqs + 1, 1);
     Item *groups = malloc(((size_t)num_seqs + 1) * sizeof *groups);
     int32_t *members = NULL;

@@ -123,17 +123,18 @@ static inline __attribute__((always_inline)) void panel(const uint32_t *xp, cons
 #ifdef UCM_HAS_AMX
 #define MR_AMX 16 /* x rows per pass on AMX: one A tile */
 
+/* Bytes ahead of a round that panel_amx prefetches its panel's weights and scales: the panel's stream is one of each
+ * per thread, which the hardware prefetchers did not keep ahead of. SmolLM2-135M's 30 layers (Q4_1) and its Q8_0
+ * lm_head on the 2-core Xeon with AMX, builds alternated: 1 row 8.63 -> 7.55 ms, 8 rows 9.42 -> 8.21 (2 KB ahead
+ * tied, 512 bytes 8.63). */
+#define PF_AHEAD 1024
+
 /* `panel` on AMX tiles, for MR_AMX rows (xp and sx hold that many): a block's 16 weight pairs (the vectors `panel`
  * feeds VDPBF16PS) are stored as one VNNI B tile, the rows' 32 x of the block are an A tile, and one TDPBF16PS
  * gives every row's block sum s, scaled as there. ~2.7x fewer instructions than 8 rows of VDPBF16PS, which bound
  * `panel` on a Xeon with AMX (135 GFLOP/s at 8 rows). TDPBF16PS sums a tile's pairs in another order than
  * VDPBF16PS, so a process whose OS grants AMX runs this for every call (amx_permitted), never `panel`. Two blocks
  * a round (tiles 0-1: sums, 4-5: x, 6-7: weights). */
-/* Bytes ahead of a round that panel_amx prefetches its panel's weights and scales: the panel's stream is one of each
- * per thread, which the hardware prefetchers did not keep ahead of. SmolLM2-135M's 30 layers (Q4_1) and its Q8_0
- * lm_head on the 2-core Xeon with AMX, builds alternated: 1 row 8.63 -> 7.55 ms, 8 rows 9.42 -> 8.21 (2 KB ahead
- * tied, 512 bytes 8.63). */
-#define PF_AHEAD 1024
 static inline __attribute__((always_inline)) void panel_amx(const uint32_t *xp, const float *sx, int64_t k,
                                                             const void *qp, const float *dm, __m512 *out, int rows,
                                                             uint32_t *wbuf, float *cbuf, const int q8) {

@@ -441,14 +441,14 @@ static inline __attribute__((always_inline)) void one_row(const float *x, int64_
     const int64_t p1 = count > 1 ? p0 + 1 : p0, p2 = count > 2 ? p0 + 2 : p0, p3 = count > 3 ? p0 + 3 : p0;
     __m256 c00, c01, c10, c11, c20, c21, c30, c31;
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm256_setzero_ps();
+    /* each panel prefetched ahead as the few-row tiles do: bf16 panels 32.6 -> 29.5 ms a row over Qwen2.5-0.5B's 24
+     * layers, fp32 52.3 -> 50.1, 4-bit tied (as SG_PREFETCH's measurements) */
+    const int64_t rb = panel_row_bytes(format);
     for (int64_t k0 = 0; k0 < k; k0 += QB) {
         const int64_t kend = k - k0 < QB ? k : k0 + QB;
         const q4_scales s0 = block_scales(src, format, p0, k0), s1 = block_scales(src, format, p1, k0),
                         s2 = block_scales(src, format, p2, k0), s3 = block_scales(src, format, p3, k0);
         for (int64_t kk = k0; kk < kend; kk++) {
-            /* bf16 panels 32.6 -> 29.5 ms a row over Qwen2.5-0.5B's 24 layers, fp32 52.3 -> 50.1, 4-bit tied (as
-             * SG_PREFETCH's measurements) */
-            const int64_t rb = panel_row_bytes(format);
             SG_PREFETCH(panel_row(src, format, k, p0, kk), kk, rb, 1);
             SG_PREFETCH(panel_row(src, format, k, p1, kk), kk, rb, 1);
             SG_PREFETCH(panel_row(src, format, k, p2, kk), kk, rb, 1);
@@ -525,8 +525,7 @@ static void panel_rows(const float *x, int64_t m, int64_t k, const panel_source 
             const float *b = panel_chunk(src, k, p, k0, kc, scratch);
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t m0 = g0 + t * MR;
-                tile_chunk(x + m0 * k + k0, k, kc, m - m0 < MR ? m - m0 : MR, b, out[t], k0 == 0,
-                           t == 0 && src->format == PANEL_FP32);
+                tile_chunk(x + m0 * k + k0, k, kc, m - m0 < MR ? m - m0 : MR, b, out[t], k0 == 0, t == 0);
             }
         }
         for (int64_t t = 0; t < tiles; t++)
