@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.thread_governor import WINDOW_S, ThreadGovernor, engine_cpus
+from engine.thread_governor import BURST_WINDOW_S, WINDOW_S, ThreadGovernor, engine_cpus
 from tests.engine_helpers import make_llm
 from ucm_kernels.cpu.host import busy_cpu_s
 
@@ -85,6 +85,43 @@ def test_decisions_wait_for_a_whole_window() -> None:
     host.run(WINDOW_S / 2, own_cores=1.0, other_cores=1.0)
     assert gov.threads() == 2, "half a window decides nothing"
     host.run(WINDOW_S, own_cores=1.0, other_cores=1.0)
+    assert gov.threads() == 1
+
+
+def test_a_burst_takes_a_core_back_once_its_sender_stopped() -> None:
+    """The sender of a burst (a benchmark client on the same cores) works until it sends. A window reaching back before
+    the burst still holds that work: one thread for another whole window. A burst's first window starts with it."""
+    for with_burst in (False, True):
+        host = Host()
+        gov = host.governor()
+        host.run(0.5, own_cores=0.0, other_cores=1.0)
+        assert gov.threads() == 1
+        host.run(0.2, own_cores=0.0, other_cores=1.0)  # the client still prepares: no decision yet (a part window)
+        assert gov.threads() == 1
+        if with_burst:
+            gov.burst()  # it sent the requests
+        host.run(BURST_WINDOW_S + 0.01, own_cores=1.0, other_cores=0.0)
+        want = 2 if with_burst else 1
+        assert gov.threads() == want, f"burst {with_burst}: {BURST_WINDOW_S} s after the requests came"
+    host.run(WINDOW_S, own_cores=2.0, other_cores=0.0)
+    assert gov.threads() == 2, "without the burst, a whole window later"
+
+
+def test_a_burst_window_gives_threads_back_but_never_takes_them() -> None:
+    """The router's parsing of a burst takes part of a core in its first tenth of a second: no drop on so short a
+    window; a neighbour that stays is seen a whole window later, and the window is WINDOW_S again after a burst's."""
+    host = Host()
+    gov = host.governor()
+    gov.burst()
+    host.run(BURST_WINDOW_S + 0.01, own_cores=1.0, other_cores=0.9)
+    assert gov.threads() == 2 and gov.changes == 0
+    host.run(WINDOW_S / 2, own_cores=1.0, other_cores=0.9)
+    assert gov.threads() == 2, "after the burst's window the decisions wait for a whole one again"
+    host.run(WINDOW_S / 2 + 0.01, own_cores=1.0, other_cores=0.9)
+    assert gov.threads() == 1
+    gov.burst()
+    gov.restart()  # a restart judges from then on as usual
+    host.run(BURST_WINDOW_S + 0.01, own_cores=1.0, other_cores=0.0)
     assert gov.threads() == 1
 
 
@@ -177,6 +214,27 @@ def test_an_idle_engine_judges_the_window_before_its_next_burst(engine) -> None:
         while engine.has_unfinished_requests():
             engine.step()
     assert engine.governor.changes == 2, "while idle: dropped for the neighbour, back once it stopped"
+
+
+def test_the_first_step_after_idling_starts_a_burst(engine) -> None:
+    """EngineCore.step() tells the governor a burst began when idle() ran since its last step, and not otherwise."""
+    bursts: list[int] = []
+    _scripted(engine)
+    engine.governor.burst = lambda: bursts.append(1)  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=3, temperature=0)
+    engine.idle()
+    engine.add_request("after-idle", list(range(100, 140)), params)
+    engine.step()
+    assert bursts == [1], "the burst's first step"
+    engine.idle()  # a serving loop calls it between steps too; with work queued it is no idle stretch
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert bursts == [1], "later steps of the same burst"
+    engine.add_request("no-idle", list(range(100, 140)), params)
+    engine.step()
+    assert bursts == [1], "no idle() since the last step: no burst (an offline generate)"
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_a_long_prompt_step_takes_a_freed_core_back_between_its_layers(engine) -> None:
