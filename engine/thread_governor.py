@@ -31,7 +31,7 @@ DROP_BELOW, RAISE_ABOVE = 0.4, 0.7
 # A window reaching back into the idle stretch held the sender's work up to the burst (vLLM's benchmark client on the
 # same 2 cores, starting a run of 8 requests): the burst's first step ran 3-5 of Llama-1B's 16 layers on one thread
 # (512 tokens: 0.91-0.97 s against 0.72 for such steps later); from the burst on, one layer (0.65-0.71 s; 2-core Xeon
-# with AMX). A drop still waits for a whole window: the router's own work on the burst falls into its first moments.
+# with AMX). A drop still waits for a whole window: the router's own work on the burst may fall into its first moments.
 BURST_WINDOW_S = 0.1
 
 
