@@ -28,9 +28,12 @@ VM) a loop of TDPBF16PS on register-resident tiles runs at ~5.5 TFLOP/s or at ~2
 and this calibration of Llama-1B's layer read 1528-1712 GFLOP/s in the one phase and 722-814 in the other: 2048 or
 1024 tokens by the phase of the first start, stored for every later one. So `LiveBudget` applies the same rule to the
 engine's own long steps while it runs (their wall time per token, attention and all: the rule's step times were such
-steps' times), with hysteresis. vs_vllm's random shape on Llama-1B in process (32 x 512/64, 8 at a time), the budget
-fixed at 1024, at 2048 and live from 1024 alternated in one process: 40.5-40.8, 42.7-48.0 and 46.1-52.9 tok/s (live
-went to 2048); beside a busy loop on one core (one thread left) 28.2-30.1, 29.0-30.1 and 29.8-30.6 (live stayed).
+steps' times), with hysteresis, deciding only on LIVE_STEPS of them: a served Llama-1B node's first step under vLLM's
+client (512 tokens, partly on one thread while the governor still lent a core to the client) alone had set 1024 for
+good (its later ~518-token steps predicted 2.85 s, inside the hysteresis). vs_vllm's random shape on Llama-1B in
+process (32 x 512/64, 8 at a time), the budget fixed at 1024, at 2048 and live from 1024 alternated in one process:
+40.5-40.8, 42.7-48.0 and 46.1-52.9 tok/s (live went to 2048); beside a busy loop on one core (one thread left)
+28.2-30.1, 29.0-30.1 and 29.8-30.6 (live stayed).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ FAST_STEP_S = 3.0  # ... where a FAST_BUDGET step's matmuls take at most this lo
 RATE_ROUNDS = 3  # timed calls of a layer's matmuls, the best counts
 RATE_SPREAD = 1.5  # slowest over fastest past which other load decided them: stored as provisional
 # LiveBudget: steps of at least LONG_STEP_TOKENS rows count (fewer rows read the weights more than they compute); the
-# prediction is the median of the last LIVE_STEPS of them; the budget changes once it is HYSTERESIS past FAST_STEP_S.
+# prediction is the median of the last LIVE_STEPS of them, made once there are that many; the budget changes once it
+# is HYSTERESIS past FAST_STEP_S.
 LONG_STEP_TOKENS = SLOW_BUDGET // 2
 LIVE_STEPS = 3
 HYSTERESIS = 1.15
@@ -113,6 +117,8 @@ class LiveBudget:
         if tokens < LONG_STEP_TOKENS or seconds <= 0:
             return None
         self._per_token.append(seconds / tokens)
+        if len(self._per_token) < LIVE_STEPS:
+            return None  # one slow first step (a thread lent out, a neighbour's burst) is no phase
         step_s = FAST_BUDGET * statistics.median(self._per_token)
         if self.budget.tokens == FAST_BUDGET and step_s > FAST_STEP_S * HYSTERESIS:
             tokens = SLOW_BUDGET

@@ -87,10 +87,16 @@ def test_the_live_budget_follows_the_median_of_the_last_long_steps():
     fast_s = step_budget.FAST_STEP_S / step_budget.HYSTERESIS / FAST_BUDGET * 0.9  # a token's seconds, clearly fast
     slow_s = step_budget.FAST_STEP_S * step_budget.HYSTERESIS / FAST_BUDGET * 1.1
     assert live.observe(step_budget.LONG_STEP_TOKENS - 1, 1e-6) is None, "a short step (decodes) is not counted"
+    for _ in range(step_budget.LIVE_STEPS - 1):
+        assert live.observe(1024, 1024 * fast_s) is None, "no decision before LIVE_STEPS long steps"
     assert live.observe(1024, 1024 * fast_s) == live.budget and live.budget.tokens == FAST_BUDGET
     assert "predicts a 2048-token step" in live.budget.why
     assert live.observe(1024, 1024 * slow_s) is None, "one slow step of three: the median is still fast"
     assert live.observe(2048, 2048 * slow_s).tokens == SLOW_BUDGET, "two of three slow"
+    fresh = LiveBudget(StepBudget(FAST_BUDGET, "measured fast"))
+    assert fresh.observe(512, 512 * slow_s * 10) is None, "one slow first step alone decides nothing"
+    assert fresh.observe(512, 512 * fast_s) is None and fresh.observe(512, 512 * fast_s) is None
+    assert fresh.budget.tokens == FAST_BUDGET, "the median of the three is fast"
     inside = step_budget.FAST_STEP_S / FAST_BUDGET  # exactly FAST_STEP_S: within the hysteresis either way
     live = LiveBudget(start)
     for _ in range(5):
@@ -110,7 +116,8 @@ class StepClock:
         return (self.reads // 2) * self.step_s
 
 
-LONG_PROMPTS = [[random.Random(i).randrange(100, 40000) for _ in range(1500)] for i in range(2)]
+# Enough prompt tokens for LIVE_STEPS steps of the larger budget and a full step of the other after them.
+LONG_PROMPTS = [[random.Random(i).randrange(100, 40000) for _ in range(1500)] for i in range(6)]
 GREEDY4 = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
@@ -151,9 +158,16 @@ def test_an_engine_changes_its_auto_budget_by_its_steps_and_keeps_its_outputs(
                 got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
         assert engine.step_budget.tokens == then and engine.scheduler.max_num_batched_tokens == then
         assert "predicts a 2048-token step" in engine.step_budget.why
-        assert scheduled[0] == min(first, 1500), scheduled
-        assert max(scheduled[1:]) <= then and scheduled[1] == min(then, 3000 - scheduled[0]), scheduled
-        assert [got["r0"], got["r1"]] == fixed_budget_tokens, "the steps' sizes changed, the greedy tokens did not"
+        live = step_budget.LIVE_STEPS
+        assert scheduled[0] == min(first, 1500) and max(scheduled[:live]) <= first, (
+            f"no change before {live} steps: {scheduled}"
+        )
+        assert max(scheduled[live:]) <= then, scheduled
+        at_fast = scheduled[:live] if first == FAST_BUDGET else scheduled[live:]
+        assert max(at_fast) > SLOW_BUDGET, f"steps only the larger budget allows: {scheduled}"
+        assert [got[f"r{i}"] for i in range(len(LONG_PROMPTS))] == fixed_budget_tokens, (
+            "the steps' sizes changed, the greedy tokens did not"
+        )
     finally:
         llm.close()
 
