@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,9 @@ def lock_state() -> dict[str, Any]:
             "missing": sum(1 for _, have in differ.values() if have is None)}  # fmt: skip
 
 
-def collect() -> dict[str, Any]:
+def collect(before_choices: Callable[[], object] = lambda: None) -> dict[str, Any]:
+    """The report; `before_choices` runs once everything else is read (torch imported, host, versions, lock), before the
+    choices are."""
     import torch
 
     from ucm_kernels.cache_dir import cache_dir
@@ -61,12 +64,7 @@ def collect() -> dict[str, Any]:
     gpus = (
         [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     )
-    choices = [
-        {"kind": pin.kind, "threads": pin.threads, "name": pin.name, "entry": pin.entry, "file": str(path),
-         "library": key.get("library"), "cpu": key.get("cpu")}
-        for path, key, pin in stored_choices()
-    ]  # fmt: skip
-    return {
+    report = {
         "host": {
             "cpu": model, "vector_flags": vector_flags(), "flags": flags, "machine": platform.machine(),
             "cores": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -76,9 +74,15 @@ def collect() -> dict[str, Any]:
         "versions": {d: _version(d) for d in VERSIONS},
         "lock": lock_state(),
         "cache_dir": str(cache_dir()),
-        "choices": choices,
         "overrides": {name: os.environ[name] for name in OVERRIDES if name in os.environ},
     }  # fmt: skip
+    before_choices()
+    report["choices"] = [
+        {"kind": pin.kind, "threads": pin.threads, "name": pin.name, "entry": pin.entry, "file": str(path),
+         "library": key.get("library"), "cpu": key.get("cpu")}
+        for path, key, pin in stored_choices()
+    ]  # fmt: skip
+    return report
 
 
 def render(report: dict[str, Any]) -> str:
@@ -118,10 +122,19 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--pin", metavar="FILE", help="write the calibrated choices to FILE, for UCM_PIN=FILE elsewhere")
+    ap.add_argument(
+        "--choices-after-line",
+        action="store_true",
+        help="read the host now and the choices once a line arrives on stdin (`up` starts the report beside its "
+        "nodes and sends the line once they have registered: none of its work falls on their first requests)",
+    )
     args = ap.parse_args(argv)
-    report = collect()
+    report = collect(sys.stdin.readline if args.choices_after_line else lambda: None)
     print(json.dumps(report, indent=2) if args.json else render(report))
     if args.pin:
         Path(args.pin).write_text(json.dumps(pin_file(report), indent=1))
         print(f"pinned {len(report['choices'])} choices in {args.pin}: run with UCM_PIN={args.pin} to replay them")
+    if args.choices_after_line:  # `up`'s nodes serve by now: the interpreter's teardown (~0.3 s of a core) is theirs
+        sys.stdout.flush()
+        os._exit(0)
     return 0

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from launch import env_report
+from launch import env_report, launcher
 from ucm_kernels.cpu import calibration, calibration_store
 from ucm_kernels.cpu.calibration import Geometry, ShapeClass
 from ucm_kernels.cpu.host import cpu_info
@@ -81,3 +81,21 @@ def test_a_bad_pin_file_is_a_clear_error(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("UCM_PIN", str(bad))
     with pytest.raises(ValueError, match="not a pin file"):
         calibration_store.pinned("calibration", 1, "x")
+
+
+def test_the_choices_are_read_after_the_rest_once_up_says_so(measured, monkeypatch, tmp_path, native_lib, capsys):
+    """`up` starts the report beside its nodes and lets it read the choices once they registered: a choice stored
+    meanwhile (a node's warm-up) is in it, and what runs after the line is the choices alone (launch/launcher.py)."""
+    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path))
+    geometry = Geometry("float32", 9, 3, 64, 16)
+    report = env_report.collect(lambda: calibration.plan(native_lib, geometry))
+    assert [c["name"] for c in report["choices"] if c["kind"] == "calibration"] == [geometry.label()]
+    assert report["host"]["cpu"] == cpu_info()[0] and report["lock"]["differ"] == [], "read before the line"
+
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # a user's shell: the child's stdout is block-buffered
+    child = launcher.start_environment_report()
+    launcher.print_environment(child)
+    assert child.returncode == 0
+    text = capsys.readouterr().out
+    assert text.startswith("[up] environment (ucm-serve env):") and f"[up]   choices    1 in {tmp_path}" in text
+    assert geometry.label() in text, "the whole report came back from a child that skips its teardown"
