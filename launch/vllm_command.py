@@ -110,7 +110,19 @@ class VllmCommand:
         }
         if preload:
             env["LD_PRELOAD"] = ":".join(preload)
+        root = checkout_root()
+        if root is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
         return env
+
+
+def checkout_root() -> Path | None:
+    """The source checkout this ucm-serve runs from (its pyproject.toml beside the packages), else None (installed).
+    vLLM imports our connector from it rather than from wherever the venv's editable install last pointed: the venv
+    is shared by every checkout on a host, and one install from another checkout (its folder since gone) had every
+    `up --engine vllm` here fail with "No module named 'connector'"; a live other checkout would run other code."""
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / "pyproject.toml").is_file() and (root / "connector" / "vllm_plugin.py").is_file() else None
 
 
 # A P/D instance's UCMConnector role by the kind of node it stands for.

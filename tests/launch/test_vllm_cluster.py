@@ -64,6 +64,10 @@ def test_instance_commands(fake_venv: Path) -> None:
         assert argv[argv.index("--max-num-seqs") + 1] == "8"
         assert ("--enable-prompt-tokens-details" in argv) == (kind == "decode"), "cached_tokens from the consumer"
     cpus = {commands[k].env()["VLLM_CPU_OMP_THREADS_BIND"] for k in commands}
+    root = Path(__file__).resolve().parents[2]
+    for command in commands.values():  # vLLM imports the connector of this checkout, whatever its venv last installed
+        assert command.env()["PYTHONPATH"].split(os.pathsep)[0] == str(root)
+        assert (root / "connector" / "vllm_plugin.py").is_file()
     if (os.cpu_count() or 1) >= 2:
         assert len(cpus) == 2, f"each instance gets its own cores: {cpus}"
     assert cluster.urls("prefill") == [commands["prefill"].url]
