@@ -87,8 +87,8 @@ class VllmServer:
         env = {**os.environ, **command.env(), **self.env}
         env.pop("VIRTUAL_ENV", None)
         t0 = time.perf_counter()
-        # Its own session, so stop() ends vLLM's engine-core child too; cwd outside the repo so vLLM imports
-        # our package from where the install script put it, as a user's vLLM would.
+        # Its own session, so stop() ends vLLM's engine-core child too; cwd outside the repo so that nothing but
+        # VllmCommand.env's PYTHONPATH (this checkout) or the install script's editable install names our package.
         self.proc = subprocess.Popen(
             argv,
             stdout=self.log_path.open("w"),

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "nodes and sends the line once they have registered: none of its work falls on their first requests)",
     )
     args = ap.parse_args(argv)
-    report = collect(sys.stdin.readline if args.choices_after_line else lambda: None)
+    report = collect(sys.stdin.readline) if args.choices_after_line else collect()
     print(json.dumps(report, indent=2) if args.json else render(report))
     if args.pin:
         Path(args.pin).write_text(json.dumps(pin_file(report), indent=1))

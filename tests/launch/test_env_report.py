@@ -88,9 +88,13 @@ def test_the_choices_are_read_after_the_rest_once_up_says_so(measured, monkeypat
     meanwhile (a node's warm-up) is in it, and what runs after the line is the choices alone (launch/launcher.py)."""
     monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path))
     geometry = Geometry("float32", 9, 3, 64, 16)
-    report = env_report.collect(lambda: calibration.plan(native_lib, geometry))
+    order: list[str] = []
+    lock_state = env_report.lock_state
+    monkeypatch.setattr(env_report, "lock_state", lambda: order.append("lock") or lock_state())
+    report = env_report.collect(lambda: order.append("line") or calibration.plan(native_lib, geometry))
+    assert order == ["lock", "line"], "host, versions and lock are read before the line, the choices after it"
     assert [c["name"] for c in report["choices"] if c["kind"] == "calibration"] == [geometry.label()]
-    assert report["host"]["cpu"] == cpu_info()[0] and report["lock"]["differ"] == [], "read before the line"
+    assert report["host"]["cpu"] == cpu_info()[0] and report["lock"]["differ"] == []
 
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # a user's shell: the child's stdout is block-buffered
     child = launcher.start_environment_report()
