@@ -58,7 +58,34 @@ struct TileWork {
     int64_t key_stride;
     int32_t start, bs;
     int nk, qk_key, d, dv;
+    /* prefetch_pair's lines: the 16-key groups of the chunk after next (their first rows; ahead_keys keys) and this
+     * chunk's V^T, which its P V reads during the next chunk */
+    const char *ahead[DKC / 16];
+    int ahead_keys;
+    const char *vt_ahead;
 };
+
+/* Pair i's share of the lines the tile steps will read a chunk from now, into L1 (T0): two keys' K rows of the chunk
+ * after next (the scores of the next chunk read theirs now) and a DKC / 2-th of this chunk's V^T. Every tile load of a
+ * chunk's K had missed L1 (a 16-key group spans 16 KB of Llama-1B's cache, 8 kv heads a row, four pages, where the L2
+ * streamer stops at each page's end), as had its V^T, built once a call for every item of the head; the loads sit on
+ * the products' dependency chain (the next step's tiles wait for them). A 2048-token prompt's attention a layer,
+ * builds alternated on the 2-core Xeon with AMX (after transpose_q): Llama-1B's heads 17.4 -> 15.8 ms with K, 16.2
+ * with V^T; Qwen2.5-0.5B's (2 kv heads: a group within one page) lost with K (7.5 -> 7.6 ms) and gained with V^T
+ * (7.3), so K is prefetched only where a group crosses pages (attend_dpbf16). With transpose_q, against neither:
+ * Llama-1B 18.5 -> 15.0 ms, Qwen 7.1 -> 6.7, SmolLM2 4.3 -> 4.2, head_dim 128 15.1 -> 13.6. Hints: the same bits. */
+ALWAYS_INLINE void prefetch_pair(const TileWork *t, int i) {
+    const int j = 2 * i;
+    if (j < t->ahead_keys) {
+        const char *k = t->ahead[j / 16] + (int64_t)(j % 16) * t->key_stride;
+        _mm_prefetch(k, _MM_HINT_T0);
+        _mm_prefetch(k + 64, _MM_HINT_T0);
+        _mm_prefetch(k + t->key_stride, _MM_HINT_T0);
+        _mm_prefetch(k + t->key_stride + 64, _MM_HINT_T0);
+    }
+    if (i < DKC / 2) /* V^T's chunk: head_dim x DKC / 2 dwords */
+        for (int b = 0; b < t->d * 4; b += 64) _mm_prefetch(t->vt_ahead + (int64_t)i * t->d * 4 + b, _MM_HINT_T0);
+}
 
 /* S[j][0:DR] = k_j . q[0:DR] (unscaled: dp_weights scales them) for keys j0 .. j0 + 15 of the chunk (S's rows from nk
  * to the next 16 are left undefined; nothing reads them). kp[j]: key j's head row. Sixteen keys of one cache block are
