@@ -4,13 +4,14 @@ as such take it; generated rows, and calls that give no classes, keep their own 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from ucm_kernels.cpu import native
 from ucm_kernels.cpu.paged_attention import paged_attention_native
 from ucm_kernels.reference import prefill_attention_torch
-from ucm_kernels.testing import make_paged_case, naive_attention
+from ucm_kernels.testing import PagedCase, make_paged_case, naive_attention
 
 TOL = dict(atol=2e-2, rtol=2e-2)  # both sides round the output to bf16
 # SmolLM2's GQA; head_dim 128 (four k tiles a score); MQA at head_dim 32 (one); no GQA
@@ -26,6 +27,16 @@ def amx_lib(native_lib) -> native.NativeLib:
 
 def _prompts(n: list[int]) -> torch.Tensor:
     return torch.tensor(n, dtype=torch.int32)
+
+
+def _last_rows(lib: native.NativeLib, case: PagedCase, k: int, scale: float) -> torch.Tensor:
+    """The last k rows of the case's one prompt, computed as a chunk over the cached rest of it."""
+    length = int(case.seq_lens[0])
+    qsl = torch.tensor([0, k], dtype=torch.int32)
+    return paged_attention_native(
+        lib, case.q[length - k :], case.k_cache, case.v_cache, qsl, case.seq_lens, case.block_tables, scale,
+        _prompts([k]),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(("hq", "hkv", "head_dim"), HEADS)
@@ -85,23 +96,31 @@ def test_a_prompt_row_has_the_same_bits_however_the_prompt_was_split(amx_lib, hq
     length = 300
     case = make_paged_case([length], [length], hq, hkv, head_dim, dtype=torch.bfloat16, seed=21)
     scale = head_dim**-0.5
-    seq_lens = _prompts([length])
-
-    def last_rows(k: int) -> torch.Tensor:
-        q = case.q[length - k :]
-        qsl = torch.tensor([0, k], dtype=torch.int32)
-        return paged_attention_native(
-            amx_lib, q, case.k_cache, case.v_cache, qsl, seq_lens, case.block_tables, scale, _prompts([k])
-        )
-
-    whole = last_rows(length)
+    whole = _last_rows(amx_lib, case, length, scale)
     for k in (299, 70, 33, 11, 5, 2, 1):
-        assert torch.equal(last_rows(k), whole[length - k :]), f"the last {k} rows differ from the whole prompt's"
+        assert torch.equal(_last_rows(amx_lib, case, k, scale), whole[length - k :]), (
+            f"the last {k} rows differ from the whole prompt's"
+        )
     decode_form = paged_attention_native(
-        amx_lib, case.q[length - 1 :], case.k_cache, case.v_cache, None, seq_lens, case.block_tables, scale,
+        amx_lib, case.q[length - 1 :], case.k_cache, case.v_cache, None, case.seq_lens, case.block_tables, scale,
         _prompts([1]),
     )  # fmt: skip
     assert torch.equal(decode_form, whole[length - 1 :]), "the prompt's last row as a one-row call"
+
+
+def test_far_apart_scores_keep_the_bits_and_the_callers_mode(amx_lib):
+    """A scale that sets a row's scores hundreds of log2 units apart: most weights fall below fp32's smallest normal,
+    which the body flushes to zero (it runs with DAZ and FTZ: run_item; as denormals they had made it ~4x slower).
+    The rows still match the oracle and keep their bits however the prompt was split, and the calling thread gets
+    its floating-point mode back."""
+    length, scale = 400, 40.0
+    case = make_paged_case([length], [length], 8, 2, 64, dtype=torch.bfloat16, seed=5)
+    whole = _last_rows(amx_lib, case, length, scale)
+    smallest = np.float32(np.finfo(np.float32).tiny)
+    assert smallest / np.float32(4) > 0, "FTZ left set on the calling thread"
+    torch.testing.assert_close(whole.double(), naive_attention(case.q, case.keys, case.values, [length], scale), **TOL)
+    for k in (333, 64, 7, 1):
+        assert torch.equal(_last_rows(amx_lib, case, k, scale), whole[length - k :]), f"the last {k} rows"
 
 
 def test_generated_rows_keep_their_bits_in_a_recompute(amx_lib):

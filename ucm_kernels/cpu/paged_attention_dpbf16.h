@@ -993,10 +993,11 @@ ALWAYS_INLINE void amx_item(const Problem *p, int32_t seq, int32_t h, int32_t ro
     if (row_end - row0 <= 16) attend_dpbf16(p, seq, h, row0, row_end, d, 1, 1);
     else attend_dpbf16(p, seq, h, row0, row_end, d, 1, DV);
 }
-static void amx_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0, int32_t row_end) {
+/* Out of line, as the item functions above: run_item sets MXCSR's mode around them. */
+__attribute__((noinline)) static void amx_d64(const Problem *p, int32_t seq, int32_t h, int32_t row0, int32_t row_end) {
     amx_item(p, seq, h, row0, row_end, 64);
 }
-static void amx_any(const Problem *p, int32_t seq, int32_t h, int32_t row0, int32_t row_end) {
+__attribute__((noinline)) static void amx_any(const Problem *p, int32_t seq, int32_t h, int32_t row0, int32_t row_end) {
     amx_item(p, seq, h, row0, row_end, p->head_dim);
 }
 #endif
