@@ -29,7 +29,7 @@ from benchmarks.clients import client_bin
 from benchmarks.vllm_harness import DEFAULT_VENV
 from benchmarks.vs_vllm import UCM_NAME
 from engine.model_source import resolve_model_dir
-from launch.cluster import free_port
+from launch.ports import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "router" / "client_fixtures"
 # Headers that name this run's sockets, sizes or secrets, not the client's defaults.

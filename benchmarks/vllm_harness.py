@@ -19,7 +19,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.process_group import stop_group
 from benchmarks.prom_text import metric
-from launch.cluster import free_port
+from launch.ports import free_port
 from launch.store_process import StoreProcess
 from launch.vllm_command import INSTALL_HINT, VllmCommand, default_vllm_venv, ucm_transfer_config
 

@@ -34,7 +34,8 @@ from benchmarks.vllm_disagg_proxy import ExampleProxy
 from benchmarks.vllm_harness import DEFAULT_VENV, VllmServer, example_transfer_config
 from benchmarks.vs_vllm_workloads import vllm_bench_serve
 from engine.model_source import resolve_model_dir
-from launch.cluster import ClusterSpec, free_port
+from launch.cluster import ClusterSpec
+from launch.ports import free_port
 from launch.vllm_cluster import VllmCluster
 from protocol import defaults
 

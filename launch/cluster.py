@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -30,6 +29,7 @@ from common.kv_events.config import KVEventsConfig
 from common.save_policy import KVSavePolicy
 from launch.child import Child
 from launch.model_prep import model_folder
+from launch.ports import free_port
 from launch.supervisor import RestartPolicy, Supervisor
 from protocol import defaults
 from ucm.store_config import DiskWrites
@@ -98,12 +98,6 @@ class ClusterSpec:
             + [f"decode-{i}" for i in range(self.decode)]
             + [f"colocated-{i}" for i in range(self.colocated)]
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cmd(*args: str) -> list[str]:

@@ -25,7 +25,8 @@ import httpx
 from common.kv_events import endpoints
 from common.kv_events.config import KVEventsConfig
 from launch.child import Child
-from launch.cluster import Cluster, ClusterSpec, StoreMode, _cmd, free_port
+from launch.cluster import Cluster, ClusterSpec, StoreMode, _cmd
+from launch.ports import free_port
 from launch.supervisor import Supervisor
 from launch.vllm_command import PdSettings, VllmCommand, core_slice, default_vllm_venv, pd_instance, vllm_executable
 

@@ -10,7 +10,7 @@ import threading
 
 import httpx
 
-from launch.cluster import free_port  # the checkout is installed in the venv this runs in
+from launch.ports import free_port  # the checkout is installed in the venv this runs in
 
 START_DEADLINE_S = 600  # a first start converts the model and calibrates the kernels
 

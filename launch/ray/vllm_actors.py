@@ -50,8 +50,8 @@ class VllmLaunch:
 
 class VllmActor:
     def __init__(self, launch: VllmLaunch) -> None:
-        from launch.cluster import free_port
         from launch.model_prep import model_folder
+        from launch.ports import free_port
 
         self.launch = launch
         self._keys = launch.keys.write() if launch.keys is not None else None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.cluster import free_port
+from launch.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

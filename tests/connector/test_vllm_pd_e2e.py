@@ -22,7 +22,8 @@ import pytest
 from benchmarks.vllm_harness import external_tokens
 from common.kv_events.config import KVEventsConfig
 from engine import SamplingParams
-from launch.cluster import ClusterSpec, free_port
+from launch.cluster import ClusterSpec
+from launch.ports import free_port
 from launch.vllm_cluster import VllmCluster
 from protocol import defaults
 from tests.cluster_helpers import wait_until
@@ -39,7 +40,7 @@ QUESTION = (
 @pytest.fixture(scope="module")
 def cluster(vllm_venv):
     # Publishers at ports P, P+1 (the instances), P+2 (the store); replays 10 above.
-    pub = free_port()
+    pub = free_port(offsets=(0, 1, 2, 10, 11, 12))
     events = KVEventsConfig(
         enable_kv_cache_events=True, endpoint=f"tcp://*:{pub}", replay_endpoint=f"tcp://*:{pub + 10}"
     )

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.prom_text import node_stats
 from launch.child import Child
-from launch.cluster import free_port
+from launch.ports import free_port
 from tests.cluster_helpers import wait_until
 
 openai = pytest.importorskip("openai")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launch.child import Child
-from launch.cluster import free_port
+from launch.ports import free_port
 from tests.cluster_helpers import wait_until
 
 openai = pytest.importorskip("openai")

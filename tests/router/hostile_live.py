@@ -65,7 +65,7 @@ def live_router(config: Any) -> Iterator[tuple[Any, asyncio.AbstractEventLoop]]:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[Live]:
-    from launch.cluster import free_port
+    from launch.ports import free_port
     from router.config import RouterConfig
 
     config = RouterConfig(port=free_port(), node_timeout_s=5.0)

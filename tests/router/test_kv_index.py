@@ -225,7 +225,7 @@ class EventfulEngine(FakeEngine):
 
 def test_the_live_router_indexes_what_a_node_announces(tmp_path) -> None:
     from decode_node.worker import DecodeWorker
-    from launch.cluster import free_port
+    from launch.ports import free_port
     from node.config import NodeConfig
     from node.server import NodeServer
     from router.config import RouterConfig

@@ -16,7 +16,7 @@ import pytest
 from benchmarks.vllm_harness import VllmServer, complete, synthetic_prompt
 from common.kv_events.events import MEDIUM_CPU, MEDIUM_GPU
 from engine.model_source import resolve_model_dir
-from launch.cluster import free_port
+from launch.ports import free_port
 from protocol import messages as P
 from router.kv_index import KVIndex
 from router.vllm_block_keys import prompt_keys

@@ -12,7 +12,7 @@ SCRIPT = textwrap.dedent("""
     from engine.tokenizer import Tokenizer
     from router.app import create_app
     from engine.model_source import resolve_model_dir
-    from launch.cluster import free_port
+    from launch.ports import free_port
     from router.config import RouterConfig
 
     port = free_port()

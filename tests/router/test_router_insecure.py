@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from launch.child import Child
-from launch.cluster import free_port
+from launch.ports import free_port
 from protocol import messages as P
 from protocol.peer_identity import Channel, PeerIdentity
 

@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from launch.cluster import free_port
+from launch.ports import free_port
 from router.config import RouterConfig
 from router.pairing_policy import PairingPolicy
 from router.vllm_app import create_vllm_app

@@ -21,7 +21,7 @@ from benchmarks.vllm_harness import DEFAULT_VENV
 from engine.model_source import resolve_model_dir
 from launch.child import Child
 from launch.cli import SUBCOMMANDS
-from launch.cluster import free_port
+from launch.ports import free_port
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
