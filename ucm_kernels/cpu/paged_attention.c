@@ -314,20 +314,27 @@ static inline unsigned dpbf16_mode(void) {
 }
 #endif
 
-/* One item on the body it was made for: kv_head >= 0 marks a lanes item (lane_rows). */
-static inline void run_item(const Problem *p, const Item *it, ItemFn fn, int32_t dtype) {
+#ifdef UCM_HAS_DPBF16
+/* A bf16 item of paged_attention_dpbf16.h's bodies on the one it was made for: AMX prompt rows, decodes sharing a
+ * prefix, or rows in lanes. run_item runs it in dpbf16_mode. */
+static inline void dpbf16_item(const Problem *p, const Item *it) {
 #ifdef UCM_HAS_AMX_ATTN
     if (it->amx_end > 0) {
-        const unsigned csr = dpbf16_mode();
         (p->head_dim == 64 ? amx_d64 : amx_any)(p, it->seq, it->kv_head, it->row0, it->amx_end);
-        _mm_setcsr(csr);
         return;
     }
 #endif
+    if (it->group_len > 0) (p->head_dim == 64 ? dpbf16_shared_d64 : dpbf16_shared_any)(p, it);
+    else (p->head_dim == 64 ? dpbf16_d64 : dpbf16_any)(p, it->seq, it->kv_head, it->row0);
+}
+#endif
+
+/* One item on the body it was made for: kv_head >= 0 marks a lanes item (lane_rows). */
+static inline void run_item(const Problem *p, const Item *it, ItemFn fn, int32_t dtype) {
 #ifdef UCM_HAS_DPBF16
-    if (it->group_len > 0) {
+    if (it->amx_end > 0 || it->group_len > 0 || (it->kv_head >= 0 && dtype == UCM_DTYPE_BF16)) {
         const unsigned csr = dpbf16_mode();
-        (p->head_dim == 64 ? dpbf16_shared_d64 : dpbf16_shared_any)(p, it);
+        dpbf16_item(p, it);
         _mm_setcsr(csr);
         return;
     }
@@ -336,14 +343,6 @@ static inline void run_item(const Problem *p, const Item *it, ItemFn fn, int32_t
         fn(p, it);
         return;
     }
-#ifdef UCM_HAS_DPBF16
-    if (dtype == UCM_DTYPE_BF16) {
-        const unsigned csr = dpbf16_mode();
-        (p->head_dim == 64 ? dpbf16_d64 : dpbf16_any)(p, it->seq, it->kv_head, it->row0);
-        _mm_setcsr(csr);
-        return;
-    }
-#endif
 #ifdef UCM_HAS_LANES
     (p->head_dim == 64 ? lanes_f32_d64 : lanes_f32_any)(p, it->seq, it->kv_head, it->row0);
 #endif

@@ -331,6 +331,7 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
 #ifdef UCM_HAS_AMX_ATTN
     _Alignas(64) uint16_t Kc[16 * MAX_D];
     const int64_t key_stride = (int64_t)p->num_kv_heads * d * 2;
+    const int k_ahead = 16 * key_stride > 4096 && bs % 16 == 0; /* prefetch_pair's K: a 16-key group crosses pages */
     if (amx) amx_load_config();
     /* The item a thread likely takes next (ucm_paged_attention runs them in descending order; AMX items go kv head
      * by kv head): its q rows into L2. Each item's first reads of q (8 token rows, a qkv row apart) missed every
@@ -392,11 +393,8 @@ ALWAYS_INLINE void attend_dpbf16(const Problem *p, int32_t seq, int32_t h, int32
             tw.qk_key = 0;
             tw.nk = next <= last ? (last - next + 1 < DKC ? last - next + 1 : DKC) : 0;
             if (tw.nk) chunk_keys(p, table, next, tw.nk, h, amx, kp, vp, at);
-            /* prefetch_pair's lines: K where a 16-key group crosses pages (its note) */
-            const int32_t after = next + DKC;
-            tw.ahead_keys = after > last || 16 * key_stride <= 4096 || bs % 16 ? 0
-                            : last - after + 1 < DKC                        ? last - after + 1
-                                                                            : DKC;
+            const int32_t after = next + DKC; /* prefetch_pair's lines */
+            tw.ahead_keys = !k_ahead || after > last ? 0 : last - after + 1 < DKC ? last - after + 1 : DKC;
             for (int g = 0; g * 16 < tw.ahead_keys; g++)
                 tw.ahead[g] = (const char *)((const uint16_t *)p->k_cache +
                                              cache_offset(p, table[(after + g * 16) / bs], (after + g * 16) % bs, h));
