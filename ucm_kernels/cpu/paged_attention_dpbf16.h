@@ -256,6 +256,7 @@ struct TileWork {
     int none;
 };
 ALWAYS_INLINE void tile_step(TileWork *t) { (void)t; }
+ALWAYS_INLINE void prefetch_pair(const TileWork *t, int i) { (void)t, (void)i; }
 #endif
 
 /* One chunk's weights p = 2^(s - m) of every row (lanes): their sum added pair by pair into sum, the pairs
