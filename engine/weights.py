@@ -110,5 +110,7 @@ def build_model(config: ModelConfig, folder: Path, dtype: torch.dtype, device: s
         model.derive_decode_panels()
         model = model.to(dtype)
         model.rotary.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+    elif dtype == torch.bfloat16 and torch.device(device).type == "cpu" and decode_kernel_available():
+        model.derive_decode_panels()  # bf16 panels for generated rows, where they beat oneDNN here (dense.py)
     model.pack_weights()
     return model

@@ -105,25 +105,36 @@ Packed = BF16Packed | F32Packed | None  # bf16 copies, fp32 copies, or nothing
 
 def decode_panels(weight: torch.Tensor) -> DecodePanels | None:
     """For a bf16 model: the 4-bit decode panels of `weight` (fp32, before the cast) where it is exactly Q4_1 and the
-    kernel beats oneDNN at decode rows on this machine, else None."""
+    kernel beats oneDNN at decode rows on this machine; the bf16 panels of a bf16 `weight` where that kernel beats
+    oneDNN (never where the AMX kernel runs it); else None."""
     from ucm_kernels.cpu.native import load
 
     lib = load()
     n, k = weight.shape
-    if lib is None or weight.dtype != torch.float32 or not q4_bf16.kernel_wins(lib, k, n):
+    if lib is None or weight.device.type != "cpu":
         return None
-    panels = q4_bf16.pack(weight)
-    return DecodePanels(lib, panels) if panels is not None else None
+    if weight.dtype == torch.bfloat16:
+        if not q4_bf16.kernel_wins(lib, k, n, kind=q4_bf16.DecodeKind.BF16):
+            return None
+        found: q4_bf16.DecodePanelsOf | None = q4_bf16.pack_bf16(weight)
+    elif weight.dtype == torch.float32 and q4_bf16.kernel_wins(lib, k, n):
+        found = q4_bf16.pack(weight)
+    else:
+        return None
+    return DecodePanels(lib, found) if found is not None else None
 
 
 def lm_head_panels(weight: torch.Tensor) -> DecodePanels | None:
     """For a bf16 model: the Q8_0 panels of its lm_head (fp32, before the cast) where it is exactly Q8_0 (the
-    embedded model's tied embedding) and the kernel beats oneDNN at decode rows on this machine, else None."""
+    embedded model's tied embedding) and the kernel beats oneDNN at decode rows on this machine; a bf16 lm_head's
+    bf16 panels as `decode_panels` chooses them; else None."""
     from ucm_kernels.cpu.native import load
 
+    if weight.dtype == torch.bfloat16:
+        return decode_panels(weight)
     lib = load()
     n, k = weight.shape
-    if lib is None or weight.dtype != torch.float32 or not q4_bf16.kernel_wins(lib, k, n, q8=True):
+    if lib is None or weight.dtype != torch.float32 or not q4_bf16.kernel_wins(lib, k, n, kind=q4_bf16.DecodeKind.Q8):
         return None
     panels = q4_bf16.pack_q8(weight)
     return DecodePanels(lib, panels) if panels is not None else None

@@ -59,7 +59,8 @@ class LlamaForCausalLM(nn.Module):
         return layers
 
     def derive_decode_panels(self) -> None:
-        """Call while the model is fp32, before casting it to bf16: each layer's 4-bit decode panels (dense.py)."""
+        """Each layer's decode panels and the lm_head's (dense.py): 4-bit and 8-bit ones while the model is fp32, before
+        casting it to bf16; bf16 ones once it is bf16."""
         for layer in self.decoder_layers():
             layer.attn.derive_decode_panels()
             layer.mlp.derive_decode_panels()

@@ -32,7 +32,8 @@ class GatedMLP(nn.Module):
         self._decode: dict[str, DecodePanels | None] = {}
 
     def derive_decode_panels(self) -> None:
-        """While the weights are still fp32 (a bf16 model being loaded): their 4-bit decode panels, if any."""
+        """A bf16 model's decode panels, if any: 4-bit ones while the weights are still fp32 (being loaded), bf16 ones
+        of bf16 weights (dense.decode_panels)."""
         self._decode = {"gate_up": decode_panels(self.gate_up_weight), "down": decode_panels(self.down_weight)}
 
     def pack_weights(self, layer: LayerCalls | None = None) -> None:

@@ -37,7 +37,7 @@ from ucm_kernels.cpu import amx_gemm, decode_layers, elementwise, q4_bf16
 from ucm_kernels.cpu import write_kv as native_write
 from ucm_kernels.cpu.native import NativeLib
 from ucm_kernels.cpu.paged_attention import DTYPE_CODES, attention_error
-from ucm_kernels.cpu.q4_bf16 import Q4BF16Panels
+from ucm_kernels.cpu.q4_bf16 import BF16Panels, Q4BF16Panels
 
 if TYPE_CHECKING:
     from engine.model_config import ModelConfig
@@ -277,6 +277,9 @@ def _native_linear(packed: Packed, bias: torch.Tensor | None) -> tuple[decode_la
     if isinstance(packed, BF16Packed) and packed.decode is not None and isinstance(packed.decode.panels, Q4BF16Panels):
         p = packed.decode.panels
         return decode_layers.Linear(p.qp, p.dm, p.n, p.k, fmt.Q4_BF16, p), ANY_ROWS
+    if isinstance(packed, BF16Packed) and packed.decode is not None and isinstance(packed.decode.panels, BF16Panels):
+        b = packed.decode.panels
+        return decode_layers.Linear(b.wp, None, b.n, b.k, fmt.BF16_BF16, b), ANY_ROWS
     if isinstance(packed, F32Packed) and packed.panels is not None:
         pw = packed.panels
         q, scales, panel_format = pw.operands()
@@ -312,12 +315,15 @@ def _decode_kernel(
             return None
         return pw.linear(x, None, out)
     decode = packed.decode if isinstance(packed, BF16Packed) else None
-    if decode is not None and isinstance(decode.panels, Q4BF16Panels) and bias is None:
+    if decode is not None and isinstance(decode.panels, Q4BF16Panels | BF16Panels) and bias is None:
         lib, p = decode.lib, decode.panels
         assert x.shape[1] == p.k and out.shape == (x.shape[0], p.n), "a step buffer of the weight's shape"
-        status = lib.q4_bf16(
-            x.data_ptr(), x.shape[0], p.k, p.qp.data_ptr(), p.dm.data_ptr(), p.n, out.data_ptr(), threads
-        )
+        if isinstance(p, BF16Panels):
+            status = lib.bf16_dp(x.data_ptr(), x.shape[0], p.k, p.wp.data_ptr(), p.n, out.data_ptr(), threads)
+        else:
+            status = lib.q4_bf16(
+                x.data_ptr(), x.shape[0], p.k, p.qp.data_ptr(), p.dm.data_ptr(), p.n, out.data_ptr(), threads
+            )
         if status:
             raise q4_bf16.status_error(lib, status, x.shape[0], p)
         return out

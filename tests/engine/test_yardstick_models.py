@@ -151,3 +151,38 @@ def test_the_serving_dtype_frees_every_weight_its_packed_copies_replace(shallow)
 def test_full_depth_llama_1b_greedy_equals_hf_in_the_serving_dtype():
     """All 16 layers, written once into the cache (about 20 s) and reused; about 10 s a run on the Xeon with AMX."""
     check_greedy_against_hf(load_model(ensure_model("llama-1b"), dtype=serving_dtype()))
+
+
+def test_bf16_decode_panels_keep_greedy_near_hf_and_a_prefix_hit_exact(shallow, monkeypatch):
+    """Llama-1B's shape in bf16 with its generated rows through the bf16 panels (q4_bf16.c, forced on: the
+    calibration picks them where they beat oneDNN, as on a 2-core Zen 4): HF's bound as above, and a prompt continued
+    after a prefix-cache hit gives the cold run's tokens (the panels give a row its bits whatever its step holds)."""
+    from ucm_kernels.cpu import native, q4_bf16
+
+    lib = native.load()
+    if lib is None or not lib.has_q4_bf16 or not dense.packing_supported(torch.empty(1, 1, dtype=torch.bfloat16)):
+        pytest.skip("needs AVX-512 BF16 and oneDNN's bf16")
+    if q4_bf16._baseline_is_amx(2048, 2048):
+        pytest.skip("the AMX kernel runs a bf16 weight's generated rows here: no bf16 panels")
+    monkeypatch.setenv(linear_mode.ENV, "native")
+    lm = load_model(shallow["llama-1b"], dtype=torch.bfloat16)
+    layer = lm.model.decoder_layers()[0]
+    for packed in (layer.attn.qkv_packed, layer.attn.o_packed, layer.mlp.gate_up_packed, layer.mlp.down_packed):
+        assert isinstance(packed, dense.BF16Packed) and packed.decode is not None
+        assert isinstance(packed.decode.panels, q4_bf16.BF16Panels)
+    check_greedy_against_hf(lm)
+    prompts = [[1000 + 37 * i + 11 * j for j in range(100)] for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    cold_llm = LLM(dtype="bfloat16", loaded_model=lm, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    try:
+        cold = [o.outputs[0].token_ids for o in cold_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+    finally:
+        cold_llm.close()
+    warm_llm = LLM(dtype="bfloat16", loaded_model=lm, kv_cache_memory="64MiB")
+    try:
+        warm_llm.generate([{"prompt_token_ids": p[:96]} for p in prompts], SamplingParams(max_tokens=1))
+        outs = warm_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    finally:
+        warm_llm.close()
+    assert all(o.num_cached_tokens == 96 for o in outs), [o.num_cached_tokens for o in outs]
+    assert [o.outputs[0].token_ids for o in outs] == cold

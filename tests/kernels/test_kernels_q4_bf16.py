@@ -90,7 +90,7 @@ def forced(monkeypatch, tmp_path):
     monkeypatch.setattr(q4_bf16, "MIN_PACK_BYTES", 0)
     rounds = [(1.0, 2.0), (1.0, 2.0)]
     measured: list[tuple[int, int]] = []
-    monkeypatch.setattr(q4_bf16, "measure", lambda lib, k, n, q8=False: measured.append((k, n)) or list(rounds))
+    monkeypatch.setattr(q4_bf16, "measure", lambda lib, k, n, kind=None: measured.append((k, n)) or list(rounds))
     yield rounds, measured
     q4_bf16.forget()
 
@@ -214,3 +214,70 @@ def test_the_choice_is_measured_against_the_path_the_rows_would_take(bf16_lib, n
     packed = dense_mod.pack_weight(torch.randn(n, k).bfloat16())
     assert isinstance(packed, dense_mod.BF16Packed)
     assert q4_bf16._baseline_is_amx(k, n) == (packed.amx is not None)
+
+
+# ---------------------------------------------------------------- plain bf16 weights (a bf16 checkpoint, no AMX)
+
+
+def _bf16_operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen).bfloat16(), (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+
+
+# m: 1, 2, 4 and 8-row passes and two passes; n: groups of four panels, a group's tail (n / 16 not a multiple of 4)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 7, 32), (2, 20, 64), (4, 200, 96), (8, 960, 576), (13, 70, 2048)])
+def test_bf16_panels_match_a_float64_reference(bf16_lib, m, n, k) -> None:
+    x, w = _bf16_operands(m, n, k, seed=m + n + k)
+    panels = q4_bf16.pack_bf16(w)
+    assert panels is not None and panels.wp.shape == (-(-n // 16), k // 2, 16)
+    got = linear(bf16_lib, x, panels)
+    want = x.double() @ w.double().T
+    # exact products, fp32 sums (two chains, then added), then one bf16 rounding
+    bound = want.abs() * 2**-8 + 2 * k * 2**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_a_rows_bits_on_bf16_panels_do_not_depend_on_the_call(bf16_lib, threads) -> None:
+    """Alone or in a call of any size (each row-pass width: 1, 2, 4, 8 and past 8), on 1 or 2 threads."""
+    x, w = _bf16_operands(21, 200, 96, seed=9)
+    panels = q4_bf16.pack_bf16(w)
+    assert panels is not None
+    whole = linear(bf16_lib, x, panels)
+    for size in (1, 2, 3, 4, 5, 8, 9):
+        for start in range(0, x.shape[0] - size + 1, 4):
+            assert torch.equal(linear(bf16_lib, x[start : start + size], panels), whole[start : start + size]), size
+
+
+def test_pack_bf16_takes_whole_pairs_of_bf16_only() -> None:
+    w = torch.randn(20, 64).bfloat16()
+    assert q4_bf16.pack_bf16(w[:, :40].contiguous()) is None, "K not a multiple of 32"
+    assert q4_bf16.pack_bf16(w.float()) is None, "fp32 takes the 4-bit or the fp32 paths"
+
+
+def test_bf16_panels_never_stand_beside_the_amx_kernel(bf16_lib, forced, monkeypatch) -> None:
+    """Where the AMX kernel runs a bf16 weight's rows, it reads the weight near the memory's rate already: no panels
+    (they would double the weight's memory), even where UCM_CPU_LINEAR=native forces the kernels."""
+    _, measured = forced
+    monkeypatch.setenv("UCM_CPU_LINEAR", "native")
+    assert kernel_wins(bf16_lib, 64, 48, kind=q4_bf16.DecodeKind.BF16)
+    monkeypatch.setattr(q4_bf16, "_baseline_is_amx", lambda k, n: True)
+    assert not kernel_wins(bf16_lib, 64, 48, kind=q4_bf16.DecodeKind.BF16)
+    assert kernel_wins(bf16_lib, 64, 48), "4-bit panels still stand beside it"
+    assert measured == []
+
+
+def test_dense_routes_bf16_rows_by_class(bf16_lib, monkeypatch) -> None:
+    """A bf16 weight with bf16 panels: generated rows get the kernel's bits, prompt rows those of the weight's own
+    prompt path (oneDNN; on AMX, whose presence is set aside here, the AMX kernel)."""
+    monkeypatch.setenv("UCM_CPU_LINEAR", "native")
+    monkeypatch.setattr(q4_bf16, "_baseline_is_amx", lambda k, n: False)
+    x, w = _bf16_operands(9, 48, 8192, seed=11)  # long sums: oneDNN adds them in another order
+    decode = dense_mod.decode_panels(w)
+    assert decode is not None and isinstance(decode.panels, q4_bf16.BF16Panels)
+    kernel, prompt = linear(bf16_lib, x, decode.panels), dense_mod.dense(x, w, None, dense_mod.pack_weight(w))
+    assert not torch.equal(kernel, prompt), "the two paths must differ for routing to show"
+    packed = dense_mod.pack_weight(w, decode)
+    for mask in (np.ones(9, bool), np.zeros(9, bool), np.array([0, 1, 1, 0, 0, 1, 0, 0, 1], bool)):
+        got = dense_mod.dense(x, w, None, packed, GeneratedRows.from_mask(mask, torch.device("cpu")))
+        assert torch.equal(got[mask], kernel[mask]) and torch.equal(got[~mask], prompt[~mask]), mask.tolist()

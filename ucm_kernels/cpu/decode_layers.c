@@ -24,7 +24,8 @@ enum {
     DL_Q8_F32 = 3,
     DL_AMX_BF16 = 4,
     DL_AMX_BF16_PAIRS = 5,
-    DL_BF16_F32 = 6
+    DL_BF16_F32 = 6,
+    DL_BF16_BF16 = 7
 };
 
 /* Where a step stopped (ucm_kernels/cpu/decode_layers.py: Failure). */
@@ -84,6 +85,8 @@ static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *
         return rc;
     case DL_Q4_BF16:
         return ucm_q4_bf16(x, rows, w->k, w->q, w->scales, w->n, y, threads);
+    case DL_BF16_BF16:
+        return ucm_bf16_dp(x, rows, w->k, w->q, w->n, y, threads);
     case DL_F32_PANELS:
         ucm_skinny_gemm(x, rows, w->k, w->q, w->n, NULL, y, threads);
         return 0;

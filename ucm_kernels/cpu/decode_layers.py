@@ -33,6 +33,7 @@ class LinearFormat(enum.IntEnum):
     AMX_BF16 = 4  # amx_gemm.c (a bf16 weight that no quantized panels stand for, where AMX replaces oneDNN)
     AMX_BF16_PAIRS = 5  # amx_gemm.c on a gate_up weight packed paired, SiLU-and-mul in its epilogue
     BF16_F32 = 6  # skinny_gemm.c on bf16 panels (an fp32 model whose weights are exactly bf16)
+    BF16_BF16 = 7  # q4_bf16.c on bf16 panels (a bf16 model's weight, without AMX)
 
 
 SKINNY_FORMATS = {  # skinny_gemm.c's format for each kind of panels (`PanelWeight.operands`)
@@ -100,7 +101,7 @@ class Linear:
     n: int
     k: int
     format: LinearFormat
-    panels: q4_bf16.Q4BF16Panels | None = None  # for the q4_bf16 error message
+    panels: q4_bf16.DecodePanelsOf | None = None  # for the q4_bf16 error message
     bias: torch.Tensor | None = None  # [n] bf16, AMX_BF16 only: added after the kernel as torch adds it
 
     def __post_init__(self) -> None:

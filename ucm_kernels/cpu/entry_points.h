@@ -60,5 +60,7 @@ int32_t ucm_amx_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t lda, const
 int64_t ucm_amx_layout_chunk(int64_t k);
 int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
                     uint16_t *y, int32_t num_threads);
+int32_t ucm_bf16_dp(const uint16_t *x, int64_t m, int64_t k, const uint32_t *wp, int64_t n, uint16_t *y,
+                    int32_t num_threads);
 
 #endif /* UCM_ENTRY_POINTS_H */

@@ -130,6 +130,7 @@ class NativeLib:
     skinny_gemm_bf16: CFunction  # ucm_skinny_gemm_bf16
     q4_bf16: CFunction  # ucm_q4_bf16 in q4_bf16.c (a decode step's generated rows over 4-bit weights, AVX-512 BF16)
     q8_bf16: CFunction  # ucm_q8_bf16, its twin over Q8_0 weights (the embedded model's lm_head)
+    bf16_dp: CFunction  # ucm_bf16_dp, its twin over plain bf16 weights (a bf16 checkpoint without AMX)
     has_q4_bf16: bool  # whether this build has it (-1 from every call otherwise)
     has_avx512: bool
     has_openmp: bool
@@ -328,6 +329,9 @@ def _bind(path: Path) -> NativeLib:
     q8_bf16 = cdll.ucm_q8_bf16
     q8_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]  # x, M, K, q panels, d, N, y, threads
     q8_bf16.restype = i32
+    bf16_dp = cdll.ucm_bf16_dp
+    bf16_dp.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]  # x, M, K, bf16 panels, N, y, threads
+    bf16_dp.restype = i32
     amx = cdll.ucm_amx_gemm
     # x, M, K, x's row stride, packed W, N, y, y's row stride, pad, threads, epilogue
     amx.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, i32, i32]
@@ -367,6 +371,7 @@ def _bind(path: Path) -> NativeLib:
         skinny_bf16,
         q4_bf16,
         q8_bf16,
+        bf16_dp,
         bool(cdll.ucm_q4_bf16_available()),
         bool(cdll.ucm_has_avx512()),
         bool(cdll.ucm_has_openmp()),

@@ -15,6 +15,10 @@
  * Where the OS grants AMX, every call takes panel_amx instead: the same weight pairs as a VNNI tile, each block's
  * sums by TDPBF16PS (other bits than VDPBF16PS's, so never the two in one process).
  *
+ * A plain bf16 weight (a bf16 checkpoint, on a CPU without AMX) takes the same loop over bf16 panels, wp [panels][K / 2]
+ * [16]: lane o of pair j holds output o's (w[2j], w[2j + 1]), one load a pair, no scales (`panel_bf16`). oneDNN's bf16
+ * matmul reads such a weight at 24-30 GB/s at 1-16 rows on a 2-core Zen 4 EPYC whose memory streams at 36-58.
+ *
  * Every row goes through the same instructions in the same order, whatever else the call holds (rows are padded to
  * MR, or MR_AMX, with zeros; panels are split over threads): a row's bits depend on its own x only. The engine relies on that:
  * a generated token's row goes through this kernel in every step it is computed in.
@@ -120,6 +124,59 @@ static inline __attribute__((always_inline)) void panel(const uint32_t *xp, cons
     for (int r = 0; r < MR; r++) out[r] = acc[r];
 }
 
+/* Bytes ahead of a pair's weights that panel_bf16 prefetches in each of its streams. */
+#define PF_BF16 1024
+
+/* `pp` bf16 panels, `stride` pairs apart, for `mr` rows (constants where inlined: 1, 2, 4 or MR rows, the pass's rows
+ * past the call's zero; pp 4, 2 or 1): x . w over the whole K, even pairs and odd pairs in two sums added at the end.
+ * Several panels at once are several read streams, which a core reads faster than one. A row's operations depend on
+ * neither mr nor pp, so its bits do not depend on how many rows the call has nor on which panels share a pass. */
+static inline __attribute__((always_inline)) void panel_bf16(const uint32_t *xp, int64_t k, const uint32_t *wp,
+                                                             int64_t stride, __m512 *out, const int mr,
+                                                             const int pp) {
+    const int64_t pairs = k / 2;
+    __m512 even[4][MR], odd[4][MR];
+    for (int q = 0; q < pp; q++)
+        for (int r = 0; r < mr; r++) even[q][r] = odd[q][r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j += 2) {
+        for (int q = 0; q < pp; q++) {
+            const uint32_t *w = wp + q * stride + j * NR;
+            _mm_prefetch((const char *)w + PF_BF16, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + PF_BF16 + 64, _MM_HINT_T0);
+            const __m512bh w0 = (__m512bh)_mm512_load_si512(w), w1 = (__m512bh)_mm512_load_si512(w + NR);
+            for (int r = 0; r < mr; r++) {
+                even[q][r] = _mm512_dpbf16_ps(even[q][r], w0, pair(xp + r * pairs + j));
+                odd[q][r] = _mm512_dpbf16_ps(odd[q][r], w1, pair(xp + r * pairs + j + 1));
+            }
+        }
+    }
+    for (int q = 0; q < pp; q++)
+        for (int r = 0; r < mr; r++) out[q * MR + r] = _mm512_add_ps(even[q][r], odd[q][r]);
+}
+
+/* Panels [p0, p0 + count) of a bf16 weight for `rows` rows: out [count][MR]. */
+static void panels_bf16(const uint32_t *xp, int64_t k, const uint32_t *wp, int64_t p0, int count, int64_t rows,
+                        __m512 *out) {
+    const int64_t stride = k / 2 * NR;
+    const uint32_t *w = wp + p0 * stride;
+    if (count == 4 && rows == 1) panel_bf16(xp, k, w, stride, out, 1, 4);
+    else if (count == 4 && rows == 2) panel_bf16(xp, k, w, stride, out, 2, 4);
+    else if (count == 4 && rows <= 4) {
+        panel_bf16(xp, k, w, stride, out, 4, 2);
+        panel_bf16(xp, k, w + 2 * stride, stride, out + 2 * MR, 4, 2);
+    } else if (count == 4) /* two panels at a time, their rows in halves of 4: the second half reads them from L2 */
+        for (int q = 0; q < 4; q += 2)
+            for (int h = 0; h < MR; h += 4)
+                panel_bf16(xp + h * (k / 2), k, w + q * stride, stride, out + q * MR + h, 4, 2);
+    else
+        for (int q = 0; q < count; q++) {
+            if (rows == 1) panel_bf16(xp, k, w + q * stride, stride, out + q * MR, 1, 1);
+            else if (rows == 2) panel_bf16(xp, k, w + q * stride, stride, out + q * MR, 2, 1);
+            else if (rows <= 4) panel_bf16(xp, k, w + q * stride, stride, out + q * MR, 4, 1);
+            else panel_bf16(xp, k, w + q * stride, stride, out + q * MR, MR, 1);
+        }
+}
+
 #ifdef UCM_HAS_AMX
 #define MR_AMX 16 /* x rows per pass on AMX: one A tile */
 
@@ -190,18 +247,22 @@ static inline __attribute__((always_inline)) void panel_amx(const uint32_t *xp, 
 
 #endif
 
-/* Both entry points: rows in passes of MR (missing rows zero), panels over the threads. q8: Q8_0 panels (qp int8,
- * dm the d of each block), else Q4_1 (`panel`). */
+enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_BF16 = 2 }; /* the panels' format */
+
+/* The three entry points: rows in passes of MR (missing rows zero), panels over the threads. KIND_Q8: Q8_0 panels
+ * (qp int8, dm the d of each block); KIND_Q4: Q4_1 (`panel`); KIND_BF16: bf16 pairs, dm unused (`panel_bf16`, never
+ * on tiles). */
 static int32_t decode_matmul(const uint16_t *x, int64_t m, int64_t k, const void *qp, const float *dm, int64_t n,
-                             uint16_t *y, int32_t num_threads, int q8) {
+                             uint16_t *y, int32_t num_threads, int kind) {
 #ifndef Q4B_DPBF16
-    (void)x, (void)m, (void)k, (void)qp, (void)dm, (void)n, (void)y, (void)num_threads, (void)q8;
+    (void)x, (void)m, (void)k, (void)qp, (void)dm, (void)n, (void)y, (void)num_threads, (void)kind;
     return -1;
 #else
     if (k % QB) return -2;
+    const int q8 = kind == KIND_Q8, bf16 = kind == KIND_BF16;
     const int64_t panels = (n + NR - 1) / NR, pairs = k / 2, blocks = k / QB;
 #ifdef UCM_HAS_AMX
-    const int amx = amx_permitted();
+    const int amx = !bf16 && amx_permitted();
     const int64_t mr = amx ? MR_AMX : MR;
 #else
     const int amx = 0;
@@ -219,7 +280,7 @@ static int32_t decode_matmul(const uint16_t *x, int64_t m, int64_t k, const void
         memcpy(xp, x + r0 * k, rows * k * 2); /* bf16 pairs are the row's 32-bit words; missing rows are 0 */
         memset(xp + rows * pairs, 0, (mr - rows) * pairs * 4);
         memset(sx, 0, mr * blocks * 4);
-        for (int64_t r = 0; r < rows && !q8; r++) /* Q4_1's m term needs each block's sum of x */
+        for (int64_t r = 0; r < rows && kind == KIND_Q4; r++) /* Q4_1's m term needs each block's sum of x */
             for (int64_t b = 0; b < blocks; b++)
                 sx[r * blocks + b] = block_sum((const uint16_t *)(xp + r * pairs) + b * QB);
 #pragma omp parallel num_threads(num_threads)
@@ -229,13 +290,27 @@ static int32_t decode_matmul(const uint16_t *x, int64_t m, int64_t k, const void
             _Alignas(64) float cbuf[2 * 256];
             if (amx) amx_load_config();
 #endif
+            if (bf16) { /* panels in groups of four: four read streams a thread */
+#pragma omp for schedule(static)
+                for (int64_t g = 0; g < (panels + 3) / 4; g++) {
+                    __m512 out[4 * MR];
+                    const int count = panels - 4 * g < 4 ? (int)(panels - 4 * g) : 4;
+                    panels_bf16(xp, k, (const uint32_t *)qp, 4 * g, count, rows, out);
+                    for (int q = 0; q < count; q++) {
+                        const int64_t p = 4 * g + q, cols = n - p * NR < NR ? n - p * NR : NR;
+                        const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+                        for (int64_t r = 0; r < rows; r++)
+                            _mm256_mask_storeu_epi16(y + (r0 + r) * n + p * NR, mask, bf16x16_pack(out[q * MR + r]));
+                    }
+                }
+            } else
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
                 __m512 out[MR_MAX];
                 const void *pq = q8 ? (const void *)((const int8_t *)qp + p * pairs * 2 * NR)
                                     : (const void *)((const uint8_t *)qp + p * pairs * NR);
                 const float *pd = dm + p * blocks * (q8 ? 1 : 2) * NR;
-                /* One body per process (amx), each instance with q8 a constant. */
+                /* One body per process and format (amx), each instance with q8 and mr constants. */
 #ifdef UCM_HAS_AMX
                 if (amx && q8) panel_amx(xp, sx, k, pq, pd, out, (int)rows, wbuf, cbuf, 1);
                 else if (amx) panel_amx(xp, sx, k, pq, pd, out, (int)rows, wbuf, cbuf, 0);
@@ -265,11 +340,17 @@ static int32_t decode_matmul(const uint16_t *x, int64_t m, int64_t k, const void
  * 0: done; -1: not built for this CPU; -2: K not a multiple of 32; -3: no memory. */
 int32_t ucm_q4_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qp, const float *dm, int64_t n,
                     uint16_t *y, int32_t num_threads) {
-    return decode_matmul(x, m, k, qp, dm, n, y, num_threads, 0);
+    return decode_matmul(x, m, k, qp, dm, n, y, num_threads, KIND_Q4);
 }
 
 /* The same for a Q8_0 weight: qp [panels][K / 2][32] int8, d [panels][K / 32][16] (ucm_kernels/cpu/q4_bf16.py). */
 int32_t ucm_q8_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *qp, const float *d, int64_t n,
                     uint16_t *y, int32_t num_threads) {
-    return decode_matmul(x, m, k, qp, d, n, y, num_threads, 1);
+    return decode_matmul(x, m, k, qp, d, n, y, num_threads, KIND_Q8);
+}
+
+/* The same for a plain bf16 weight: wp [panels][K / 2][16] bf16 pairs (ucm_kernels/cpu/q4_bf16.py: pack_bf16). */
+int32_t ucm_bf16_dp(const uint16_t *x, int64_t m, int64_t k, const uint32_t *wp, int64_t n, uint16_t *y,
+                    int32_t num_threads) {
+    return decode_matmul(x, m, k, wp, NULL, n, y, num_threads, KIND_BF16);
 }

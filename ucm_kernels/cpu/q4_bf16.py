@@ -22,6 +22,7 @@ uses it wherever the build has it, `torch` never.
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +84,37 @@ class Q8BF16Panels:
     k: int
 
 
-DecodePanelsOf = Q4BF16Panels | Q8BF16Panels  # what `linear` takes
+@dataclass(frozen=True)
+class BF16Panels:
+    """A plain bf16 weight's panels: wp [panels, K / 2, 16] int32, lane o of pair j output o's (w[2j], w[2j + 1])
+    (n padded to panels of 16 with zeros), for an [n, k] weight."""
+
+    wp: torch.Tensor
+    n: int
+    k: int
+
+
+DecodePanelsOf = Q4BF16Panels | Q8BF16Panels | BF16Panels  # what `linear` takes
+
+
+class DecodeKind(enum.Enum):
+    """The weight formats the kernel reads."""
+
+    Q4 = 4  # exactly Q4_1 (the embedded model's layers)
+    Q8 = 8  # exactly Q8_0 (its tied embedding, the lm_head)
+    BF16 = 16  # any bf16 weight (a bf16 checkpoint, where the AMX kernel does not stand in for oneDNN)
+
+
+def pack_bf16(weight: torch.Tensor) -> BF16Panels | None:
+    """`weight` [N, K] bf16 as the kernel's bf16 panels, or None where K is not a multiple of 32."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or k % QB:
+        return None
+    padded = -(-n // NR) * NR
+    w = torch.zeros(padded, k, dtype=torch.bfloat16)
+    w[:n] = weight.detach()
+    pairs = w.view(torch.int32).reshape(padded // NR, NR, k // 2)  # a (w[2j], w[2j + 1]) pair is one int32
+    return BF16Panels(pairs.transpose(1, 2).contiguous(), n, k)
 
 
 def pack_q8(weight: torch.Tensor) -> Q8BF16Panels | None:
@@ -105,6 +136,13 @@ def linear(lib: NativeLib, x: torch.Tensor, panels: DecodePanelsOf) -> torch.Ten
         raise ValueError(f"q4_bf16.linear takes a 2-D bf16 x of {panels.k} features, got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     y = torch.empty((x.shape[0], panels.n), dtype=torch.bfloat16)
+    if isinstance(panels, BF16Panels):
+        status = lib.bf16_dp(
+            x.data_ptr(), x.shape[0], panels.k, panels.wp.data_ptr(), panels.n, y.data_ptr(), torch.get_num_threads()
+        )
+        if status:
+            raise status_error(lib, status, x.shape[0], panels)
+        return y
     fn, scales = (lib.q8_bf16, panels.d) if isinstance(panels, Q8BF16Panels) else (lib.q4_bf16, panels.dm)
     status = fn(
         x.data_ptr(), x.shape[0], panels.k, panels.qp.data_ptr(), scales.data_ptr(), panels.n, y.data_ptr(),
@@ -128,14 +166,19 @@ def _baseline_is_amx(k: int, n: int) -> bool:
     return amx_gemm.takes_shape(n, k) and amx_gemm.needed_and_available() is not None
 
 
-def measure(lib: NativeLib, k: int, n: int, q8: bool = False) -> list[Timings]:
-    """One (kernel, baseline) pair per round (tests replace this to force a result); q8: the Q8_0 kernel. The
-    baseline is what the engine would run instead: the AMX kernel where it stands in for oneDNN, else oneDNN."""
+def measure(lib: NativeLib, k: int, n: int, kind: DecodeKind = DecodeKind.Q4) -> list[Timings]:
+    """One (kernel, baseline) pair per round (tests replace this to force a result), the kernel on `kind`'s
+    panels. The baseline is what the engine would run instead: the AMX kernel where it stands in for oneDNN, else
+    oneDNN."""
     gen = torch.Generator().manual_seed(0)
     count = min(MAX_STACK, max(2, -(-STACK_BYTES // (2 * n * k))))
-    weights = [(random_q8_weight if q8 else random_q4_weight)(n, k, gen) for _ in range(count)]
-    panels = [(pack_q8 if q8 else pack)(w) for w in weights]
-    assert all(p is not None for p in panels), "the random weights are exactly 4- or 8-bit"
+    if kind is DecodeKind.BF16:
+        weights = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16().float() for _ in range(count)]
+    else:
+        weights = [(random_q8_weight if kind is DecodeKind.Q8 else random_q4_weight)(n, k, gen) for _ in range(count)]
+    packer = {DecodeKind.Q4: pack, DecodeKind.Q8: pack_q8, DecodeKind.BF16: lambda w: pack_bf16(w.bfloat16())}[kind]
+    panels = [packer(w) for w in weights]
+    assert all(p is not None for p in panels), "the random weights are exactly 4-bit, 8-bit or bf16"
     x = torch.randn(DECODE_ROWS, k, generator=gen).bfloat16()
     if _baseline_is_amx(k, n):
         amx = [amx_gemm.amx_weight(w.bfloat16()) for w in weights]
@@ -150,23 +193,29 @@ def measure(lib: NativeLib, k: int, n: int, q8: bool = False) -> list[Timings]:
 _memo = WinMemo()
 
 
-def kernel_wins(lib: NativeLib, k: int, n: int, root: Path | None = None, q8: bool = False) -> bool:
-    """Whether a Q4_1 (q8: Q8_0) [n, k] weight's generated rows go through the kernel on this machine (see the
-    module doc)."""
+def kernel_wins(lib: NativeLib, k: int, n: int, root: Path | None = None, kind: DecodeKind = DecodeKind.Q4) -> bool:
+    """Whether a [n, k] weight of `kind`'s format has its generated rows go through the kernel on this machine (see
+    the module doc). A plain bf16 weight never where the AMX kernel stands in for oneDNN: that kernel reads it at
+    ~85% of the memory's rate already, and its panels would double the weight's memory."""
     mode = cpu_linear_mode()
     if mode is CpuLinear.TORCH or not lib.has_q4_bf16 or k % QB:
+        return False
+    amx = _baseline_is_amx(k, n)
+    if kind is DecodeKind.BF16 and amx:
         return False
     if mode is CpuLinear.NATIVE:
         return True
     if 4 * k * n < MIN_PACK_BYTES:
         return False  # the tests' tiny models: cache-sized, and measuring them would be noise
-    bits = 8 if q8 else 4
-    amx = _baseline_is_amx(k, n)
+    # The names the Q4_1 and Q8_0 choices have always had in the cache file
+    name, field, path = {
+        DecodeKind.Q4: ("decode q4 bf16", "q4_decode_kernel", "the 4-bit kernel"),
+        DecodeKind.Q8: ("decode q8 bf16", "q8_decode_kernel", "the 8-bit kernel"),
+        DecodeKind.BF16: ("decode bf16 panels", "bf16_decode_kernel", "the kernel on bf16 panels"),
+    }[kind]
     return measured_win(
-        _memo, lib, root, f"decode q{bits} bf16 {n}x{k}{' vs AMX' if amx else ''}", f"q{bits}_decode_kernel",
-        (lambda: measure(lib, k, n, q8=True)) if q8 else (lambda: measure(lib, k, n)),
-        (f"the {bits}-bit kernel", "the AMX kernel" if amx else "oneDNN"), "generated rows", f"{DECODE_ROWS} rows",
-        log,
+        _memo, lib, root, f"{name} {n}x{k}{' vs AMX' if amx else ''}", field, lambda: measure(lib, k, n, kind),
+        (path, "the AMX kernel" if amx else "oneDNN"), "generated rows", f"{DECODE_ROWS} rows", log,
     )  # fmt: skip
 
 
