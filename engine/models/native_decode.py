@@ -8,7 +8,8 @@ all layers, and calls each kernel's C entry point as its Python wrapper in ucm_k
 `DecoderLayer.forward` does; errors come from those wrappers' own messages. Every row gets the generic path's bits
 (tests/engine/test_native_decode.py).
 
-Where every matmul of every layer is one of our kernels (the embedded model's 4-bit layers: q4_bf16.c in bf16, the
+Where every matmul of every layer is one of our kernels (the embedded model's 4-bit layers: q4_bf16.c in bf16, as are
+a bf16 checkpoint's bf16 panels without AMX; the
 skinny GEMM's panels in fp32 up to their calibrated rows, a bf16 model's AMX tiles where AMX replaces oneDNN), the
 layer loop itself runs in C (ucm_kernels/cpu/
 decode_layers.c: the same entry points in the same order, one call a step): from Python its ~330 calls a step cost
@@ -299,7 +300,7 @@ def decode_linear(
     threads: int,
 ) -> torch.Tensor:
     """What `dense` gives a decode step's rows (all generated), into `out` where a kernel of ours runs it: bf16's
-    4-bit kernel where the weight has its panels, fp32's skinny kernel (4-bit, 8-bit, bf16 or fp32 panels) up to its
+    kernel where the weight has its 4-bit or bf16 panels, fp32's skinny kernel (4-bit, 8-bit, bf16 or fp32 panels) up to its
     rows; else `dense` itself (oneDNN, the AMX kernel, a bias)."""
     y = _decode_kernel(x, bias, packed, out, threads)
     return dense(x, weight, bias, packed) if y is None else y

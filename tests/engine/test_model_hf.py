@@ -378,7 +378,8 @@ def test_connector_hooks_run_per_layer_around_attention(tmp_path, smollm2_fp32):
 
 def test_only_a_gguf_conversion_is_filled_in_fp32_for_the_4bit_search(tmp_path, smollm2_fp32, monkeypatch):
     """A bf16 model looks for Q4_1 weights (in fp32, before the cast) only in a folder converted from a GGUF: a
-    Hugging Face checkpoint loads straight in bf16, with no fp32 copy of the model."""
+    Hugging Face checkpoint loads straight in bf16, with no fp32 copy of the model, and derives its decode panels
+    (bf16 ones, dense.decode_panels) from the bf16 weights."""
     from engine import weights
     from engine.gguf_convert import SOURCE_FILE
     from engine.models.llama import LlamaForCausalLM
@@ -388,9 +389,9 @@ def test_only_a_gguf_conversion_is_filled_in_fp32_for_the_4bit_search(tmp_path, 
     monkeypatch.setattr(LlamaForCausalLM, "derive_decode_panels", lambda self: searched.append(self.embed_tokens.dtype))
     folder = _tiny_folder(tmp_path, smollm2_fp32.path, _tiny_configs()["llama3-rope"])
     plain = load_model(str(folder), dtype=torch.bfloat16, device="cpu")
-    assert searched == [] and plain.model.embed_tokens.dtype == torch.bfloat16
+    assert searched == [torch.bfloat16] and plain.model.embed_tokens.dtype == torch.bfloat16
     (folder / SOURCE_FILE).write_text("{}")
     converted = load_model(str(folder), dtype=torch.bfloat16, device="cpu")
-    assert searched == [torch.float32], "a converted GGUF is searched while still fp32"
+    assert searched == [torch.bfloat16, torch.float32], "a converted GGUF is searched while still fp32"
     assert converted.model.embed_tokens.dtype == torch.bfloat16
     assert converted.model.rotary.inv_freq.dtype == torch.float32

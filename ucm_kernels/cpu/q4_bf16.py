@@ -9,6 +9,11 @@ that in bf16, where a last-bit difference flips greedy tokens (tests/engine/test
 row count would not give it: the 4 rows left after a 496-token prefix hit would take the kernel where the cold
 run's 500-row prefill took oneDNN.
 
+A plain bf16 weight (a bf16 checkpoint) takes the same kernel over bf16 panels (`pack_bf16`: the weight's own
+pairs, no scales) on a CPU without AMX, where oneDNN's bf16 matmul streams the weight at half the memory's rate at
+decode rows (Llama-1B's layers on a 2-core Zen 4: 19-30 GB/s at 1-8 rows against a 36-58 GB/s read; the panels
+28-43); where AMX runs the prompt rows, its kernel reads the weight near the memory's rate at those rows already.
+
 The weight must be exactly Q4_1 in fp32 (`q4_panels.find_q4`: the embedded model's layers; the loader derives the
 panels before it casts the model to bf16). The kernel computes x . w with w = d * q + m exactly (not w rounded to
 bf16, as oneDNN's rows see it), so a generated row differs from what oneDNN would give it by about bf16 rounding.
