@@ -114,6 +114,7 @@ class EventStream:
         self.next_seq: int | None = None  # the sequence the next applied batch must have; None: none applied yet
         self._held: list[tuple[int, KVEventBatch | None]] = []  # live batches that came during a replay
         self._deadline: float | None = None  # a replay is in flight until its end marker or this time
+        self._brought = False  # the replay in flight has applied a batch (so another may bring more)
         self.applied = 0
         self.replays = 0
         self.resets = 0
@@ -212,17 +213,32 @@ class EventStream:
         if len(frames) != 4 or len(frames[2]) != SEQ_BYTES:
             self.bad_frames += 1
             return
-        self._take(int.from_bytes(frames[2], "big"), self._decode(frames[3]))
+        seq = int.from_bytes(frames[2], "big")
+        self._brought |= self.next_seq is None or seq >= self.next_seq
+        self._take(seq, self._decode(frames[3]))
 
     def _request_replay(self, start: int) -> None:
         assert self._replay is not None
         self._replay.send_multipart((b"", seq_bytes(start)))
         self._deadline = time.monotonic() + self._replay_timeout_s
+        self._brought = False
         self.replays += 1
 
     def _end_replay(self) -> None:
         self._deadline = None
         held, self._held = sorted(self._held, key=lambda item: item[0]), []
+        if (
+            held
+            and self._brought
+            and self._replay is not None
+            and self.next_seq is not None
+            and held[0][0] > self.next_seq
+        ):
+            # A live batch overtook the replay, past what it brought: the batches between may be in the publisher's
+            # buffer by now. Asked for once more; a replay that brings nothing ends in the reset below.
+            self._held = held
+            self._request_replay(self.next_seq)
+            return
         for seq, batch in held:  # what the replay did not bring is gone: `_take` resets on the gap
             self._take(seq, batch)
 
