@@ -227,17 +227,13 @@ class EventStream:
     def _end_replay(self) -> None:
         self._deadline = None
         held, self._held = sorted(self._held, key=lambda item: item[0]), []
-        if (
-            held
-            and self._brought
-            and self._replay is not None
-            and self.next_seq is not None
-            and held[0][0] > self.next_seq
-        ):
+        nxt = self.next_seq
+        ahead = [seq for seq, _ in held if nxt is not None and seq >= nxt]  # not applied by the replay
+        if ahead and self._brought and self._replay is not None and nxt is not None and ahead[0] > nxt:
             # A live batch overtook the replay, past what it brought: the batches between may be in the publisher's
             # buffer by now. Asked for once more; a replay that brings nothing ends in the reset below.
             self._held = held
-            self._request_replay(self.next_seq)
+            self._request_replay(nxt)
             return
         for seq, batch in held:  # what the replay did not bring is gone: `_take` resets on the gap
             self._take(seq, batch)
