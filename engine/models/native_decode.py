@@ -317,15 +317,7 @@ def _decode_kernel(
         return pw.linear(x, None, out)
     decode = packed.decode if isinstance(packed, BF16Packed) else None
     if decode is not None and isinstance(decode.panels, Q4BF16Panels | BF16Panels) and bias is None:
-        lib, p = decode.lib, decode.panels
+        p = decode.panels
         assert x.shape[1] == p.k and out.shape == (x.shape[0], p.n), "a step buffer of the weight's shape"
-        if isinstance(p, BF16Panels):
-            status = lib.bf16_dp(x.data_ptr(), x.shape[0], p.k, p.wp.data_ptr(), p.n, out.data_ptr(), threads)
-        else:
-            status = lib.q4_bf16(
-                x.data_ptr(), x.shape[0], p.k, p.qp.data_ptr(), p.dm.data_ptr(), p.n, out.data_ptr(), threads
-            )
-        if status:
-            raise q4_bf16.status_error(lib, status, x.shape[0], p)
-        return out
+        return q4_bf16.linear_into(decode.lib, x, p, out, threads)
     return None

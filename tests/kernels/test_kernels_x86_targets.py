@@ -30,7 +30,7 @@ def x86_gcc() -> str:
     cc = native.compiler()
     if platform.machine() not in ("x86_64", "AMD64") or shutil.which(cc) is None:
         pytest.skip(f"needs {cc!r} targeting x86")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = native._compiler_version(cc)
     if "gcc" not in version.lower() and "free software foundation" not in version.lower():
         pytest.skip(f"{cc!r} is not GCC: the -march names above are GCC's")
     return cc

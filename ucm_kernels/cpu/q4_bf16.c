@@ -17,7 +17,7 @@
  *
  * A plain bf16 weight (a bf16 checkpoint, on a CPU without AMX) takes the same loop over bf16 panels, wp [panels][K / 2]
  * [16]: lane o of pair j holds output o's (w[2j], w[2j + 1]), one load a pair, no scales (`panel_bf16`). oneDNN's bf16
- * matmul reads such a weight at 24-30 GB/s at 1-16 rows on a 2-core Zen 4 EPYC whose memory streams at 36-58.
+ * matmul reads such a weight at 19-30 GB/s at 1-8 rows on a 2-core Zen 4 EPYC whose memory streams at 36-58.
  *
  * Every row goes through the same instructions in the same order, whatever else the call holds (rows are padded to
  * MR, or MR_AMX, with zeros; panels are split over threads): a row's bits depend on its own x only. The engine relies on that:

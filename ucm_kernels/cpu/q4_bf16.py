@@ -141,18 +141,20 @@ def linear(lib: NativeLib, x: torch.Tensor, panels: DecodePanelsOf) -> torch.Ten
         raise ValueError(f"q4_bf16.linear takes a 2-D bf16 x of {panels.k} features, got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     y = torch.empty((x.shape[0], panels.n), dtype=torch.bfloat16)
+    return linear_into(lib, x, panels, y, torch.get_num_threads())
+
+
+def linear_into(lib: NativeLib, x: torch.Tensor, panels: DecodePanelsOf, y: torch.Tensor, threads: int) -> torch.Tensor:
+    """`linear` without its checks, into `y` [M, N] bf16 (contiguous, as x [M, K] must be) on `threads` threads: the
+    one call of each panel format's entry point (engine/models/native_decode.py's step buffers too)."""
     if isinstance(panels, BF16Panels):
-        status = lib.bf16_dp(
-            x.data_ptr(), x.shape[0], panels.k, panels.wp.data_ptr(), panels.n, y.data_ptr(), torch.get_num_threads()
-        )
-        if status:
-            raise status_error(lib, status, x.shape[0], panels)
-        return y
-    fn, scales = (lib.q8_bf16, panels.d) if isinstance(panels, Q8BF16Panels) else (lib.q4_bf16, panels.dm)
-    status = fn(
-        x.data_ptr(), x.shape[0], panels.k, panels.qp.data_ptr(), scales.data_ptr(), panels.n, y.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
+        status = lib.bf16_dp(x.data_ptr(), x.shape[0], panels.k, panels.wp.data_ptr(), panels.n, y.data_ptr(), threads)
+    else:
+        fn, scales = (lib.q8_bf16, panels.d) if isinstance(panels, Q8BF16Panels) else (lib.q4_bf16, panels.dm)
+        status = fn(
+            x.data_ptr(), x.shape[0], panels.k, panels.qp.data_ptr(), scales.data_ptr(), panels.n, y.data_ptr(),
+            threads,
+        )  # fmt: skip
     if status:
         raise status_error(lib, status, x.shape[0], panels)
     return y
