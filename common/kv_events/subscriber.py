@@ -156,6 +156,11 @@ class EventStream:
         """When the replay in flight is given up on (None: none in flight)."""
         return self._deadline
 
+    @property
+    def held(self) -> int:
+        """Live batches held until the replay in flight ends."""
+        return len(self._held)
+
     def readable(self, replay: bool) -> None:
         sock = self._replay if replay else self.sub
         while sock is not None:

@@ -303,6 +303,75 @@ def test_stream_without_replay_resets_on_a_gap_and_on_a_publisher_restart(tmp_pa
         pub.close()
 
 
+def _recv(sock: zmq.Socket, poller: StreamPoller, timeout_s: float = 10.0) -> list[bytes]:
+    """The test's own socket's next message, pumping the stream meanwhile (it sends when polled)."""
+    deadline = time.monotonic() + timeout_s
+    while not sock.poll(0):
+        assert time.monotonic() < deadline, "timed out"
+        poller.poll(20)
+    return sock.recv_multipart()
+
+
+def test_a_live_batch_that_overtakes_the_replay_asks_for_the_gap_again(tmp_path, ctx) -> None:
+    """The order the network may choose, forced: a live batch past the replay's last one arrives before the replay's
+    end marker. The stream asks for the batches between once more rather than resetting; a replay that brings
+    nothing then ends in the reset, so it cannot ask forever."""
+    pub, replay = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)  # the publisher's two sockets, driven by the test
+    pub.bind(f"ipc://{tmp_path}/pub")
+    replay.bind(f"ipc://{tmp_path}/replay")
+    poller, got = StreamPoller(), Collector()
+    stream = EventStream(ctx, poller, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", got.apply, got.reset)
+
+    def ask() -> tuple[bytes, int]:  # the stream's next replay request: (its client id, start)
+        client, _, start = _recv(replay, poller)
+        return client, int.from_bytes(start, "big")
+
+    def payload(seq: int) -> bytes:
+        return encode_batch(KVEventBatch(0.0, [_stored(seq)]))
+
+    def answer(client: bytes, seqs: list[int], end: bool = True) -> None:
+        for seq in seqs:
+            replay.send_multipart((client, b"", b"", seq_bytes(seq), payload(seq)))
+        if end:
+            replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def live_held(seq: int) -> None:  # live batch `seq`, sent and held by the stream (a replay is in flight)
+        before = stream.held
+        pub.send_multipart((b"", seq_bytes(seq), payload(seq)))
+        _pump(poller, lambda: stream.held == before + 1)
+
+    try:
+        assert _recv(pub, poller)[0] == b"\x01"  # subscribed: live batches reach it from here on
+        client, start = ask()
+        assert start == 0
+        answer(client, [0, 1], end=False)
+        _pump(poller, lambda: got.seqs == [0, 1])
+        live_held(3)  # overtakes the replay, which has not brought 2 (yet)
+        answer(client, [])
+        client, start = ask()
+        assert start == 2 and got.resets == [] and got.seqs == [0, 1]
+        answer(client, [2, 3])
+        _pump(poller, lambda: stream.deadline is None)  # the replay's end
+        assert got.seqs == [0, 1, 2, 3] and got.resets == [] and stream.replays == 2
+
+        # Once more where the batch between is gone for good: the second replay brings nothing, so the stream resets
+        # and goes on from the held batch.
+        pub.send_multipart((b"", seq_bytes(6), payload(6)))  # 4 and 5 never reach it
+        client, start = ask()
+        assert start == 4
+        live_held(8)
+        answer(client, [4, 5, 6])  # 7 is not in the buffer any more
+        client, start = ask()
+        assert start == 7 and got.seqs == [0, 1, 2, 3, 4, 5, 6] and got.resets == []
+        answer(client, [])
+        _pump(poller, lambda: got.seqs[-1:] == [8])
+        assert len(got.resets) == 1 and "7..7" in got.resets[0] and stream.replays == 4
+    finally:
+        stream.close()
+        pub.close(0)
+        replay.close(0)
+
+
 def test_a_replay_nobody_answers_is_given_up(tmp_path, ctx) -> None:
     pub = ZmqEventPublisher(_config(tmp_path, replay_endpoint=None))
     poller, got = StreamPoller(), Collector()
