@@ -255,7 +255,7 @@ def dense(
             return onednn_linear.linear(x, packed.onednn.reordered, bias)
         assert weight is not None, "a weight is freed only where its copies take every call (release_if_unread)"
         return F.linear(x, weight, bias)
-    return _bf16_by_class(x, packed, bias, rows, lambda y: y, lambda p: _bf16(p, packed, bias))
+    return _bf16_by_class(x, packed, rows, lambda y: add_bias(y, bias), lambda p: _bf16(p, packed, bias))
 
 
 def dense_silu_and_mul(
@@ -271,33 +271,37 @@ def dense_silu_and_mul(
     if not isinstance(packed, BF16Packed) or packed.amx is None or bias is not None:
         return silu_and_mul(dense(x, weight, bias, packed, rows))
     amx = packed.amx
-    return _bf16_by_class(x, packed, bias, rows, silu_and_mul, amx.silu_and_mul)
+    return _bf16_by_class(x, packed, rows, silu_and_mul, amx.silu_and_mul)
 
 
 def _bf16_by_class(
     x: torch.Tensor,
     packed: BF16Packed,
-    bias: torch.Tensor | None,
     rows: GeneratedRows | None,
     after_panels: Callable[[torch.Tensor], torch.Tensor],
     prompt_fn: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Each row of x through its class's path: a generated row through the quantized panels where the weight has
-    them (then `after_panels`), every other row through `prompt_fn`. `rows`: the rows' classes, else the forward
-    context's."""
+    them (then `after_panels`: a bias, an activation), every other row through `prompt_fn`. `rows`: the rows' classes,
+    else the forward context's."""
     decode = packed.decode
     if rows is None and decode is not None:
         context = current_forward_context()
         rows = context.generated_rows if context is not None else None
-    if decode is None or rows is None or bias is not None or x.dim() != 2 or x.shape[0] != rows.total:
+    if decode is None or rows is None or x.dim() != 2 or x.shape[0] != rows.total:
         return prompt_fn(x)
     return rows.apply(x, lambda g: after_panels(q4_bf16.linear(decode.lib, g, decode.panels)), prompt_fn)
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y + bias after a kernel without a bias epilogue: per element, so a row's bits still stand alone (native_decode
+    and decode_layers.c add it the same way)."""
+    return y.add_(bias) if bias is not None else y
 
 
 def _bf16(x: torch.Tensor, packed: BF16Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """Rows that do not take quantized panels: the AMX kernel where this machine needs it, else oneDNN."""
     if packed.amx is not None:
-        y = packed.amx.linear(x)
-        return y.add_(bias) if bias is not None else y  # per element, so a row's bits still stand alone
+        return add_bias(packed.amx.linear(x), bias)
     assert packed.onednn is not None, "BF16Packed holds one of the two copies"
     return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")

@@ -19,20 +19,21 @@ went from 27-31 to 22-25 ms. Other steps run the same calls from the Python loop
 It takes only the steps where that equality is plain to keep: every row a generated token (a decode; a one-token
 prompt chunk is a prompt row and goes generic), no connector hooks bound, and the CPU path running its native
 kernels for the step's ops (`ucm_kernels.api.native_ops_lib`, `native_decode_lib`). Anything else runs the generic
-forward. A matmul without such a kernel for generated rows (oneDNN, fp32's oneDNN copies, a bias) goes through
-`dense` as the generic path does.
+forward. A matmul without such a kernel for generated rows (oneDNN, fp32's oneDNN copies, a bias beside fp32 panels)
+goes through `dense` as the generic path does; a bias after a bf16 kernel (Qwen2's qkv) is added after it, in C too.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.attention import current_forward_context
-from engine.models.dense import BF16Packed, F32Packed, Packed, dense, dense_silu_and_mul
+from engine.models.dense import BF16Packed, F32Packed, Packed, add_bias, dense, dense_silu_and_mul
 from ucm_kernels.api import native_decode_lib, native_ops_lib
 from ucm_kernels.cpu import amx_gemm, decode_layers, elementwise, q4_bf16
 from ucm_kernels.cpu import write_kv as native_write
@@ -263,24 +264,16 @@ def native_layer_operands(layers: list[DecoderLayer]) -> tuple[list[decode_layer
 
 def _native_linear(packed: Packed, bias: torch.Tensor | None) -> tuple[decode_layers.Linear, int] | None:
     """A matmul's operands for decode_layers.c and up to how many rows `decode_linear` sends it to that kernel. A
-    bias only beside an unpaired AMX weight (Qwen2's qkv), which the Python path runs as the kernel, then `add_`."""
-    fmt = decode_layers.LinearFormat
-    if isinstance(packed, BF16Packed) and packed.decode is None and packed.amx is not None:
-        amx = packed.amx
-        if bias is not None and (amx.paired or bias.dtype != torch.bfloat16 or bias.dim() != 1):
-            return None
-        return decode_layers.Linear(
-            amx.packed.data, None, amx.out_features, amx.in_features, fmt.AMX_BF16_PAIRS if amx.paired else fmt.AMX_BF16,
-            bias=None if bias is None else bias.contiguous(),
-        ), ANY_ROWS  # fmt: skip
+    bias (Qwen2's qkv) only after a kernel with a bf16 output (an unpaired AMX weight, bf16 or 4-bit panels), which
+    the Python path runs as the kernel, then `add_`."""
+    found = _bf16_linear(packed)
+    if found is not None:
+        if bias is None:
+            return found, ANY_ROWS
+        adds = found.format in decode_layers.BIASED_FORMATS and bias.dtype == torch.bfloat16 and bias.dim() == 1
+        return (dataclasses.replace(found, bias=bias.contiguous()), ANY_ROWS) if adds else None
     if bias is not None:
         return None
-    if isinstance(packed, BF16Packed) and packed.decode is not None and isinstance(packed.decode.panels, Q4BF16Panels):
-        p = packed.decode.panels
-        return decode_layers.Linear(p.qp, p.dm, p.n, p.k, fmt.Q4_BF16, p), ANY_ROWS
-    if isinstance(packed, BF16Packed) and packed.decode is not None and isinstance(packed.decode.panels, BF16Panels):
-        b = packed.decode.panels
-        return decode_layers.Linear(b.wp, None, b.n, b.k, fmt.BF16_BF16, b), ANY_ROWS
     if isinstance(packed, F32Packed) and packed.panels is not None:
         pw = packed.panels
         q, scales, panel_format = pw.operands()
@@ -288,6 +281,25 @@ def _native_linear(packed: Packed, bias: torch.Tensor | None) -> tuple[decode_la
             q, scales, pw.out_features, pw.in_features, decode_layers.SKINNY_FORMATS[panel_format]
         )
         return linear, pw.max_rows
+    return None
+
+
+def _bf16_linear(packed: Packed) -> decode_layers.Linear | None:
+    """A bf16 weight's operands for decode_layers.c, without a bias: its quantized or bf16 panels where it has them,
+    else its AMX tiles; None where oneDNN runs it."""
+    fmt = decode_layers.LinearFormat
+    if not isinstance(packed, BF16Packed):
+        return None
+    if packed.decode is not None and isinstance(packed.decode.panels, Q4BF16Panels):
+        p = packed.decode.panels
+        return decode_layers.Linear(p.qp, p.dm, p.n, p.k, fmt.Q4_BF16, p)
+    if packed.decode is not None and isinstance(packed.decode.panels, BF16Panels):
+        b = packed.decode.panels
+        return decode_layers.Linear(b.wp, None, b.n, b.k, fmt.BF16_BF16, b)
+    if packed.decode is None and packed.amx is not None:
+        amx = packed.amx
+        kind = fmt.AMX_BF16_PAIRS if amx.paired else fmt.AMX_BF16
+        return decode_layers.Linear(amx.packed.data, None, amx.out_features, amx.in_features, kind)
     return None
 
 
@@ -316,8 +328,9 @@ def _decode_kernel(
             return None
         return pw.linear(x, None, out)
     decode = packed.decode if isinstance(packed, BF16Packed) else None
-    if decode is not None and isinstance(decode.panels, Q4BF16Panels | BF16Panels) and bias is None:
+    if decode is not None and isinstance(decode.panels, Q4BF16Panels | BF16Panels):
         p = decode.panels
         assert x.shape[1] == p.k and out.shape == (x.shape[0], p.n), "a step buffer of the weight's shape"
-        return q4_bf16.linear_into(decode.lib, x, p, out, threads)
+        y = q4_bf16.linear_into(decode.lib, x, p, out, threads)
+        return add_bias(y, bias)
     return None

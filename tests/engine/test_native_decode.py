@@ -13,11 +13,11 @@ from benchmarks.yardstick_models import ensure_model
 from engine import LLM, SamplingParams
 from engine.attention import set_forward_context
 from engine.generated_rows import GeneratedRows
-from engine.models.dense import F32Packed, dense, pack_weight
+from engine.models.dense import F32Packed, dense, pack_weight, packing_supported
 from engine.models.native_decode import DecodeStep, decode_linear
 from ucm_kernels.attention_metadata import AttentionMetadata
 from ucm_kernels.backend import CPU_ENV_VAR
-from ucm_kernels.cpu import amx_gemm, decode_layers, linear_mode, skinny_gemm
+from ucm_kernels.cpu import amx_gemm, decode_layers, linear_mode, q4_bf16, skinny_gemm
 from ucm_kernels.cpu.q4_panels import Q4Panels, random_q4_weight
 
 
@@ -95,6 +95,31 @@ def test_a_bf16_model_on_amx_runs_its_layers_in_c(shape, native_lib, tmp_path) -
         decode_layers.LinearFormat.AMX_BF16,
         decode_layers.LinearFormat.AMX_BF16_PAIRS,
     }
+    biased = [layer.linears[0].bias is not None for layer in native.native_layers]
+    assert all(biased) if shape == "qwen-0.5b" else not any(biased), "Qwen2's qkv bias, added in C"
+    fast = _greedy_with_logprobs(llm, prompts)
+    assert native.native_steps >= 23, f"the decode steps' layers in one native call: {native.native_steps} were"
+    _python_loop_and_generic_agree(llm, prompts, fast)
+
+
+@pytest.mark.parametrize("shape", ["llama-1b", "qwen-0.5b"])
+def test_a_bf16_model_on_bf16_panels_runs_its_layers_in_c(shape, native_lib, monkeypatch, tmp_path) -> None:
+    """Without AMX, where a bf16 model's generated rows take bf16 panels (forced on here; chosen by measurement, as on
+    a 2-core Zen 4): its decode steps' layers run in one native call, Qwen2's qkv bias added after the panels in C as
+    the Python loop adds it, with the bits of the Python loop and of the generic forward."""
+    if not native_lib.has_q4_bf16 or not packing_supported(torch.empty(1, 1, dtype=torch.bfloat16)):
+        pytest.skip("needs AVX-512 BF16 and oneDNN's bf16")
+    if q4_bf16._baseline_is_amx(2048, 2048):
+        pytest.skip("the AMX kernel runs a bf16 weight's generated rows here: no bf16 panels")
+    monkeypatch.setenv(linear_mode.ENV, "native")
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(30 + 17 * i)] for i in range(3)]
+    folder = ensure_model(shape, 2, root=tmp_path)
+    llm = LLM(model=str(folder), dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory="128MiB")
+    native = llm.engine.runner.model.native_decode
+    assert native is not None and native.native_layers is not None, "every layer matmul on the bf16 panels"
+    formats = {lin.format for layer in native.native_layers for lin in layer.linears}
+    assert formats == {decode_layers.LinearFormat.BF16_BF16}, formats
     biased = [layer.linears[0].bias is not None for layer in native.native_layers]
     assert all(biased) if shape == "qwen-0.5b" else not any(biased), "Qwen2's qkv bias, added in C"
     fast = _greedy_with_logprobs(llm, prompts)

@@ -5,7 +5,7 @@
  * from Python each cost a few microseconds of interpreter and ctypes on the calling thread while the other OpenMP
  * threads spun waiting for the next parallel region (perf on the 2-core Xeon with AMX: the second thread idle ~40%
  * of a decode step). Only steps whose every matmul is one of our own kernels come here (`DecodeLinear`'s formats,
- * a bias only after AMX_BF16); a step with a oneDNN matmul or another bias stays in Python.
+ * a bias only after a bf16 kernel); a step with a oneDNN matmul or another bias stays in Python.
  *
  * Each kernel is the library's own entry point (their translation units share no other symbols); each still opens
  * its own parallel region, as it does when Python calls it. */
@@ -33,8 +33,9 @@ enum { DL_OK = 0, DL_LINEAR = 1, DL_WRITE_KV = 2, DL_ATTENTION = 3 };
 
 /* One matmul y [T, n] = x [T, k] @ W^T (+ bias), W packed as `format` says: q its 4/8-bit bytes, fp32 panels or
  * AMX tiles (amx_gemm.c; PAIRS: a gate_up weight with its gate and up panels paired, SiLU-and-mul in the epilogue)
- * or bf16 panels of an fp32 model, scales the Q4_1 d|m or the Q8_0 d (NULL for fp32 and bf16 panels and AMX tiles); bias [n] bf16 or NULL, AMX_BF16 only
- * (Qwen2's qkv): added as the Python path adds it after the kernel, y = bf16(y + bias) per element. */
+ * or bf16 panels of an fp32 model, scales the Q4_1 d|m or the Q8_0 d (NULL for fp32 and bf16 panels and AMX tiles); bias [n] bf16 or NULL,
+ * after AMX_BF16, Q4_BF16 or BF16_BF16 only (Qwen2's qkv): added as the Python path adds it after the kernel,
+ * y = bf16(y + bias) per element. */
 typedef struct {
     const void *q;
     const float *scales;
@@ -81,12 +82,13 @@ static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *
     switch (w->format) {
     case DL_AMX_BF16:
         rc = ucm_amx_gemm(x, rows, w->k, w->k, w->q, w->n, y, w->n, pad, threads, EPI_PLAIN);
-        if (rc == 0 && w->bias != NULL) add_bias_bf16(y, w->bias, rows, w->n);
-        return rc;
+        break;
     case DL_Q4_BF16:
-        return ucm_q4_bf16(x, rows, w->k, w->q, w->scales, w->n, y, threads);
+        rc = ucm_q4_bf16(x, rows, w->k, w->q, w->scales, w->n, y, threads);
+        break;
     case DL_BF16_BF16:
-        return ucm_bf16_dp(x, rows, w->k, w->q, w->n, y, threads);
+        rc = ucm_bf16_dp(x, rows, w->k, w->q, w->n, y, threads);
+        break;
     case DL_F32_PANELS:
         ucm_skinny_gemm(x, rows, w->k, w->q, w->n, NULL, y, threads);
         return 0;
@@ -99,6 +101,8 @@ static int64_t linear(const DecodeLinear *w, const void *x, int64_t rows, void *
     default:
         return -100;
     }
+    if (rc == 0 && w->bias != NULL) add_bias_bf16(y, w->bias, rows, w->n); /* the bf16 formats only (Python checks) */
+    return rc;
 }
 
 /* The MLP's gate_up and SiLU-and-mul: s->act [T, inter]. A paired AMX weight takes the SiLU as its GEMM's epilogue

@@ -36,6 +36,9 @@ class LinearFormat(enum.IntEnum):
     BF16_BF16 = 7  # q4_bf16.c on bf16 panels (a bf16 model's weight, without AMX)
 
 
+# The kernels with a bf16 output, after which decode_layers.c adds a bias (Qwen2's qkv).
+BIASED_FORMATS = frozenset({LinearFormat.AMX_BF16, LinearFormat.Q4_BF16, LinearFormat.BF16_BF16})
+
 SKINNY_FORMATS = {  # skinny_gemm.c's format for each kind of panels (`PanelWeight.operands`)
     PanelFormat.FP32: LinearFormat.F32_PANELS,
     PanelFormat.Q4: LinearFormat.Q4_F32,
@@ -102,12 +105,12 @@ class Linear:
     k: int
     format: LinearFormat
     panels: q4_bf16.DecodePanelsOf | None = None  # for the q4_bf16 error message
-    bias: torch.Tensor | None = None  # [n] bf16, AMX_BF16 only: added after the kernel as torch adds it
+    bias: torch.Tensor | None = None  # [n] bf16, after a bf16 kernel only: added after it as torch adds it
 
     def __post_init__(self) -> None:
         if self.bias is not None:
-            assert self.format is LinearFormat.AMX_BF16, (
-                f"decode_layers.c adds a bias after AMX_BF16 only, not {self.format.name}"
+            assert self.format in BIASED_FORMATS, (
+                f"decode_layers.c adds a bias after bf16 kernels only, not {self.format.name}"
             )
             assert self.bias.dtype == torch.bfloat16 and self.bias.shape == (self.n,) and self.bias.is_contiguous(), (
                 "a bias as decode_layers.c reads it: [n] bf16, contiguous"
