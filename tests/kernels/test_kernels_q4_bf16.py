@@ -272,7 +272,8 @@ def test_dense_routes_bf16_rows_by_class(bf16_lib, monkeypatch) -> None:
     prompt path (oneDNN; on AMX, whose presence is set aside here, the AMX kernel)."""
     monkeypatch.setenv("UCM_CPU_LINEAR", "native")
     monkeypatch.setattr(q4_bf16, "_baseline_is_amx", lambda k, n: False)
-    x, w = _bf16_operands(9, 48, 8192, seed=11)  # long sums: oneDNN adds them in another order
+    # oneDNN adds a wide weight's sums in another order here (at 48 outputs it often adds them as the kernel does)
+    x, w = _bf16_operands(9, 2048, 2048, seed=11)
     decode = dense_mod.decode_panels(w)
     assert decode is not None and isinstance(decode.panels, q4_bf16.BF16Panels)
     kernel, prompt = linear(bf16_lib, x, decode.panels), dense_mod.dense(x, w, None, dense_mod.pack_weight(w))

@@ -15,8 +15,9 @@
  * Where the OS grants AMX, every call takes panel_amx instead: the same weight pairs as a VNNI tile, each block's
  * sums by TDPBF16PS (other bits than VDPBF16PS's, so never the two in one process).
  *
- * A plain bf16 weight (a bf16 checkpoint, on a CPU without AMX) takes the same loop over bf16 panels, wp [panels][K / 2]
- * [16]: lane o of pair j holds output o's (w[2j], w[2j + 1]), one load a pair, no scales (`panel_bf16`). oneDNN's bf16
+ * A plain bf16 weight (a bf16 checkpoint, on a CPU without AMX) takes a loop of its own over bf16 panels, wp [panels]
+ * [K / 2][16]: lane o of pair j holds output o's (w[2j], w[2j + 1]), one load a pair, no scales, one sum a row and
+ * panel (`dp_pairs`). oneDNN's bf16
  * matmul reads such a weight at 19-30 GB/s at 1-8 rows on a 2-core Zen 4 EPYC whose memory streams at 36-58.
  *
  * Every row goes through the same instructions in the same order, whatever else the call holds (rows are padded to
@@ -126,23 +127,23 @@ static inline __attribute__((always_inline)) void panel(const uint32_t *xp, cons
 
 /* Bytes ahead of a pair's weights that panel_bf16 prefetches in each of its streams. */
 #define PF_BF16 1024
-/* Pairs of a chunk in `panels_bf16_rows8`: two panels' chunk (8 KB) stays in L1 for the second half of the rows. */
-#define CHUNK_PAIRS 64
+/* Pairs of a chunk in `panels_bf16_rows8`: four panels' chunk (2 KB) is in L1 for the second half of the rows. */
+#define CHUNK_PAIRS 8
 enum { PF_BOTH = 3, PF_FIRST = 1, PF_SECOND = 2 }; /* which of a step's two weight lines `dp_pairs` prefetches */
 
 /* Pairs [j0, j1) of `pp` bf16 panels, `stride` pairs apart, for `mr` rows (constants where inlined: 1, 2, 4 or MR
- * rows, the pass's rows past the call's zero; pp 4, 2 or 1), added to the sums in even_io / odd_io [pp][MR]: even
- * pairs and odd pairs in two sums. Several panels at once are several read streams, which a core reads faster than
- * one. A row's operations depend on neither mr nor pp nor on where the range is cut, so its bits do not depend on how
- * many rows the call has, on which panels share a pass, nor on the chunks. `pf` of a step's two lines are prefetched
- * `pf_ahead` bytes on. */
+ * rows, the pass's rows past the call's zero; pp 4 or 1), added to the sums in io [pp][MR], one sum a row and panel.
+ * Several panels at once are several read streams, which a core reads faster than one; 4 panels of 4 rows are 16
+ * sums, so every pass of up to 4 rows reads four streams. A row's operations depend on neither mr nor pp nor on where
+ * the range is cut, so its bits do not depend on how many rows the call has, on which panels share a pass, nor on
+ * the chunks. `pf` of a step's two lines are prefetched `pf_ahead` bytes on. */
 static inline __attribute__((always_inline)) void dp_pairs(const uint32_t *xp, int64_t pairs, int64_t j0, int64_t j1,
-                                                           const uint32_t *wp, int64_t stride, __m512 *even_io,
-                                                           __m512 *odd_io, const int mr, const int pp, const int pf,
+                                                           const uint32_t *wp, int64_t stride, __m512 *io,
+                                                           const int mr, const int pp, const int pf,
                                                            const int64_t pf_ahead) {
-    __m512 even[4][MR], odd[4][MR];
+    __m512 sum[4][MR];
     for (int q = 0; q < pp; q++)
-        for (int r = 0; r < mr; r++) even[q][r] = even_io[q * MR + r], odd[q][r] = odd_io[q * MR + r];
+        for (int r = 0; r < mr; r++) sum[q][r] = io[q * MR + r];
     for (int64_t j = j0; j < j1; j += 2) {
         for (int q = 0; q < pp; q++) {
             const uint32_t *w = wp + q * stride + j * NR;
@@ -150,48 +151,43 @@ static inline __attribute__((always_inline)) void dp_pairs(const uint32_t *xp, i
             if (pf & PF_SECOND) _mm_prefetch((const char *)w + pf_ahead + 64, _MM_HINT_T0);
             const __m512bh w0 = (__m512bh)_mm512_load_si512(w), w1 = (__m512bh)_mm512_load_si512(w + NR);
             for (int r = 0; r < mr; r++) {
-                even[q][r] = _mm512_dpbf16_ps(even[q][r], w0, pair(xp + r * pairs + j));
-                odd[q][r] = _mm512_dpbf16_ps(odd[q][r], w1, pair(xp + r * pairs + j + 1));
+                sum[q][r] = _mm512_dpbf16_ps(sum[q][r], w0, pair(xp + r * pairs + j));
+                sum[q][r] = _mm512_dpbf16_ps(sum[q][r], w1, pair(xp + r * pairs + j + 1));
             }
         }
     }
     for (int q = 0; q < pp; q++)
-        for (int r = 0; r < mr; r++) even_io[q * MR + r] = even[q][r], odd_io[q * MR + r] = odd[q][r];
+        for (int r = 0; r < mr; r++) io[q * MR + r] = sum[q][r];
 }
 
-/* x . w over the whole K of `pp` panels for `mr` rows (dp_pairs), the two sums added at the end: out [pp][MR]. */
+/* x . w over the whole K of `pp` panels for `mr` rows (dp_pairs): out [pp][MR]. */
 static inline __attribute__((always_inline)) void panel_bf16(const uint32_t *xp, int64_t k, const uint32_t *wp,
                                                              int64_t stride, __m512 *out, const int mr,
                                                              const int pp) {
-    __m512 even[4 * MR], odd[4 * MR];
-    for (int i = 0; i < 4 * MR; i++) even[i] = odd[i] = _mm512_setzero_ps();
-    dp_pairs(xp, k / 2, 0, k / 2, wp, stride, even, odd, mr, pp, PF_BOTH, PF_BF16);
-    for (int q = 0; q < pp; q++)
-        for (int r = 0; r < mr; r++) out[q * MR + r] = _mm512_add_ps(even[q * MR + r], odd[q * MR + r]);
+    for (int i = 0; i < pp * MR; i++) out[i] = _mm512_setzero_ps();
+    dp_pairs(xp, k / 2, 0, k / 2, wp, stride, out, mr, pp, PF_BOTH, PF_BF16);
 }
 
-/* Four panels for 5-8 rows: two panels at a time (four streams of 4 rows would want 32 sums, all the registers), their
- * rows in halves of 4 chunk by chunk, the second half reading the chunk from L1 while each half prefetches one of a
- * step's two lines a chunk on, so the memory streams all the time. Llama-1B's layer weights at 8 rows on a 2-core
- * Zen 4: 23.4-24.8 GB/s with each half over the whole K in turn (the second from L2, nothing prefetched meanwhile),
- * 26.0-28.7 in chunks of 64 pairs (32: 27.4, 128: 26.8; prefetched two chunks on: 21.5), 4 rows 28.5. */
+/* Four panels for 5-8 rows, the rows in halves of 4 chunk by chunk (8 rows of four panels would want 32 sums, all
+ * the registers): the second half reads the chunk from L1 while each half prefetches one of a step's two lines a
+ * chunk on, so memory streams all the time. Llama-1B's layer weights on a 2-core Zen 4 (2 threads, builds
+ * alternated), 1 / 4 / 8 rows: two sums a row and panel (even and odd pairs; 4 rows then took two panels a pass) and
+ * each half of 8 rows over the whole K in turn, the second from L2: 32.7 / 23.4-24.8 GB/s at 8 rows; the halves in
+ * chunks of 64 pairs: 32.7 / 29.0 / 26.4; one sum a row and panel, chunks of 8 pairs: 33.3 / 31.8 / 28.3 (16: 27.0 at
+ * 8 rows, 32: 23.8, 64: 26.4). */
 static void panels_bf16_rows8(const uint32_t *xp, int64_t k, const uint32_t *w, int64_t stride, __m512 *out) {
-    const int64_t pairs = k / 2;
-    for (int q = 0; q < 4; q += 2) {
-        __m512 even[2][4 * MR], odd[2][4 * MR]; /* [half][panel * MR + row] */
-        for (int h = 0; h < 2; h++)
-            for (int i = 0; i < 4 * MR; i++) even[h][i] = odd[h][i] = _mm512_setzero_ps();
-        const uint32_t *wq = w + q * stride;
-        for (int64_t j0 = 0; j0 < pairs; j0 += CHUNK_PAIRS) {
-            const int64_t j1 = pairs - j0 < CHUNK_PAIRS ? pairs : j0 + CHUNK_PAIRS, ahead = CHUNK_PAIRS * NR * 4;
-            dp_pairs(xp, pairs, j0, j1, wq, stride, even[0], odd[0], 4, 2, PF_FIRST, ahead);
-            dp_pairs(xp + 4 * pairs, pairs, j0, j1, wq, stride, even[1], odd[1], 4, 2, PF_SECOND, ahead);
-        }
-        for (int h = 0; h < 2; h++)
-            for (int p = 0; p < 2; p++)
-                for (int r = 0; r < 4; r++)
-                    out[(q + p) * MR + 4 * h + r] = _mm512_add_ps(even[h][p * MR + r], odd[h][p * MR + r]);
+    const int64_t pairs = k / 2, ahead = CHUNK_PAIRS * NR * 4;
+    __m512 half[2][4 * MR]; /* [half][panel * MR + row] */
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 4 * MR; i++) half[h][i] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < pairs; j0 += CHUNK_PAIRS) {
+        const int64_t j1 = pairs - j0 < CHUNK_PAIRS ? pairs : j0 + CHUNK_PAIRS;
+        dp_pairs(xp, pairs, j0, j1, w, stride, half[0], 4, 4, PF_FIRST, ahead);
+        dp_pairs(xp + 4 * pairs, pairs, j0, j1, w, stride, half[1], 4, 4, PF_SECOND, ahead);
     }
+    for (int h = 0; h < 2; h++)
+        for (int q = 0; q < 4; q++)
+            for (int r = 0; r < 4; r++) out[q * MR + 4 * h + r] = half[h][q * MR + r];
 }
 
 /* Panels [p0, p0 + count) of a bf16 weight for `rows` rows: out [count][MR]. */
@@ -201,10 +197,8 @@ static void panels_bf16(const uint32_t *xp, int64_t k, const uint32_t *wp, int64
     const uint32_t *w = wp + p0 * stride;
     if (count == 4 && rows == 1) panel_bf16(xp, k, w, stride, out, 1, 4);
     else if (count == 4 && rows == 2) panel_bf16(xp, k, w, stride, out, 2, 4);
-    else if (count == 4 && rows <= 4) {
-        panel_bf16(xp, k, w, stride, out, 4, 2);
-        panel_bf16(xp, k, w + 2 * stride, stride, out + 2 * MR, 4, 2);
-    } else if (count == 4) panels_bf16_rows8(xp, k, w, stride, out);
+    else if (count == 4 && rows <= 4) panel_bf16(xp, k, w, stride, out, 4, 4);
+    else if (count == 4) panels_bf16_rows8(xp, k, w, stride, out);
     else
         for (int q = 0; q < count; q++) {
             if (rows == 1) panel_bf16(xp, k, w + q * stride, stride, out + q * MR, 1, 1);
