@@ -77,49 +77,35 @@ def _python_loop_and_generic_agree(llm: LLM, prompts: list[list[int]], fast: lis
         assert [lp for _, lp in got] == [lp for _, lp in generic], f"{name}: logprobs differ: some row's bits changed"
 
 
+BF16_PATHS = {  # how a bf16 model's decode matmuls run natively, by host: the formats its layers take
+    "amx": {decode_layers.LinearFormat.AMX_BF16, decode_layers.LinearFormat.AMX_BF16_PAIRS},
+    "bf16 panels": {decode_layers.LinearFormat.BF16_BF16},
+}
+
+
+@pytest.mark.parametrize("path", list(BF16_PATHS))
 @pytest.mark.parametrize("shape", ["llama-1b", "qwen-0.5b"])
-def test_a_bf16_model_on_amx_runs_its_layers_in_c(shape, native_lib, tmp_path) -> None:
-    """Where the AMX kernel stands in for oneDNN (whose bf16 rows vary with the call here), a bf16 model without
-    quantized weights (a Llama-3.2-1B shape, and a Qwen2.5-0.5B shape whose qkv has a bias; 2 layers, random
-    weights) runs its decode steps' layers in one native call, with the bits of the Python loop and of the generic
-    forward."""
-    if amx_gemm.needed_and_available() is None:
+def test_a_bf16_model_runs_its_layers_in_c(shape, path, native_lib, monkeypatch, tmp_path) -> None:
+    """A bf16 model without quantized weights (a Llama-3.2-1B shape, and a Qwen2.5-0.5B shape whose qkv has a bias;
+    2 layers, random weights) runs its decode steps' layers in one native call, the qkv bias added in C as the Python
+    loop adds it, with the bits of the Python loop and of the generic forward: on AMX, where the AMX kernel stands in
+    for oneDNN (whose bf16 rows vary with the call there); without AMX on the bf16 panels (forced on here; chosen by
+    measurement, as on a 2-core Zen 4)."""
+    if path == "amx" and amx_gemm.needed_and_available() is None:
         pytest.skip("this host's bf16 matmuls do not take the AMX kernel (oneDNN's rows are invariant, or no AMX)")
+    if path == "bf16 panels":
+        if not native_lib.has_q4_bf16 or not packing_supported(torch.empty(1, 1, dtype=torch.bfloat16)):
+            pytest.skip("needs AVX-512 BF16 and oneDNN's bf16")
+        if q4_bf16._baseline_is_amx(2048, 2048):
+            pytest.skip("the AMX kernel runs a bf16 weight's generated rows here: no bf16 panels")
+        monkeypatch.setenv(linear_mode.ENV, "native")
     rng = random.Random(5)
     prompts = [[rng.randrange(1000, 40000) for _ in range(30 + 17 * i)] for i in range(3)]
     folder = ensure_model(shape, 2, root=tmp_path)
     llm = LLM(model=str(folder), dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory="128MiB")
     native = llm.engine.runner.model.native_decode
-    assert native is not None and native.native_layers is not None, "every layer matmul on the AMX kernel"
-    assert {lin.format for layer in native.native_layers for lin in layer.linears} == {
-        decode_layers.LinearFormat.AMX_BF16,
-        decode_layers.LinearFormat.AMX_BF16_PAIRS,
-    }
-    biased = [layer.linears[0].bias is not None for layer in native.native_layers]
-    assert all(biased) if shape == "qwen-0.5b" else not any(biased), "Qwen2's qkv bias, added in C"
-    fast = _greedy_with_logprobs(llm, prompts)
-    assert native.native_steps >= 23, f"the decode steps' layers in one native call: {native.native_steps} were"
-    _python_loop_and_generic_agree(llm, prompts, fast)
-
-
-@pytest.mark.parametrize("shape", ["llama-1b", "qwen-0.5b"])
-def test_a_bf16_model_on_bf16_panels_runs_its_layers_in_c(shape, native_lib, monkeypatch, tmp_path) -> None:
-    """Without AMX, where a bf16 model's generated rows take bf16 panels (forced on here; chosen by measurement, as on
-    a 2-core Zen 4): its decode steps' layers run in one native call, Qwen2's qkv bias added after the panels in C as
-    the Python loop adds it, with the bits of the Python loop and of the generic forward."""
-    if not native_lib.has_q4_bf16 or not packing_supported(torch.empty(1, 1, dtype=torch.bfloat16)):
-        pytest.skip("needs AVX-512 BF16 and oneDNN's bf16")
-    if q4_bf16._baseline_is_amx(2048, 2048):
-        pytest.skip("the AMX kernel runs a bf16 weight's generated rows here: no bf16 panels")
-    monkeypatch.setenv(linear_mode.ENV, "native")
-    rng = random.Random(9)
-    prompts = [[rng.randrange(1000, 40000) for _ in range(30 + 17 * i)] for i in range(3)]
-    folder = ensure_model(shape, 2, root=tmp_path)
-    llm = LLM(model=str(folder), dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory="128MiB")
-    native = llm.engine.runner.model.native_decode
-    assert native is not None and native.native_layers is not None, "every layer matmul on the bf16 panels"
-    formats = {lin.format for layer in native.native_layers for lin in layer.linears}
-    assert formats == {decode_layers.LinearFormat.BF16_BF16}, formats
+    assert native is not None and native.native_layers is not None, f"every layer matmul on {path}"
+    assert {lin.format for layer in native.native_layers for lin in layer.linears} == BF16_PATHS[path]
     biased = [layer.linears[0].bias is not None for layer in native.native_layers]
     assert all(biased) if shape == "qwen-0.5b" else not any(biased), "Qwen2's qkv bias, added in C"
     fast = _greedy_with_logprobs(llm, prompts)
