@@ -232,7 +232,7 @@ def test_bf16_panels_match_a_float64_reference(bf16_lib, m, n, k) -> None:
     assert panels is not None and panels.wp.shape == (-(-n // 16), k // 2, 16)
     got = linear(bf16_lib, x, panels)
     want = x.double() @ w.double().T
-    # exact products, fp32 sums (two chains, then added), then one bf16 rounding
+    # exact products, fp32 sums, then one bf16 rounding
     bound = want.abs() * 2**-8 + 2 * k * 2**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     assert ((got.double() - want).abs() <= bound).all()
