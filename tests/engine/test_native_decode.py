@@ -13,11 +13,11 @@ from benchmarks.yardstick_models import ensure_model
 from engine import LLM, SamplingParams
 from engine.attention import set_forward_context
 from engine.generated_rows import GeneratedRows
-from engine.models.dense import F32Packed, dense, pack_weight, packing_supported
+from engine.models.dense import F32Packed, dense, pack_weight
 from engine.models.native_decode import DecodeStep, decode_linear
 from ucm_kernels.attention_metadata import AttentionMetadata
 from ucm_kernels.backend import CPU_ENV_VAR
-from ucm_kernels.cpu import amx_gemm, decode_layers, linear_mode, q4_bf16, skinny_gemm
+from ucm_kernels.cpu import amx_gemm, decode_layers, linear_mode, skinny_gemm
 from ucm_kernels.cpu.q4_panels import Q4Panels, random_q4_weight
 
 
@@ -85,7 +85,7 @@ BF16_PATHS = {  # how a bf16 model's decode matmuls run natively, by host: the f
 
 @pytest.mark.parametrize("path", list(BF16_PATHS))
 @pytest.mark.parametrize("shape", ["llama-1b", "qwen-0.5b"])
-def test_a_bf16_model_runs_its_layers_in_c(shape, path, native_lib, monkeypatch, tmp_path) -> None:
+def test_a_bf16_model_runs_its_layers_in_c(shape, path, native_lib, request, tmp_path) -> None:
     """A bf16 model without quantized weights (a Llama-3.2-1B shape, and a Qwen2.5-0.5B shape whose qkv has a bias;
     2 layers, random weights) runs its decode steps' layers in one native call, the qkv bias added in C as the Python
     loop adds it, with the bits of the Python loop and of the generic forward: on AMX, where the AMX kernel stands in
@@ -94,11 +94,7 @@ def test_a_bf16_model_runs_its_layers_in_c(shape, path, native_lib, monkeypatch,
     if path == "amx" and amx_gemm.needed_and_available() is None:
         pytest.skip("this host's bf16 matmuls do not take the AMX kernel (oneDNN's rows are invariant, or no AMX)")
     if path == "bf16 panels":
-        if not native_lib.has_q4_bf16 or not packing_supported(torch.empty(1, 1, dtype=torch.bfloat16)):
-            pytest.skip("needs AVX-512 BF16 and oneDNN's bf16")
-        if q4_bf16._baseline_is_amx(2048, 2048):
-            pytest.skip("the AMX kernel runs a bf16 weight's generated rows here: no bf16 panels")
-        monkeypatch.setenv(linear_mode.ENV, "native")
+        request.getfixturevalue("bf16_panels_forced")
     rng = random.Random(5)
     prompts = [[rng.randrange(1000, 40000) for _ in range(30 + 17 * i)] for i in range(3)]
     folder = ensure_model(shape, 2, root=tmp_path)

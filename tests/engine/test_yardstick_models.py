@@ -153,18 +153,12 @@ def test_full_depth_llama_1b_greedy_equals_hf_in_the_serving_dtype():
     check_greedy_against_hf(load_model(ensure_model("llama-1b"), dtype=serving_dtype()))
 
 
-def test_bf16_decode_panels_keep_greedy_near_hf_and_a_prefix_hit_exact(shallow, monkeypatch):
+def test_bf16_decode_panels_keep_greedy_near_hf_and_a_prefix_hit_exact(shallow, bf16_panels_forced):
     """Llama-1B's shape in bf16 with its generated rows through the bf16 panels (q4_bf16.c, forced on: the
     calibration picks them where they beat oneDNN, as on a 2-core Zen 4): HF's bound as above, and a prompt continued
     after a prefix-cache hit gives the cold run's tokens (the panels give a row its bits whatever its step holds)."""
-    from ucm_kernels.cpu import native, q4_bf16
+    from ucm_kernels.cpu import q4_bf16
 
-    lib = native.load()
-    if lib is None or not lib.has_q4_bf16 or not dense.packing_supported(torch.empty(1, 1, dtype=torch.bfloat16)):
-        pytest.skip("needs AVX-512 BF16 and oneDNN's bf16")
-    if q4_bf16._baseline_is_amx(2048, 2048):
-        pytest.skip("the AMX kernel runs a bf16 weight's generated rows here: no bf16 panels")
-    monkeypatch.setenv(linear_mode.ENV, "native")
     lm = load_model(shallow["llama-1b"], dtype=torch.bfloat16)
     layer = lm.model.decoder_layers()[0]
     for packed in (layer.attn.qkv_packed, layer.attn.o_packed, layer.mlp.gate_up_packed, layer.mlp.down_packed):
