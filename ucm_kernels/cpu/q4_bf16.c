@@ -17,8 +17,8 @@
  *
  * A plain bf16 weight (a bf16 checkpoint, on a CPU without AMX) takes a loop of its own over bf16 panels, wp [panels]
  * [K / 2][16]: lane o of pair j holds output o's (w[2j], w[2j + 1]), one load a pair, no scales, one sum a row and
- * panel (`dp_pairs`). oneDNN's bf16
- * matmul reads such a weight at 19-30 GB/s at 1-8 rows on a 2-core Zen 4 EPYC whose memory streams at 36-58.
+ * panel (`dp_pairs`). oneDNN's bf16 matmul reads such a weight at 19-30 GB/s at 1-8 rows on a 2-core Zen 4 EPYC whose
+ * memory streams at 36-58.
  *
  * Every row goes through the same instructions in the same order, whatever else the call holds (rows are padded to
  * MR, or MR_AMX, with zeros; panels are split over threads): a row's bits depend on its own x only. The engine relies on that:
@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void panel(const uint32_t *xp, cons
     for (int r = 0; r < MR; r++) out[r] = acc[r];
 }
 
-/* Bytes ahead of a pair's weights that panel_bf16 prefetches in each of its streams. */
+/* Bytes ahead of a pair's weights that a whole-K pass (panel_bf16) prefetches in each of its streams. */
 #define PF_BF16 1024
 /* Pairs of a chunk in `panels_bf16_rows8`: four panels' chunk (2 KB) is in L1 for the second half of the rows. */
 #define CHUNK_PAIRS 8
@@ -135,9 +135,9 @@ enum { PF_BOTH = 3, PF_FIRST = 1, PF_SECOND = 2 }; /* which of a step's two weig
  * rows, the pass's rows past the call's zero; pp 4 or 1), added to the sums in io [pp][MR], one sum a row and panel.
  * Several panels at once are several read streams, which a core reads faster than one; 4 panels of 4 rows are 16
  * sums, so every pass of up to 4 rows reads four streams (eight panels a pass, at 1-2 rows and in passes of 2 rows,
- * read Llama-1B's layer weights ~10% slower on the 2-core Zen 4). A row's operations depend on neither mr nor pp nor on where
- * the range is cut, so its bits do not depend on how many rows the call has, on which panels share a pass, nor on
- * the chunks. `pf` of a step's two lines are prefetched `pf_ahead` bytes on. */
+ * read Llama-1B's layer weights ~10% slower on the 2-core Zen 4). A row's operations depend on neither mr nor pp nor
+ * on where the range is cut, so its bits do not depend on how many rows the call has, on which panels share a pass,
+ * nor on the chunks. `pf` of a step's two lines are prefetched `pf_ahead` bytes on. */
 static inline __attribute__((always_inline)) void dp_pairs(const uint32_t *xp, int64_t pairs, int64_t j0, int64_t j1,
                                                            const uint32_t *wp, int64_t stride, __m512 *io,
                                                            const int mr, const int pp, const int pf,
@@ -172,10 +172,10 @@ static inline __attribute__((always_inline)) void panel_bf16(const uint32_t *xp,
 /* Four panels for 5-8 rows, the rows in halves of 4 chunk by chunk (8 rows of four panels would want 32 sums, all
  * the registers): the second half reads the chunk from L1 while each half prefetches one of a step's two lines a
  * chunk on, so memory streams all the time. Llama-1B's layer weights on a 2-core Zen 4 (2 threads, builds
- * alternated), 1 / 4 / 8 rows: two sums a row and panel (even and odd pairs; 4 rows then took two panels a pass) and
- * each half of 8 rows over the whole K in turn, the second from L2: 32.7 / 23.4-24.8 GB/s at 8 rows; the halves in
- * chunks of 64 pairs: 32.7 / 29.0 / 26.4; one sum a row and panel, chunks of 8 pairs: 33.3 / 31.8 / 28.3 (16: 27.0 at
- * 8 rows, 32: 23.8, 64: 26.4). */
+ * alternated), GB/s at 1 / 4 / 8 rows: two sums a row and panel (even and odd pairs; 4 rows then took two panels a
+ * pass) and each half of 8 rows over the whole K in turn, the second from L2: 8 rows 23.4-24.8; the halves in chunks
+ * of 64 pairs: 32.7 / 29.0 / 26.4; one sum a row and panel, chunks of 8 pairs: 33.3 / 31.8 / 28.3 (16: 27.0 at 8
+ * rows, 32: 23.8, 64: 26.4). */
 static void panels_bf16_rows8(const uint32_t *xp, int64_t k, const uint32_t *w, int64_t stride, __m512 *out) {
     const int64_t pairs = k / 2, ahead = CHUNK_PAIRS * NR * 4;
     __m512 half[2][4 * MR]; /* [half][panel * MR + row] */

@@ -9,8 +9,8 @@ that in bf16, where a last-bit difference flips greedy tokens (tests/engine/test
 row count would not give it: the 4 rows left after a 496-token prefix hit would take the kernel where the cold
 run's 500-row prefill took oneDNN.
 
-A plain bf16 weight (a bf16 checkpoint) takes the same kernel over bf16 panels (`pack_bf16`: the weight's own
-pairs, no scales) on a CPU without AMX, where oneDNN's bf16 matmul streams the weight at half the memory's rate at
+A plain bf16 weight (a bf16 checkpoint) takes the same library's loop over bf16 panels (`pack_bf16`: the weight's
+own pairs, no scales, one fp32 sum a row and output) on a CPU without AMX, where oneDNN's bf16 matmul streams the weight at half the memory's rate at
 decode rows (Llama-1B's layers on a 2-core Zen 4: 19-30 GB/s at 1-8 rows against a 36-58 GB/s read; the panels
 28-43); where AMX runs the prompt rows, its kernel reads the weight near the memory's rate at those rows already.
 
