@@ -125,8 +125,17 @@ static inline __attribute__((always_inline)) void panel(const uint32_t *xp, cons
     for (int r = 0; r < MR; r++) out[r] = acc[r];
 }
 
-/* Bytes ahead of a pair's weights that a whole-K pass (panel_bf16) prefetches in each of its streams. */
-#define PF_BF16 1024
+/* Bytes ahead of a pair's weights that a whole-K pass (panel_bf16) prefetches into L1 in each of its streams: far at
+ * 1 row, near at 2-4, whose slower pass leaves the hardware's L2 streams time to fetch ahead (a far prefetch then
+ * only holds a miss buffer). Llama-1B's 16 layers, 2 threads, builds alternated in one process, the rounds' median
+ * ratio against 1024 for all: 1 row at 512 0.90x; 2 rows at 256 1.03x; 3 / 4 rows at 256 1.23 / 1.20x (0, 128 and
+ * 192 the same; 384 1.17x, 512 1.11x), on the 2-core Zen 4 EPYC while its memory streamed at 34-53 GB/s. */
+#define PF_BF16_ROW1 1024
+#define PF_BF16_ROWS 256
+/* Bytes ahead that `panels_bf16_rows8` prefetches into L2 (its first half; the second reads the same lines): its
+ * 8 rows take long enough over a chunk that the L2 streams alone fell behind. Same host and runs: 8 rows 1.22-1.25x
+ * against none (2 KB 0.97x of 4, 8 KB 0.96x). */
+#define PF_L2_ROWS8 4096
 /* Pairs of a chunk in `panels_bf16_rows8`: four panels' chunk (2 KB) is in L1 for the second half of the rows. */
 #define CHUNK_PAIRS 8
 enum { PF_BOTH = 3, PF_FIRST = 1, PF_SECOND = 2 }; /* which of a step's two weight lines `dp_pairs` prefetches */
@@ -137,11 +146,12 @@ enum { PF_BOTH = 3, PF_FIRST = 1, PF_SECOND = 2 }; /* which of a step's two weig
  * sums, so every pass of up to 4 rows reads four streams (eight panels a pass, at 1-2 rows and in passes of 2 rows,
  * read Llama-1B's layer weights ~10% slower on the 2-core Zen 4). A row's operations depend on neither mr nor pp nor
  * on where the range is cut, so its bits do not depend on how many rows the call has, on which panels share a pass,
- * nor on the chunks. `pf` of a step's two lines are prefetched `pf_ahead` bytes on. */
+ * nor on the chunks. `pf` of a step's two lines are prefetched `pf_ahead` bytes on into L1, both `l2` bytes on into L2
+ * (0: none). */
 static inline __attribute__((always_inline)) void dp_pairs(const uint32_t *xp, int64_t pairs, int64_t j0, int64_t j1,
                                                            const uint32_t *wp, int64_t stride, __m512 *io,
                                                            const int mr, const int pp, const int pf,
-                                                           const int64_t pf_ahead) {
+                                                           const int64_t pf_ahead, const int64_t l2) {
     __m512 sum[4][MR];
     for (int q = 0; q < pp; q++)
         for (int r = 0; r < mr; r++) sum[q][r] = io[q * MR + r];
@@ -150,6 +160,10 @@ static inline __attribute__((always_inline)) void dp_pairs(const uint32_t *xp, i
             const uint32_t *w = wp + q * stride + j * NR;
             if (pf & PF_FIRST) _mm_prefetch((const char *)w + pf_ahead, _MM_HINT_T0);
             if (pf & PF_SECOND) _mm_prefetch((const char *)w + pf_ahead + 64, _MM_HINT_T0);
+            if (l2) {
+                _mm_prefetch((const char *)w + l2, _MM_HINT_T1);
+                _mm_prefetch((const char *)w + l2 + 64, _MM_HINT_T1);
+            }
             const __m512bh w0 = (__m512bh)_mm512_load_si512(w), w1 = (__m512bh)_mm512_load_si512(w + NR);
             for (int r = 0; r < mr; r++) {
                 sum[q][r] = _mm512_dpbf16_ps(sum[q][r], w0, pair(xp + r * pairs + j));
@@ -166,7 +180,7 @@ static inline __attribute__((always_inline)) void panel_bf16(const uint32_t *xp,
                                                              int64_t stride, __m512 *out, const int mr,
                                                              const int pp) {
     for (int i = 0; i < pp * MR; i++) out[i] = _mm512_setzero_ps();
-    dp_pairs(xp, k / 2, 0, k / 2, wp, stride, out, mr, pp, PF_BOTH, PF_BF16);
+    dp_pairs(xp, k / 2, 0, k / 2, wp, stride, out, mr, pp, PF_BOTH, mr == 1 ? PF_BF16_ROW1 : PF_BF16_ROWS, 0);
 }
 
 /* Four panels for 5-8 rows, the rows in halves of 4 chunk by chunk (8 rows of four panels would want 32 sums, all
@@ -183,8 +197,8 @@ static void panels_bf16_rows8(const uint32_t *xp, int64_t k, const uint32_t *w, 
         for (int i = 0; i < 4 * MR; i++) half[h][i] = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < pairs; j0 += CHUNK_PAIRS) {
         const int64_t j1 = pairs - j0 < CHUNK_PAIRS ? pairs : j0 + CHUNK_PAIRS;
-        dp_pairs(xp, pairs, j0, j1, w, stride, half[0], 4, 4, PF_FIRST, ahead);
-        dp_pairs(xp + 4 * pairs, pairs, j0, j1, w, stride, half[1], 4, 4, PF_SECOND, ahead);
+        dp_pairs(xp, pairs, j0, j1, w, stride, half[0], 4, 4, PF_FIRST, ahead, PF_L2_ROWS8);
+        dp_pairs(xp + 4 * pairs, pairs, j0, j1, w, stride, half[1], 4, 4, PF_SECOND, ahead, 0);
     }
     for (int h = 0; h < 2; h++)
         for (int q = 0; q < 4; q++)
