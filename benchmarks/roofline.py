@@ -17,8 +17,9 @@ the limits before and after each model's phases, the higher counting:
                    for every row but the last layer's (it runs them on the sampled row alone), the lm_head on one row;
                    each step between two passes of F.linear over every layer's shapes, distinct weights (the faster
                    counting)
-    decode b       the median step of B requests decoding together (prompts of vs_vllm's random shape, 512 tokens),
-                   in bytes a step must read: every weight (the tied lm_head whole) and each request's K and V so far.
+    decode b       B requests decoding together (prompts of vs_vllm's random shape, 512 tokens), --repeats runs of
+                   16 steps, each between two reads of the probe's buffer (the faster counting), each run's median
+                   step in bytes a step must read: every weight (the tied lm_head whole) and each request's K and V so far.
                    At that context, because vs_vllm_ceiling applies this fraction to that workload's decode steps:
                    at 256-token prompts Llama-1B's batch 8 read 92% (2-core Xeon with AMX), at 512 84%: the
                    attention reads twice the K/V, at ~14 GB/s (random blocks) where the weights stream at ~28
@@ -30,7 +31,9 @@ the limits before and after each model's phases, the higher counting:
 Fractions: prefill's FLOP/s of the matmul rate in the engine's dtype (attention counted at the matmul rate, as the
 issue asks), the median over its steps of each step against the rate of its own seconds. The best step against the
 run's best rate (`best_fraction`, beside it) sets the two minutes apart: on the 2-core Xeon with AMX, whose speed
-moves 2x within a minute, that read 44% to 169% from run to run. Decode's: bytes/s of the read bandwidth. A model
+moves 2x within a minute, that read 44% to 169% from run to run. Decode's likewise, bytes/s of the read of its own
+seconds, the median run by that fraction: the 2-core Zen 4 EPYC's read moves between 32 and 62 GB/s within minutes,
+and against the run's best the same kernels read 49-88%. A model
 whose weights partly fit the last-level cache may read faster than DRAM: the fraction can then pass 100%. Targets
 (issue 49): prefill >= 85%, decode >= 75%.
 """
@@ -73,21 +76,34 @@ DECODE_PROMPT, DECODE_STEPS = RANDOM.prompt_len, 16
 READ_STREAMS = (4, 8)  # the native read's streams a thread (peak_probe.read_sum: one stream a thread reads slower)
 
 
+class ReadProbe:
+    """The host's streaming read: the fastest of torch's sum, a dot product of a buffer with itself and a native sum
+    reading each thread's share as READ_STREAMS streams (where it builds), over a buffer well past the last-level cache
+    on torch's threads. The buffer is kept, so that a decode's steps can be held against reads of the same seconds."""
+
+    def __init__(self) -> None:
+        llc = last_level_cache_bytes() or (64 << 20)
+        self.size = min(max(4 * llc, 1 << 30), 4 << 30)
+        self._buf = torch.ones(self.size // 4, dtype=torch.float32)
+        self._reads: list[Callable[[], object]] = [self._buf.sum, lambda: torch.dot(self._buf, self._buf)]
+        threads, ptr = torch.get_num_threads(), self._buf.data_ptr()
+        if read_sum(ptr, 16, 1, 1) is not None:
+            self._reads += [functools.partial(read_sum, ptr, self._buf.numel(), s, threads) for s in READ_STREAMS]
+        for read in self._reads:
+            read()  # first touch
+
+        self.best = 0.0  # GB/s: the fastest read so far
+
+    def gbs(self, rounds: int) -> float:
+        gbs = self.size / (min(alternating_best_ms(self._reads, rounds)) / 1000) / 1e9
+        self.best = max(self.best, gbs)
+        return gbs
+
+
 def read_bandwidth_gbs(rounds: int) -> tuple[float, int]:
-    """(GB/s, buffer bytes): the fastest of the streaming reads of a buffer well past the last-level cache on torch's
-    threads: torch's sum, a dot product of the buffer with itself, and a native sum reading each thread's share as
-    READ_STREAMS streams (where it builds)."""
-    llc = last_level_cache_bytes() or (64 << 20)
-    size = min(max(4 * llc, 1 << 30), 4 << 30)
-    buf = torch.ones(size // 4, dtype=torch.float32)
-    reads: list[Callable[[], object]] = [buf.sum, lambda: torch.dot(buf, buf)]
-    threads = torch.get_num_threads()
-    if read_sum(buf.data_ptr(), 16, 1, 1) is not None:
-        reads += [functools.partial(read_sum, buf.data_ptr(), buf.numel(), s, threads) for s in READ_STREAMS]
-    for read in reads:
-        read()  # first touch
-    ms = min(alternating_best_ms(reads, rounds))
-    return size / (ms / 1000) / 1e9, size
+    """(GB/s, buffer bytes) of a `ReadProbe` made for the one measurement."""
+    probe = ReadProbe()
+    return probe.gbs(rounds), probe.size
 
 
 def prefill_flops(mc: ModelConfig, tokens: int) -> int:
@@ -140,34 +156,45 @@ def paired_prefill(llm: LLM, matmuls: LayerMatmuls, args: argparse.Namespace) ->
     return pairs
 
 
-def median_pair(pairs: list[tuple[float, float]], flops: int) -> tuple[float, float]:
-    """The (seconds, FLOP/s) pair whose step ran at the median fraction of its own matmul rate (the upper median)."""
-    assert pairs, "no prefill step was timed"
-    return sorted(pairs, key=lambda p: flops / p[0] / p[1])[len(pairs) // 2]
+def median_pair(pairs: list[tuple[float, float]], work: int) -> tuple[float, float]:
+    """The (seconds, rate) pair whose step ran at the median fraction of its own limit (FLOP/s or read B/s) doing
+    `work` (FLOPs or bytes): the upper median."""
+    assert pairs, "no step was timed"
+    return sorted(pairs, key=lambda p: work / p[0] / p[1])[len(pairs) // 2]
 
 
-def time_decode(llm: LLM, batch: int, seed: int) -> list[float]:
-    """Seconds of DECODE_STEPS steps in which `batch` requests decode together (their prompts already computed)."""
+def time_decode(
+    llm: LLM, batch: int, seed: int, groups: int = 1, read: Callable[[], float] | None = None
+) -> list[tuple[list[float], float]]:
+    """`groups` runs of DECODE_STEPS steps in which `batch` requests decode together (their prompts computed first),
+    each as (its steps' seconds, the higher of `read`'s B/s just before and just after it; 0 without `read`)."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=groups * DECODE_STEPS + 8, temperature=0, ignore_eos=True)
     ids = [f"d{seed}-{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, synthetic_prompt(DECODE_PROMPT, seed * 1000 + batch * 10 + i), params)
-    steps: list[float] = []
-    while len(steps) < DECODE_STEPS and engine.has_unfinished_requests():
+    before = -1
+    while engine.stats().computed_tokens != before:  # the prompts, up to the first step that computes none
         before = engine.stats().computed_tokens
-        t0 = time.perf_counter()
         engine.step()
-        seconds = time.perf_counter() - t0
-        if engine.stats().computed_tokens == before:  # no prompt tokens: every request decoded a token
-            steps.append(seconds)
+    reads = [read() if read is not None else 0.0]
+    timed: list[tuple[list[float], float]] = []
+    for _ in range(groups):
+        steps: list[float] = []
+        for _ in range(DECODE_STEPS):
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t0)
+        assert engine.stats().computed_tokens == before, "a prompt token in a timed decode step"
+        reads.append(read() if read is not None else 0.0)
+        timed.append((steps, max(reads[-2:])))
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return steps
+    return timed
 
 
-def measure_model(shape: str, dtype: str, bandwidth: float, args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure_model(shape: str, dtype: str, probe: ReadProbe, args: argparse.Namespace) -> list[dict[str, Any]]:
     folder = ensure_model(shape)
     mc = ModelConfig.from_folder(folder)
     llm = LLM(
@@ -207,10 +234,12 @@ def measure_model(shape: str, dtype: str, bandwidth: float, args: argparse.Names
             }
         )
         for batch in args.batches:
-            steps = time_decode(llm, batch, seed=2)
-            step_s = statistics.median(steps)
-            context = DECODE_PROMPT + DECODE_STEPS // 2  # the median step's K/V per request
+            groups = time_decode(llm, batch, seed=2, groups=args.repeats, read=lambda: probe.gbs(1) * 1e9)
+            context = DECODE_PROMPT + args.repeats * DECODE_STEPS // 2  # the middle step's K/V per request
             read = weight_bytes(mc, itemsize) + batch * kv_bytes(mc, context, itemsize)
+            runs = [(statistics.median(steps), bw) for steps, bw in groups]
+            step_s, bw = median_pair(runs, read)
+            print(f"  decode b{batch}: {step_s * 1e3:.1f} ms, read around it {bw / 1e9:.1f} GB/s", flush=True)
             rows.append(
                 {
                     "model": shape,
@@ -219,11 +248,15 @@ def measure_model(shape: str, dtype: str, bandwidth: float, args: argparse.Names
                     "unit": "B",
                     "ms": step_s * 1e3,
                     "rate": read / step_s,
-                    "roofline": bandwidth,
-                    "fraction": read / step_s / bandwidth,
+                    "roofline": bw,
+                    "fraction": read / step_s / bw,
                     "target": TARGETS["decode"],
                     "tok_s": batch / step_s,
-                    "steps_ms": [s * 1e3 for s in steps],
+                    "best_ms": min(ms for ms, _ in runs) * 1e3,  # main() sets best_fraction against the run's read
+                    "runs": [
+                        {"ms": ms * 1e3, "read_gbs": around / 1e9, "steps_ms": [x * 1e3 for x in steps]}
+                        for (ms, around), (steps, _) in zip(runs, groups, strict=True)
+                    ],
                 }
             )
         return rows
@@ -259,7 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="the engine's: auto (as served), bfloat16 or float32")
     ap.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
-    ap.add_argument("--repeats", type=int, default=5, help="prefill steps timed, each between two matmul passes")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="prefill steps timed, each between two matmul passes; decode runs, each between two reads",
+    )
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="matmul and read timings (the best counts)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, default=None)
@@ -269,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     model_name, _ = cpu_info()
     host = f"{model_name} [{' '.join(vector_flags())}], {args.threads} thread(s), engine dtype {dtype}"
     print(f"host: {host}", flush=True)
-    bandwidth_gbs, buf = read_bandwidth_gbs(args.rounds)
-    print(f"read bandwidth: {bandwidth_gbs:.1f} GB/s (streaming reads of {buf / 2**30:.2f} GiB)", flush=True)
+    probe = ReadProbe()
+    bandwidth_gbs = probe.gbs(args.rounds)
+    print(f"read bandwidth: {bandwidth_gbs:.1f} GB/s (streaming reads of {probe.size / 2**30:.2f} GiB)", flush=True)
     report: dict[str, Any] = {
         "host": host,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -284,18 +323,16 @@ def main(argv: list[str] | None = None) -> int:
         mc = ModelConfig.from_folder(ensure_model(shape))
         peak_before = peak(dtype, args.threads)
         rates = measure_rates(mc, shape, args)
-        model_rows = measure_model(shape, dtype, bandwidth_gbs * 1e9, args)
+        model_rows = measure_model(shape, dtype, probe, args)
         # The limits again after the phases, the higher counting: on a shared host, load that came and went during
         # one measurement of a limit would otherwise flatter every fraction (phases are best-of too).
         rates = {d: max(r, again) for (d, r), again in zip(rates.items(), measure_rates(mc, shape, args).values())}
-        bandwidth_gbs = max(bandwidth_gbs, read_bandwidth_gbs(args.rounds)[0])
+        probe.gbs(args.rounds)
+        bandwidth_gbs = probe.best  # decode's reads too
         print(f"read bandwidth (the best so far): {bandwidth_gbs:.1f} GB/s", flush=True)
-        for row in model_rows:
-            if row["unit"] == "FLOP":  # paired with its own seconds' matmul rate; best against best beside it
-                row["best_fraction"] = row["work"] / (row["best_ms"] / 1e3) / (rates[dtype] * 1e9)
-                continue
-            row["roofline"] = bandwidth_gbs * 1e9
-            row["fraction"] = row["rate"] / row["roofline"]
+        for row in model_rows:  # each paired with its own seconds' limit; the best against the best beside it
+            best = rates[dtype] * 1e9 if row["unit"] == "FLOP" else bandwidth_gbs * 1e9
+            row["best_fraction"] = row["work"] / (row["best_ms"] / 1e3) / best
         # The host's phase around them: its multiply-accumulate loop's rate, before and after (module doc).
         peaks = [p.tflops if p is not None else None for p in (peak_before, peak(dtype, args.threads))]
         if peak_before is not None:

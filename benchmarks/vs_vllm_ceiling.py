@@ -151,10 +151,10 @@ def limits_from(roofline: dict[str, Any] | None, model: str, mc: ModelConfig) ->
     dtype = roofline["dtype"]
     mine = [r for r in roofline["rows"] if r["model"] == model]
     assert mine, f"the roofline JSON has no rows of {model}"
-    decode = min(r["fraction"] for r in mine if r["phase"].startswith("decode"))  # the widest batch's, as random's
     limits = Limits(roofline["models"][model]["matmul_gflops"][dtype] * 1e9, roofline["read_gbs"] * 1e9)
-    # The engine's prefill rate itself against this limit: the row's fraction is against the rate of its own seconds.
+    # The engine's rates themselves against these limits: a row's fraction is against the limit of its own seconds.
     prefill = next(r["rate"] for r in mine if r["phase"].startswith("prefill")) / limits.matmul
+    decode = min(r["rate"] for r in mine if r["phase"].startswith("decode")) / limits.read  # the widest batch's
     return limits, Limits(limits.matmul, limits.read, prefill, decode).at_engine()
 
 
