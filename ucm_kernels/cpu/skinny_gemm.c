@@ -95,20 +95,23 @@ void ucm_pack_panels(const float *w, float *wp, int64_t n, int64_t k) {
     const float *x0 = x, *x1 = mr > 1 ? x + ldx : x, *x2 = mr > 2 ? x + 2 * ldx : x, \
                 *x3 = mr > 3 ? x + 3 * ldx : x
 
-#ifndef SG_PF_BYTES
-#define SG_PF_BYTES 2048
-#endif
-/* The panel's bytes SG_PF_BYTES past k row kk's (row_bytes a row) into L1, one line at a time, from the few-row loop's
- * first tile (the others read the chunk it brought): a decode step's few rows spend a few cycles a panel row, and a
- * thread reading one panel at a time waited on each load (70% of the 4-row loop's samples on its weight loads; the
- * hardware prefetchers did not run far enough ahead). AVX2 build (-march=x86-64-v3) on the 2-core Xeon with AMX,
- * Qwen2.5-0.5B's 24 layers' shapes, builds alternated, 4 / 8 rows: bf16 panels 53.6 / 66.8 -> 39.4 / 50.2 ms, fp32
- * 91.1 / 104.4 -> 70.9 / 79.7, 4-bit 52.7 / 63.4 -> 29.7 / 53.7; 512 bytes ahead lost, 4 and 8 KB tied 2 KB, and a
- * second panel read alongside (two streams a thread, chunk by chunk) tied or lost. A hint: the sums do not change. */
-#define SG_PREFETCH(row, kk, row_bytes, on)                                                    \
-    do {                                                                                       \
-        if ((on) && ((kk) * (row_bytes)) % 64 == 0)                                            \
-            __builtin_prefetch((const char *)(row) + SG_PF_BYTES, 0, 3);                       \
+/* The panel's bytes `ahead` past k row kk's (row_bytes a row) into L1, one line at a time: from the few-row loop's
+ * first tile (the others read the chunk it brought), SG_PF_TILES; from the one-row loop, which reads four panels at a
+ * time, SG_PF_ONE_ROW. A decode step's few rows spend a few cycles a panel row, and a thread reading one panel at a
+ * time waited on each load (70% of the 4-row loop's samples on its weight loads; the hardware prefetchers did not run
+ * far enough ahead). AVX2 build (-march=x86-64-v3) on the 2-core Xeon with AMX, Qwen2.5-0.5B's 24 layers' shapes,
+ * builds alternated, 4 / 8 rows, none -> 2 KB ahead: bf16 panels 53.6 / 66.8 -> 39.4 / 50.2 ms, fp32 91.1 / 104.4 ->
+ * 70.9 / 79.7, 4-bit 52.7 / 63.4 -> 29.7 / 53.7; 512 bytes ahead lost, 4 and 8 KB tied 2 KB, and a second panel read
+ * alongside (two streams a thread, chunk by chunk) tied or lost. The same build on the 2-core Zen 4 EPYC, 2 KB for
+ * both -> 256 bytes for one row and 4 KB for tiles, median of 8 alternated rounds, 1 / 2 / 4 / 8 rows: Llama-1B's
+ * layers in bf16 panels 1.19 / 1.12 / 1.09 / 1.10x (one row at 256 alone 1.22x); SmolLM2's 4-bit layers 1.01 / 0.99 /
+ * 0.99 / 0.99x, its 8-bit lm_head 1.03 / - / 1.01 / 0.98x, fp32 panels 1.02 / - / 1.05 / 1.03x. A hint: the sums do
+ * not change. */
+#define SG_PF_TILES 4096
+#define SG_PF_ONE_ROW 256
+#define SG_PREFETCH(row, kk, row_bytes, on, ahead)                                                                     \
+    do {                                                                                                               \
+        if ((on) && ((kk) * (row_bytes)) % 64 == 0) __builtin_prefetch((const char *)(row) + (ahead), 0, 3);          \
     } while (0)
 
 /* One 4x16 tile over k in [0, kc): rows 0..mr of x (row stride ldx) against panel chunk wp [kc][16];
@@ -120,7 +123,7 @@ static inline void tile_chunk(const float *x, int64_t ldx, int64_t kc, int64_t m
 #ifdef SG_AVX2
     TILE_OPEN(out, first);
     for (int64_t kk = 0; kk < kc; kk++) {
-        SG_PREFETCH(wp + kk * NR, kk, NR * 4, prefetch);
+        SG_PREFETCH(wp + kk * NR, kk, NR * 4, prefetch, SG_PF_TILES);
         const __m256 w0 = _mm256_loadu_ps(wp + kk * NR), w1 = _mm256_loadu_ps(wp + kk * NR + 8);
         TILE_STEP(kk, w0, w1);
     }
@@ -358,7 +361,7 @@ static void tile_chunk_expanding(const float *x, int64_t ldx, int64_t kc, int64_
     if (src->format == PANEL_BF16) {
         for (int64_t kk = 0; kk < kc; kk++) {
             __m256 w0, w1;
-            SG_PREFETCH(q + kk * NR * 2, kk, NR * 2, first_tile);
+            SG_PREFETCH(q + kk * NR * 2, kk, NR * 2, first_tile, SG_PF_TILES);
             bf16_row((const uint16_t *)q + kk * NR, &w0, &w1);
             TILE_STEP(kk, w0, w1);
         }
@@ -371,7 +374,7 @@ static void tile_chunk_expanding(const float *x, int64_t ldx, int64_t kc, int64_
             const q4_scales s = q4_scales_at(sc);
             for (int64_t kk = kb; kk < kb + QB; kk++) {
                 __m256 w0, w1;
-                SG_PREFETCH(q + (kk - kb) * (NR / 2), kk, NR / 2, first_tile);
+                SG_PREFETCH(q + (kk - kb) * (NR / 2), kk, NR / 2, first_tile, SG_PF_TILES);
                 q4_row(q + (kk - kb) * (NR / 2), &s, &w0, &w1);
                 TILE_STEP(kk, w0, w1);
             }
@@ -379,7 +382,7 @@ static void tile_chunk_expanding(const float *x, int64_t ldx, int64_t kc, int64_
             const __m256 d0 = _mm256_loadu_ps(sc), d1 = _mm256_loadu_ps(sc + 8);
             for (int64_t kk = kb; kk < kb + QB; kk++) {
                 __m256 w0, w1;
-                SG_PREFETCH(q + (kk - kb) * NR, kk, NR, first_tile);
+                SG_PREFETCH(q + (kk - kb) * NR, kk, NR, first_tile, SG_PF_TILES);
                 q8_row((const int8_t *)q + (kk - kb) * NR, d0, d1, &w0, &w1);
                 TILE_STEP(kk, w0, w1);
             }
@@ -441,18 +444,18 @@ static inline __attribute__((always_inline)) void one_row(const float *x, int64_
     const int64_t p1 = count > 1 ? p0 + 1 : p0, p2 = count > 2 ? p0 + 2 : p0, p3 = count > 3 ? p0 + 3 : p0;
     __m256 c00, c01, c10, c11, c20, c21, c30, c31;
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm256_setzero_ps();
-    /* each panel prefetched ahead as the few-row tiles do: bf16 panels 32.6 -> 29.5 ms a row over Qwen2.5-0.5B's 24
-     * layers, fp32 52.3 -> 50.1, 4-bit tied (as SG_PREFETCH's measurements) */
+    /* each panel prefetched ahead, as the few-row tiles are (at 2 KB, on the Xeon: bf16 panels 32.6 -> 29.5 ms a row
+     * over Qwen2.5-0.5B's 24 layers, fp32 52.3 -> 50.1, 4-bit tied); SG_PF_ONE_ROW since */
     const int64_t rb = panel_row_bytes(format);
     for (int64_t k0 = 0; k0 < k; k0 += QB) {
         const int64_t kend = k - k0 < QB ? k : k0 + QB;
         const q4_scales s0 = block_scales(src, format, p0, k0), s1 = block_scales(src, format, p1, k0),
                         s2 = block_scales(src, format, p2, k0), s3 = block_scales(src, format, p3, k0);
         for (int64_t kk = k0; kk < kend; kk++) {
-            SG_PREFETCH(panel_row(src, format, k, p0, kk), kk, rb, 1);
-            SG_PREFETCH(panel_row(src, format, k, p1, kk), kk, rb, 1);
-            SG_PREFETCH(panel_row(src, format, k, p2, kk), kk, rb, 1);
-            SG_PREFETCH(panel_row(src, format, k, p3, kk), kk, rb, 1);
+            SG_PREFETCH(panel_row(src, format, k, p0, kk), kk, rb, 1, SG_PF_ONE_ROW);
+            SG_PREFETCH(panel_row(src, format, k, p1, kk), kk, rb, 1, SG_PF_ONE_ROW);
+            SG_PREFETCH(panel_row(src, format, k, p2, kk), kk, rb, 1, SG_PF_ONE_ROW);
+            SG_PREFETCH(panel_row(src, format, k, p3, kk), kk, rb, 1, SG_PF_ONE_ROW);
             const __m256 xv = _mm256_broadcast_ss(x + kk);
             __m256 w0, w1;
             weights_at(src, format, k, p0, kk, &s0, &w0, &w1);
