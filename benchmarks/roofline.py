@@ -19,7 +19,8 @@ the limits before and after each model's phases, the higher counting:
                    counting)
     decode b       B requests decoding together (prompts of vs_vllm's random shape, 512 tokens), --repeats runs of
                    16 steps, each between two reads of the probe's buffer (the faster counting), each run's median
-                   step in bytes a step must read: every weight (the tied lm_head whole) and each request's K and V so far.
+                   step in bytes a step must read: every weight (the tied lm_head whole; in the checkpoint's dtype where
+                   the engine's is wider) and each request's K and V so far.
                    At that context, because vs_vllm_ceiling applies this fraction to that workload's decode steps:
                    at 256-token prompts Llama-1B's batch 8 read 92% (2-core Xeon with AMX), at 512 84%: the
                    attention reads twice the K/V, at ~14 GB/s (random blocks) where the weights stream at ~28
@@ -208,6 +209,11 @@ def measure_model(shape: str, dtype: str, probe: ReadProbe, args: argparse.Names
     llm.engine.governor = None  # every core, as the matmuls and the read were measured
     torch.set_num_threads(args.threads)
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    # The weights in the fewest bytes they are exactly: a bf16 checkpoint served in fp32 (an AVX2-only host) decodes
+    # from bf16 panels, half the fp32 bytes, which the fraction would otherwise count (157% on the 2-core Zen 4).
+    config = json.loads((folder / "config.json").read_text())
+    stored = config.get("dtype", config.get("torch_dtype"))  # transformers' name for it, new and old
+    weight_itemsize = min(itemsize, 2 if stored in ("bfloat16", "float16") else 4)
     try:
         time_prefill(llm, args.prefill_tokens, seed=9)  # warm: one-time costs are not the subject
         time_decode(llm, max(args.batches), seed=9)
@@ -236,7 +242,7 @@ def measure_model(shape: str, dtype: str, probe: ReadProbe, args: argparse.Names
         for batch in args.batches:
             groups = time_decode(llm, batch, seed=2, groups=args.repeats, read=lambda: probe.gbs(1) * 1e9)
             context = DECODE_PROMPT + args.repeats * DECODE_STEPS // 2  # the middle step's K/V per request
-            read = weight_bytes(mc, itemsize) + batch * kv_bytes(mc, context, itemsize)
+            read = weight_bytes(mc, weight_itemsize) + batch * kv_bytes(mc, context, itemsize)
             runs = [(statistics.median(steps), bw) for steps, bw in groups]
             step_s, bw = median_pair(runs, read)
             print(f"  decode b{batch}: {step_s * 1e3:.1f} ms, read around it {bw / 1e9:.1f} GB/s", flush=True)

@@ -42,6 +42,9 @@
 #define NR 16 /* outputs per panel */
 #define MR 8  /* x rows per pass */
 #define MR_MAX 16 /* the most rows a pass of either body holds */
+#ifndef PANEL_ROWS
+#define PANEL_ROWS 1
+#endif
 
 int32_t ucm_q4_bf16_available(void) {
 #ifdef Q4B_DPBF16
@@ -96,33 +99,44 @@ static inline __attribute__((always_inline)) float block_sum(const uint16_t *xb)
  * dm [K / 32][16] (d only). An int8 is exact in bf16, which is fp32's top half: the even k's fp32 shifted down and
  * the odd k's blended over it make lane o's bf16 pair; the block sums are d-scaled with no m term. */
 static inline __attribute__((always_inline)) void panel(const uint32_t *xp, const float *sx, int64_t k,
-                                                        const void *qp, const float *dm, __m512 *out, const int q8) {
+                                                        const void *qp, const float *dm, __m512 *out, const int q8,
+                                                        const int mr) {
     const __m512i table = nibble_table(), nibbles = _mm512_set1_epi32(0x000f000f);
     const int64_t pairs = k / 2, blocks = k / QB;
     __m512 acc[MR];
-    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         /* Two sums per row, even and odd pairs, added at the block's end: twice the independent VDPBF16PS chains,
          * which is what bounds this loop (each waits for its previous result). */
         __m512 even[MR], odd[MR];
-        for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm512_setzero_ps();
+        for (int r = 0; r < mr; r++) even[r] = odd[r] = _mm512_setzero_ps();
         for (int64_t j = b * (QB / 2); j < (b + 1) * (QB / 2); j += 2) {
             __m512bh w[2];
             for (int h = 0; h < 2; h++)
                 w[h] = q8 ? weights_q8((const int8_t *)qp + (j + h) * 2 * NR)
                           : weights((const uint8_t *)qp + (j + h) * NR, table, nibbles);
-            for (int r = 0; r < MR; r++) {
+            for (int r = 0; r < mr; r++) {
                 even[r] = _mm512_dpbf16_ps(even[r], w[0], pair(xp + r * pairs + j));
                 odd[r] = _mm512_dpbf16_ps(odd[r], w[1], pair(xp + r * pairs + j + 1));
             }
         }
         const __m512 d = _mm512_loadu_ps(dm + b * (q8 ? 1 : 2) * NR);
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < mr; r++) {
             acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), d, acc[r]);
             if (!q8) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(dm + b * 2 * NR + NR), _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
         }
     }
-    for (int r = 0; r < MR; r++) out[r] = acc[r];
+    for (int r = 0; r < mr; r++) out[r] = acc[r];
+}
+
+/* `panel` for a pass of `rows` rows: 1, 2, 4 or MR of them computed (the pass's rows past the call's are zero). */
+static inline __attribute__((always_inline)) void panel_rows(const uint32_t *xp, const float *sx, int64_t k,
+                                                             const void *qp, const float *dm, __m512 *out,
+                                                             const int q8, int64_t rows) {
+    if (rows == 1) panel(xp, sx, k, qp, dm, out, q8, 1);
+    else if (rows == 2) panel(xp, sx, k, qp, dm, out, q8, 2);
+    else if (rows <= 4) panel(xp, sx, k, qp, dm, out, q8, 4);
+    else panel(xp, sx, k, qp, dm, out, q8, MR);
 }
 
 /* Bytes ahead of a pair's weights that a whole-K pass (panel_bf16) prefetches into L1 in each of its streams: far at
@@ -362,8 +376,8 @@ static int32_t decode_matmul(const uint16_t *x, int64_t m, int64_t k, const void
                 else if (amx) panel_amx(xp, sx, k, pq, pd, out, (int)rows, wbuf, cbuf, 0);
                 else
 #endif
-                if (q8) panel(xp, sx, k, pq, pd, out, 1);
-                else panel(xp, sx, k, pq, pd, out, 0);
+                if (q8) panel_rows(xp, sx, k, pq, pd, out, 1, PANEL_ROWS ? rows : MR);
+                else panel_rows(xp, sx, k, pq, pd, out, 0, PANEL_ROWS ? rows : MR);
                 const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
                 const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
                 for (int64_t r = 0; r < rows; r++)
