@@ -51,13 +51,16 @@ def test_matches_a_float64_reference(bf16_lib, m, n, k) -> None:
 
 def test_a_rows_bits_do_not_depend_on_the_call(bf16_lib) -> None:
     """Alone, in any position of a batch of any size, on 1 or 2 threads: the same bits (what the engine relies on).
-    37 rows: several passes of either body's rows (8 on VDPBF16PS, 16 on AMX tiles)."""
+    37 rows: several passes of either body's rows (8 on VDPBF16PS, 16 on AMX tiles); 1-8 rows: each row count's
+    pass (VDPBF16PS computes 1, 2, 4 or 8 rows)."""
     x, w = _operands(37, 70, 96, seed=3)
     panels = pack(w)
     assert panels is not None
     whole = linear(bf16_lib, x, panels)
     for i in range(x.shape[0]):
         assert torch.equal(linear(bf16_lib, x[i : i + 1], panels), whole[i : i + 1])
+    for m in range(2, 9):
+        assert torch.equal(linear(bf16_lib, x[9 : 9 + m], panels), whole[9 : 9 + m]), f"{m} rows"
     shuffled = torch.randperm(37, generator=torch.Generator().manual_seed(0))
     assert torch.equal(linear(bf16_lib, x[shuffled], panels), whole[shuffled])
     threads = torch.get_num_threads()
