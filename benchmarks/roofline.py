@@ -92,7 +92,6 @@ class ReadProbe:
             self._reads += [functools.partial(read_sum, ptr, self._buf.numel(), s, threads) for s in READ_STREAMS]
         for read in self._reads:
             read()  # first touch
-
         self.best = 0.0  # GB/s: the fastest read so far
 
     def gbs(self, rounds: int) -> float:
