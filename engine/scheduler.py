@@ -9,7 +9,7 @@ now: it waits (keeping its place) until that block is cached and then loads it, 
 prefix a second time in parallel (a burst of prompts sharing a system prompt would otherwise compute it once per
 prompt admitted before the first finished). A step that already finishes `chunk_after_tokens` prompt tokens starts
 no prompt it cannot finish: every prompt finishing in a step gets its first token at the step's end, and a chunk of a
-later one would only make them wait longer (scheduler_sim: prefix_repetition's mean TTFT -15%). Decodes do not
+later one would only make them wait longer (SchedulerConfig.chunk_after_tokens: the figures). Decodes do not
 count, so however many run, a long prompt still starts in chunks. Connector call sites follow
 connector/base.py's documented order."""
 
