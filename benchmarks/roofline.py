@@ -313,14 +313,16 @@ def main(argv: list[str] | None = None) -> int:
     host = f"{model_name} [{' '.join(vector_flags())}], {args.threads} thread(s), engine dtype {dtype}"
     print(f"host: {host}", flush=True)
     probe = ReadProbe()
-    bandwidth_gbs = probe.gbs(args.rounds)
-    print(f"read bandwidth: {bandwidth_gbs:.1f} GB/s (streaming reads of {probe.size / 2**30:.2f} GiB)", flush=True)
+    print(
+        f"read bandwidth: {probe.gbs(args.rounds):.1f} GB/s (streaming reads of {probe.size / 2**30:.2f} GiB)",
+        flush=True,
+    )
     report: dict[str, Any] = {
         "host": host,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "dtype": dtype,
         "threads": args.threads,
-        "read_gbs": bandwidth_gbs,
+        "read_gbs": probe.best,
         "models": {},
     }
     rows: list[dict[str, Any]] = []
@@ -332,11 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         # The limits again after the phases, the higher counting: on a shared host, load that came and went during
         # one measurement of a limit would otherwise flatter every fraction (phases are best-of too).
         rates = {d: max(r, again) for (d, r), again in zip(rates.items(), measure_rates(mc, shape, args).values())}
-        probe.gbs(args.rounds)
-        bandwidth_gbs = probe.best  # decode's reads too
-        print(f"read bandwidth (the best so far): {bandwidth_gbs:.1f} GB/s", flush=True)
+        probe.gbs(args.rounds)  # decode's reads too: the best so far counts
+        print(f"read bandwidth (the best so far): {probe.best:.1f} GB/s", flush=True)
         for row in model_rows:  # each paired with its own seconds' limit; the best against the best beside it
-            best = rates[dtype] * 1e9 if row["unit"] == "FLOP" else bandwidth_gbs * 1e9
+            best = rates[dtype] * 1e9 if row["unit"] == "FLOP" else probe.best * 1e9
             row["best_fraction"] = row["work"] / (row["best_ms"] / 1e3) / best
         # The host's phase around them: its multiply-accumulate loop's rate, before and after (module doc).
         peaks = [p.tflops if p is not None else None for p in (peak_before, peak(dtype, args.threads))]
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{' / '.join('-' if x is None else f'{x:.2f}' for x in peaks)} TFLOP/s", flush=True)  # fmt: skip
         report["models"][shape] = {"matmul_gflops": rates, "peak_tflops": peaks}
         rows += model_rows
-    report["read_gbs"] = bandwidth_gbs
+    report["read_gbs"] = probe.best
     print(
         f"\n{'model':<11}{'phase':<14}{'work':>12}{'time ms':>10}  {'achieved of measured':<28}{'fraction':>9}  target"
     )

@@ -10,9 +10,10 @@ row count would not give it: the 4 rows left after a 496-token prefix hit would 
 run's 500-row prefill took oneDNN.
 
 A plain bf16 weight (a bf16 checkpoint) takes the same library's loop over bf16 panels (`pack_bf16`: the weight's
-own pairs, no scales, one fp32 sum a row and output) on a CPU without AMX, where oneDNN's bf16 matmul streams the weight at half the memory's rate at
-decode rows (Llama-1B's layers on a 2-core Zen 4: 19-30 GB/s at 1-8 rows against a 36-58 GB/s read; the panels
-28-43); where AMX runs the prompt rows, its kernel reads the weight near the memory's rate at those rows already.
+own pairs, no scales, one fp32 sum a row and output) on a CPU without AMX, where oneDNN's bf16 matmul streams the
+weight at half the memory's rate at decode rows (Llama-1B's layers on a 2-core Zen 4: 19-30 GB/s at 1-8 rows against
+a 36-58 GB/s read; the panels 28-43); where AMX runs the prompt rows, its kernel reads the weight near the memory's
+rate at those rows already.
 
 The weight must be exactly Q4_1 in fp32 (`q4_panels.find_q4`: the embedded model's layers; the loader derives the
 panels before it casts the model to bf16). The kernel computes x . w with w = d * q + m exactly (not w rounded to
@@ -20,9 +21,9 @@ bf16, as oneDNN's rows see it), so a generated row differs from what oneDNN woul
 
 `UCM_CPU_LINEAR=auto` (the default) measures once per machine, per weight shape, the kernel against what those rows
 would run instead (oneDNN on a reordered bf16 weight, or the AMX kernel where it stands in for oneDNN: amx_gemm.py)
-at `DECODE_ROWS` rows over a stack of weights larger than the caches, and uses it only
-where it won every round (logged, cached beside the other linear choices: ucm_kernels/cpu/calibration_store.py). `native`
-uses it wherever the build has it, `torch` never.
+at `DECODE_ROWS` rows over a stack of weights larger than the caches, and uses it only where it won every round
+(logged, cached beside the other linear choices: ucm_kernels/cpu/calibration_store.py). `native` uses it wherever the
+build has it, `torch` never.
 """
 
 from __future__ import annotations
