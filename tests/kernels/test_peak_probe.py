@@ -5,7 +5,11 @@ streaming read: every element counted once, however the buffer is cut into threa
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +36,19 @@ def test_the_widest_instruction_follows_the_flags() -> None:
     assert widest("float32", ["asimd"]) is Kind.NEON_FP32
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         widest("float16")
+
+
+def test_a_process_capped_to_avx2_times_the_avx2_loop() -> None:
+    """benchmarks.vs_vllm's AVX2_CAPS (an AVX2-only host's servers on this one): the probe names what the capped
+    matmuls run on, not the AVX-512 loop the CPU also has."""
+    code = "from ucm_kernels.cpu.peak_probe import widest; print(widest('float32'), widest('bfloat16'))"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    fp32 = Kind.AVX2_FP32 if {"avx2", "fma"} <= set(vector_flags()) else None
+    assert out.stdout.split() == [str(fp32), "None"], out.stdout + out.stderr
 
 
 needs_compiler = pytest.mark.skipif(shutil.which(native.compiler()) is None, reason="no C compiler")

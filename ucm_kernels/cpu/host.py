@@ -37,6 +37,20 @@ def vector_flags() -> list[str]:
     return [f for f in wanted if f in have]
 
 
+# What torch's CPU capability (`ATEN_CPU_CAPABILITY` caps it) leaves a process of vector_flags: capped to AVX2, as
+# benchmarks.vs_vllm runs an AVX2-only host's servers, no AVX-512 or AMX.
+_CAPPED_OFF = {
+    "AVX2": ("avx512f", "avx512_bf16", "amx_bf16"),
+    "DEFAULT": ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"),
+}
+
+
+def usable_vector_flags() -> list[str]:
+    """vector_flags() less those this process is capped off (above): what its matmuls can run on."""
+    off = _CAPPED_OFF.get(torch.backends.cpu.get_cpu_capability(), ())
+    return [f for f in vector_flags() if f not in off]
+
+
 def torch_isa() -> str:
     """The ISA torch's own kernels, its oneDNN and its MKL use here: the CPU's unless capped (`ATEN_CPU_CAPABILITY`,
     `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`), so a capped process never reads timings taken uncapped."""
