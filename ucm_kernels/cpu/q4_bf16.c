@@ -139,12 +139,16 @@ static inline __attribute__((always_inline)) void panel_rows(const uint32_t *xp,
     else panel(xp, sx, k, qp, dm, out, q8, MR);
 }
 
-/* Bytes ahead of a pair's weights that a whole-K pass (panel_bf16) prefetches into L1 in each of its streams: far at
- * 1 row, near at 2-4, whose slower pass leaves the hardware's L2 streams time to fetch ahead (a far prefetch then
- * only holds a miss buffer). Llama-1B's 16 layers, 2 threads, builds alternated in one process, the rounds' median
- * ratio against 1024 for all: 1 row at 512 0.90x; 2 rows at 256 1.03x; 3 / 4 rows at 256 1.23 / 1.20x (0, 128 and
- * 192 the same; 384 1.17x, 512 1.11x), on the 2-core Zen 4 EPYC while its memory streamed at 34-53 GB/s. */
-#define PF_BF16_ROW1 1024
+/* Bytes ahead of a pair's weights that a whole-K pass (panel_bf16) of 2-4 rows prefetches into L1 in each of its
+ * streams: their slower pass leaves the hardware's L2 streams time to fetch ahead. Llama-1B's 16 layers, 2 threads,
+ * builds alternated in one process, the rounds' median ratio against 1024: 2 rows at 256 1.03x; 3 / 4 rows at 256 1.23
+ * / 1.20x (0, 128 and 192 the same; 384 1.17x, 512 1.11x), on the 2-core Zen 4 EPYC while its memory streamed at 34-53
+ * GB/s. A pass of 1 row prefetches nothing: each prefetch holds one of the core's L1 miss buffers, which its fast pass
+ * needs for its own loads. Same host, 8 of Llama-1B's layers, builds alternated, each beside the read: 1 row with no
+ * prefetch 49.7-52.7 GB/s against 44.5-47.3 at 1024 (256: 49.6-51.1) while memory streamed at 60-64 GB/s, 34 against
+ * 33-34 at 36; Qwen2.5-0.5B's 24 layers 43-44 against 31-39 at 53-62 and 34 against 31-32 at 37-38; in the engine's
+ * decode steps at batch 1 (roofline) Qwen2.5-0.5B 73-74% of the read against 63%, Llama-1B 88% (both ~90% at 35
+ * GB/s). */
 #define PF_BF16_ROWS 256
 /* Bytes ahead that `panels_bf16_rows8` prefetches into L2 (its first half; the second reads the same lines): its
  * 8 rows take long enough over a chunk that the L2 streams alone fell behind. Same host and runs: 8 rows 1.22-1.25x
@@ -194,7 +198,7 @@ static inline __attribute__((always_inline)) void panel_bf16(const uint32_t *xp,
                                                              int64_t stride, __m512 *out, const int mr,
                                                              const int pp) {
     for (int i = 0; i < pp * MR; i++) out[i] = _mm512_setzero_ps();
-    dp_pairs(xp, k / 2, 0, k / 2, wp, stride, out, mr, pp, PF_BOTH, mr == 1 ? PF_BF16_ROW1 : PF_BF16_ROWS, 0);
+    dp_pairs(xp, k / 2, 0, k / 2, wp, stride, out, mr, pp, mr == 1 ? 0 : PF_BOTH, PF_BF16_ROWS, 0);
 }
 
 /* Four panels for 5-8 rows, the rows in halves of 4 chunk by chunk (8 rows of four panels would want 32 sums, all
