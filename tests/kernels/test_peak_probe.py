@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ucm_kernels.cpu import native, peak_probe
-from ucm_kernels.cpu.host import vector_flags
+from ucm_kernels.cpu.host import library_capped_off, vector_flags
 from ucm_kernels.cpu.peak_probe import Kind, peak, widest
 
 # The CPU flags each loop needs (besides what the build's -march=native gives it).
@@ -38,17 +38,43 @@ def test_the_widest_instruction_follows_the_flags() -> None:
         widest("float16")
 
 
-def test_a_process_capped_to_avx2_times_the_avx2_loop() -> None:
-    """benchmarks.vs_vllm's AVX2_CAPS (an AVX2-only host's servers on this one): the probe names what the capped
-    matmuls run on, not the AVX-512 loop the CPU also has."""
+def widest_in_a_process_with(caps: dict[str, str]) -> list[str]:
+    """[widest('float32'), widest('bfloat16')] as a process started with these environment caps names them."""
     code = "from ucm_kernels.cpu.peak_probe import widest; print(widest('float32'), widest('bfloat16'))"
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    env = {k: v for k, v in os.environ.items() if k not in UNCAPPED} | caps
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120, check=False
     )
-    fp32 = Kind.AVX2_FP32 if {"avx2", "fma"} <= set(vector_flags()) else None
-    assert out.stdout.split() == [str(fp32), "None"], out.stdout + out.stderr
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.split()
+
+
+UNCAPPED = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+AVX2_FP32 = str(Kind.AVX2_FP32 if {"avx2", "fma"} <= set(vector_flags()) else None)
+
+
+def test_a_process_capped_to_avx2_times_the_avx2_loop() -> None:
+    """benchmarks.vs_vllm's AVX2_CAPS (an AVX2-only host's servers on this one): the probe names what the capped
+    matmuls run on, not the AVX-512 loop the CPU also has."""
+    assert widest_in_a_process_with({"ATEN_CPU_CAPABILITY": "avx2"}) == [AVX2_FP32, "None"]
+
+
+def test_a_matmul_library_capped_alone_caps_its_own_dtype() -> None:
+    """bf16 matmuls run in oneDNN, fp32 ones in MKL: a cap on one names the capped loop for its dtype and leaves the
+    other dtype's widest loop as the CPU has it (each fails on an AVX-512 host if the cap is not read)."""
+    fp32, bf16 = str(widest("float32", vector_flags())), str(widest("bfloat16", vector_flags()))
+    assert widest_in_a_process_with({"ONEDNN_MAX_CPU_ISA": "AVX2"}) == [fp32, "None"]
+    assert widest_in_a_process_with({"MKL_ENABLE_INSTRUCTIONS": "AVX2"}) == [AVX2_FP32, bf16]
+
+
+def test_a_library_cap_names_the_flags_it_leaves_unused() -> None:
+    assert library_capped_off("") == () and library_capped_off("ALL") == ()
+    assert library_capped_off("AVX512_CORE_AMX") == () and library_capped_off("avx10_1_512_amx") == ()
+    assert library_capped_off("AVX512_CORE_BF16") == ("amx_bf16",) == library_capped_off("AVX10_1_512")
+    assert library_capped_off("AVX512_CORE_VNNI") == ("avx512_bf16", "amx_bf16") == library_capped_off("AVX512_E1")
+    assert library_capped_off("AVX2_VNNI") == ("avx512f", "avx512_bf16", "amx_bf16") == library_capped_off("avx2")
+    assert set(library_capped_off("SSE41")) == set(library_capped_off("AVX")) >= {"avx2", "fma", "avx512f"}
 
 
 needs_compiler = pytest.mark.skipif(shutil.which(native.compiler()) is None, reason="no C compiler")

@@ -37,25 +37,54 @@ def vector_flags() -> list[str]:
     return [f for f in wanted if f in have]
 
 
-# What torch's CPU capability (`ATEN_CPU_CAPABILITY` caps it) leaves a process of vector_flags: capped to AVX2, as
-# benchmarks.vs_vllm runs an AVX2-only host's servers, no AVX-512 or AMX.
-_CAPPED_OFF = {
-    "AVX2": ("avx512f", "avx512_bf16", "amx_bf16"),
-    "DEFAULT": ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"),
-}
+_NO_AVX512 = ("avx512f", "avx512_bf16", "amx_bf16")
+_NO_AVX2 = ("avx2", "fma", *_NO_AVX512)
+
+# What torch's CPU capability (`ATEN_CPU_CAPABILITY` caps it) leaves a process of vector_flags; its AVX512 level is
+# its widest (it caps nothing), and other architectures' levels name no x86 flag.
+_TORCH_CAPPED_OFF = {"AVX2": _NO_AVX512, "DEFAULT": _NO_AVX2}
 
 
-def usable_vector_flags() -> list[str]:
-    """vector_flags() less those this process is capped off (above): what its matmuls can run on."""
-    off = _CAPPED_OFF.get(torch.backends.cpu.get_cpu_capability(), ())
+def library_capped_off(isa: str) -> tuple[str, ...]:
+    """The vector_flags a matmul library's cap leaves unused: oneDNN's (`ONEDNN_MAX_CPU_ISA`: SSE41, AVX, AVX2[_VNNI],
+    AVX512_CORE[_VNNI], AVX512_CORE_BF16, AVX10_1_512, AVX512_CORE_AMX, ALL) or MKL's (`MKL_ENABLE_INSTRUCTIONS`:
+    SSE4_2, AVX, AVX2, AVX512[_E1 ..]); "" caps nothing."""
+    cap = isa.upper()
+    if cap in ("", "ALL") or "AMX" in cap:
+        return ()
+    if cap.startswith(("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10")):
+        return ("amx_bf16",)
+    if cap.startswith("AVX512"):
+        return ("avx512_bf16", "amx_bf16")
+    if cap.startswith("AVX2"):
+        return _NO_AVX512
+    return _NO_AVX2
+
+
+def usable_vector_flags(dtype: str | None = None) -> list[str]:
+    """vector_flags() less those this process is capped off: by torch's CPU capability, and for a `dtype` matmul by
+    the library that runs it (bfloat16: oneDNN; float32: MKL). What its matmuls can run on: benchmarks.vs_vllm caps
+    all three to run an AVX2-only host's servers; one capped alone caps its own dtype only."""
+    off = set(_TORCH_CAPPED_OFF.get(torch.backends.cpu.get_cpu_capability(), ()))
+    if dtype == "bfloat16":
+        off.update(library_capped_off(_onednn_cap()))
+    elif dtype == "float32":
+        off.update(library_capped_off(_mkl_cap()))
     return [f for f in vector_flags() if f not in off]
+
+
+def _onednn_cap() -> str:
+    return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+
+
+def _mkl_cap() -> str:
+    return os.environ.get("MKL_ENABLE_INSTRUCTIONS", "")
 
 
 def torch_isa() -> str:
     """The ISA torch's own kernels, its oneDNN and its MKL use here: the CPU's unless capped (`ATEN_CPU_CAPABILITY`,
     `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`), so a capped process never reads timings taken uncapped."""
-    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS", "")
+    onednn, mkl = _onednn_cap(), _mkl_cap()
     caps = [f"oneDNN <= {onednn}"] * bool(onednn) + [f"MKL <= {mkl}"] * bool(mkl)
     return ", ".join([torch.backends.cpu.get_cpu_capability(), *caps])
 

@@ -46,8 +46,8 @@ class Kind(enum.IntEnum):
 
 def widest(dtype: str, flags: list[str] | None = None) -> Kind | None:
     """The instruction a `dtype` ("bfloat16" or "float32") matmul can run fastest here, or None (flags None: this
-    process's, so an AVX2-capped one times the AVX2 loop, as its matmuls run)."""
-    have = set(usable_vector_flags() if flags is None else flags)
+    process's for that dtype, so an AVX2-capped one times the AVX2 loop, as its matmuls run)."""
+    have = set(usable_vector_flags(dtype) if flags is None else flags)
     order = {
         "bfloat16": [("amx_bf16", Kind.AMX_BF16), ("avx512_bf16", Kind.AVX512_BF16)],
         "float32": [("avx512f", Kind.AVX512_FP32), ("fma", Kind.AVX2_FP32), ("asimd", Kind.NEON_FP32)],
